@@ -649,3 +649,1228 @@ def _plan_summary(plan: Plan) -> str:
             f"{int(sizes.sum())} samples, batch size min/mean/max {int(sizes.min())}/{sizes.mean():.1f}/"
             f"{int(sizes.max())}, {plan.num_dropped} dropped "
             f"({', '.join(f'{r}={len(v)}' for r, v in plan.dropped.items())})")
+
+
+# =============================================================================
+# Learning-rate math
+# =============================================================================
+# Linear rule (Goyal et al. 2017, "Accurate, Large Minibatch SGD"): when the batch
+# is k times larger, multiply the LR by k. Square-root rule (Krizhevsky 2014, "One
+# weird trick"): multiply it by sqrt(k), which keeps the variance of the gradient
+# step constant. The linear rule suits SGD with warmup; the square-root rule is the
+# usual choice for Adam-type optimizers and large batches.
+
+
+def _check_lr_method(method: Any) -> Any:
+    """Returns a valid LR scaling method: a name in `LR_SCALING_METHODS`, None or a callable."""
+    if method is None or callable(method):
+        return method
+    if isinstance(method, str) and method.lower() in LR_SCALING_METHODS:
+        return method.lower()
+    return _check_choice("lr_scaling_method", method, LR_SCALING_METHODS)
+
+
+def _lr_factor(ratio: float, method: Any) -> float:
+    """The LR multiplier for a batch ``ratio`` times the reference batch."""
+    if method is None or method == "none":
+        return 1.0
+    if method == "linear":
+        return ratio
+    if method == "sqrt":
+        return math.sqrt(ratio)
+    factor = method(ratio)
+    if not isinstance(factor, numbers.Real) or not math.isfinite(factor) or factor < 0:
+        raise ValueError(f"lr_scaling_method={method!r} should return a finite factor >= 0, "
+                         f"but returned {factor!r} for the batch-size ratio {ratio}")
+    return float(factor)
+
+
+def scale_lr(base_batch_size, batch_size, base_lr=1, method="linear"):
+    """The learning rate for ``batch_size``, given ``base_lr`` tuned at ``base_batch_size``.
+
+    Args:
+        base_batch_size: the reference batch size ``B_ref`` (> 0).
+        batch_size: the batch size ``B`` of the step, in the same unit.
+        base_lr: the LR at the reference batch size.
+        method: ``"linear"`` (``lr x B/B_ref``), ``"sqrt"`` (``lr x sqrt(B/B_ref)``),
+            ``"none"`` or None (``lr``), or a callable ``f(B/B_ref) -> factor``.
+
+    Example:
+        >>> scale_lr(2, 10, 1e-3), scale_lr(2, 4, 1e-3), scale_lr(4, 16, 1.0, "sqrt")
+        (0.005, 0.002, 2.0)
+    """
+    if isinstance(base_batch_size, bool) or not isinstance(base_batch_size, numbers.Real) \
+            or not base_batch_size > 0 or not math.isfinite(base_batch_size):
+        raise ValueError(f"base_batch_size should be a number > 0 (the batch size the LR was tuned for), "
+                         f"but got base_batch_size={base_batch_size!r}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Real) or not batch_size >= 0:
+        raise ValueError(f"batch_size should be a number >= 0, but got batch_size={batch_size!r}")
+    return base_lr * _lr_factor(batch_size / base_batch_size, _check_lr_method(method))
+
+
+def micro_batch_loss_weight(count, batch_count, *, num_replicas=1, gradient_accumulation_steps=1):
+    """The weight of one step input's mean loss, so the batch's gradient is the batch mean's.
+
+    Micro-batches of one batch hold different numbers of samples (or tokens).
+    Averaging their mean losses would weight a sample of a small micro-batch more
+    than one of a large micro-batch. Multiplying each step input's mean loss by
+    ``count / batch_count`` makes the *sum* over all step inputs of the batch (all
+    ranks, all accumulation steps) the mean over the batch. Engines that *average*
+    gradients over ranks and accumulation steps (DDP, DeepSpeed's ``backward``)
+    divide by ``num_replicas x gradient_accumulation_steps``; pass both so the
+    weight undoes that.
+
+    Args:
+        count: samples (or real tokens) in this step input.
+        batch_count: samples (or real tokens) in the whole batch.
+        num_replicas, gradient_accumulation_steps: what the engine averages over
+            (1 and 1 for a plain loop that sums ``loss.backward()`` calls).
+
+    Example:
+        >>> micro_batch_loss_weight(3, 12), micro_batch_loss_weight(3, 12, num_replicas=2)
+        (0.25, 0.5)
+    """
+    if not batch_count > 0:
+        raise ValueError(f"batch_count should be > 0, but got batch_count={batch_count!r}")
+    return count / batch_count * num_replicas * gradient_accumulation_steps
+
+
+# =============================================================================
+# Torch adapters: padding, collate, the batch sampler
+# =============================================================================
+
+
+def pad_sample(sample, length, pad_value=0):
+    """Pads a sample ``S x ...`` to ``length x ...`` along its first dimension.
+
+    The default ``sample_padding_fn``; picklable, so it works in spawned workers.
+    Use ``functools.partial(pad_sample, pad_value=...)`` for another pad value.
+
+    Example:
+        >>> pad_sample(torch.ones(2, 3), 4).shape
+        torch.Size([4, 3])
+    """
+    tensor = torch.as_tensor(sample)
+    if tensor.dim() == 0:
+        raise ValueError(f"pad_sample needs a sample with a sequence dimension, but got a scalar {sample!r}")
+    seqlen = tensor.shape[0]
+    if length < seqlen:
+        raise ValueError(f"cannot pad a sample of seqlen {seqlen} to length={length}: the plan's "
+                         f"max seqlen is smaller than the sample; the seqlens given to varbatch "
+                         f"do not match the dataset")
+    if length == seqlen:
+        return tensor
+    pad = tensor.new_full((length - seqlen, *tensor.shape[1:]), pad_value)
+    return torch.cat([tensor, pad], dim=0)
+
+
+class PaddedCollate:
+    """Collates samples of different seqlens into ``B x S x ...`` plus their real lengths.
+
+    Samples are tensors ``S_i x ...`` (or tuples of them: every field is padded
+    along its first dimension and stacked, 0-dim fields are stacked). Returns
+    ``(padded, seqlens)`` or ``(*fields, seqlens)`` where ``seqlens`` is a
+    ``B`` int64 tensor of the first field's real lengths. ``S`` is the longest
+    sample given: in same-length mode the samples arrive already padded to the
+    batch's max seqlen, so every step input of a batch has the same ``S``.
+
+    Example:
+        >>> x, lens = PaddedCollate()([torch.ones(2, 4), torch.ones(3, 4)])
+        >>> tuple(x.shape), lens.tolist()
+        ((2, 3, 4), [2, 3])
+    """
+
+    def __init__(self, pad_value=0):
+        self.pad_value = pad_value
+
+    def _stack(self, items):
+        tensors = [torch.as_tensor(item) for item in items]
+        if tensors[0].dim() == 0:
+            return torch.stack(tensors)
+        longest = max(t.shape[0] for t in tensors)
+        return torch.stack([pad_sample(t, longest, self.pad_value) for t in tensors])  # B x S x ...
+
+    def __call__(self, samples):
+        if len(samples) == 0:
+            raise ValueError("PaddedCollate got an empty list of samples")
+        if isinstance(samples[0], (tuple, list)):
+            fields = [self._stack(column) for column in zip(*samples)]
+            seqlens = torch.tensor([len(s[0]) for s in samples], dtype=torch.int64)
+            return (*fields, seqlens)
+        return self._stack(samples), torch.tensor([len(s) for s in samples], dtype=torch.int64)
+
+    def __repr__(self):
+        return f"PaddedCollate(pad_value={self.pad_value!r})"
+
+
+def seqlens_from_padded(batch, pad_value=0):
+    """The real length of every sample of a collated batch (a ``batch_seqlens_fn``).
+
+    Takes the ``seqlens`` that `PaddedCollate` appends when present; else, for a
+    ``B x S x ...`` tensor (or a tuple whose first item is one), a position is
+    real when any of its values differs from ``pad_value``, and a sample's length
+    runs to its last real position.
+
+    Example:
+        >>> seqlens_from_padded(torch.tensor([[5, 6, 0], [7, 0, 0]]))
+        [2, 1]
+    """
+    if isinstance(batch, (tuple, list)):
+        last = batch[-1]
+        if isinstance(last, torch.Tensor) and last.dim() == 1 and not last.dtype.is_floating_point \
+                and len(batch) > 1:
+            return [int(x) for x in last]
+        batch = batch[0]
+    tensor = torch.as_tensor(batch)
+    if tensor.dim() < 2:
+        raise ValueError(f"seqlens_from_padded needs a B x S (x ...) batch, but got shape {tuple(tensor.shape)}")
+    real = (tensor != pad_value).reshape(tensor.shape[0], tensor.shape[1], -1).any(dim=2)  # B x S
+    positions = torch.arange(1, tensor.shape[1] + 1)
+    return [int(x) for x in (real * positions).max(dim=1).values]
+
+
+def _identity(x):
+    return x
+
+
+class _KeyDataset(Dataset):
+    """A dataset whose item ``key`` is ``key``: the sampler yields micro-batch keys."""
+
+    def __getitem__(self, key):
+        return key
+
+
+class _Collate:
+    """Loads the samples of a step input's micro-batch keys, pads them, collates them.
+
+    A key is ``(batch_index, sample_ids, pad_to)``: ``pad_to`` is the batch's max
+    seqlen in same-length mode, else 0. Picklable, so it runs in worker processes.
+    """
+
+    def __init__(self, dataset, collate_fn=None, sample_padding_fn=None):
+        self.dataset = dataset
+        self.collate_fn = collate_fn
+        self.sample_padding_fn = sample_padding_fn
+
+    def __call__(self, keys):
+        samples = []
+        for _, sample_ids, pad_to in keys:
+            for i in sample_ids:
+                sample = self.dataset[i]
+                if pad_to:
+                    sample = self.sample_padding_fn(sample, pad_to)
+                    got = _length_of(sample)
+                    if got is not None and got != pad_to:
+                        raise ValueError(f"sample_padding_fn should return a sample of length {pad_to}, "
+                                         f"but returned length {got} for sample {i}; it must pad the "
+                                         f"sequence dimension (the first) to exactly `length`")
+                samples.append(sample)
+        return self.collate_fn(samples) if self.collate_fn is not None else samples
+
+
+def _length_of(sample) -> int | None:
+    """A sample's sequence length when it can be read, else None."""
+    if isinstance(sample, (tuple, list)) and sample and hasattr(sample[0], "__len__"):
+        sample = sample[0]
+    try:
+        return len(sample)
+    except TypeError:
+        return None
+
+
+def _distributed_defaults(num_replicas, rank):
+    """``num_replicas`` and ``rank`` from torch.distributed when not given."""
+    initialized = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if num_replicas is None:
+        num_replicas = torch.distributed.get_world_size() if initialized else 1
+    if rank is None:
+        rank = torch.distributed.get_rank() if initialized else 0
+    num_replicas = _check_int("num_replicas", num_replicas, minimum=1)
+    rank = _check_int("rank", rank, minimum=0)
+    if rank >= num_replicas:
+        raise ValueError(f"rank should be in [0, num_replicas - 1], but got rank={rank} "
+                         f"with num_replicas={num_replicas}")
+    return num_replicas, rank
+
+
+class VariableBatchSampler(Sampler[list[int]]):
+    """Yields this rank's step inputs of a token-budget plan, a new plan every epoch.
+
+    The algorithm: every rank computes the same `Plan` for the epoch (see
+    `plan_batches`): micro-batches of at most ``max_tokens`` tokens, grouped
+    into batches of ``k = micro_batch_size x gradient_accumulation_steps x
+    num_replicas`` micro-batches. The micro-batches of a batch are dealt to the
+    ranks in turn (micro-batch ``j`` to rank ``j % num_replicas``, as
+    DeepSpeed's interleaving), and each rank groups its share into
+    ``gradient_accumulation_steps`` step inputs of ``micro_batch_size``
+    micro-batches. A step input is the list of its sample ids.
+
+    Every rank yields the same number of step inputs (``len(sampler)``), so no
+    collective waits forever. Iterating to the end advances the epoch, so a
+    loop that never calls `set_epoch` still gets a new order per epoch in
+    ``random`` and ``bucket`` order; `set_epoch` sets it explicitly.
+
+    Tuning: ``max_tokens`` is the memory knob (with ``budget="padded"`` it is
+    the size of the padded tensor); ``order="bucket"`` with ``budget="padded"``
+    gives random batches with little padding; ``bucket_size`` trades padding
+    (larger) against randomness (smaller).
+
+    Args:
+        seqlens: token count of every sample.
+        max_tokens: budget of one micro-batch (sum of seqlens, or padded
+            ``n x S`` with ``budget="padded"``).
+        micro_batch_size: micro-batches per step input
+            (DeepSpeed's ``train_micro_batch_size_per_gpu``).
+        gradient_accumulation_steps: step inputs per rank per batch.
+        num_replicas, rank: data-parallel size and rank (default: from
+            torch.distributed, else 1 and 0).
+        seed: seed of the ``random``/``bucket`` orders (None: a fixed default).
+        **plan_options: ``budget``, ``order``, ``min_batch_size``,
+            ``max_batch_size``, ``sample_ids``, ``same_size``, ``same_length``,
+            ``bucket_size``, ``on_overlong``: see `plan_batches`.
+
+    Example:
+        >>> sampler = VariableBatchSampler([3, 5, 2, 6, 4, 1], max_tokens=8)
+        >>> list(sampler), len(sampler)
+        ([[0, 1], [2, 3], [4, 5]], 3)
+    """
+
+    def __init__(self, seqlens, max_tokens, *, micro_batch_size=1, gradient_accumulation_steps=1,
+                 num_replicas=None, rank=None, seed=None, budget="sum", order="dataloader",
+                 min_batch_size=1, max_batch_size=None, sample_ids=None, same_size=False,
+                 same_length=False, bucket_size=None, on_overlong="skip", verbose=False):
+        self.micro_batch_size = _check_int("micro_batch_size", micro_batch_size, minimum=1,
+                                           fix="it is train_micro_batch_size_per_gpu, micro-batches per step input")
+        self.gradient_accumulation_steps = _check_int("gradient_accumulation_steps",
+                                                      gradient_accumulation_steps, minimum=1)
+        self.num_replicas, self.rank = _distributed_defaults(num_replicas, rank)
+        self.effective_batch_size = self.micro_batch_size * self.gradient_accumulation_steps * self.num_replicas
+        self.seqlens = _as_seqlens(seqlens)
+        self.seed = _DEFAULT_SEED if seed is None else _check_int("seed", seed, minimum=0)
+        self.verbose = bool(verbose)
+        self._options = dict(max_tokens=max_tokens, effective_batch_size=self.effective_batch_size,
+                             budget=budget, order=order, min_batch_size=min_batch_size,
+                             max_batch_size=max_batch_size, sample_ids=sample_ids, same_size=same_size,
+                             same_length=same_length, seed=self.seed, bucket_size=bucket_size,
+                             on_overlong=on_overlong)
+        self.same_length = same_length
+        self.epoch = 0
+        self._start_step = 0   # first step input of the epoch to yield (mid-epoch resume)
+        self._steps_done = 0   # step inputs yielded so far in this epoch
+        self._plans: dict[int, Plan] = {}
+        self._plans[0] = self._make_plan(0)  # validates every option now, before training
+
+    # -- plans --------------------------------------------------------------
+
+    def _make_plan(self, epoch: int) -> Plan:
+        plan = plan_batches(self.seqlens, epoch=epoch, **self._options)
+        if self.rank == 0:
+            _log_drops(plan)
+            if self.verbose:
+                _logger.info(_plan_summary(plan))
+        return plan
+
+    def plan_for_epoch(self, epoch: int) -> Plan:
+        """The plan of ``epoch`` (computed once; the last few are kept)."""
+        epoch = _check_int("epoch", epoch, minimum=0)
+        if epoch not in self._plans:
+            if len(self._plans) >= 3:
+                del self._plans[min(self._plans)]
+            self._plans[epoch] = self._make_plan(epoch)
+        return self._plans[epoch]
+
+    @property
+    def plan(self) -> Plan:
+        """The plan of the current epoch."""
+        return self.plan_for_epoch(self.epoch)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Sets the epoch of the next iteration (a new order in ``random``/``bucket``)."""
+        epoch = _check_int("epoch", epoch, minimum=0)
+        if epoch != self.epoch:
+            self._start_step = 0
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        """Step inputs per epoch on this rank (equal on every rank)."""
+        return self.plan.num_batches * self.gradient_accumulation_steps
+
+    # -- iteration ----------------------------------------------------------
+
+    def _step_keys(self, plan: Plan, step: int) -> list[tuple[int, tuple[int, ...], int]]:
+        """The micro-batch keys of this rank's step input ``step`` of ``plan``."""
+        k, gas, mbs = plan.effective_batch_size, self.gradient_accumulation_steps, self.micro_batch_size
+        batch, accumulation = divmod(step, gas)
+        pad_to = int(plan.batch_max_seqlens[batch]) if self.same_length else 0
+        keys = []
+        for m in range(mbs):
+            # Micro-batch j of the batch goes to rank j % num_replicas (DeepSpeed's interleaving).
+            j = batch * k + self.rank + self.num_replicas * (accumulation * mbs + m)
+            keys.append((batch, tuple(plan.microbatch(j).tolist()), pad_to))
+        return keys
+
+    def _iter_steps(self) -> Iterator[list[tuple[int, tuple[int, ...], int]]]:
+        plan = self.plan
+        epoch = self.epoch
+        start, self._start_step = self._start_step, 0
+        steps = plan.num_batches * self.gradient_accumulation_steps
+        for step in range(start, steps):
+            self._steps_done = step + 1
+            yield self._step_keys(plan, step)
+        if self.epoch == epoch:  # not changed by set_epoch meanwhile
+            self.epoch = epoch + 1
+            self._steps_done = 0
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for keys in self._iter_steps():
+            yield [i for _, ids, _ in keys for i in ids]
+
+    def microbatch_keys(self) -> "_MicrobatchKeySampler":
+        """A sampler of this rank's micro-batch keys, for `make_dataloader`."""
+        return _MicrobatchKeySampler(self)
+
+    # -- state --------------------------------------------------------------
+
+    def _config_fingerprint(self) -> str:
+        digest = hashlib.sha256(np.ascontiguousarray(self.seqlens).tobytes())
+        options = {k: (v if k != "sample_ids" or v is None else np.asarray(v).tolist())
+                   for k, v in self._options.items()}
+        digest.update(repr(sorted(options.items())).encode())
+        digest.update(repr((self.num_replicas, self.micro_batch_size, self.gradient_accumulation_steps)).encode())
+        return digest.hexdigest()[:16]
+
+    def state_dict(self, steps_done: int | None = None) -> dict:
+        """The position to resume from: the epoch and the step inputs done in it.
+
+        Args:
+            steps_done: step inputs of the current epoch already trained on. By
+                default the number this sampler has yielded, which is exact for
+                a `DataLoader` without worker processes; with workers the
+                loader prefetches ahead, so pass the count your loop trained
+                (``scheduler.steps_in_epoch`` of `VariableBatchSizeLR` times
+                ``gradient_accumulation_steps``).
+        """
+        done = self._steps_done if steps_done is None else _check_int("steps_done", steps_done, minimum=0)
+        return {"epoch": self.epoch, "steps_done": done, "num_replicas": self.num_replicas,
+                "rank": self.rank, "fingerprint": self._config_fingerprint()}
+
+    def load_state_dict(self, state_dict: Mapping) -> None:
+        """Restores a `state_dict`: the next iteration continues where it stopped."""
+        expected = {"epoch", "steps_done", "num_replicas", "rank", "fingerprint"}
+        _check_state_keys("VariableBatchSampler", state_dict, expected)
+        if state_dict["num_replicas"] != self.num_replicas:
+            raise ValueError(f"cannot load a sampler state saved with num_replicas={state_dict['num_replicas']} "
+                             f"into a sampler with num_replicas={self.num_replicas}; resume with the same "
+                             f"world size")
+        if state_dict["fingerprint"] != self._config_fingerprint():
+            raise ValueError("cannot load a sampler state saved for other seqlens or settings "
+                             f"(fingerprint {state_dict['fingerprint']} != {self._config_fingerprint()}); "
+                             "resume with the same dataset, max_tokens, order, seed and batch sizes")
+        epoch = _check_int("epoch", state_dict["epoch"], minimum=0)
+        steps = _check_int("steps_done", state_dict["steps_done"], minimum=0)
+        self.epoch = epoch
+        total = self.plan.num_batches * self.gradient_accumulation_steps
+        if steps > total:
+            raise ValueError(f"steps_done={steps} is more than the {total} step inputs of epoch {epoch}")
+        if steps == total:  # the epoch was finished
+            self.epoch, steps = epoch + 1, 0
+        self._start_step = steps
+        self._steps_done = steps
+
+
+def _check_state_keys(owner: str, state_dict: Mapping, expected: set) -> None:
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"{owner}.load_state_dict expects a dict, but got {type(state_dict).__name__}")
+    unknown = sorted(set(state_dict) - expected)
+    missing = sorted(expected - set(state_dict))
+    if unknown or missing:
+        raise ValueError(f"{owner}.load_state_dict got unknown keys {unknown} and is missing keys {missing}; "
+                         f"pass a dict made by {owner}.state_dict()")
+
+
+class _MicrobatchKeySampler(Sampler):
+    """This rank's micro-batch keys, in the order of its step inputs."""
+
+    def __init__(self, batch_sampler: VariableBatchSampler):
+        self.batch_sampler = batch_sampler
+
+    def __iter__(self):
+        for keys in self.batch_sampler._iter_steps():
+            yield from keys
+
+    def __len__(self):
+        return len(self.batch_sampler) * self.batch_sampler.micro_batch_size
+
+
+def make_dataloader(dataset, batch_sampler: VariableBatchSampler, *, collate_fn=None, sample_padding_fn=None,
+                    num_workers=0, pin_memory=False, **dataloader_kwargs) -> DataLoader:
+    """A `DataLoader` over ``batch_sampler``'s step inputs, padded in same-length mode.
+
+    Each item is ``collate_fn(samples)`` (the list of samples without
+    ``collate_fn``) for one step input. In same-length mode
+    (``same_length=True``) every sample is first padded with
+    ``sample_padding_fn(sample, length)`` to its batch's max seqlen, so every
+    step input of a batch has the same padded S. Works with ``num_workers > 0``
+    (also under spawn), ``pin_memory`` and ``persistent_workers``.
+
+    Raises:
+        ValueError: same-length mode without ``sample_padding_fn``.
+    """
+    if not isinstance(batch_sampler, VariableBatchSampler):
+        raise TypeError(f"batch_sampler should be a VariableBatchSampler, but got {type(batch_sampler).__name__}")
+    if batch_sampler.same_length and sample_padding_fn is None:
+        raise ValueError("sample_padding_fn is None, but same-length mode pads every sample of a batch to "
+                         "the batch's max seqlen; pass sample_padding_fn=varbatch.pad_sample (tensors) or "
+                         "your own fn(sample, length)")
+    return DataLoader(_KeyDataset(), batch_size=batch_sampler.micro_batch_size,
+                      sampler=batch_sampler.microbatch_keys(),
+                      collate_fn=_Collate(dataset, collate_fn, sample_padding_fn),
+                      num_workers=num_workers, pin_memory=pin_memory, **dataloader_kwargs)
+
+
+# =============================================================================
+# The LR scheduler
+# =============================================================================
+
+
+def _torch_optimizer(optimizer):
+    """The torch `Optimizer` inside DeepSpeed's wrappers (ZeRO stages, fp16, bf16)."""
+    seen = 0
+    while not isinstance(optimizer, Optimizer):
+        inner = getattr(optimizer, "optimizer", None)
+        if inner is None or seen > 8:
+            raise TypeError(f"expected a torch Optimizer, an LR scheduler, or a DeepSpeed optimizer wrapper "
+                            f"around one, but got {type(optimizer).__name__}")
+        optimizer, seen = inner, seen + 1
+    return optimizer
+
+
+def _find_batch_sampler(obj) -> VariableBatchSampler | None:
+    """The `VariableBatchSampler` behind a sampler, a key sampler or a DataLoader, if any."""
+    for candidate in (obj, getattr(obj, "batch_sampler", None), getattr(obj, "sampler", None),
+                      getattr(getattr(obj, "batch_sampler", None), "sampler", None),
+                      getattr(obj, "data_sampler", None)):
+        if isinstance(candidate, VariableBatchSampler):
+            return candidate
+        if isinstance(candidate, _MicrobatchKeySampler):
+            return candidate.batch_sampler
+    return None
+
+
+# Messages that torch emits when a wrapped scheduler is stepped from inside
+# another scheduler (before the first optimizer step, at construction).
+_TORCH_STEP_ORDER_WARNING = r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`"
+
+
+class VariableBatchSizeLR(LRScheduler):
+    """Scales any LR schedule by the size of each batch: ``lr_t = schedule(t) x s(B_t / B_ref)``.
+
+    ``schedule(t)`` is the wrapped scheduler's LR at global optimizer step ``t``
+    (or the optimizer's constant LR); ``s`` is the linear, square-root, none or
+    user scaling (see `scale_lr`); ``B_t`` is the size of the batch trained at
+    step ``t`` in sequences or tokens; ``B_ref`` is the batch size the schedule
+    was tuned for. Call `step` after every optimizer step (DeepSpeed's engine
+    does). The wrapped schedule is never restarted: ``step(0)`` at an epoch
+    start only realigns the batch index with the sampler's epoch.
+
+    NOTE [the unit trap]: DeepSpeed's default reference is ``train_batch_size``,
+    a number of *micro-batches*, while ``B_t`` counts *sequences*; each
+    micro-batch holds many sequences, so the LR comes out 16x to 256x the
+    configured one on typical data. varbatch keeps that default for
+    compatibility but logs each epoch's mean/min/max LR factor and warns when
+    the mean leaves [0.5, 2]; ``base_batch_size="mean"`` makes the configured
+    LR the epoch's average LR.
+
+    Args:
+        lr_scheduler: the schedule to scale: a torch `LRScheduler` (any, also
+            `SequentialLR`/`ChainedScheduler`), a DeepSpeed scheduler, or an
+            `Optimizer` (constant LR). DeepSpeed's optimizer wrappers are unwrapped.
+        base_batch_size: ``B_ref``: a number > 0, or ``"mean"``.
+        batch_sizes: the size of every batch: a `VariableBatchSampler` (a new
+            plan each epoch) or a sequence (cycled, as DeepSpeed does).
+        dataloader: unused unless it carries a `VariableBatchSampler` and
+            ``batch_sizes`` is a sequence (then the sampler's plans are used).
+        lr_scaling_method: ``"linear"``, ``"sqrt"``, ``"none"``/None, or a callable.
+        last_epoch: -1 for a new scheduler (torch's convention).
+        verbose: log the LR of every step.
+        lr_scaling_unit: ``"sequences"`` (default) or ``"tokens"`` (needs a sampler).
+    """
+
+    def __init__(self, lr_scheduler, base_batch_size, batch_sizes, dataloader=None, lr_scaling_method="linear",
+                 last_epoch=-1, verbose=False, *, lr_scaling_unit="sequences"):
+        # 1. What is scaled, and where the LR is written.
+        if isinstance(lr_scheduler, Optimizer) or not hasattr(lr_scheduler, "step") \
+                or not hasattr(lr_scheduler, "optimizer"):
+            self._base = None
+            self.optimizer = _torch_optimizer(lr_scheduler)
+        else:
+            self._base = lr_scheduler
+            self.optimizer = _torch_optimizer(lr_scheduler.optimizer)
+        # 2. Where the batch sizes come from.
+        self._sampler = _find_batch_sampler(batch_sizes) or _find_batch_sampler(dataloader)
+        self.lr_scaling_unit = _check_choice("lr_scaling_unit", lr_scaling_unit, LR_SCALING_UNITS)
+        if self._sampler is None:
+            if isinstance(batch_sizes, (str, bytes)) or not hasattr(batch_sizes, "__len__") or len(batch_sizes) == 0:
+                raise ValueError(f"batch_sizes should be a VariableBatchSampler or a non-empty sequence of batch "
+                                 f"sizes, but got batch_sizes={batch_sizes!r}")
+            self._fixed_sizes = _as_seqlens(batch_sizes, "batch_sizes")
+            if self.lr_scaling_unit == "tokens":
+                raise ValueError("lr_scaling_unit='tokens' needs the plan's token counts; pass the "
+                                 "VariableBatchSampler as batch_sizes instead of a list")
+        self.lr_scaling_method = _check_lr_method(lr_scaling_method)
+        if not (isinstance(base_batch_size, str) and base_batch_size == "mean"):
+            scale_lr(base_batch_size, 1)  # validates it
+        self.base_batch_size = base_batch_size
+        self.verbose = bool(verbose)
+        # 3. Position: global step t (torch's `last_epoch`), and the batch within the plan's epoch.
+        self.last_epoch = 0
+        self._epoch = self._sampler.epoch if self._sampler is not None else 0
+        self._batch = 0
+        self._step_count = 1
+        self.base_lrs = [group.get("initial_lr", group["lr"]) for group in self.optimizer.param_groups]
+        self._constant_lrs = [group["lr"] for group in self.optimizer.param_groups]
+        self._unscaled_lrs = [group["lr"] for group in self.optimizer.param_groups]
+        self._reported_epoch = None
+        self._apply()
+
+    # -- batch sizes --------------------------------------------------------
+
+    def _sizes(self, epoch: int) -> np.ndarray:
+        if self._sampler is None:
+            return self._fixed_sizes
+        plan = self._sampler.plan_for_epoch(epoch)
+        return plan.batch_tokens if self.lr_scaling_unit == "tokens" else plan.batch_sizes
+
+    def _reference(self, epoch: int) -> float:
+        return float(self._sizes(epoch).mean()) if self.base_batch_size == "mean" else float(self.base_batch_size)
+
+    @property
+    def batch_size(self) -> int:
+        """``B_t``: the size of the batch trained at the current step, in ``lr_scaling_unit``."""
+        sizes = self._sizes(self._epoch)
+        return int(sizes[self._batch % len(sizes)])
+
+    @property
+    def lr_factor(self) -> float:
+        """``s(B_t / B_ref)`` at the current step."""
+        return _lr_factor(self.batch_size / self._reference(self._epoch), self.lr_scaling_method)
+
+    @property
+    def steps_in_epoch(self) -> int:
+        """Batches (optimizer steps) done in the current epoch."""
+        return self._batch
+
+    def _report(self, epoch: int) -> None:
+        """Logs the epoch's LR factors once; warns when their mean is far from 1."""
+        if self._reported_epoch == epoch:
+            return
+        self._reported_epoch = epoch
+        reference = self._reference(epoch)
+        factors = np.array([_lr_factor(b / reference, self.lr_scaling_method) for b in self._sizes(epoch)])
+        _logger.info("epoch %d: LR factor mean %.3g, min %.3g, max %.3g (B_ref=%g %s)", epoch, factors.mean(),
+                     factors.min(), factors.max(), reference, self.lr_scaling_unit)
+        if not 0.5 <= factors.mean() <= 2.0:
+            warnings.warn(
+                f"the mean LR factor of epoch {epoch} is {factors.mean():.3g}: the configured LR is multiplied by "
+                f"{factors.mean():.3g} on average, because base_batch_size={self.base_batch_size!r} is far from the "
+                f"mean batch size {self._sizes(epoch).mean():.1f} ({self.lr_scaling_unit}); set "
+                f"lr_scaling_reference='mean' (base_batch_size='mean') or the batch size your LR was tuned for",
+                stacklevel=3)
+
+    # -- stepping -----------------------------------------------------------
+
+    def _apply(self) -> None:
+        """Writes ``schedule(t) x s(B_t / B_ref)`` into the optimizer."""
+        self._report(self._epoch)
+        factor = self.lr_factor
+        self._last_lr = [lr * factor for lr in self._unscaled_lrs]
+        for group, lr in zip(self.optimizer.param_groups, self._last_lr):
+            group["lr"] = lr
+        if self.verbose:
+            _logger.info("step %d (epoch %d, batch %d): B=%d, LR factor %.4g, lr %s", self.last_epoch,
+                         self._epoch, self._batch, self.batch_size, factor, self._last_lr)
+
+    def _num_batches(self, epoch: int) -> int:
+        return len(self._sizes(epoch))
+
+    def step(self, epoch=None):
+        """Advances to the next batch (``step()``), or realigns at an epoch start (``step(0)``).
+
+        ``step()`` moves the global step ``t`` and the batch index by one and
+        rolls over into the next epoch's plan after the last batch. ``step(0)``
+        does not move ``t`` nor restart the wrapped schedule: it points the batch
+        index at batch 0 of the sampler's current epoch.
+        """
+        if epoch is None:
+            self.last_epoch += 1
+            self._step_count += 1
+            self._batch += 1
+            if self._batch >= self._num_batches(self._epoch):
+                self._epoch, self._batch = self._epoch + 1, 0
+            if self._base is None:
+                self._unscaled_lrs = list(self._constant_lrs)
+            else:
+                # The wrapped scheduler may compute its next LR from the current one
+                # (chainable torch schedulers), so give it back its own, unscaled LR.
+                for group, lr in zip(self.optimizer.param_groups, self._unscaled_lrs):
+                    group["lr"] = lr
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", message=_TORCH_STEP_ORDER_WARNING)
+                    self._base.step()
+                self._unscaled_lrs = [group["lr"] for group in self.optimizer.param_groups]
+        elif isinstance(epoch, numbers.Integral) and not isinstance(epoch, bool) and epoch == 0:
+            if self._sampler is not None:
+                self._epoch = self._sampler.epoch
+            self._batch = 0
+        else:
+            raise ValueError(f"VariableBatchSizeLR.step takes no argument (next batch) or 0 (realign at an epoch "
+                             f"start), but got epoch={epoch!r}; call step() after every optimizer step")
+        self._apply()
+
+    def get_lr(self):
+        return list(self._last_lr)
+
+    def get_last_lr(self):
+        """The scaled LRs of the current step, one per parameter group."""
+        return list(self._last_lr)
+
+    # -- state --------------------------------------------------------------
+
+    def _sizes_fingerprint(self) -> str:
+        return hashlib.sha256(np.ascontiguousarray(self._sizes(self._epoch)).tobytes()).hexdigest()[:16]
+
+    def state_dict(self):
+        """Plain data: the position, the unscaled LRs and the wrapped scheduler's state."""
+        method = self.lr_scaling_method if not callable(self.lr_scaling_method) else "callable"
+        return {
+            "last_epoch": self.last_epoch,
+            "epoch": self._epoch,
+            "batch": self._batch,
+            "unscaled_lrs": list(self._unscaled_lrs),
+            "base_batch_size": self.base_batch_size,
+            "lr_scaling_method": method,
+            "lr_scaling_unit": self.lr_scaling_unit,
+            "batch_sizes_fingerprint": self._sizes_fingerprint(),
+            "base_lr_scheduler": None if self._base is None else self._base.state_dict(),
+        }
+
+    def load_state_dict(self, state_dict):
+        """Restores a `state_dict`: the next `step` continues exactly where it stopped."""
+        expected = {"last_epoch", "epoch", "batch", "unscaled_lrs", "base_batch_size", "lr_scaling_method",
+                    "lr_scaling_unit", "batch_sizes_fingerprint", "base_lr_scheduler"}
+        _check_state_keys("VariableBatchSizeLR", state_dict, expected)
+        method = self.lr_scaling_method if not callable(self.lr_scaling_method) else "callable"
+        for key, mine in (("base_batch_size", self.base_batch_size), ("lr_scaling_method", method),
+                          ("lr_scaling_unit", self.lr_scaling_unit)):
+            if state_dict[key] != mine:
+                raise ValueError(f"cannot load a scheduler state saved with {key}={state_dict[key]!r} into one "
+                                 f"with {key}={mine!r}; resume with the same LR settings")
+        if len(state_dict["unscaled_lrs"]) != len(self.optimizer.param_groups):
+            raise ValueError(f"the state has {len(state_dict['unscaled_lrs'])} parameter groups, the optimizer "
+                             f"{len(self.optimizer.param_groups)}; resume with the same model and optimizer")
+        position = (self._epoch, self._batch)
+        self._epoch, self._batch = int(state_dict["epoch"]), int(state_dict["batch"])
+        if state_dict["batch_sizes_fingerprint"] != self._sizes_fingerprint():
+            self._epoch, self._batch = position
+            raise ValueError("cannot load a scheduler state saved for other batch sizes (another dataset, seed, "
+                             "max_tokens or world size); resume with the same data and settings")
+        if (state_dict["base_lr_scheduler"] is None) != (self._base is None):
+            raise ValueError("the state and this scheduler disagree on whether an LR scheduler is wrapped; "
+                             "wrap the same kind of scheduler as when the state was saved")
+        if self._base is not None:
+            self._base.load_state_dict(state_dict["base_lr_scheduler"])
+        self.last_epoch = int(state_dict["last_epoch"])
+        self._step_count = self.last_epoch + 1
+        self._unscaled_lrs = list(state_dict["unscaled_lrs"])
+        self._apply()
+
+
+def lr_scheduler_for_variable_batch_size(base_batch_size, batch_sizes, dataloader, lr_scheduler_or_optimizer,
+                                         lr_scaling_method="linear", verbose=False, *,
+                                         lr_scaling_unit="sequences"):
+    """A `VariableBatchSizeLR` over an LR scheduler or an optimizer (constant LR).
+
+    DeepSpeed's signature; DeepSpeed's optimizer wrappers (ZeRO, fp16) are
+    accepted. See `VariableBatchSizeLR` for every argument.
+    """
+    if lr_scheduler_or_optimizer is None:
+        raise TypeError("lr_scheduler_or_optimizer is None; pass the optimizer (constant LR) or the LR scheduler "
+                        "whose LR is scaled")
+    return VariableBatchSizeLR(lr_scheduler_or_optimizer, base_batch_size=base_batch_size, batch_sizes=batch_sizes,
+                               dataloader=dataloader, lr_scaling_method=lr_scaling_method, verbose=verbose,
+                               lr_scaling_unit=lr_scaling_unit)
+
+
+# =============================================================================
+# DeepSpeed-compatible dataloader functions
+# =============================================================================
+
+
+class _FixedKeySampler(Sampler):
+    """One rank's share of a fixed list of micro-batch keys (DeepSpeed's interleaving)."""
+
+    def __init__(self, keys, rank, num_replicas):
+        self.keys = keys
+        self.rank = rank
+        self.num_replicas = num_replicas
+
+    def __iter__(self):
+        return iter(self.keys[self.rank::self.num_replicas])
+
+    def __len__(self):
+        return len(self.keys[self.rank::self.num_replicas])
+
+
+def dataloader_for_variable_batch_size(
+    dataset,
+    microbatch_ids,
+    batch_max_seqlens,
+    dataloader_rank=0,
+    dataloader_batch_size=1,
+    dataloader_num_replicas=1,
+    dataloader_collate_fn=None,
+    dataloader_num_workers=2,
+    dataloader_pin_memory=False,
+    required_microbatches_of_same_seqlen=False,
+    sample_padding_fn=None,
+):
+    """A DataLoader over the micro-batches of `batch_by_seqlens` (DeepSpeed's signature).
+
+    Returns:
+        ``(dataloader, deepspeed_io_kwargs)``: the loader of this rank's step
+        inputs, and the keyword arguments for ``engine.deepspeed_io`` that
+        build the same loader inside DeepSpeed.
+    """
+    rank = _check_int("dataloader_rank", dataloader_rank, minimum=0)
+    replicas = _check_int("dataloader_num_replicas", dataloader_num_replicas, minimum=1)
+    if rank >= replicas:
+        raise ValueError(f"dataloader_rank should be < dataloader_num_replicas={replicas}, but got {rank}")
+    batch_size = _check_int("dataloader_batch_size", dataloader_batch_size, minimum=1)
+    if required_microbatches_of_same_seqlen and sample_padding_fn is None:
+        raise ValueError("sample_padding_fn is None, but required_microbatches_of_same_seqlen=True pads every "
+                         "sample to its batch's max seqlen; pass sample_padding_fn=varbatch.pad_sample or your own")
+    if len(microbatch_ids) % replicas:
+        raise ValueError(f"{len(microbatch_ids)} micro-batches cannot be dealt evenly to {replicas} ranks; "
+                         f"make them with effective_batch_size a multiple of the data-parallel size")
+    keys = [(int(b), tuple(int(i) for i in ids),
+             int(batch_max_seqlens[b]) if required_microbatches_of_same_seqlen else 0)
+            for b, ids in microbatch_ids]
+    sampler = _FixedKeySampler(keys, rank, replicas)
+    collate = _Collate(dataset, dataloader_collate_fn, sample_padding_fn)
+    dataloader = DataLoader(_KeyDataset(), batch_size=batch_size, sampler=sampler, collate_fn=collate,
+                            num_workers=dataloader_num_workers, pin_memory=dataloader_pin_memory)
+    deepspeed_io_kwargs = dict(dataset=_KeyDataset(), batch_size=batch_size, pin_memory=dataloader_pin_memory,
+                               data_sampler=sampler, collate_fn=collate,
+                               num_local_io_workers=dataloader_num_workers)
+    return dataloader, deepspeed_io_kwargs
+
+
+def get_dataloader_and_lr_scheduler_for_variable_batch_size(
+    dataset,
+    dataset_seqlens,
+    max_tokens,
+    effective_batch_size,
+    dataset_filter_ids=None,
+    lr_scaling_method="linear",
+    min_batch_size=1,
+    max_batch_size=None,
+    sequence_picking_order="dataloader",
+    dataloader_batch_size=1,
+    dataloader_rank=0,
+    dataloader_num_replicas=1,
+    dataloader_num_workers=0,
+    dataloader_collate_fn=None,
+    dataloader_pin_memory=False,
+    lr_scheduler_or_optimizer=None,
+    required_microbatches_of_same_size=False,
+    required_microbatches_of_same_seqlen=False,
+    sample_padding_fn=None,
+    verbose=False,
+    seed=None,
+    *,
+    budget="sum",
+    lr_scaling_unit="sequences",
+    lr_scaling_reference=None,
+    bucket_size=None,
+    on_overlong="skip",
+):
+    """The dataloader and LR scheduler of a token-budget plan (DeepSpeed's signature).
+
+    Unlike DeepSpeed's, the loader makes a new plan every epoch in ``random``
+    and ``bucket`` order, and the scheduler follows it. ``max_tokens`` counts
+    the sum of seqlens of a micro-batch (``budget="sum"``) or its padded
+    ``n x S`` (``budget="padded"``). ``lr_scaling_reference`` is ``B_ref``
+    (default ``effective_batch_size``, DeepSpeed's; a number; or ``"mean"``).
+
+    Returns:
+        ``(dataloader, lr_scheduler, deepspeed_io_kwargs)``; ``lr_scheduler``
+        is None when ``lr_scheduler_or_optimizer`` is None.
+    """
+    k = _check_int("effective_batch_size", effective_batch_size, minimum=1,
+                   fix="it is train_batch_size, micro-batches per optimizer step")
+    mbs = _check_int("dataloader_batch_size", dataloader_batch_size, minimum=1)
+    replicas = _check_int("dataloader_num_replicas", dataloader_num_replicas, minimum=1)
+    if k % (mbs * replicas):
+        raise ValueError(f"effective_batch_size={k} should be a multiple of dataloader_batch_size x "
+                         f"dataloader_num_replicas = {mbs} x {replicas}; set train_batch_size = "
+                         f"micro batch per GPU x gradient accumulation steps x data-parallel size")
+    sampler = VariableBatchSampler(
+        dataset_seqlens, max_tokens, micro_batch_size=mbs, gradient_accumulation_steps=k // (mbs * replicas),
+        num_replicas=replicas, rank=dataloader_rank, seed=seed, budget=budget, order=sequence_picking_order,
+        min_batch_size=min_batch_size, max_batch_size=max_batch_size, sample_ids=dataset_filter_ids,
+        same_size=bool(required_microbatches_of_same_size), same_length=bool(required_microbatches_of_same_seqlen),
+        bucket_size=bucket_size, on_overlong=on_overlong, verbose=verbose)
+    if len(sampler.seqlens) != len(dataset):
+        raise ValueError(f"dataset_seqlens has {len(sampler.seqlens)} entries but the dataset has {len(dataset)} "
+                         f"samples; give one seqlen per sample (delete a stale seqlen cache)")
+    dataloader = make_dataloader(dataset, sampler, collate_fn=dataloader_collate_fn,
+                                 sample_padding_fn=sample_padding_fn, num_workers=dataloader_num_workers,
+                                 pin_memory=dataloader_pin_memory)
+    deepspeed_io_kwargs = dict(dataset=dataloader.dataset, batch_size=mbs, pin_memory=dataloader_pin_memory,
+                               data_sampler=dataloader.sampler, collate_fn=dataloader.collate_fn,
+                               num_local_io_workers=dataloader_num_workers)
+    lr_scheduler = None
+    if lr_scheduler_or_optimizer is not None:
+        reference = k if lr_scaling_reference is None else lr_scaling_reference
+        lr_scheduler = lr_scheduler_for_variable_batch_size(
+            reference, sampler, dataloader, lr_scheduler_or_optimizer, lr_scaling_method=lr_scaling_method,
+            verbose=verbose, lr_scaling_unit=lr_scaling_unit)
+    return dataloader, lr_scheduler, deepspeed_io_kwargs
+
+
+# =============================================================================
+# DeepSpeed glue
+# =============================================================================
+# The config section is data_efficiency -> data_sampling -> dynamic_batching, as
+# in DeepSpeed. DeepSpeed's keys keep their meaning; varbatch adds its own.
+
+_DEEPSPEED_KEYS = ("enabled", "max_tokens", "lr_scaling_method", "min_batch_size", "max_batch_size",
+                   "sequence_picking_order", "sentence_picking_order", "metrics_path", "verbose")
+_VARBATCH_KEYS = ("seed", "num_workers", "pin_memory", "budget", "lr_scaling_unit", "lr_scaling_reference",
+                  "bucket_size", "on_overlong")
+DYNAMIC_BATCHING_KEYS = _DEEPSPEED_KEYS + _VARBATCH_KEYS
+_SEQLEN_CACHE = "varbatch_seqlens.npy"
+
+
+def _read_dynamic_batching(config: Mapping) -> dict:
+    """Validated settings from a DeepSpeed config dict (the whole config, as in ds_config.json).
+
+    Raises:
+        ValueError: the section is missing or disabled, a key is unknown (the
+            closest valid one is named), or a value is invalid.
+    """
+    data_efficiency = config.get("data_efficiency", {}) or {}
+    data_sampling = data_efficiency.get("data_sampling", {}) or {}
+    section = data_sampling.get("dynamic_batching")
+    if not isinstance(section, Mapping):
+        raise ValueError("the DeepSpeed config has no data_efficiency.data_sampling.dynamic_batching section; "
+                         "add one with at least \"enabled\": true and \"max_tokens\"")
+    for key in section:
+        if key not in DYNAMIC_BATCHING_KEYS:
+            close = difflib.get_close_matches(key, DYNAMIC_BATCHING_KEYS, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"unknown key {key!r} in data_efficiency.data_sampling.dynamic_batching{hint} "
+                             f"(valid keys: {', '.join(DYNAMIC_BATCHING_KEYS)})")
+    if not section.get("enabled", False):
+        raise ValueError("dynamic_batching.enabled is false; set \"enabled\": true in "
+                         "data_efficiency.data_sampling.dynamic_batching")
+    if "max_tokens" not in section:
+        raise ValueError("dynamic_batching.max_tokens is missing; set it to the tokens one micro-batch may hold")
+    if "sequence_picking_order" in section and "sentence_picking_order" in section \
+            and section["sequence_picking_order"] != section["sentence_picking_order"]:
+        raise ValueError(f"dynamic_batching sets both sequence_picking_order={section['sequence_picking_order']!r} "
+                         f"and its older spelling sentence_picking_order={section['sentence_picking_order']!r}; "
+                         f"keep one")
+    order = section.get("sequence_picking_order", section.get("sentence_picking_order", "dataloader"))
+    reference = section.get("lr_scaling_reference")
+    if reference is not None and reference != "mean":
+        scale_lr(reference, 1)  # validates it
+    settings = {
+        "max_tokens": _check_int("dynamic_batching.max_tokens", section["max_tokens"], minimum=1),
+        "lr_scaling_method": _check_lr_method(section.get("lr_scaling_method", "linear")),
+        "min_batch_size": section.get("min_batch_size", 1),
+        "max_batch_size": section.get("max_batch_size"),
+        "order": _check_choice("dynamic_batching.sequence_picking_order", order, ORDERS),
+        "metrics_path": section.get("metrics_path"),
+        "verbose": bool(section.get("verbose", False)),
+        "seed": section.get("seed", data_efficiency.get("seed", 1234)),
+        "num_workers": section.get("num_workers", data_sampling.get("num_workers", 0)),
+        "pin_memory": bool(section.get("pin_memory", data_sampling.get("pin_memory", False))),
+        "budget": _check_choice("dynamic_batching.budget", section.get("budget", "sum"), BUDGETS),
+        "lr_scaling_unit": _check_choice("dynamic_batching.lr_scaling_unit",
+                                         section.get("lr_scaling_unit", "sequences"), LR_SCALING_UNITS),
+        "lr_scaling_reference": reference,
+        "bucket_size": section.get("bucket_size"),
+        "on_overlong": _check_choice("dynamic_batching.on_overlong", section.get("on_overlong", "skip"),
+                                     _ON_OVERLONG),
+    }
+    _check_int("dynamic_batching.num_workers", settings["num_workers"], minimum=0)
+    return settings
+
+
+def _engine_config_dict(engine) -> dict:
+    """The config dict the user gave DeepSpeed (unprocessed, so unknown keys are seen)."""
+    config = getattr(engine, "_config", None)
+    raw = getattr(config, "_param_dict", None)
+    if isinstance(raw, Mapping):
+        return dict(raw)
+    raise TypeError(f"expected a DeepSpeed engine (from deepspeed.initialize), but got {type(engine).__name__}")
+
+
+def _data_parallel(engine) -> tuple[int, int]:
+    """``(rank, size)`` of this process in the engine's data-parallel group."""
+    grid = getattr(engine, "grid", None)
+    if grid is not None:  # PipelineEngine
+        return int(grid.data_parallel_id), int(grid.data_parallel_size)
+    if not torch.distributed.is_initialized():
+        return 0, 1
+    group = getattr(engine, "data_parallel_group", None)
+    return torch.distributed.get_rank(group=group), torch.distributed.get_world_size(group=group)
+
+
+def _gather(obj) -> list:
+    """``obj`` of every rank (a list of one without torch.distributed)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return [obj]
+    out = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
+def _load_cached_seqlens(metrics_path: str, num_samples: int) -> np.ndarray | None:
+    """Seqlens cached in ``metrics_path`` (varbatch's .npy, or DeepSpeed's metric files), if valid."""
+    import os
+    path = os.path.join(metrics_path, _SEQLEN_CACHE)
+    if os.path.exists(path):
+        seqlens = np.load(path)
+    elif os.path.exists(os.path.join(metrics_path, "seqlen", "seqlen_sample_to_metric.bin")):
+        from deepspeed.runtime.data_pipeline.data_sampling.indexed_dataset import MMapIndexedDataset
+        metric = MMapIndexedDataset(os.path.join(metrics_path, "seqlen", "seqlen_sample_to_metric"),
+                                    skip_warmup=True)
+        seqlens = np.concatenate([np.asarray(metric[i]).reshape(-1) for i in range(len(metric))])
+    else:
+        return None
+    if len(seqlens) != num_samples:
+        _logger.warning("the seqlen cache in %s has %d entries but the dataset %d samples: recomputing it",
+                        metrics_path, len(seqlens), num_samples)
+        return None
+    return seqlens
+
+
+def _compute_seqlens(dataset, batch_seqlens_fn, collate_fn, rank: int, world_size: int,
+                     batch_size: int = 256) -> np.ndarray:
+    """Seqlens of every sample with ``batch_seqlens_fn``, each rank a shard, then gathered."""
+    shard = list(range(rank, len(dataset), world_size))
+    loader = DataLoader(torch.utils.data.Subset(dataset, shard), batch_size=batch_size,
+                        collate_fn=collate_fn if collate_fn is not None else _identity)
+    progress = None
+    if rank == 0:
+        try:
+            from tqdm import tqdm
+            progress = tqdm(total=len(shard), desc="varbatch: seqlens", unit="sample")
+        except ImportError:
+            pass
+    lengths: list[int] = []
+    for batch in loader:
+        got = [int(x) for x in batch_seqlens_fn(batch)]
+        lengths.extend(got)
+        if progress is not None:
+            progress.update(len(got))
+    if progress is not None:
+        progress.close()
+    if len(lengths) != len(shard):
+        raise ValueError(f"batch_seqlens_fn returned {len(lengths)} lengths for {len(shard)} samples; it must "
+                         f"return one length per sample of the collated batch")
+    seqlens = np.zeros(len(dataset), dtype=np.int64)
+    for r, part in enumerate(_gather((list(range(rank, len(dataset), world_size)), lengths))):
+        seqlens[np.asarray(part[0], dtype=np.int64)] = part[1]
+    return seqlens
+
+
+def _dataset_seqlens(dataset, settings, batch_seqlens_fn, collate_fn, rank, world_size) -> np.ndarray:
+    """Seqlens from the cache in ``metrics_path``, else computed once and cached."""
+    import os
+    metrics_path = settings["metrics_path"]
+    if metrics_path:
+        cached = _load_cached_seqlens(metrics_path, len(dataset))
+        if cached is not None:
+            return cached
+    if batch_seqlens_fn is None:
+        raise ValueError("no dataset_seqlens, no seqlen cache in metrics_path, and batch_seqlens_fn is None; "
+                         "pass dataset_seqlens, or batch_seqlens_fn (e.g. varbatch.seqlens_from_padded) to "
+                         "compute them once")
+    seqlens = _compute_seqlens(dataset, batch_seqlens_fn, collate_fn, rank, world_size)
+    if metrics_path and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
+        os.makedirs(metrics_path, exist_ok=True)
+        tmp = os.path.join(metrics_path, f".{_SEQLEN_CACHE}.{os.getpid()}.npy")
+        np.save(tmp, seqlens)
+        os.replace(tmp, os.path.join(metrics_path, _SEQLEN_CACHE))
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    return seqlens
+
+
+def get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(dataset,
+                                                                      engine,
+                                                                      dataset_seqlens=None,
+                                                                      dataset_filter_ids=None,
+                                                                      dataloader_collate_fn=None,
+                                                                      sample_padding_fn=None,
+                                                                      batch_seqlens_fn=None):
+    """The dataloader and LR scheduler for a DeepSpeed engine, from its config.
+
+    Reads ``data_efficiency.data_sampling.dynamic_batching`` (see README), takes
+    the batch sizes and data-parallel rank from the engine, turns on same-size
+    and same-length micro-batches for a ``PipelineEngine``, checks that every
+    rank planned the same epoch, and installs the scheduler as
+    ``engine.lr_scheduler`` (wrapping the engine's scheduler or optimizer) so
+    ``engine.step()`` steps it and checkpoints save it.
+
+    Seqlens: ``dataset_seqlens`` if given; else the cache in ``metrics_path``
+    (varbatch's ``varbatch_seqlens.npy`` or DeepSpeed's
+    ``seqlen/seqlen_sample_to_metric`` files); else computed once with
+    ``batch_seqlens_fn`` (which gets a batch made by ``dataloader_collate_fn``
+    and returns one length per sample), each rank a shard, and cached.
+
+    Returns:
+        ``(dataloader, lr_scheduler, deepspeed_io_kwargs)``.
+    """
+    settings = _read_dynamic_batching(_engine_config_dict(engine))
+    dp_rank, dp_size = _data_parallel(engine)
+    if dataset_seqlens is None:
+        dataset_seqlens = _dataset_seqlens(dataset, settings, batch_seqlens_fn, dataloader_collate_fn,
+                                           dp_rank, dp_size)
+    pipeline = hasattr(engine, "train_batch") and getattr(engine, "grid", None) is not None
+    base = engine.lr_scheduler if getattr(engine, "lr_scheduler", None) is not None else engine.optimizer
+    dataloader, lr_scheduler, io_kwargs = get_dataloader_and_lr_scheduler_for_variable_batch_size(
+        dataset=dataset,
+        dataset_seqlens=dataset_seqlens,
+        max_tokens=settings["max_tokens"],
+        effective_batch_size=engine.train_batch_size(),
+        dataset_filter_ids=dataset_filter_ids,
+        lr_scaling_method=settings["lr_scaling_method"],
+        min_batch_size=settings["min_batch_size"],
+        max_batch_size=settings["max_batch_size"],
+        sequence_picking_order=settings["order"],
+        dataloader_batch_size=engine.train_micro_batch_size_per_gpu(),
+        dataloader_rank=dp_rank,
+        dataloader_num_replicas=dp_size,
+        dataloader_num_workers=settings["num_workers"],
+        dataloader_collate_fn=dataloader_collate_fn,
+        dataloader_pin_memory=settings["pin_memory"],
+        lr_scheduler_or_optimizer=base,
+        required_microbatches_of_same_size=pipeline,
+        required_microbatches_of_same_seqlen=pipeline,
+        sample_padding_fn=sample_padding_fn,
+        verbose=settings["verbose"],
+        seed=settings["seed"],
+        budget=settings["budget"],
+        lr_scaling_unit=settings["lr_scaling_unit"],
+        lr_scaling_reference=settings["lr_scaling_reference"],
+        bucket_size=settings["bucket_size"],
+        on_overlong=settings["on_overlong"],
+    )
+    # Every rank must train on the same plan, else samples are trained twice or never.
+    sampler = _find_batch_sampler(dataloader)
+    fingerprints = _gather(sampler.plan.fingerprint())
+    for r, fingerprint in enumerate(fingerprints):
+        if fingerprint != fingerprints[0]:
+            raise RuntimeError(f"rank {r} planned a different epoch than rank 0 (plan fingerprint {fingerprint} "
+                               f"!= {fingerprints[0]}): the ranks see different seqlens or settings; give every "
+                               f"rank the same dataset, seqlens and config")
+    engine.lr_scheduler = lr_scheduler
+    return dataloader, lr_scheduler, io_kwargs
+
+
+# =============================================================================
+# Command line: python varbatch.py plan ...
+# =============================================================================
+
+
+def _read_seqlens_file(path: str) -> np.ndarray:
+    import sys
+    if path == "-":
+        return _as_seqlens([int(line) for line in sys.stdin if line.strip()])
+    if path.endswith(".npy"):
+        return _as_seqlens(np.load(path))
+    with open(path) as f:
+        return _as_seqlens([int(line) for line in f if line.strip()])
+
+
+def _main(argv=None) -> int:
+    import argparse
+    import json
+    import sys
+    parser = argparse.ArgumentParser(prog="python varbatch.py",
+                                     description="Show the token-budget plan of a list of sequence lengths.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("plan", help="plan one epoch and print its batches and totals")
+    p.add_argument("--seqlens", help="lengths: a .npy file, a text file with one length per line, or - for "
+                                     "stdin (default: 2000 synthetic lognormal lengths)")
+    p.add_argument("--config", help="a DeepSpeed config with a dynamic_batching section (sets the defaults)")
+    p.add_argument("--max-tokens", type=int, help="budget of one micro-batch (default: the config's, else 4096)")
+    p.add_argument("--budget", choices=BUDGETS, help="sum of seqlens (default) or padded n x S")
+    p.add_argument("--order", choices=ORDERS, help="sequence picking order (default: the config's)")
+    p.add_argument("--effective-batch-size", type=int, default=None,
+                   help="micro-batches per batch (default: the config's train_batch_size, else 1)")
+    p.add_argument("--pipeline", action="store_true", help="same-size, same-length micro-batches")
+    p.add_argument("--epoch", type=int, default=0, help="epoch to plan (changes random/bucket orders)")
+    p.add_argument("--seed", type=int, default=None, help="seed of random/bucket orders")
+    p.add_argument("--batches", type=int, default=10, help="how many batches to list")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    args = parser.parse_args(argv)
+    try:
+        settings = {}
+        config = {}
+        if args.config:
+            with open(args.config) as f:
+                config = json.load(f)
+            settings = _read_dynamic_batching(config)
+        if args.seqlens:
+            seqlens = _read_seqlens_file(args.seqlens)
+        else:
+            rng = np.random.default_rng(0)
+            seqlens = np.clip(rng.lognormal(5.5, 0.9, 2000), 8, 4096).astype(np.int64)
+        pipeline = args.pipeline
+        plan = plan_batches(
+            seqlens, args.max_tokens or settings.get("max_tokens", 4096),
+            effective_batch_size=args.effective_batch_size or int(config.get("train_batch_size", 1)),
+            budget=args.budget or settings.get("budget", "sum"), order=args.order or settings.get("order",
+                                                                                                  "dataloader"),
+            min_batch_size=settings.get("min_batch_size", 1), max_batch_size=settings.get("max_batch_size"),
+            same_size=pipeline, same_length=pipeline,
+            seed=args.seed if args.seed is not None else settings.get("seed"), epoch=args.epoch,
+            bucket_size=settings.get("bucket_size"))
+    except (OSError, ValueError, TypeError) as error:
+        print(f"varbatch: error: {error}", file=sys.stderr)
+        return 2
+    k = plan.effective_batch_size
+    sizes = plan.microbatch_sizes()
+    mb_max = np.maximum.reduceat(seqlens[plan.sample_ids], plan.microbatch_offsets[:-1])
+    padded_s = np.repeat(plan.batch_max_seqlens, k) if pipeline else mb_max
+    padded = sizes * padded_s
+    real = int(plan.batch_tokens.sum())
+    summary = {
+        "batches": plan.num_batches, "microbatches": plan.num_microbatches,
+        "samples": int(plan.batch_sizes.sum()), "real_tokens": real, "padded_tokens": int(padded.sum()),
+        "efficiency": real / float(padded.sum()), "max_padded_over_budget": float(padded.max() / plan.max_tokens),
+        "dropped": {reason: len(ids) for reason, ids in plan.dropped.items()},
+        "batch_size_min_mean_max": [int(plan.batch_sizes.min()), float(plan.batch_sizes.mean()),
+                                    int(plan.batch_sizes.max())],
+    }
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    print("| batch | micro-batches (B x S) | real tokens | padding % |")
+    print("| --- | --- | --- | --- |")
+    for b in range(min(args.batches, plan.num_batches)):
+        cells = ", ".join(f"{sizes[j]}x{padded_s[j]}" for j in range(b * k, (b + 1) * k))
+        slots = int(padded[b * k:(b + 1) * k].sum())
+        print(f"| {b} | {cells} | {int(plan.batch_tokens[b])} | {100 * (1 - plan.batch_tokens[b] / slots):.1f} |")
+    for key, value in summary.items():
+        print(f"{key}: {value}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())
