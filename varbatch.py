@@ -1785,90 +1785,723 @@ def get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(dataset,
 # =============================================================================
 # Command line: python varbatch.py plan ...
 # =============================================================================
+# `python varbatch.py plan` shows what a config does to a dataset before any
+# training: its batches, their padding and LR factors, and the drops. The
+# totals come from `_plan_totals` / `_format_plan_totals`, which the verbose
+# training log uses too, so the command line and the log always agree.
+
+# Lengths used when no --seqlens is given: lognormal like natural text
+# (median about 240 tokens, a long tail), clipped to [8, 4096], fixed seed.
+_SYNTHETIC_NUM_SAMPLES = 2000
+_SYNTHETIC_MAX_TOKENS = 4096
+
+
+def _synthetic_seqlens() -> np.ndarray:
+    """The default lengths of ``python varbatch.py plan`` (deterministic)."""
+    rng = np.random.default_rng(0)
+    return np.clip(rng.lognormal(5.5, 0.9, _SYNTHETIC_NUM_SAMPLES), 8, 4096).astype(np.int64)
+
+
+def _plan_lr_factors(plan: Plan, lr_scaling_method="linear", lr_scaling_reference=None,
+                     lr_scaling_unit="sequences") -> np.ndarray:
+    """The LR factor ``s(B_t / B_ref)`` of every batch of ``plan``, as `VariableBatchSizeLR` applies it.
+
+    Args:
+        lr_scaling_method: ``"linear"``, ``"sqrt"``, ``"none"``/None or a callable (see `scale_lr`).
+        lr_scaling_reference: ``B_ref``: None for ``plan.effective_batch_size``
+            (``train_batch_size``, DeepSpeed's default), a number, or ``"mean"``.
+        lr_scaling_unit: ``"sequences"`` or ``"tokens"``: the unit of ``B_t`` and ``B_ref``.
+
+    Example:
+        >>> plan = plan_batches([3, 5, 2, 6, 4, 1], max_tokens=8, effective_batch_size=2)
+        >>> _plan_lr_factors(plan).tolist(), _plan_lr_factors(plan, "linear", "mean").tolist()
+        ([2.0, 1.0], [1.3333333333333333, 0.6666666666666666])
+    """
+    method = _check_lr_method(lr_scaling_method)
+    unit = _check_choice("lr_scaling_unit", lr_scaling_unit, LR_SCALING_UNITS)
+    sizes = plan.batch_tokens if unit == "tokens" else plan.batch_sizes
+    reference = _lr_reference(plan, lr_scaling_reference, unit)
+    return np.array([_lr_factor(b / reference, method) for b in sizes.tolist()], dtype=np.float64)
+
+
+def _lr_reference(plan: Plan, lr_scaling_reference, lr_scaling_unit: str) -> float:
+    """``B_ref`` as a number: ``train_batch_size`` when None, the plan's mean batch size for ``"mean"``."""
+    if lr_scaling_reference is None:
+        return float(plan.effective_batch_size)
+    if isinstance(lr_scaling_reference, str) and lr_scaling_reference == "mean":
+        sizes = plan.batch_tokens if lr_scaling_unit == "tokens" else plan.batch_sizes
+        return float(sizes.mean())
+    scale_lr(lr_scaling_reference, 1)  # validates it
+    return float(lr_scaling_reference)
+
+
+def _accumulation_steps(k: int, micro_batch_size: int, num_replicas: int) -> int:
+    """``k / (micro_batch_size x num_replicas)``, or raises when it is not whole."""
+    if k % (micro_batch_size * num_replicas):
+        raise ValueError(f"effective_batch_size={k} should be a multiple of micro_batch_size x num_replicas = "
+                         f"{micro_batch_size} x {num_replicas}; set train_batch_size = micro batch per GPU x "
+                         f"gradient accumulation steps x data-parallel size")
+    return k // (micro_batch_size * num_replicas)
+
+
+def _padded_seqlens(plan: Plan, seqlens: np.ndarray, *, same_length: bool = False, micro_batch_size: int = 1,
+                    num_replicas: int = 1) -> np.ndarray:
+    """The padded S of every micro-batch: the longest sample of the tensor it is collated into.
+
+    A step input collates ``micro_batch_size`` micro-batches of one rank into
+    one tensor, padded to their longest sample; in same-length mode (pipeline)
+    every sample of a batch is padded to the batch's longest.
+    """
+    k = plan.effective_batch_size
+    if same_length:
+        return np.repeat(plan.batch_max_seqlens, k)
+    # No micro-batch is empty, so reduceat sees no empty segment.
+    own = np.maximum.reduceat(seqlens[plan.sample_ids], plan.microbatch_offsets[:-1])
+    if micro_batch_size == 1:
+        return own
+    accumulation = _accumulation_steps(k, micro_batch_size, num_replicas)
+    # Micro-batch i of a batch goes to rank i % num_replicas; that rank's
+    # (i // num_replicas)-th micro-batch, in step input (i // num_replicas) //
+    # micro_batch_size (the sampler's dealing, see VariableBatchSampler._step_keys).
+    j = np.arange(plan.num_microbatches)
+    i = j % k
+    rank, position = i % num_replicas, i // num_replicas
+    step_input = ((j // k) * num_replicas + rank) * accumulation + position // micro_batch_size
+    longest = np.zeros(int(step_input.max()) + 1, dtype=np.int64)
+    np.maximum.at(longest, step_input, own)
+    return longest[step_input]
+
+
+def _distribution(values: np.ndarray) -> dict:
+    """min / median / mean / max of ``values`` as plain numbers."""
+    values = np.asarray(values)
+    return {"min": values.min().item(), "median": float(np.median(values)), "mean": float(values.mean()),
+            "max": values.max().item()}
+
+
+def _plan_totals(plan: Plan, seqlens, *, same_length: bool = False, micro_batch_size: int = 1,
+                 num_replicas: int = 1, lr_scaling: Mapping | None = None) -> dict:
+    """The totals of a plan as plain data: batches, drops, padding, distributions of B and S.
+
+    Shared by ``python varbatch.py plan`` and the verbose training log; turn it
+    into text with `_format_plan_totals`. Padding counts each micro-batch as
+    ``n x S`` with S the longest sample of the tensor it is collated into (see
+    `_padded_seqlens`); ``largest_padded_microbatch`` compares the largest such
+    ``n x S`` with ``max_tokens``, which bounds it only with ``budget="padded"``.
+
+    Args:
+        plan: the plan.
+        seqlens: the token count of every sample of the dataset (indexed by sample id).
+        same_length: samples are padded to their batch's longest (pipeline mode).
+        micro_batch_size, num_replicas: micro-batches per step input and
+            data-parallel ranks (``k`` must be a multiple of their product);
+            the accumulation steps are ``k / (micro_batch_size x num_replicas)``.
+        lr_scaling: None to leave out the LR factors, or a dict with the keys
+            ``method``, ``reference`` and ``unit`` (see `_plan_lr_factors`).
+
+    Returns:
+        A JSON-serializable dict.
+
+    Example:
+        >>> plan = plan_batches([3, 5, 2, 6, 4, 1], max_tokens=8, effective_batch_size=2)
+        >>> totals = _plan_totals(plan, [3, 5, 2, 6, 4, 1])
+        >>> totals["batches"], totals["real_tokens"], totals["padded_tokens"], totals["batch_size"]["max"]
+        (2, 21, 27, 4)
+    """
+    seqlens = _as_seqlens(seqlens)
+    k = plan.effective_batch_size
+    micro_batch_size = _check_int("micro_batch_size", micro_batch_size, minimum=1)
+    num_replicas = _check_int("num_replicas", num_replicas, minimum=1)
+    accumulation = _accumulation_steps(k, micro_batch_size, num_replicas)
+    padded_s = _padded_seqlens(plan, seqlens, same_length=same_length, micro_batch_size=micro_batch_size,
+                               num_replicas=num_replicas)
+    sizes = plan.microbatch_sizes()
+    padded = sizes * padded_s
+    largest = int(np.argmax(padded))
+    real = int(plan.batch_tokens.sum())
+    totals = {
+        "epoch": plan.epoch,
+        "max_tokens": plan.max_tokens,
+        "budget": plan.budget,
+        "effective_batch_size": k,
+        "micro_batch_size": micro_batch_size,
+        "gradient_accumulation_steps": accumulation,
+        "num_replicas": num_replicas,
+        "same_length": bool(same_length),
+        "batches": plan.num_batches,
+        "optimizer_steps_per_epoch": plan.num_batches,
+        "step_inputs_per_rank": plan.num_batches * accumulation,
+        "microbatches": plan.num_microbatches,
+        "samples": int(plan.batch_sizes.sum()),
+        "dropped": {reason: len(ids) for reason, ids in plan.dropped.items()},
+        "num_dropped": plan.num_dropped,
+        "real_tokens": real,
+        "padded_tokens": int(padded.sum()),
+        "efficiency": real / float(padded.sum()),
+        "largest_padded_microbatch": {"microbatch": largest, "sequences": int(sizes[largest]),
+                                      "padded_seqlen": int(padded_s[largest]), "tokens": int(padded[largest]),
+                                      "over_max_tokens": float(padded[largest] / plan.max_tokens)},
+        "batch_size": _distribution(plan.batch_sizes),
+        "batch_tokens": _distribution(plan.batch_tokens),
+        "microbatch_size": _distribution(sizes),
+        "padded_seqlen": _distribution(padded_s),
+    }
+    if lr_scaling is not None:
+        unknown = sorted(set(lr_scaling) - {"method", "reference", "unit"})
+        if unknown:
+            raise ValueError(f"lr_scaling has unknown keys {unknown}; use 'method', 'reference' and 'unit'")
+        method = lr_scaling.get("method", "linear")
+        reference = lr_scaling.get("reference")
+        unit = lr_scaling.get("unit", "sequences")
+        factors = _plan_lr_factors(plan, method, reference, unit)
+        totals["lr_factor"] = {**_distribution(factors),
+                               "method": ("none" if method is None else method if isinstance(method, str)
+                                          else "callable"),
+                               "reference": reference if reference is not None else "train_batch_size",
+                               "reference_value": _lr_reference(plan, reference, unit), "unit": unit}
+    return totals
+
+
+def _plural(count: int, word: str, plural: str | None = None) -> str:
+    """``'1 rank'``, ``'2 ranks'``."""
+    return f"{count} {word if count == 1 else plural or word + 's'}"
+
+
+def _number(value: float) -> str:
+    """A statistic for people: whole numbers as such, else 3 significant digits, never 1e+03."""
+    if float(value).is_integer():
+        return str(int(value))
+    return f"{value:.1f}" if abs(value) >= 100 else f"{value:.3g}"
+
+
+def _format_plan_totals(totals: Mapping) -> str:
+    """`_plan_totals` as a few lines of text (the same words as the JSON keys).
+
+    Example:
+        >>> plan = plan_batches([3, 5, 2, 6, 4, 1], max_tokens=8, effective_batch_size=2)
+        >>> print(_format_plan_totals(_plan_totals(plan, [3, 5, 2, 6, 4, 1])).splitlines()[3])
+        tokens: 21 real / 27 padded = 77.8% efficiency
+    """
+    t = totals
+
+    def dist(d: Mapping) -> str:
+        return " / ".join(f"{key} {_number(d[key])}" for key in ("min", "median", "mean", "max"))
+
+    big = t["largest_padded_microbatch"]
+    drops = ", ".join(f"{count} {reason}" for reason, count in t["dropped"].items())
+    lines = [
+        f"epoch {t['epoch']}: {_plural(t['batches'], 'batch', 'batches')} of "
+        f"{_plural(t['effective_batch_size'], 'micro-batch', 'micro-batches')} ({t['micro_batch_size']} per "
+        f"step input x {_plural(t['gradient_accumulation_steps'], 'accumulation step')} x "
+        f"{_plural(t['num_replicas'], 'rank')}), {t['microbatches']} micro-batches in all",
+        f"steps per epoch: {t['optimizer_steps_per_epoch']} optimizer steps, {t['step_inputs_per_rank']} "
+        f"step inputs per rank",
+        f"samples: {t['samples']} trained, {t['num_dropped']} dropped ({drops})",
+        f"tokens: {t['real_tokens']} real / {t['padded_tokens']} padded = {t['efficiency']:.1%} efficiency",
+        f"largest padded micro-batch: {big['sequences']} x {big['padded_seqlen']} = {big['tokens']} tokens = "
+        f"{big['over_max_tokens']:.2f} x max_tokens={t['max_tokens']} (budget {t['budget']}"
+        f"{', same length' if t['same_length'] else ''})",
+        f"B (sequences per batch): {dist(t['batch_size'])}",
+        f"sequences per micro-batch: {dist(t['microbatch_size'])}",
+        f"S (padded seqlen per micro-batch): {dist(t['padded_seqlen'])}",
+    ]
+    lr = t.get("lr_factor")
+    if lr is not None:
+        lines.append(f"LR factor ({lr['method']} rule, B_ref={lr['reference']} = "
+                     f"{_number(lr['reference_value'])} {lr['unit']}): {dist(lr)}")
+        if not 0.5 <= lr["mean"] <= 2.0:
+            lines.append(f"warning: the configured LR is multiplied by {lr['mean']:.3g} on average, because "
+                         f"B_ref={lr['reference_value']:g} is far from the mean batch size; set "
+                         f"lr_scaling_reference to \"mean\" or to the batch size (in {lr['unit']}) your LR "
+                         f"was tuned for")
+    return "\n".join(lines)
+
+
+def _plan_rows(plan: Plan, padded_s: np.ndarray, lr_factors: np.ndarray, num_rows: int) -> list[dict]:
+    """One dict per batch (the first ``num_rows``): its micro-batches, padding and LR factor."""
+    k = plan.effective_batch_size
+    sizes = plan.microbatch_sizes()
+    rows = []
+    for b in range(min(num_rows, plan.num_batches)):
+        n = sizes[b * k:(b + 1) * k]
+        s = padded_s[b * k:(b + 1) * k]
+        slots = int((n * s).sum())
+        rows.append({"batch": b, "sequences": int(plan.batch_sizes[b]), "microbatches": k,
+                     "microbatch_sizes": n.tolist(), "padded_seqlens": s.tolist(),
+                     "real_tokens": int(plan.batch_tokens[b]), "padded_tokens": slots,
+                     "padding": 1.0 - int(plan.batch_tokens[b]) / slots, "lr_factor": float(lr_factors[b])})
+    return rows
+
+
+def _short_list(values: Sequence[int], limit: int = 6) -> str:
+    """``'5,6,4'``, one value when all are equal, at most ``limit`` shown."""
+    if len(set(values)) == 1:
+        return str(values[0])
+    shown = ",".join(str(v) for v in values[:limit])
+    return shown + (f",...(+{len(values) - limit})" if len(values) > limit else "")
+
+
+def _format_rows(rows: list[dict]) -> str:
+    """The per-batch table as aligned text."""
+    header = ("batch", "B", "micro-batches", "B per micro-batch", "padded S", "real tokens", "padding %",
+              "LR factor")
+    cells = [header] + [(str(r["batch"]), str(r["sequences"]), str(r["microbatches"]),
+                         _short_list(r["microbatch_sizes"]), _short_list(r["padded_seqlens"]),
+                         str(r["real_tokens"]), f"{100 * r['padding']:.1f}", f"{r['lr_factor']:.3g}")
+                        for r in rows]
+    widths = [max(len(row[c]) for row in cells) for c in range(len(header))]
+    return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(row, widths)).rstrip() for row in cells)
+
+
+# -- the picture --------------------------------------------------------------
+
+
+def _draw_plan(path: str, seqlens: np.ndarray, panels: Sequence[dict], *, title: str, num_batches: int = 2,
+               max_microbatches: int = 6) -> None:
+    """Draws plans as rows of token cells, side by side, over histograms of B and LR factor.
+
+    Each sample is a row: its tokens filled, its padding (up to the padded S
+    of its micro-batch) empty. Micro-batches are labelled ``BxSxE, N tokens``
+    (B samples padded to S, E the embedding width, N real tokens) and grouped
+    into batches. Below, the distribution of B and of the LR factor over the
+    whole epoch.
+
+    Args:
+        path: the image file to write (the format follows the suffix).
+        seqlens: the token count of every sample.
+        panels: one dict per plan with ``heading``, ``plan``, ``padded_s``
+            (per micro-batch), ``lr_factors`` (per batch) and ``totals``.
+        title: the figure's title.
+        num_batches: batches drawn per plan.
+        max_microbatches: micro-batches drawn per batch (the rest is counted).
+    """
+    # matplotlib is optional: imported here only (the caller checked that it exists).
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch, Rectangle
+    from matplotlib.collections import PatchCollection
+
+    token_color, pad_edge = "#3b75af", "#9a9a9a"
+    # What is drawn: per plan, per batch, the first micro-batches.
+    drawn = []
+    for panel in panels:
+        plan, k = panel["plan"], panel["plan"].effective_batch_size
+        batches = []
+        for b in range(min(num_batches, plan.num_batches)):
+            js = list(range(b * k, b * k + min(k, max_microbatches)))
+            batches.append((b, js, k - len(js)))
+        drawn.append(batches)
+    longest = max(int(panel["padded_s"][j]) for panel, batches in zip(panels, drawn)
+                  for _, js, _ in batches for j in js)
+    # Vertical layout in rows (one row per sample). Text lines and gaps take a
+    # fixed share of the height, so they stay legible however many rows there are.
+    line, mb_gap, batch_gap = 0.032, 0.012, 0.02
+    height = 0.0
+    for panel, batches in zip(panels, drawn):
+        rows = sum(len(panel["plan"].microbatch(j)) for _, js, _ in batches for j in js)
+        share = sum(line * (1 + bool(rest)) + mb_gap * len(js) + batch_gap for _, js, rest in batches)
+        height = max(height, rows / max(1.0 - share, 0.3))
+    line, mb_gap, batch_gap = line * height, mb_gap * height, batch_gap * height
+    cells = longest <= 48  # draw every token as a cell when they are wide enough to see
+    label_space = 0.55 * longest
+
+    fig = Figure(figsize=(14, 10.5), dpi=90, layout="constrained")
+    grid = fig.add_gridspec(2, len(panels), height_ratios=[3.2, 1])
+    fig.suptitle(title, fontsize=11)
+    for c, (panel, batches) in enumerate(zip(panels, drawn)):
+        ax = fig.add_subplot(grid[0, c])
+        plan, padded_s, factors = panel["plan"], panel["padded_s"], panel["lr_factors"]
+        filled, empty = [], []
+        y = 0.0
+        for b, js, rest in batches:
+            ax.text(0, y + 0.8 * line, f"batch {b}: B={int(plan.batch_sizes[b])} sequences, "
+                                f"{int(plan.batch_tokens[b])} tokens, LR factor {factors[b]:.3g}",
+                    fontsize=8.5, fontweight="bold", va="bottom")
+            y += line
+            for j in js:
+                ids = plan.microbatch(j)
+                s = int(padded_s[j])
+                for row, i in enumerate(ids.tolist()):
+                    length = int(seqlens[i])
+                    if cells:
+                        filled += [Rectangle((x, y + row), 1, 0.9) for x in range(length)]
+                        empty += [Rectangle((x, y + row), 1, 0.9) for x in range(length, s)]
+                    else:
+                        filled.append(Rectangle((0, y + row), length, 0.9))
+                        if s > length:
+                            empty.append(Rectangle((length, y + row), s - length, 0.9))
+                real = int(seqlens[ids].sum())
+                ax.text(s + 0.02 * longest, y + len(ids) / 2, f"{len(ids)}x{s}xE, {real} tokens",
+                        fontsize=7.5, va="center")
+                y += len(ids) + mb_gap
+            if rest:
+                ax.text(0, y + 0.5 * line, f"... {rest} more micro-batch{'es' if rest > 1 else ''} in this batch",
+                        fontsize=7.5, style="italic", va="center")
+                y += line
+            y += batch_gap
+        ax.add_collection(PatchCollection(filled, facecolor=token_color, edgecolor="white" if cells else "none",
+                                          linewidth=0.4))
+        ax.add_collection(PatchCollection(empty, facecolor="white", edgecolor=pad_edge, linewidth=0.4))
+        ax.set_xlim(0, longest + label_space)
+        ax.set_ylim(height, 0)
+        ax.set_yticks([])
+        for side in ("left", "right", "top"):
+            ax.spines[side].set_visible(False)
+        ax.set_xlabel("tokens (padded S)")
+        totals = panel["totals"]
+        ax.set_title(f"{panel['heading']}\n{totals['batches']} batches, {totals['efficiency']:.1%} of padded "
+                     f"tokens are real, largest padded micro-batch {totals['largest_padded_microbatch']['tokens']}"
+                     f" tokens", fontsize=9.5)
+        if c == 0:
+            ax.legend(handles=[Patch(facecolor=token_color, label="token"),
+                               Patch(facecolor="white", edgecolor=pad_edge, label="padding")],
+                      loc="lower right", fontsize=8, frameon=False)
+    # Histograms over the whole epoch.
+    ax_b = fig.add_subplot(grid[1, 0])
+    ax_lr = fig.add_subplot(grid[1, len(panels) - 1]) if len(panels) > 1 else None
+    all_sizes = np.concatenate([panel["plan"].batch_sizes for panel in panels])
+    low, high = int(all_sizes.min()), int(all_sizes.max())
+    size_bins = np.arange(low - 0.5, high + 1.5) if high - low <= 60 else 40  # one bar per B when few
+    all_factors = np.concatenate([panel["lr_factors"] for panel in panels])
+    factor_bins = np.linspace(all_factors.min() - 0.05, all_factors.max() + 0.05, 41)
+    # Solid and dashed outlines, so equal distributions stay visible on top of each other.
+    for panel, color, style in zip(panels, (token_color, "#d9822b"), ("-", "--")):
+        name = panel["heading"].split(":")[0]
+        ax_b.hist(panel["plan"].batch_sizes, bins=size_bins, histtype="step", linewidth=1.5, color=color,
+                  linestyle=style, label=name)
+        if ax_lr is not None:
+            ax_lr.hist(panel["lr_factors"], bins=factor_bins, histtype="step", linewidth=1.5, color=color,
+                       linestyle=style, label=name)
+    ax_b.set_xlabel("B: sequences per batch")
+    ax_b.set_ylabel("batches")
+    ax_b.set_title("batch size B over the epoch", fontsize=9.5)
+    ax_b.legend(fontsize=8, frameon=False, loc="upper right")
+    if ax_lr is not None:
+        lr = panels[0]["totals"].get("lr_factor", {})
+        ax_lr.axvline(1.0, color="black", linewidth=0.8, linestyle=":")
+        ax_lr.set_xlabel(f"LR factor s(B / B_ref), {lr.get('method')} rule, B_ref={lr.get('reference')}"
+                         f" = {_number(lr.get('reference_value', 0))} {lr.get('unit')}")
+        ax_lr.set_ylabel("batches")
+        ax_lr.set_title("LR factor over the epoch (dotted: the configured LR)", fontsize=9.5)
+        ax_lr.legend(fontsize=8, frameon=False, loc="upper right")
+    fig.savefig(path)
+
+
+# -- argument parsing ---------------------------------------------------------
+
+_PLAN_EPILOG = """\
+where the numbers come from:
+  Settings come from --config (a DeepSpeed config with a
+  data_efficiency.data_sampling.dynamic_batching section, read and validated
+  as training does); a flag overrides the config's value. Without --config:
+  max_tokens 4096, budget sum, order dataloader, one micro-batch per batch.
+
+  Micro-batches per batch (train_batch_size, k) are resolved as DeepSpeed does:
+  train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps
+  x world size; a missing one of the three is derived from the others, a
+  missing accumulation defaults to 1. --world-size N sets the world size (else
+  it is train_batch_size / (micro batch x accumulation), or 1). The padded S of
+  a micro-batch is the longest sample of the step input it is collated into
+  (train_micro_batch_size_per_gpu micro-batches of one rank); with --pipeline,
+  the longest sample of its batch.
+
+  The LR factor is s(B / B_ref) with the config's lr_scaling_method (linear),
+  lr_scaling_unit (sequences) and lr_scaling_reference (a number, "mean", or by
+  default train_batch_size, as DeepSpeed does).
+
+  Without --seqlens: 2000 synthetic lengths, lognormal (median about 240
+  tokens), clipped to [8, 4096], always the same.
+
+examples:
+  python varbatch.py plan
+  python varbatch.py plan --config ds_config.json --seqlens lengths.npy --world-size 8
+  python varbatch.py plan --seqlens lengths.txt --order bucket --budget padded
+  cut -f2 lengths.tsv | python varbatch.py plan --seqlens - --max-tokens 8192 --json
+  python varbatch.py plan --config ds_config.json --pipeline --plot plan.png
+"""
+
+
+def _make_parser():
+    import argparse
+
+    class Parser(argparse.ArgumentParser):
+        def error(self, message):
+            # One line, like every other error of this command; the usage is in --help.
+            self.exit(2, f"varbatch: error: {message} (see {self.prog} --help)\n")
+
+    def positive_int(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+        return value
+
+    def non_negative_int(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}") from None
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
+        return value
+
+    def reference(text):
+        if text == "mean":
+            return text
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        if not value > 0 or not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"expected a number > 0 or 'mean', got {text!r}")
+        return int(value) if value.is_integer() else value
+
+    parser = Parser(prog="python varbatch.py",
+                    description="Plan token-budget batches for a list of sequence lengths, before training.",
+                    epilog="Run 'python varbatch.py plan --help' for its flags.")
+    parser.add_argument("--version", action="version", version=f"varbatch {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="command", required=True)
+    p = sub.add_parser("plan", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_PLAN_EPILOG,
+                       help="plan one epoch: print its batches and totals, optionally draw it",
+                       description="Plan one epoch of token-budget batches, as training will, and print a\n"
+                                   "table of the first batches and the totals of the epoch (or JSON, or a picture).")
+    p.add_argument("--config", metavar="FILE",
+                   help="DeepSpeed config (ds_config.json) with a dynamic_batching section: max_tokens, budget, "
+                        "order, seed, min/max batch size, LR scaling, and the batch sizes")
+    p.add_argument("--seqlens", metavar="FILE",
+                   help="the length of every sample: a .npy array, a text file with one length per line, or - "
+                        "to read those lines from stdin (default: 2000 synthetic lengths)")
+    p.add_argument("--world-size", type=positive_int, metavar="N",
+                   help="data-parallel ranks (GPUs divided by pipeline stages): train_batch_size = micro "
+                        "batch per GPU x accumulation steps x N (default: derived from the config, else 1)")
+    p.add_argument("--pipeline", action="store_true",
+                   help="pipeline-parallel plan: same number of samples in every micro-batch of a batch, every "
+                        "sample padded to its batch's longest")
+    p.add_argument("--epoch", type=non_negative_int, default=0, metavar="E",
+                   help="epoch to plan; random and bucket orders change every epoch (default 0)")
+    p.add_argument("--max-tokens", type=positive_int, metavar="N",
+                   help="token budget of one micro-batch (default: the config's max_tokens, else 4096)")
+    p.add_argument("--budget", choices=BUDGETS,
+                   help="what max_tokens bounds: sum of seqlens (DeepSpeed's) or padded n x S "
+                        "(default: the config's, else sum)")
+    p.add_argument("--order", choices=ORDERS,
+                   help="sequence picking order (default: the config's sequence_picking_order, else dataloader)")
+    p.add_argument("--effective-batch-size", type=positive_int, metavar="K",
+                   help="micro-batches per batch, replacing train_batch_size (one micro-batch per step input)")
+    p.add_argument("--seed", type=non_negative_int, metavar="S",
+                   help="seed of the random and bucket orders (default: the config's, else 0)")
+    p.add_argument("--lr-scaling-method", choices=LR_SCALING_METHODS,
+                   help="LR rule for the LR factor column (default: the config's, else linear)")
+    p.add_argument("--lr-scaling-reference", type=reference, metavar="B_REF",
+                   help="batch size the LR was tuned for, a number or 'mean' (default: the config's, else "
+                        "train_batch_size)")
+    p.add_argument("--lr-scaling-unit", choices=LR_SCALING_UNITS,
+                   help="unit of B and B_ref: sequences or tokens (default: the config's, else sequences)")
+    p.add_argument("--batches", type=non_negative_int, default=10, metavar="N",
+                   help="batches listed in the table (and in the JSON); 0 lists all (default 10)")
+    p.add_argument("--json", action="store_true",
+                   help="print settings, totals and the listed batches as JSON instead of text")
+    p.add_argument("--plot", metavar="FILE.png",
+                   help="also draw the plan, regular (DDP) and pipeline side by side, with histograms of B and "
+                        "the LR factor (needs matplotlib)")
+    p.add_argument("--plot-batches", type=positive_int, default=2, metavar="N",
+                   help="batches drawn per plan in the picture (default 2)")
+    return parser
+
+
+# -- inputs ---------------------------------------------------------------------
+
+
+def _prefixed(source: str, fn: Callable, *args):
+    """``fn(*args)``, with ``source`` (a file name) in front of its error message."""
+    try:
+        return fn(*args)
+    except (ValueError, TypeError) as error:
+        raise type(error)(f"{source}: {error}") from None
 
 
 def _read_seqlens_file(path: str) -> np.ndarray:
+    """Lengths from a .npy file, a text file with one length per line, or ``-`` (stdin)."""
     import sys
-    if path == "-":
-        return _as_seqlens([int(line) for line in sys.stdin if line.strip()])
-    if path.endswith(".npy"):
-        return _as_seqlens(np.load(path))
+    if path != "-" and path.endswith(".npy"):
+        try:
+            array = np.load(path, allow_pickle=False)
+        except OSError:
+            raise
+        except Exception as error:  # a corrupt or non-array file: np.load raises many kinds
+            raise ValueError(f"cannot read {path} as a .npy array of lengths ({error})") from None
+        return _prefixed(path, _as_seqlens, array)
+    name = "stdin" if path == "-" else path
+    lengths = []
+    lines = sys.stdin if path == "-" else open(path)
+    try:
+        for number, line in enumerate(lines, 1):
+            text = line.strip()
+            if not text:
+                continue
+            try:
+                lengths.append(int(text))
+            except ValueError:
+                raise ValueError(f"line {number} of {name} is {text[:40]!r}, not a whole number; give one "
+                                 f"length per line") from None
+    finally:
+        if path != "-":
+            lines.close()
+    if not lengths:
+        raise ValueError(f"{name} holds no lengths; give one length per line")
+    return _prefixed(name, _as_seqlens, lengths)
+
+
+def _read_config(path: str) -> tuple[dict, dict]:
+    """The config dict and its validated dynamic_batching settings."""
+    import json
     with open(path) as f:
-        return _as_seqlens([int(line) for line in f if line.strip()])
+        try:
+            config = json.load(f)
+        except ValueError as error:
+            raise ValueError(f"{path} is not valid JSON ({error})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} should hold a JSON object (a DeepSpeed config), but holds a "
+                         f"{type(config).__name__}")
+    return config, _prefixed(path, _read_dynamic_batching, config)
+
+
+def _batch_geometry(config: Mapping, world_size: int | None,
+                    effective_batch_size: int | None) -> tuple[int, int, int, int]:
+    """``(k, micro_batch_size, gradient_accumulation_steps, world_size)``, resolved as DeepSpeed does."""
+    if effective_batch_size is not None:
+        ranks = world_size or 1
+        if effective_batch_size % ranks:
+            raise ValueError(f"--effective-batch-size {effective_batch_size} should be a multiple of "
+                             f"--world-size {ranks}")
+        return effective_batch_size, 1, effective_batch_size // ranks, ranks
+    values = {}
+    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+        if config.get(key) is not None:
+            values[key] = _check_int(key, config[key], minimum=1)
+    train, micro, accumulation = (values.get("train_batch_size"), values.get("train_micro_batch_size_per_gpu"),
+                                  values.get("gradient_accumulation_steps"))
+    fix = "set train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps x world size"
+    if world_size is None:
+        if train is not None and micro is not None and accumulation is not None:
+            if train % (micro * accumulation):
+                raise ValueError(f"train_batch_size={train} is not a multiple of train_micro_batch_size_per_gpu="
+                                 f"{micro} x gradient_accumulation_steps={accumulation}; {fix}")
+            world_size = train // (micro * accumulation)
+        else:
+            world_size = 1
+    if train is not None and micro is not None and accumulation is not None:
+        if train != micro * accumulation * world_size:
+            raise ValueError(f"train_batch_size={train} != train_micro_batch_size_per_gpu={micro} x "
+                             f"gradient_accumulation_steps={accumulation} x world size {world_size}; {fix}, "
+                             f"or pass --effective-batch-size")
+    elif train is not None and micro is not None:
+        if train % (micro * world_size):
+            raise ValueError(f"train_batch_size={train} is not a multiple of train_micro_batch_size_per_gpu="
+                             f"{micro} x world size {world_size}; {fix}")
+        accumulation = train // (micro * world_size)
+    elif train is not None:
+        accumulation = accumulation or 1
+        if train % (accumulation * world_size):
+            raise ValueError(f"train_batch_size={train} is not a multiple of gradient_accumulation_steps="
+                             f"{accumulation} x world size {world_size}; {fix}")
+        micro = train // (accumulation * world_size)
+    else:
+        micro, accumulation = micro or 1, accumulation or 1
+    return micro * accumulation * world_size, micro, accumulation, world_size
+
+
+# -- the command ------------------------------------------------------------------
 
 
 def _main(argv=None) -> int:
-    import argparse
+    """``python varbatch.py plan ...``: returns the exit code (0, or 2 on bad input)."""
     import json
     import sys
-    parser = argparse.ArgumentParser(prog="python varbatch.py",
-                                     description="Show the token-budget plan of a list of sequence lengths.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("plan", help="plan one epoch and print its batches and totals")
-    p.add_argument("--seqlens", help="lengths: a .npy file, a text file with one length per line, or - for "
-                                     "stdin (default: 2000 synthetic lognormal lengths)")
-    p.add_argument("--config", help="a DeepSpeed config with a dynamic_batching section (sets the defaults)")
-    p.add_argument("--max-tokens", type=int, help="budget of one micro-batch (default: the config's, else 4096)")
-    p.add_argument("--budget", choices=BUDGETS, help="sum of seqlens (default) or padded n x S")
-    p.add_argument("--order", choices=ORDERS, help="sequence picking order (default: the config's)")
-    p.add_argument("--effective-batch-size", type=int, default=None,
-                   help="micro-batches per batch (default: the config's train_batch_size, else 1)")
-    p.add_argument("--pipeline", action="store_true", help="same-size, same-length micro-batches")
-    p.add_argument("--epoch", type=int, default=0, help="epoch to plan (changes random/bucket orders)")
-    p.add_argument("--seed", type=int, default=None, help="seed of random/bucket orders")
-    p.add_argument("--batches", type=int, default=10, help="how many batches to list")
-    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
-    args = parser.parse_args(argv)
+    args = _make_parser().parse_args(argv)
     try:
-        settings = {}
-        config = {}
-        if args.config:
-            with open(args.config) as f:
-                config = json.load(f)
-            settings = _read_dynamic_batching(config)
+        if args.plot:
+            try:
+                import matplotlib  # noqa: F401  (optional: only --plot needs it)
+            except ImportError:
+                raise ValueError("--plot needs matplotlib, which is not installed; pip install matplotlib, "
+                                 "or leave out --plot") from None
+        config, settings = _read_config(args.config) if args.config else ({}, {})
         if args.seqlens:
             seqlens = _read_seqlens_file(args.seqlens)
+            source = "stdin" if args.seqlens == "-" else args.seqlens
         else:
-            rng = np.random.default_rng(0)
-            seqlens = np.clip(rng.lognormal(5.5, 0.9, 2000), 8, 4096).astype(np.int64)
-        pipeline = args.pipeline
-        plan = plan_batches(
-            seqlens, args.max_tokens or settings.get("max_tokens", 4096),
-            effective_batch_size=args.effective_batch_size or int(config.get("train_batch_size", 1)),
-            budget=args.budget or settings.get("budget", "sum"), order=args.order or settings.get("order",
-                                                                                                  "dataloader"),
-            min_batch_size=settings.get("min_batch_size", 1), max_batch_size=settings.get("max_batch_size"),
-            same_size=pipeline, same_length=pipeline,
-            seed=args.seed if args.seed is not None else settings.get("seed"), epoch=args.epoch,
-            bucket_size=settings.get("bucket_size"))
+            seqlens = _synthetic_seqlens()
+            source = "synthetic lengths"
+        k, micro, accumulation, world_size = _batch_geometry(config, args.world_size, args.effective_batch_size)
+        options = dict(
+            max_tokens=args.max_tokens or settings.get("max_tokens", _SYNTHETIC_MAX_TOKENS),
+            effective_batch_size=k,
+            budget=args.budget or settings.get("budget", "sum"),
+            order=args.order or settings.get("order", "dataloader"),
+            min_batch_size=settings.get("min_batch_size", 1),
+            max_batch_size=settings.get("max_batch_size"),
+            seed=args.seed if args.seed is not None else settings.get("seed"),
+            epoch=args.epoch,
+            bucket_size=settings.get("bucket_size"),
+        )
+        lr_scaling = {
+            "method": args.lr_scaling_method or settings.get("lr_scaling_method", "linear"),
+            "reference": (args.lr_scaling_reference if args.lr_scaling_reference is not None
+                          else settings.get("lr_scaling_reference")),
+            "unit": args.lr_scaling_unit or settings.get("lr_scaling_unit", "sequences"),
+        }
+        # Both kinds of plan for the picture; the table and JSON show the one asked for.
+        panels = {}
+        for pipeline in ((False, True) if args.plot else (args.pipeline,)):
+            plan = plan_batches(seqlens, same_size=pipeline, same_length=pipeline, **options)
+            padded_s = _padded_seqlens(plan, seqlens, same_length=pipeline, micro_batch_size=micro,
+                                       num_replicas=world_size)
+            totals = _plan_totals(plan, seqlens, same_length=pipeline, micro_batch_size=micro,
+                                  num_replicas=world_size, lr_scaling=lr_scaling)
+            heading = ("pipeline: same-size, same-length micro-batches" if pipeline
+                       else "regular (DDP): micro-batches padded to their own longest sample")
+            panels[pipeline] = dict(heading=heading, plan=plan, padded_s=padded_s, totals=totals,
+                                    lr_factors=_plan_lr_factors(plan, **{f"lr_scaling_{key}": value
+                                                                         for key, value in lr_scaling.items()}))
+        shown = panels[args.pipeline]
+        plan = shown["plan"]
+        header = (f"{len(seqlens)} samples ({source}), max_tokens={plan.max_tokens} ({plan.budget} budget), "
+                  f"order {options['order']}, {_plural(k, 'micro-batch', 'micro-batches')} per batch, "
+                  f"epoch {plan.epoch}")
+        if args.plot:
+            _draw_plan(args.plot, seqlens, [panels[False], panels[True]], title=header,
+                       num_batches=args.plot_batches)
     except (OSError, ValueError, TypeError) as error:
-        print(f"varbatch: error: {error}", file=sys.stderr)
+        if isinstance(error, OSError) and error.filename is not None:
+            error = f"{error.filename}: {error.strerror}"
+        message = " ".join(str(error).split())  # one line
+        print(f"varbatch: error: {message}", file=sys.stderr)
         return 2
-    k = plan.effective_batch_size
-    sizes = plan.microbatch_sizes()
-    mb_max = np.maximum.reduceat(seqlens[plan.sample_ids], plan.microbatch_offsets[:-1])
-    padded_s = np.repeat(plan.batch_max_seqlens, k) if pipeline else mb_max
-    padded = sizes * padded_s
-    real = int(plan.batch_tokens.sum())
-    summary = {
-        "batches": plan.num_batches, "microbatches": plan.num_microbatches,
-        "samples": int(plan.batch_sizes.sum()), "real_tokens": real, "padded_tokens": int(padded.sum()),
-        "efficiency": real / float(padded.sum()), "max_padded_over_budget": float(padded.max() / plan.max_tokens),
-        "dropped": {reason: len(ids) for reason, ids in plan.dropped.items()},
-        "batch_size_min_mean_max": [int(plan.batch_sizes.min()), float(plan.batch_sizes.mean()),
-                                    int(plan.batch_sizes.max())],
-    }
+    rows = _plan_rows(plan, shown["padded_s"], shown["lr_factors"], args.batches or plan.num_batches)
     if args.json:
-        print(json.dumps(summary, indent=2))
-        return 0
-    print("| batch | micro-batches (B x S) | real tokens | padding % |")
-    print("| --- | --- | --- | --- |")
-    for b in range(min(args.batches, plan.num_batches)):
-        cells = ", ".join(f"{sizes[j]}x{padded_s[j]}" for j in range(b * k, (b + 1) * k))
-        slots = int(padded[b * k:(b + 1) * k].sum())
-        print(f"| {b} | {cells} | {int(plan.batch_tokens[b])} | {100 * (1 - plan.batch_tokens[b] / slots):.1f} |")
-    for key, value in summary.items():
-        print(f"{key}: {value}")
+        settings_out = {key: value for key, value in options.items()}
+        settings_out.update(seqlens=source, num_samples=len(seqlens), pipeline=args.pipeline,
+                            seed=plan.seed, micro_batch_size=micro, gradient_accumulation_steps=accumulation,
+                            world_size=world_size, lr_scaling=lr_scaling)
+        out = {"settings": settings_out, "totals": shown["totals"], "batches": rows,
+               "dropped_ids": {reason: ids.tolist() for reason, ids in plan.dropped.items()}}
+        print(json.dumps(out, indent=2))
+    else:
+        mode = "pipeline (same-size, same-length micro-batches)" if args.pipeline else "regular (DDP)"
+        print(f"plan: {header}, {mode}")
+        print()
+        print(_format_rows(rows))
+        if len(rows) < plan.num_batches:
+            print(f"... {plan.num_batches - len(rows)} more batches (--batches 0 lists all)")
+        print()
+        print(_format_plan_totals(shown["totals"]))
+        for reason, ids in plan.dropped.items():
+            if len(ids):
+                print(f"dropped as {reason}: {_format_ids(ids)}")
+    if args.plot:
+        print(f"varbatch: wrote {args.plot}", file=sys.stderr)
     return 0
 
 
