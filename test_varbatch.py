@@ -1,0 +1,1217 @@
+"""Tests of varbatch: properties of plans, an oracle, DeepSpeed parity, LR formulas, resume, bad input.
+
+Grouped in the order of varbatch.py's sections. Run: ``python -m pytest test_varbatch.py``.
+The DeepSpeed comparisons import DeepSpeed inside the tests and are skipped where it is not installed.
+"""
+
+import copy
+import functools
+import json
+import math
+import pickle
+import re
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+import varbatch
+from varbatch import (
+    PaddedCollate,
+    VariableBatchSampler,
+    VariableBatchSizeLR,
+    make_dataloader,
+    micro_batch_loss_weight,
+    pad_sample,
+    plan_batches,
+    scale_lr,
+    seqlens_from_padded,
+)
+
+settings.register_profile("varbatch", deadline=None, max_examples=100,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.load_profile("varbatch")
+
+
+def _lengths(n, low=1, high=40, seed=0):
+    """``n`` reproducible seqlens in ``[low, high]``."""
+    return np.random.default_rng(seed).integers(low, high + 1, n).tolist()
+
+
+def _deepspeed_batch_by_seqlens():
+    """DeepSpeed's own ``batch_by_seqlens``."""
+    module = pytest.importorskip("deepspeed.runtime.data_pipeline.data_sampling.variable_batch_size_and_lr")
+    return module.batch_by_seqlens
+
+
+# =============================================================================
+# Validation
+# =============================================================================
+
+
+@pytest.mark.parametrize("seqlens, error, names", [
+    ([3, -2, 4], ValueError, "seqlens[1]=-2"),
+    ([3, 0], ValueError, "seqlens[1]=0"),
+    ([3, 2.5], ValueError, "seqlens[1]=2.5"),
+    ([3.0, float("nan")], ValueError, "seqlens[1]=nan"),
+    ([[1, 2], [3, 4]], ValueError, "shape (2, 2)"),
+    (["a", "b"], TypeError, "dtype <U1"),
+    ("abc", TypeError, "seqlens='abc'"),
+    ([True, False], TypeError, "dtype bool"),
+])
+def test_bad_seqlens(seqlens, error, names):
+    """Invalid seqlens raise, naming the offending value."""
+    with pytest.raises(error, match=re.escape(names)):
+        plan_batches(seqlens, 10)
+
+
+@pytest.mark.parametrize("max_tokens, error, names", [
+    (0, ValueError, "max_tokens=0"),
+    (-5, ValueError, "max_tokens=-5"),
+    (2.5, TypeError, "max_tokens=2.5"),
+    ("10", TypeError, "max_tokens='10'"),
+    (True, TypeError, "max_tokens=True"),
+])
+def test_bad_max_tokens(max_tokens, error, names):
+    """max_tokens below 1 or not an integer raises, naming the value."""
+    with pytest.raises(error, match=re.escape(names)):
+        plan_batches([1, 2, 3], max_tokens)
+
+
+@pytest.mark.parametrize("effective_batch_size", [0, -1])
+def test_bad_effective_batch_size(effective_batch_size):
+    """effective_batch_size below 1 raises, naming the value."""
+    with pytest.raises(ValueError, match=re.escape(f"effective_batch_size={effective_batch_size}")):
+        plan_batches([1, 2, 3], 10, effective_batch_size=effective_batch_size)
+
+
+@pytest.mark.parametrize("option, value, closest", [
+    ("order", "randm", "random"),
+    ("order", "seqlens", "seqlen"),
+    ("budget", "pad", "padded"),
+    ("on_overlong", "eror", "error"),
+])
+def test_unknown_choice_lists_valid_ones_and_suggests_closest(option, value, closest):
+    """An unknown order, budget or on_overlong names the value, lists the valid ones and the closest."""
+    valid = {"order": varbatch.ORDERS, "budget": varbatch.BUDGETS, "on_overlong": ("skip", "error")}[option]
+    with pytest.raises(ValueError) as info:
+        plan_batches([1, 2, 3], 10, **{option: value})
+    message = str(info.value)
+    assert repr(value) in message
+    assert f"did you mean {closest!r}" in message
+    for choice in valid:
+        assert repr(choice) in message
+
+
+# =============================================================================
+# The planner
+# =============================================================================
+
+
+def _oracle_plan(seqlens, max_tokens, *, effective_batch_size=1, budget="sum", order="dataloader",
+                 min_batch_size=1, max_batch_size=None, sample_ids=None, same_size=False, same_length=False):
+    """The plan, computed slowly and obviously from DESIGN.md's semantics (dataloader and seqlen orders).
+
+    Returns ``(fixed, leftover, dropped)``: the micro-batches whose exact content is specified, the
+    leftover micro-batches (fewer than k) that the planner must re-split into exactly k parts, or
+    None when that is impossible (their samples are then dropped as tail), and reason -> sorted ids.
+    """
+    k = effective_batch_size
+    chosen = list(range(len(seqlens))) if sample_ids is None else [int(i) for i in sample_ids]
+    filtered = sorted(set(range(len(seqlens))) - set(chosen)) if sample_ids is not None else []
+    over_budget = sorted(i for i in chosen if seqlens[i] > max_tokens)
+    todo = [i for i in chosen if seqlens[i] <= max_tokens]
+    if order == "seqlen":
+        todo = sorted(todo, key=lambda i: (seqlens[i], i))  # ties by id, as DeepSpeed's sort of (len, id)
+    cap = max_batch_size or len(todo)
+
+    def cost(ids, longest=None):
+        if budget == "sum":
+            return sum(seqlens[i] for i in ids)
+        return len(ids) * (longest if longest is not None else max(seqlens[i] for i in ids))
+
+    too_small, tail, fixed, leftover = [], [], [], []
+    pos = 0
+    if same_size:
+        # Whole batches: n rows of k consecutive samples, column b is micro-batch b, n as large as fits.
+        def columns(n):
+            chunk = todo[pos:pos + n * k]
+            return [chunk[b::k] for b in range(k)]
+
+        def fits(n):
+            cols = columns(n)
+            if budget == "padded" and same_length:
+                longest = max(seqlens[i] for col in cols for i in col)
+                return all(cost(col, longest) <= max_tokens for col in cols)
+            return all(cost(col) <= max_tokens for col in cols)
+
+        while pos + k <= len(todo):
+            rows_left = (len(todo) - pos) // k
+            n = max([n for n in range(1, min(cap, rows_left) + 1) if fits(n)], default=0)
+            if n >= min_batch_size:
+                fixed += columns(n)
+                pos += n * k
+            elif n + 1 > rows_left:  # stopped by the end of the data
+                break
+            else:  # stopped by the budget short of min_batch_size rows
+                too_small.append(todo[pos])
+                pos += 1
+        tail = todo[pos:]
+    else:
+        greedy = []
+        while pos < len(todo):
+            c = max(c for c in range(1, min(cap, len(todo) - pos) + 1) if cost(todo[pos:pos + c]) <= max_tokens)
+            if c >= min_batch_size:
+                greedy.append(todo[pos:pos + c])
+                pos += c
+            elif pos + c == len(todo):  # stopped by the end of the data
+                tail = todo[pos:]
+                break
+            else:  # stopped by the budget short of min_batch_size samples
+                too_small.append(todo[pos])
+                pos += 1
+        full = len(greedy) - len(greedy) % k
+        fixed, leftover = greedy[:full], greedy[full:]
+        # A micro-batch of s samples splits into at most s // min_batch_size parts of min_batch_size or more.
+        if leftover and sum(len(mb) // min_batch_size for mb in leftover) < k:
+            tail = [i for mb in leftover for i in mb] + tail
+            leftover = None
+    dropped = {"over_budget": over_budget, "min_batch_size": sorted(too_small), "tail": sorted(tail),
+               "filtered": filtered}
+    return fixed, leftover, dropped
+
+
+@st.composite
+def plan_cases(draw, orders=("dataloader", "seqlen"), max_n=40, max_len=20):
+    """Keyword arguments of plan_batches: lengths, budgets, k, shapes, batch-size bounds, subsets."""
+    n = draw(st.integers(1, max_n))
+    seqlens = draw(st.lists(st.integers(1, max_len), min_size=n, max_size=n))
+    budget = draw(st.sampled_from(varbatch.BUDGETS))
+    same_size = draw(st.booleans())
+    same_length = draw(st.booleans())
+    if budget == "padded" and same_length:
+        same_size = True
+    min_bs = draw(st.integers(1, 3))
+    max_bs = draw(st.one_of(st.none(), st.integers(min_bs, 8)))
+    sample_ids = None
+    if draw(st.booleans()):
+        sample_ids = draw(st.permutations(range(n)).flatmap(lambda p: st.integers(1, n).map(lambda m: p[:m])))
+    return dict(seqlens=seqlens, max_tokens=draw(st.integers(1, 3 * max_len)),
+                effective_batch_size=draw(st.integers(1, 4)), budget=budget, order=draw(st.sampled_from(orders)),
+                min_batch_size=min_bs, max_batch_size=max_bs, sample_ids=sample_ids, same_size=same_size,
+                same_length=same_length, seed=draw(st.integers(0, 3)), epoch=draw(st.integers(0, 3)),
+                bucket_size=draw(st.integers(1, 8)))
+
+
+def _plan_or_none(case):
+    """plan_batches(**case), or None when the case has too few samples for one batch."""
+    try:
+        return plan_batches(**case)
+    except ValueError as error:
+        if "not enough samples for one batch" in str(error) or "every sample is longer" in str(error):
+            return None
+        raise
+
+
+def _oracle_case(case):
+    """The oracle's keyword arguments from a plan case (the orders it knows)."""
+    return {key: value for key, value in case.items() if key not in ("seed", "epoch", "bucket_size")}
+
+
+@given(case=plan_cases(orders=varbatch.ORDERS))
+def test_budget_never_exceeded(case):
+    """No micro-batch costs more than max_tokens, under either budget and every order."""
+    plan = _plan_or_none(case)
+    if plan is None:
+        return
+    lens = np.asarray(case["seqlens"])
+    k = plan.effective_batch_size
+    for j, mb in enumerate(plan.microbatches()):
+        if case["budget"] == "sum":
+            cost = int(lens[mb].sum())
+        elif case["same_length"]:  # every sample is padded to the batch's longest
+            cost = len(mb) * int(plan.batch_max_seqlens[j // k])
+        else:
+            cost = len(mb) * int(lens[mb].max())
+        assert cost <= case["max_tokens"], f"micro-batch {j} costs {cost} > max_tokens={case['max_tokens']}"
+
+
+@given(case=plan_cases(orders=varbatch.ORDERS))
+def test_every_sample_packed_once_or_reported(case):
+    """Packed and dropped ids are disjoint, each appears once, and together they are every sample."""
+    plan = _plan_or_none(case)
+    if plan is None:
+        return
+    packed = plan.sample_ids.tolist()
+    dropped = [i for ids in plan.dropped.values() for i in ids.tolist()]
+    assert len(set(packed)) == len(packed), "a sample is packed twice"
+    assert len(set(dropped)) == len(dropped), "a sample is dropped twice"
+    assert not set(packed) & set(dropped), "a sample is both packed and dropped"
+    assert sorted(packed + dropped) == list(range(len(case["seqlens"])))
+    assert set(plan.dropped) == set(varbatch.DROP_REASONS)
+    assert plan.num_dropped == len(dropped)
+    if case["min_batch_size"] == 1:
+        assert len(plan.dropped["tail"]) < plan.effective_batch_size
+        assert len(plan.dropped["min_batch_size"]) == 0
+
+
+@given(case=plan_cases(orders=varbatch.ORDERS))
+def test_batches_are_whole_and_statistics_match(case):
+    """Every batch holds k micro-batches, and batch_sizes/tokens/max seqlens describe them."""
+    plan = _plan_or_none(case)
+    if plan is None:
+        return
+    lens = np.asarray(case["seqlens"])
+    k = plan.effective_batch_size
+    mbs = plan.microbatches()
+    assert len(mbs) == plan.num_microbatches == k * plan.num_batches
+    assert [len(mb) for mb in mbs] == plan.microbatch_sizes().tolist()
+    for b in range(plan.num_batches):
+        ids = [i for mb in mbs[b * k:(b + 1) * k] for i in mb]
+        assert plan.batch_sizes[b] == len(ids)
+        assert plan.batch_tokens[b] == lens[ids].sum()
+        assert plan.batch_max_seqlens[b] == lens[ids].max()
+
+
+@given(case=plan_cases(orders=varbatch.ORDERS))
+def test_min_and_max_batch_size_respected(case):
+    """Every micro-batch holds between min_batch_size and max_batch_size samples."""
+    plan = _plan_or_none(case)
+    if plan is None:
+        return
+    sizes = plan.microbatch_sizes()
+    assert sizes.min() >= case["min_batch_size"]
+    if case["max_batch_size"]:
+        assert sizes.max() <= case["max_batch_size"]
+
+
+@given(case=plan_cases(orders=varbatch.ORDERS))
+def test_same_size_micro_batches(case):
+    """With same_size, every micro-batch of a batch holds the same number of samples."""
+    case = dict(case, same_size=True)
+    plan = _plan_or_none(case)
+    if plan is None:
+        return
+    sizes = plan.microbatch_sizes().reshape(plan.num_batches, plan.effective_batch_size)
+    assert (sizes == sizes[:, :1]).all(), sizes
+
+
+@given(case=plan_cases(orders=varbatch.ORDERS))
+def test_identical_inputs_give_identical_plans(case):
+    """The plan depends only on its inputs: two calls agree in every field."""
+    first, second = _plan_or_none(case), _plan_or_none(copy.deepcopy(case))
+    if first is None:
+        assert second is None
+        return
+    assert first.fingerprint() == second.fingerprint()
+    for field in ("sample_ids", "microbatch_offsets", "batch_sizes", "batch_tokens", "batch_max_seqlens"):
+        np.testing.assert_array_equal(getattr(first, field), getattr(second, field))
+    for reason in varbatch.DROP_REASONS:
+        np.testing.assert_array_equal(first.dropped[reason], second.dropped[reason])
+
+
+@pytest.mark.parametrize("order", ["random", "bucket"])
+@given(seqlens=st.lists(st.integers(1, 30), min_size=30, max_size=80), seed=st.integers(0, 10**6))
+@settings(max_examples=20)
+def test_random_orders_change_with_epoch(order, seqlens, seed):
+    """random and bucket orders draw a new order each epoch, the same for a given (seed, epoch)."""
+    plans = [plan_batches(seqlens, 40, order=order, seed=seed, epoch=e, bucket_size=4) for e in (0, 1, 0)]
+    assert plans[0].sample_ids.tolist() != plans[1].sample_ids.tolist()
+    assert plans[0].fingerprint() == plans[2].fingerprint()
+
+
+def test_no_seed_means_a_fixed_seed():
+    """seed=None gives the same random order every call (never an unseeded generator)."""
+    seqlens = _lengths(50)
+    plans = [plan_batches(seqlens, 60, order="random", seed=None) for _ in range(2)]
+    assert plans[0].fingerprint() == plans[1].fingerprint()
+    assert plans[0].sample_ids.tolist() != sorted(plans[0].sample_ids.tolist())
+
+
+def _assert_matches_oracle(case):
+    """plan_batches(**case) equals the oracle's plan."""
+    fixed, leftover, dropped = _oracle_plan(**_oracle_case(case))
+    plan = _plan_or_none(case)
+    if plan is None:
+        assert not fixed and not leftover, "plan_batches refused a case the oracle can pack"
+        return
+    mbs = plan.microbatches()
+    assert mbs[:len(fixed)] == fixed
+    rest = mbs[len(fixed):]
+    if not leftover:
+        assert rest == []
+    else:
+        # The leftover is re-split into exactly k parts, each a piece of one leftover micro-batch.
+        k = case["effective_batch_size"]
+        assert len(rest) == k, f"leftover {leftover} re-split into {rest}, not {k} parts"
+        assert [i for mb in rest for i in mb] == [i for mb in leftover for i in mb]
+        assert all(len(mb) >= case["min_batch_size"] for mb in rest)
+        cuts = set(np.cumsum([len(mb) for mb in rest]).tolist())
+        assert set(np.cumsum([len(mb) for mb in leftover]).tolist()) <= cuts, "a part joins two micro-batches"
+    for reason in varbatch.DROP_REASONS:
+        assert plan.dropped[reason].tolist() == dropped[reason], reason
+
+
+@given(case=plan_cases())
+# single sample
+@example(case=dict(seqlens=[5], max_tokens=5, effective_batch_size=1, budget="sum", order="dataloader",
+                   min_batch_size=1, max_batch_size=None, sample_ids=None, same_size=False, same_length=False))
+@example(case=dict(seqlens=[5], max_tokens=4, effective_batch_size=1, budget="padded", order="seqlen",
+                   min_batch_size=1, max_batch_size=None, sample_ids=None, same_size=True, same_length=True))
+# all equal lengths
+@example(case=dict(seqlens=[3] * 12, max_tokens=9, effective_batch_size=2, budget="sum", order="seqlen",
+                   min_batch_size=1, max_batch_size=None, sample_ids=None, same_size=False, same_length=False))
+@example(case=dict(seqlens=[4] * 10, max_tokens=8, effective_batch_size=3, budget="padded", order="dataloader",
+                   min_batch_size=1, max_batch_size=None, sample_ids=None, same_size=True, same_length=True))
+# sample exactly max_tokens
+@example(case=dict(seqlens=[2, 7, 7, 1, 7], max_tokens=7, effective_batch_size=1, budget="sum", order="dataloader",
+                   min_batch_size=1, max_batch_size=None, sample_ids=None, same_size=False, same_length=False))
+@example(case=dict(seqlens=[3, 6, 1, 2], max_tokens=6, effective_batch_size=2, budget="padded",
+                   order="dataloader", min_batch_size=1, max_batch_size=None, sample_ids=None, same_size=True,
+                   same_length=False))
+# min_batch_size that cannot be met mid-epoch
+@example(case=dict(seqlens=[2, 2, 9, 2, 2, 2, 2], max_tokens=10, effective_batch_size=1, budget="sum",
+                   order="dataloader", min_batch_size=2, max_batch_size=None, sample_ids=None, same_size=False,
+                   same_length=False))
+@example(case=dict(seqlens=[1, 1, 1, 1, 8, 1, 1, 1, 1, 1], max_tokens=8, effective_batch_size=2, budget="padded",
+                   order="dataloader", min_batch_size=2, max_batch_size=None, sample_ids=None, same_size=True,
+                   same_length=False))
+# tail re-split
+@example(case=dict(seqlens=[1] * 6, max_tokens=6, effective_batch_size=3, budget="sum", order="dataloader",
+                   min_batch_size=2, max_batch_size=None, sample_ids=None, same_size=False, same_length=False))
+@example(case=dict(seqlens=[1, 1, 8, 8, 1, 1], max_tokens=10, effective_batch_size=3, budget="sum",
+                   order="dataloader", min_batch_size=2, max_batch_size=None, sample_ids=None, same_size=False,
+                   same_length=False))
+@example(case=dict(seqlens=[1] * 9, max_tokens=20, effective_batch_size=4, budget="sum", order="dataloader",
+                   min_batch_size=1, max_batch_size=None, sample_ids=None, same_size=False, same_length=False))
+@example(case=dict(seqlens=[2, 2, 2, 2, 2, 5, 5], max_tokens=10, effective_batch_size=2, budget="sum",
+                   order="seqlen", min_batch_size=1, max_batch_size=None, sample_ids=None, same_size=False,
+                   same_length=False))
+@settings(max_examples=300)
+def test_plan_matches_oracle(case):
+    """plan_batches packs, drops and re-splits exactly as the slow oracle says."""
+    _assert_matches_oracle(case)
+
+
+def _ds_microbatches(seqlens, max_tokens, **kwargs):
+    """DeepSpeed's micro-batches as lists of ids; [] where DeepSpeed packs too little for one batch."""
+    ds_batch_by_seqlens = _deepspeed_batch_by_seqlens()
+    try:
+        microbatch_ids, _, _ = ds_batch_by_seqlens(list(seqlens), max_tokens, **kwargs)
+    except AssertionError:  # "not enough datapoints to create a single sample per dataloader"
+        return []
+    return [list(ids) for _, ids in microbatch_ids]
+
+
+def _assert_deepspeed_prefix(ours, theirs, k, same_size):
+    """DeepSpeed's micro-batches are ours, except that its last micro-batch (batch) may be a prefix."""
+    assert len(theirs) <= len(ours)
+    relaxed = len(theirs) - (k if same_size else 1)
+    for j, mb in enumerate(theirs):
+        if j < relaxed:
+            assert mb == ours[j], f"micro-batch {j}: DeepSpeed {mb}, varbatch {ours[j]}"
+        else:
+            assert mb == ours[j][:len(mb)], f"micro-batch {j}: DeepSpeed {mb} is not a prefix of {ours[j]}"
+
+
+@st.composite
+def deepspeed_cases(draw, orders=("dataloader", "seqlen")):
+    """Small sum-budget cases (DeepSpeed's packer is cubic in the number of samples)."""
+    n = draw(st.integers(1, 40))
+    min_bs = draw(st.integers(1, 3))
+    return dict(seqlens=draw(st.lists(st.integers(1, 20), min_size=n, max_size=n)),
+                max_tokens=draw(st.integers(1, 60)), effective_batch_size=draw(st.integers(1, 4)),
+                min_batch_size=min_bs, max_batch_size=draw(st.one_of(st.none(), st.integers(min_bs, 6))),
+                same_size=draw(st.booleans()), order=draw(st.sampled_from(orders)),
+                sample_ids=draw(st.one_of(st.none(), st.permutations(range(n)).map(lambda p: p[:max(1, n - 3)]))))
+
+
+def _varbatch_microbatches(case, order=None):
+    try:
+        return plan_batches(case["seqlens"], case["max_tokens"], effective_batch_size=case["effective_batch_size"],
+                            order=order or case["order"], min_batch_size=case["min_batch_size"],
+                            max_batch_size=case["max_batch_size"], sample_ids=case["sample_ids"],
+                            same_size=case["same_size"]).microbatches()
+    except ValueError as error:
+        assert "not enough samples" in str(error) or "every sample is longer" in str(error)
+        return []
+
+
+@given(case=deepspeed_cases())
+@example(case=dict(seqlens=[2, 2, 1, 1], max_tokens=4, effective_batch_size=1, min_batch_size=1,
+                   max_batch_size=None, same_size=False, order="seqlen", sample_ids=[3, 0, 2, 1]))
+@settings(max_examples=80)
+def test_deepspeed_parity_in_dataloader_and_seqlen_order(case):
+    """On the samples DeepSpeed packs, its micro-batches are varbatch's (dataloader and seqlen order)."""
+    ours = _varbatch_microbatches(case)
+    theirs = _ds_microbatches(case["seqlens"], case["max_tokens"], sequence_ids_per_mb=case["sample_ids"],
+                              min_batch_size=case["min_batch_size"], max_batch_size=case["max_batch_size"],
+                              sequence_picking_order=case["order"],
+                              effective_batch_size=case["effective_batch_size"],
+                              required_microbatches_of_same_size=case["same_size"])
+    _assert_deepspeed_prefix(ours, theirs, case["effective_batch_size"], case["same_size"])
+
+
+@given(case=deepspeed_cases(orders=("random",)), seed=st.integers(0, 100), epoch=st.integers(0, 3))
+@settings(max_examples=50)
+def test_deepspeed_parity_in_random_order(case, seed, epoch):
+    """varbatch's random order packs as DeepSpeed does in dataloader order on the permuted lengths."""
+    seqlens = np.asarray(case["seqlens"])
+    fits = seqlens <= case["max_tokens"]
+    if not fits.any():
+        return
+    # The picking order: one sample per micro-batch, so the packed ids are the permutation itself.
+    order = plan_batches(seqlens, case["max_tokens"], order="random", seed=seed, epoch=epoch,
+                         max_batch_size=1).sample_ids
+    assert sorted(order.tolist()) == np.flatnonzero(fits).tolist()
+    try:
+        ours = plan_batches(seqlens, case["max_tokens"], effective_batch_size=case["effective_batch_size"],
+                            order="random", seed=seed, epoch=epoch, min_batch_size=case["min_batch_size"],
+                            max_batch_size=case["max_batch_size"], same_size=case["same_size"]).microbatches()
+    except ValueError as error:
+        assert "not enough samples" in str(error)
+        ours = []
+    theirs = _ds_microbatches(seqlens[order], case["max_tokens"], min_batch_size=case["min_batch_size"],
+                              max_batch_size=case["max_batch_size"], sequence_picking_order="dataloader",
+                              effective_batch_size=case["effective_batch_size"],
+                              required_microbatches_of_same_size=case["same_size"])
+    theirs = [[int(order[p]) for p in mb] for mb in theirs]
+    _assert_deepspeed_prefix(ours, theirs, case["effective_batch_size"], case["same_size"])
+
+
+def test_deepspeed_loses_data_where_varbatch_does_not():
+    """DeepSpeed never packs the final sample, stops at a min_batch_size failure and trims; varbatch keeps them."""
+    # The final sample.
+    ds = _ds_microbatches([3, 3, 3, 3, 3], 6)
+    plan = plan_batches([3, 3, 3, 3, 3], 6)
+    assert ds == [[0, 1], [2, 3]]
+    assert plan.microbatches() == [[0, 1], [2, 3], [4]] and plan.num_dropped == 0
+    # A sample that cannot meet min_batch_size: DeepSpeed ends the epoch there.
+    seqlens = [2, 2, 9, 2, 2, 2, 2]
+    ds = _ds_microbatches(seqlens, 10, min_batch_size=2)
+    plan = plan_batches(seqlens, 10, min_batch_size=2)
+    assert ds == [[0, 1]]
+    assert plan.microbatches() == [[0, 1], [3, 4, 5, 6]]
+    assert plan.dropped["min_batch_size"].tolist() == [2] and plan.num_dropped == 1
+    # Micro-batches that do not fill a batch: DeepSpeed drops them, varbatch re-splits them.
+    seqlens = [1] * 10
+    ds = _ds_microbatches(seqlens, 4, effective_batch_size=2)
+    plan = plan_batches(seqlens, 4, effective_batch_size=2)
+    assert ds == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert plan.microbatches() == [[0, 1, 2, 3], [4, 5, 6, 7], [8], [9]] and plan.num_dropped == 0
+
+
+def test_batch_by_seqlens_returns_deepspeed_shapes():
+    """batch_by_seqlens returns (batch_id, ids) per micro-batch, batch sizes and batch max seqlens."""
+    seqlens = [3, 5, 2, 6, 4, 1]
+    microbatch_ids, batch_sizes, batch_max_seqlens = varbatch.batch_by_seqlens(seqlens, 8, effective_batch_size=2)
+    plan = plan_batches(seqlens, 8, effective_batch_size=2)
+    assert microbatch_ids == [(j // 2, mb) for j, mb in enumerate(plan.microbatches())]
+    assert batch_sizes == plan.batch_sizes.tolist()
+    assert batch_max_seqlens == plan.batch_max_seqlens.tolist()
+
+
+@pytest.mark.parametrize("sample_ids, names", [([0, 5], "sample_ids[1]=5"), ([-1, 0], "sample_ids[0]=-1")])
+def test_sample_ids_out_of_range(sample_ids, names):
+    """Sample ids outside the dataset raise, naming the id."""
+    with pytest.raises(ValueError, match=re.escape(names)):
+        plan_batches([1, 2, 3], 10, sample_ids=sample_ids)
+
+
+def test_sample_ids_duplicated():
+    """A sample id given twice raises, naming it."""
+    with pytest.raises(ValueError, match=re.escape("(ids 1)")):
+        plan_batches([1, 2, 3], 10, sample_ids=[0, 1, 1])
+
+
+def test_sample_ids_not_integers():
+    """Non-integer sample ids raise a TypeError naming their dtype."""
+    with pytest.raises(TypeError, match="float64"):
+        plan_batches([1, 2, 3], 10, sample_ids=[0.0, 1.0])
+
+
+def test_every_sample_longer_than_max_tokens():
+    """A budget that no sample fits raises, naming max_tokens and the shortest sample."""
+    with pytest.raises(ValueError, match=re.escape("max_tokens=3 (shortest 4)")):
+        plan_batches([5, 4, 9], 3)
+
+
+def test_on_overlong_error():
+    """on_overlong='error' refuses samples longer than max_tokens, naming them."""
+    with pytest.raises(ValueError, match=re.escape("max_tokens=5 is smaller than 2 samples (ids 1, 3)")):
+        plan_batches([2, 6, 3, 7], 5, on_overlong="error")
+    assert plan_batches([2, 6, 3, 7], 5).dropped["over_budget"].tolist() == [1, 3]
+
+
+def test_min_batch_size_above_max_batch_size():
+    """min_batch_size > max_batch_size raises, naming both."""
+    with pytest.raises(ValueError, match=re.escape("min_batch_size=3 and max_batch_size=2")):
+        plan_batches([1, 2, 3], 10, min_batch_size=3, max_batch_size=2)
+
+
+def test_not_enough_samples_for_one_batch():
+    """Too few samples for one batch raises, saying how many are needed."""
+    with pytest.raises(ValueError, match=re.escape("3 eligible samples") + ".*" + re.escape("needs at least 4")):
+        plan_batches([1, 1, 1], 10, effective_batch_size=4)
+
+
+def test_padded_same_length_needs_same_size():
+    """budget='padded' with same_length and without same_size raises, naming the fix."""
+    with pytest.raises(ValueError, match=re.escape("set same_size=True")):
+        plan_batches([1, 2, 3], 10, budget="padded", same_length=True)
+
+
+# =============================================================================
+# Learning-rate math
+# =============================================================================
+
+
+def test_worked_example_scale_lr():
+    """DESIGN.md section 5: lr 1e-3 at reference batch 2 becomes 5e-3 at B=10 and 2e-3 at B=4."""
+    assert math.isclose(scale_lr(2, 10, 1e-3), 5e-3, rel_tol=1e-12)
+    assert math.isclose(scale_lr(2, 4, 1e-3), 2e-3, rel_tol=1e-12)
+    assert math.isclose(scale_lr(2, 8, 1e-3, "sqrt"), 2e-3, rel_tol=1e-12)
+    assert scale_lr(2, 10, 1e-3, "none") == 1e-3
+    assert math.isclose(scale_lr(2, 10, 1e-3, lambda r: r ** 2), 2.5e-2, rel_tol=1e-12)
+
+
+@pytest.mark.parametrize("base_batch_size", [0, -2, float("nan")])
+def test_scale_lr_bad_base_batch_size(base_batch_size):
+    """scale_lr with base_batch_size <= 0 raises, naming the value."""
+    with pytest.raises(ValueError, match=re.escape(f"base_batch_size={base_batch_size!r}")):
+        scale_lr(base_batch_size, 4)
+
+
+def test_unknown_lr_scaling_method():
+    """An unknown LR method names the value, lists the valid ones and suggests the closest."""
+    with pytest.raises(ValueError) as info:
+        scale_lr(2, 4, method="lineer")
+    message = str(info.value)
+    assert "'lineer'" in message and "did you mean 'linear'" in message
+    assert all(repr(m) in message for m in varbatch.LR_SCALING_METHODS)
+
+
+def _token_dataset(seqlens, dim=3, seed=0):
+    """Sample i: (inputs L_i x dim, targets L_i), float64."""
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(n, dim, generator=gen, dtype=torch.float64), torch.randn(n, generator=gen,
+                                                                                  dtype=torch.float64))
+            for n in seqlens]
+
+
+@pytest.mark.parametrize("unit", ["samples", "tokens"])
+def test_loss_weights_give_the_full_batch_gradient(unit):
+    """Weighted step-input losses, averaged over ranks and accumulation steps, give the batch mean's gradient."""
+    num_replicas, gas, mbs = 2, 2, 1
+    seqlens = _lengths(60, 1, 12, seed=4)
+    data = _token_dataset(seqlens)
+    model = torch.nn.Linear(3, 1, dtype=torch.float64)
+    samplers = [VariableBatchSampler(seqlens, 24, micro_batch_size=mbs, gradient_accumulation_steps=gas,
+                                     num_replicas=num_replicas, rank=r, order="random", seed=1)
+                for r in range(num_replicas)]
+    plan = samplers[0].plan
+    steps = [list(s) for s in samplers]
+
+    def token_losses(ids):  # one tensor per sample: per-token squared error
+        return [(model(data[i][0]).squeeze(-1) - data[i][1]) ** 2 for i in ids]
+
+    def step_loss(ids):
+        losses = token_losses(ids)
+        if unit == "samples":
+            return torch.stack([l.mean() for l in losses]).mean(), len(ids)
+        return torch.cat(losses).mean(), int(sum(seqlens[i] for i in ids))
+
+    def gradient(weighted):
+        model.zero_grad()
+        for r in range(num_replicas):
+            for a in range(gas):
+                ids = steps[r][b * gas + a]
+                loss, count = step_loss(ids)
+                batch_count = plan.batch_sizes[b] if unit == "samples" else plan.batch_tokens[b]
+                weight = micro_batch_loss_weight(count, int(batch_count), num_replicas=num_replicas,
+                                                 gradient_accumulation_steps=gas) if weighted else 1.0
+                (loss * weight / gas).backward()  # DeepSpeed divides the loss by gas ...
+        return [p.grad / num_replicas for p in model.parameters()]  # ... and averages over ranks
+
+    unweighted_differs = False
+    for b in range(plan.num_batches):
+        batch_ids = [i for r in range(num_replicas) for a in range(gas) for i in steps[r][b * gas + a]]
+        assert sorted(batch_ids) == sorted(i for j in range(b * 4, b * 4 + 4) for i in plan.microbatch(j))
+        model.zero_grad()
+        full, _ = step_loss(batch_ids)
+        full.backward()
+        expected = [p.grad.clone() for p in model.parameters()]
+        for got, want in zip(gradient(weighted=True), expected):
+            assert torch.allclose(got, want, rtol=1e-10, atol=1e-12), f"batch {b}: {got} != {want}"
+        unweighted_differs |= not all(torch.allclose(g, w) for g, w in zip(gradient(weighted=False), expected))
+    assert unweighted_differs, "the data never has micro-batches of different sizes: the test proves nothing"
+
+
+# =============================================================================
+# Torch adapters: padding, collate, the batch sampler
+# =============================================================================
+
+
+@given(seqlens=st.lists(st.integers(1, 9), min_size=1, max_size=6), width=st.integers(0, 3))
+@settings(max_examples=30)
+def test_padded_collate_round_trip(seqlens, width):
+    """PaddedCollate pads to B x S x ...; seqlens_from_padded recovers the real lengths."""
+    shape = (lambda n: (n,)) if width == 0 else (lambda n: (n, width))
+    samples = [torch.randint(1, 5, shape(n)) for n in seqlens]
+    padded, lens = PaddedCollate()(samples)
+    assert padded.shape == (len(seqlens), max(seqlens), *shape(1)[1:])
+    assert lens.tolist() == seqlens
+    assert seqlens_from_padded((padded, lens)) == seqlens
+    assert seqlens_from_padded(padded) == seqlens
+    for row, sample, n in zip(padded, samples, seqlens):
+        assert torch.equal(row[:n], sample) and not row[n:].any()
+    tokens, targets, lens = PaddedCollate(pad_value=0)([(s, s.sum(0)) for s in samples])
+    assert tokens.shape[:2] == (len(seqlens), max(seqlens)) and targets.shape[0] == len(seqlens)
+    assert lens.tolist() == seqlens
+
+
+def test_pad_sample():
+    """pad_sample pads the first dimension with pad_value and keeps the sample."""
+    out = pad_sample(torch.tensor([[1, 2], [3, 4]]), 4, pad_value=-1)
+    assert out.tolist() == [[1, 2], [3, 4], [-1, -1], [-1, -1]]
+    assert pad_sample([5, 6, 7], 3).tolist() == [5, 6, 7]
+    assert functools.partial(pad_sample, pad_value=9)(torch.tensor([1]), 2).tolist() == [1, 9]
+
+
+def test_pad_sample_shorter_than_sample():
+    """pad_sample to a length below the sample's raises, naming both lengths."""
+    with pytest.raises(ValueError, match=re.escape("seqlen 3 to length=2")):
+        pad_sample(torch.ones(3), 2)
+
+
+def test_callbacks_are_picklable():
+    """PaddedCollate, pad_sample and the internal collate survive pickling (spawned workers)."""
+    samples = [torch.arange(1, n + 1) for n in (3, 1, 2)]
+    collate = pickle.loads(pickle.dumps(PaddedCollate(pad_value=0)))
+    assert collate(samples)[1].tolist() == [3, 1, 2]
+    assert pickle.loads(pickle.dumps(pad_sample))(torch.ones(1), 3).tolist() == [1, 0, 0]
+    inner = varbatch._Collate(samples, PaddedCollate(), pad_sample)
+    restored = pickle.loads(pickle.dumps(inner))
+    x, lens = restored([(0, (0, 2), 3), (0, (1,), 3)])
+    assert x.shape == (3, 3) and lens.tolist() == [3, 3, 3]
+
+
+@pytest.mark.parametrize("num_replicas, micro_batch_size, gas", [(1, 1, 1), (2, 1, 3), (3, 2, 1), (2, 2, 2)])
+@pytest.mark.parametrize("order", ["dataloader", "random", "bucket"])
+def test_sampler_ranks_split_the_plan(num_replicas, micro_batch_size, gas, order):
+    """Equal exact len on every rank, and the ranks' step inputs together are the plan's samples, once."""
+    seqlens = _lengths(150, 1, 30, seed=2)
+    samplers = [VariableBatchSampler(seqlens, 50, micro_batch_size=micro_batch_size, gradient_accumulation_steps=gas,
+                                     num_replicas=num_replicas, rank=r, order=order, seed=7, bucket_size=16)
+                for r in range(num_replicas)]
+    plan = samplers[0].plan
+    lengths = [len(s) for s in samplers]
+    runs = [list(s) for s in samplers]
+    assert set(lengths) == {plan.num_batches * gas}
+    assert [len(run) for run in runs] == lengths
+    union = [i for run in runs for step in run for i in step]
+    assert sorted(union) == sorted(plan.sample_ids.tolist())
+    for b in range(plan.num_batches):  # the step inputs of batch b hold exactly batch b's samples
+        ids = [i for run in runs for step in run[b * gas:(b + 1) * gas] for i in step]
+        assert len(ids) == plan.batch_sizes[b]
+
+
+@pytest.mark.parametrize("num_replicas, micro_batch_size, gas", [(2, 1, 2), (3, 2, 1), (2, 2, 3)])
+def test_sampler_interleaving_matches_deepspeed(num_replicas, micro_batch_size, gas):
+    """Each rank gets DeepSpeed's micro-batches: micro-batch j to rank j % num_replicas."""
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime.data_pipeline.data_sampling.variable_batch_size_and_lr import (
+        dataloader_for_variable_batch_size)
+    seqlens = _lengths(120, 1, 30, seed=3)
+    k = num_replicas * micro_batch_size * gas
+    plan = plan_batches(seqlens, 45, effective_batch_size=k)
+    microbatch_ids = [(j // k, mb) for j, mb in enumerate(plan.microbatches())]
+    for rank in range(num_replicas):
+        loader, _ = dataloader_for_variable_batch_size(
+            list(range(len(seqlens))), microbatch_ids, plan.batch_max_seqlens.tolist(), dataloader_rank=rank,
+            dataloader_batch_size=micro_batch_size, dataloader_num_replicas=num_replicas, dataloader_num_workers=0)
+        sampler = VariableBatchSampler(seqlens, 45, micro_batch_size=micro_batch_size,
+                                       gradient_accumulation_steps=gas, num_replicas=num_replicas, rank=rank)
+        assert list(sampler) == [list(step) for step in loader]
+
+
+def test_sampler_set_epoch_and_auto_advance():
+    """set_epoch changes the random order; a full iteration advances to the next epoch by itself."""
+    seqlens = _lengths(80, seed=5)
+    sampler = VariableBatchSampler(seqlens, 60, order="random", seed=3)
+    first = list(sampler)
+    assert sampler.epoch == 1
+    second = list(sampler)
+    assert sampler.epoch == 2
+    assert first != second
+    assert second == [mb for mb in sampler.plan_for_epoch(1).microbatches()]
+    sampler.set_epoch(0)
+    assert list(sampler) == first
+    sampler.set_epoch(5)
+    fifth = list(sampler)
+    assert fifth == sampler.plan_for_epoch(5).microbatches() and fifth not in (first, second)
+
+
+def test_make_dataloader_with_workers():
+    """make_dataloader with two worker processes yields the sampler's step inputs, epoch after epoch."""
+    seqlens = _lengths(40, 1, 10, seed=6)
+    dataset = [torch.full((n,), i + 1) for i, n in enumerate(seqlens)]
+    options = dict(micro_batch_size=2, gradient_accumulation_steps=1, num_replicas=1, order="random", seed=2)
+    reference = VariableBatchSampler(seqlens, 25, **options)
+    loader = make_dataloader(dataset, VariableBatchSampler(seqlens, 25, **options), collate_fn=PaddedCollate(),
+                             num_workers=2)
+    for _ in range(2):
+        expected = list(reference)
+        got = list(loader)
+        assert len(got) == len(expected) == len(loader)
+        for ids, (x, lens) in zip(expected, got):
+            assert (x[:, 0] - 1).tolist() == ids
+            assert lens.tolist() == [seqlens[i] for i in ids]
+
+
+@given(seqlens=st.lists(st.integers(1, 12), min_size=8, max_size=40), num_replicas=st.integers(1, 2),
+       gas=st.integers(1, 2), micro_batch_size=st.integers(1, 2), budget=st.sampled_from(varbatch.BUDGETS))
+@settings(max_examples=20)
+def test_same_length_step_inputs_have_the_batch_shape(seqlens, num_replicas, gas, micro_batch_size, budget):
+    """Pipeline mode: every step input of a batch has the same count per micro-batch and S = batch max seqlen."""
+    dataset = [torch.full((n,), i + 1) for i, n in enumerate(seqlens)]
+    options = dict(micro_batch_size=micro_batch_size, gradient_accumulation_steps=gas, num_replicas=num_replicas,
+                   budget=budget, same_size=True, same_length=True, order="seqlen")
+    try:
+        samplers = [VariableBatchSampler(seqlens, 24, rank=r, **options) for r in range(num_replicas)]
+    except ValueError as error:
+        assert "not enough samples" in str(error)
+        return
+    plan = samplers[0].plan
+    runs = [list(make_dataloader(dataset, s, collate_fn=PaddedCollate(), sample_padding_fn=pad_sample))
+            for s in samplers]
+    for b in range(plan.num_batches):
+        per_micro = plan.microbatch_sizes()[b * plan.effective_batch_size]
+        for run in runs:
+            for x, _ in run[b * gas:(b + 1) * gas]:
+                assert x.shape == (per_micro * micro_batch_size, plan.batch_max_seqlens[b])
+                assert seqlens_from_padded(x) == [seqlens[int(i) - 1] for i in x[:, 0]]
+
+
+def test_make_dataloader_needs_padding_fn_in_same_length_mode():
+    """Same-length mode without sample_padding_fn raises, naming the parameter and the fix."""
+    sampler = VariableBatchSampler([3, 4, 5, 2], 10, same_size=True, same_length=True)
+    with pytest.raises(ValueError, match=re.escape("sample_padding_fn is None")):
+        make_dataloader([torch.ones(n) for n in (3, 4, 5, 2)], sampler)
+    with pytest.raises(ValueError, match=re.escape("sample_padding_fn is None")):
+        varbatch.dataloader_for_variable_batch_size([torch.ones(3)], [(0, [0])], [3],
+                                                    required_microbatches_of_same_seqlen=True)
+
+
+def test_padding_fn_returning_the_wrong_length():
+    """A sample_padding_fn that does not pad to the batch max raises, naming both lengths."""
+    seqlens = [3, 5, 2, 4]
+    sampler = VariableBatchSampler(seqlens, 20, same_size=True, same_length=True)
+    loader = make_dataloader([torch.ones(n) for n in seqlens], sampler, sample_padding_fn=lambda s, n: s)
+    with pytest.raises(ValueError, match=r"sample of length 5, but returned length [234] for sample"):
+        list(loader)
+
+
+@pytest.mark.parametrize("kwargs, error, names", [
+    (dict(micro_batch_size=0), ValueError, "micro_batch_size=0"),
+    (dict(gradient_accumulation_steps=1.5), TypeError, "gradient_accumulation_steps=1.5"),
+    (dict(num_replicas=2, rank=2), ValueError, "rank=2 with num_replicas=2"),
+    (dict(seed=-1), ValueError, "seed=-1"),
+])
+def test_bad_sampler_arguments(kwargs, error, names):
+    """Invalid sampler arguments raise, naming the value."""
+    with pytest.raises(error, match=re.escape(names)):
+        VariableBatchSampler([1, 2, 3, 4], 10, **kwargs)
+
+
+def test_make_dataloader_needs_a_variable_batch_sampler():
+    """make_dataloader refuses another sampler, naming its type."""
+    with pytest.raises(TypeError, match="BatchSampler"):
+        make_dataloader([1, 2], torch.utils.data.BatchSampler(range(2), 1, False))
+
+
+# =============================================================================
+# The LR scheduler
+# =============================================================================
+
+_BASE_LR = 0.1
+
+
+def _optimizer(lr=_BASE_LR):
+    return torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=lr)
+
+
+def _check_lr(t, expected, got):
+    assert math.isclose(got, expected, rel_tol=1e-9, abs_tol=1e-15), \
+        f"LR is wrong at step {t}: expected {expected}, got {got}"
+
+
+def _train(sampler, scheduler, optimizer, epochs, realign=False):
+    """A training loop over ``epochs`` epochs; returns (t, epoch, batch, lr) at each optimizer step."""
+    gas = sampler.gradient_accumulation_steps
+    seen, t = [], 0
+    for epoch in range(epochs):
+        assert sampler.epoch == epoch
+        if realign:
+            scheduler.step(0)
+        for i, _ in enumerate(sampler):
+            if i % gas == 0:
+                lr = optimizer.param_groups[0]["lr"]
+                assert scheduler.get_last_lr()[0] == lr
+                seen.append((t, epoch, i // gas, lr))
+            if i % gas == gas - 1:
+                optimizer.step()
+                scheduler.step()
+                t += 1
+    return seen
+
+
+def _sampler(**kwargs):
+    options = dict(micro_batch_size=2, gradient_accumulation_steps=2, num_replicas=1, order="random", seed=11)
+    options.update(kwargs)
+    return VariableBatchSampler(_lengths(120, 1, 40, seed=8), 70, **options)
+
+
+def _mean_size(sampler, unit="sequences"):
+    plan = sampler.plan_for_epoch(0)
+    return float((plan.batch_tokens if unit == "tokens" else plan.batch_sizes).mean())
+
+
+_WARMUP = 5
+
+
+def _warmup(t):
+    return min(1.0, (t + 1) / _WARMUP)
+
+
+_SCHEDULES = {
+    # name: (make the wrapped scheduler, its closed form schedule(t) / base lr)
+    "LambdaLR warmup": (lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, _warmup), _warmup),
+    "LinearLR warmup": (lambda opt: torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.2, total_iters=4),
+                        lambda t: 0.2 + 0.8 * min(t, 4) / 4),
+    "SequentialLR": (lambda opt: torch.optim.lr_scheduler.SequentialLR(
+        opt, [torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.25, total_iters=4),
+              torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.9)], milestones=[4]),
+        lambda t: 0.25 + 0.75 * t / 4 if t < 4 else 0.9 ** (t - 4)),
+    "ChainedScheduler": (lambda opt: torch.optim.lr_scheduler.ChainedScheduler(
+        [torch.optim.lr_scheduler.ConstantLR(opt, factor=0.5, total_iters=3),
+         torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.95)]),
+        lambda t: (0.5 if t < 3 else 1.0) * 0.95 ** t),
+    "constant (optimizer)": (lambda opt: opt, lambda t: 1.0),
+}
+
+
+@pytest.mark.parametrize("schedule", list(_SCHEDULES))
+@pytest.mark.parametrize("method", ["linear", "sqrt"])
+def test_lr_closed_form_over_epochs(schedule, method):
+    """lr_t = schedule(t) x s(B_t / B_ref) at every step of 3 epochs, with a new plan each epoch."""
+    sampler = _sampler()
+    optimizer = _optimizer()
+    make, closed_form = _SCHEDULES[schedule]
+    reference = _mean_size(sampler)
+    scheduler = VariableBatchSizeLR(make(optimizer), reference, sampler, lr_scaling_method=method)
+    scale = (lambda r: r) if method == "linear" else math.sqrt
+    seen = _train(sampler, scheduler, optimizer, epochs=3)
+    assert [e for _, e, _, _ in seen].count(0) == sampler.plan_for_epoch(0).num_batches
+    assert sampler.plan_for_epoch(0).batch_sizes.tolist() != sampler.plan_for_epoch(1).batch_sizes.tolist()
+    for t, epoch, b, lr in seen:
+        size = sampler.plan_for_epoch(epoch).batch_sizes[b]
+        _check_lr(t, _BASE_LR * closed_form(t) * scale(size / reference), lr)
+
+
+def test_lr_mean_reference():
+    """base_batch_size='mean' divides by each epoch's mean batch size, so the epoch's mean factor is 1."""
+    sampler = _sampler()
+    optimizer = _optimizer()
+    scheduler = VariableBatchSizeLR(optimizer, "mean", sampler)
+    seen = _train(sampler, scheduler, optimizer, epochs=3)
+    for epoch in range(3):
+        sizes = sampler.plan_for_epoch(epoch).batch_sizes
+        lrs = [lr for _, e, _, lr in seen if e == epoch]
+        assert math.isclose(np.mean(lrs), _BASE_LR, rel_tol=1e-9)
+        for (t, _, b, lr) in [s for s in seen if s[1] == epoch]:
+            _check_lr(t, _BASE_LR * sizes[b] / sizes.mean(), lr)
+
+
+def test_lr_tokens_unit():
+    """lr_scaling_unit='tokens' scales by the batch's real token count."""
+    sampler = _sampler()
+    optimizer = _optimizer()
+    reference = _mean_size(sampler, "tokens")
+    scheduler = VariableBatchSizeLR(torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup), reference, sampler,
+                                    lr_scaling_method="sqrt", lr_scaling_unit="tokens")
+    for t, epoch, b, lr in _train(sampler, scheduler, optimizer, epochs=3):
+        tokens = sampler.plan_for_epoch(epoch).batch_tokens[b]
+        _check_lr(t, _BASE_LR * _warmup(t) * math.sqrt(tokens / reference), lr)
+
+
+def test_step_zero_realigns_without_restarting():
+    """step(0) at each epoch start changes nothing in sync, never restarts the schedule, and realigns."""
+    runs = []
+    for realign in (False, True):
+        sampler = _sampler()
+        optimizer = _optimizer()
+        base = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup)
+        scheduler = VariableBatchSizeLR(base, _mean_size(sampler), sampler)
+        runs.append(_train(sampler, scheduler, optimizer, epochs=3, realign=realign))
+        assert base.last_epoch == scheduler.last_epoch == len(runs[-1])
+    assert runs[0] == runs[1]
+    sampler.set_epoch(7)
+    scheduler.step(0)
+    assert scheduler.steps_in_epoch == 0
+    assert scheduler.batch_size == sampler.plan_for_epoch(7).batch_sizes[0]
+    assert base.last_epoch == scheduler.last_epoch == len(runs[-1])
+
+
+def test_lr_worked_example_through_scheduler():
+    """DESIGN.md section 5 through the scheduler: 1e-3 at B_ref=2 is 5e-3 at B=10, then 2e-3 at B=4."""
+    optimizer = _optimizer(lr=1e-3)
+    with pytest.warns(UserWarning, match="mean LR factor"):  # mean factor 3.5: the unit-trap warning
+        scheduler = VariableBatchSizeLR(optimizer, 2, [10, 4])
+    _check_lr(0, 5e-3, scheduler.get_last_lr()[0])
+    optimizer.step()
+    scheduler.step()
+    _check_lr(1, 2e-3, scheduler.get_last_lr()[0])
+    _check_lr(1, 2e-3, optimizer.param_groups[0]["lr"])
+
+
+@pytest.mark.parametrize("schedule", ["LambdaLR warmup", "SequentialLR", "ChainedScheduler", "constant (optimizer)"])
+def test_no_warnings_while_stepping(schedule):
+    """Building and stepping the scheduler emits no warning when the mean LR factor is in [0.5, 2]."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sampler = _sampler()
+        optimizer = _optimizer()
+        scheduler = VariableBatchSizeLR(_SCHEDULES[schedule][0](optimizer), _mean_size(sampler), sampler,
+                                        lr_scaling_method="sqrt")
+        _train(sampler, scheduler, optimizer, epochs=3, realign=True)
+        scheduler.get_last_lr()
+        scheduler.load_state_dict(scheduler.state_dict())
+
+
+def test_warns_once_per_epoch_when_mean_factor_is_far_from_one():
+    """With DeepSpeed's default reference (micro-batches, not sequences) each epoch warns once, naming the fix."""
+    sampler = _sampler(gradient_accumulation_steps=1)
+    optimizer = _optimizer()
+    assert _mean_size(sampler) > 2 * sampler.effective_batch_size
+    with pytest.warns(UserWarning, match="mean LR factor of epoch 0 .*lr_scaling_reference='mean'"):
+        scheduler = VariableBatchSizeLR(optimizer, sampler.effective_batch_size, sampler)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _train(sampler, scheduler, optimizer, epochs=2)
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 2 and "epoch 1" in messages[0] and "epoch 2" in messages[1], messages
+
+
+class _WrappedOptimizer:
+    """Stands for DeepSpeed's optimizer wrappers (ZeRO, fp16): .optimizer, .step, .param_groups."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+        self.steps = 0
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def step(self, closure=None):
+        self.steps += 1
+        self.optimizer.step()
+
+    def zero_grad(self, set_to_none=True):
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self):
+        return self.optimizer.state_dict()
+
+
+@pytest.mark.parametrize("wrap_scheduler", [False, True])
+def test_deepspeed_style_optimizer_wrapper(wrap_scheduler):
+    """A DeepSpeed-style optimizer wrapper is unwrapped: constant LR, and the scheduler never steps it."""
+    sampler = _sampler()
+    inner = _optimizer()
+    wrapper = _WrappedOptimizer(inner)
+    reference = _mean_size(sampler)
+    if wrap_scheduler:
+        base = torch.optim.lr_scheduler.LambdaLR(inner, _warmup)
+        scheduler = varbatch.lr_scheduler_for_variable_batch_size(reference, sampler, None, base)
+    else:
+        scheduler = varbatch.lr_scheduler_for_variable_batch_size(reference, sampler, None, wrapper)
+    assert scheduler.optimizer is inner
+    form = _warmup if wrap_scheduler else (lambda t: 1.0)
+    seen = _train(sampler, scheduler, wrapper, epochs=3)
+    assert wrapper.steps == len(seen), "the scheduler stepped the optimizer"
+    for t, epoch, b, lr in seen:
+        _check_lr(t, _BASE_LR * form(t) * sampler.plan_for_epoch(epoch).batch_sizes[b] / reference, lr)
+
+
+def test_scheduler_step_with_an_epoch():
+    """step(5) raises, naming the argument and the fix."""
+    scheduler = VariableBatchSizeLR(_optimizer(), 2, [2, 2])
+    with pytest.raises(ValueError, match=re.escape("epoch=5")):
+        scheduler.step(5)
+
+
+def test_scheduler_bad_arguments():
+    """Unknown LR method, tokens without a sampler and a bad reference raise, naming the value."""
+    with pytest.raises(ValueError, match=re.escape("'sqr' (did you mean 'sqrt'?)")):
+        VariableBatchSizeLR(_optimizer(), 2, [2, 2], lr_scaling_method="sqr")
+    with pytest.raises(ValueError, match=re.escape("lr_scaling_unit='tokens'")):
+        VariableBatchSizeLR(_optimizer(), 2, [2, 2], lr_scaling_unit="tokens")
+    with pytest.raises(ValueError, match=re.escape("base_batch_size=0")):
+        VariableBatchSizeLR(_optimizer(), 0, [2, 2])
+    with pytest.raises(ValueError, match=re.escape("batch_sizes=[]")):
+        VariableBatchSizeLR(_optimizer(), 2, [])
+    with pytest.raises(TypeError, match="lr_scheduler_or_optimizer is None"):
+        varbatch.lr_scheduler_for_variable_batch_size(2, [2], None, None)
+
+
+# -- resume ------------------------------------------------------------------
+
+_RESUME_SEQLENS = _lengths(40, 1, 20, seed=9)
+_RESUME_STEPS = 60  # step inputs of the reference run: more than 3 epochs
+
+
+class _Run:
+    """One rank's training loop: sampler, wrapped LR schedule, and what it has trained on."""
+
+    GAS = 2
+
+    def __init__(self):
+        self.sampler = VariableBatchSampler(_RESUME_SEQLENS, 30, micro_batch_size=1,
+                                            gradient_accumulation_steps=self.GAS, num_replicas=2, rank=1,
+                                            order="random", seed=5)
+        self.optimizer = _optimizer()
+        base = torch.optim.lr_scheduler.SequentialLR(
+            self.optimizer, [torch.optim.lr_scheduler.LinearLR(self.optimizer, start_factor=0.5, total_iters=3),
+                             torch.optim.lr_scheduler.ExponentialLR(self.optimizer, gamma=0.97)], milestones=[3])
+        self.scheduler = VariableBatchSizeLR(base, 4.0, self.sampler, lr_scaling_method="sqrt")
+        self.done = 0  # step inputs trained on, saved with the checkpoint (as a training loop does)
+        self.iterator = iter(self.sampler)
+
+    def next(self):
+        """Trains on the next step input; returns it with the LR it was trained with."""
+        try:
+            step = next(self.iterator)
+        except StopIteration:  # the epoch is over; the sampler advanced by itself
+            self.iterator = iter(self.sampler)
+            step = next(self.iterator)
+        lr = self.optimizer.param_groups[0]["lr"]
+        assert self.scheduler.get_last_lr() == [lr]
+        self.done += 1
+        if self.done % self.GAS == 0:
+            self.optimizer.step()
+            self.scheduler.step()
+        return tuple(step), lr
+
+    def state(self):
+        """The checkpoint, through JSON: state_dict()s are plain data."""
+        return json.loads(json.dumps({"sampler": self.sampler.state_dict(), "scheduler": self.scheduler.state_dict(),
+                                      "done": self.done}))
+
+    @classmethod
+    def resumed(cls, state):
+        run = cls()
+        run.sampler.load_state_dict(state["sampler"])
+        run.scheduler.load_state_dict(state["scheduler"])
+        run.done = state["done"]
+        run.iterator = iter(run.sampler)
+        return run
+
+
+@functools.lru_cache(maxsize=None)
+def _reference_run():
+    run = _Run()
+    return tuple(run.next() for _ in range(_RESUME_STEPS))
+
+
+class ResumeMachine(RuleBasedStateMachine):
+    """Stopping anywhere and resuming from state_dict()s into fresh objects changes no step input nor LR."""
+
+    def __init__(self):
+        super().__init__()
+        self.run = _Run()
+        self.trained = []
+
+    @rule(steps=st.integers(1, 9))
+    def train(self, steps):
+        for _ in range(min(steps, _RESUME_STEPS - len(self.trained))):
+            self.trained.append(self.run.next())
+
+    @rule()
+    def stop_and_resume(self):
+        self.run = _Run.resumed(self.run.state())
+
+    @invariant()
+    def same_as_uninterrupted(self):
+        reference = _reference_run()
+        assert self.trained == list(reference[:len(self.trained)])
+
+
+ResumeMachine.TestCase.settings = settings(max_examples=50, stateful_step_count=25, deadline=None)
+TestResume = ResumeMachine.TestCase
+
+
+def test_reference_run_spans_several_epochs():
+    """The resume test's reference run crosses epoch boundaries (else it would prove little)."""
+    run = _Run()
+    per_epoch = len(run.sampler)
+    assert _RESUME_STEPS > 3 * per_epoch
+    assert run.sampler.plan_for_epoch(0).fingerprint() != run.sampler.plan_for_epoch(1).fingerprint()
+
+
+@pytest.mark.parametrize("owner", ["sampler", "scheduler"])
+def test_load_state_dict_rejects_unknown_keys_and_keeps_its_argument(owner):
+    """load_state_dict names an unknown key, and never mutates the dict it is given."""
+    run = _Run()
+    for _ in range(5):
+        run.next()
+    target = getattr(_Run(), owner)
+    state = getattr(run, owner).state_dict()
+    before = copy.deepcopy(state)
+    target.load_state_dict(state)
+    assert state == before
+    with pytest.raises(ValueError, match=re.escape("unknown keys ['bogus']")):
+        target.load_state_dict(dict(state, bogus=1))
+
+
+def test_sampler_refuses_another_seed_config_or_world_size():
+    """A sampler state saved with another seed, max_tokens or world size is refused."""
+    seqlens = _lengths(60, seed=10)
+    state = VariableBatchSampler(seqlens, 50, num_replicas=2, rank=0, order="random", seed=1).state_dict()
+    with pytest.raises(ValueError, match="fingerprint"):
+        VariableBatchSampler(seqlens, 50, num_replicas=2, rank=0, order="random", seed=2).load_state_dict(state)
+    with pytest.raises(ValueError, match="fingerprint"):
+        VariableBatchSampler(seqlens, 51, num_replicas=2, rank=0, order="random", seed=1).load_state_dict(state)
+    with pytest.raises(ValueError, match=re.escape("num_replicas=2 into a sampler with num_replicas=1")):
+        VariableBatchSampler(seqlens, 50, num_replicas=1, rank=0, order="random", seed=1).load_state_dict(state)
+
+
+def test_scheduler_refuses_another_seed_or_settings():
+    """A scheduler state saved for other batch sizes or LR settings is refused."""
+    seqlens = _lengths(60, seed=10)
+    samplers = [VariableBatchSampler(seqlens, 50, order="random", seed=s) for s in (1, 2)]
+    assert samplers[0].plan.batch_sizes.tolist() != samplers[1].plan.batch_sizes.tolist()
+    state = VariableBatchSizeLR(_optimizer(), "mean", samplers[0]).state_dict()
+    with pytest.raises(ValueError, match="other batch sizes"):
+        VariableBatchSizeLR(_optimizer(), "mean", samplers[1]).load_state_dict(state)
+    with pytest.raises(ValueError, match=re.escape("lr_scaling_method='linear' into one with "
+                                                   "lr_scaling_method='sqrt'")):
+        VariableBatchSizeLR(_optimizer(), "mean", samplers[0], lr_scaling_method="sqrt").load_state_dict(state)
+
+
+# =============================================================================
+# DeepSpeed glue
+# =============================================================================
+
+
+def test_dynamic_batching_config_unknown_key():
+    """An unknown key in the dynamic_batching section is named, with the closest valid key."""
+    config = {"data_efficiency": {"data_sampling": {"dynamic_batching": {"enabled": True, "max_token": 10}}}}
+    with pytest.raises(ValueError, match=re.escape("unknown key 'max_token'") + ".*"
+                       + re.escape("did you mean 'max_tokens'?")):
+        varbatch._read_dynamic_batching(config)
