@@ -144,7 +144,7 @@ def _as_seqlens(seqlens: Any, name: str = "seqlens") -> np.ndarray:
         bad = np.flatnonzero(~np.isfinite(array) | (array != np.round(array)))
         if len(bad):
             raise ValueError(f"{name} should hold whole token counts, but {name}[{bad[0]}]="
-                             f"{array[bad[0]]!r} ({len(bad)} such values); "
+                             f"{array[bad[0]].item()!r} ({len(bad)} such values); "
                              f"pass the token count of every sample")
     array = array.astype(np.int64, copy=True)
     bad = np.flatnonzero(array < 1)
@@ -236,8 +236,8 @@ def _picking_order(seqlens: np.ndarray, ids: np.ndarray, order: str, rng: np.ran
     if order == "dataloader":
         return ids
     if order == "seqlen":
-        # Stable, so equal lengths keep index order (as DeepSpeed's sort of (len, id) pairs).
-        return ids[np.argsort(seqlens[ids], kind="stable")]
+        # Equal lengths in id order, whatever the order of `ids` (as DeepSpeed's sort of (len, id) pairs).
+        return ids[np.lexsort((ids, seqlens[ids]))]
     shuffled = ids[rng.permutation(len(ids))]
     if order == "random":
         return shuffled
@@ -350,16 +350,19 @@ def _resplit_leftover(bounds: list[tuple[int, int]], k: int, min_bs: int) -> lis
 
     A part of a micro-batch never costs more than the whole (under either
     budget), so splitting keeps every micro-batch within the budget. The
-    largest is halved until there are ``k``; None when a half would hold fewer
-    than ``min_bs`` samples.
+    largest is cut in two until there are ``k``, at a multiple of ``min_bs``
+    near its middle: a part of ``s`` samples can make ``s // min_bs`` parts,
+    and such a cut keeps that room (halving 6 samples into 3 + 3 would leave
+    room for 2 parts of 2, not 3). So this returns None exactly when the
+    leftover cannot make ``k`` parts: when the sum of ``s // min_bs`` is below ``k``.
     """
     parts = list(bounds)
     while len(parts) < k:
         j = max(range(len(parts)), key=lambda p: parts[p][1] - parts[p][0])
         a, b = parts[j]
-        if b - a < 2 * min_bs:
+        if b - a < 2 * min_bs:  # the largest, so every part, is too small to cut
             return None
-        mid = a + (b - a) // 2
+        mid = a + min_bs * (((b - a) // min_bs) // 2)
         parts[j:j + 1] = [(a, mid), (mid, b)]
     return parts
 
@@ -393,7 +396,7 @@ def plan_batches(
         effective_batch_size: ``k``, micro-batches per batch (one optimizer
             step): micro-batches per GPU x accumulation steps x data-parallel ranks.
         budget: ``"sum"`` or ``"padded"``, as above.
-        order: ``"dataloader"`` (index order), ``"seqlen"`` (ascending, stable),
+        order: ``"dataloader"`` (index order), ``"seqlen"`` (ascending, ties by id),
             ``"random"`` (a permutation drawn from ``(seed, epoch)``) or
             ``"bucket"`` (random, sorted inside windows of ``bucket_size``
             samples, then the batches shuffled: random with little padding).
@@ -415,10 +418,13 @@ def plan_batches(
             ``over_budget`` drops (with one warning); ``"error"`` refuses them.
 
     Returns:
-        The `Plan`. Fewer than ``k`` samples (``k x min_batch_size`` with a
-        minimum) are dropped as ``tail``; a sample is dropped as
-        ``min_batch_size`` only where no micro-batch of ``min_batch_size``
-        samples starting with it fits the budget.
+        The `Plan`. With ``min_batch_size=1`` fewer than ``k`` samples are
+        dropped as ``tail``; with a larger one, the micro-batches that do not
+        fill a last batch are dropped as ``tail`` only when they cannot be cut
+        into ``k`` micro-batches of ``min_batch_size`` samples or more (plus
+        fewer than ``min_batch_size`` samples at the very end). A sample is
+        dropped as ``min_batch_size`` only where no micro-batch of
+        ``min_batch_size`` samples starting with it fits the budget.
 
     Raises:
         TypeError, ValueError: on bad input, naming the value and the fix.
@@ -1199,8 +1205,11 @@ class VariableBatchSizeLR(LRScheduler):
     def __init__(self, lr_scheduler, base_batch_size, batch_sizes, dataloader=None, lr_scaling_method="linear",
                  last_epoch=-1, verbose=False, *, lr_scaling_unit="sequences"):
         # 1. What is scaled, and where the LR is written.
+        # DeepSpeed's optimizer wrappers (ZeRO, fp16, bf16) also have `step` and
+        # `optimizer`, but an optimizer has `param_groups` and a scheduler has not:
+        # stepping a wrapper here would take a second optimizer step.
         if isinstance(lr_scheduler, Optimizer) or not hasattr(lr_scheduler, "step") \
-                or not hasattr(lr_scheduler, "optimizer"):
+                or not hasattr(lr_scheduler, "optimizer") or hasattr(lr_scheduler, "param_groups"):
             self._base = None
             self.optimizer = _torch_optimizer(lr_scheduler)
         else:
