@@ -796,14 +796,21 @@ class PaddedCollate:
         longest = max(t.shape[0] for t in tensors)
         return torch.stack([pad_sample(t, longest, self.pad_value) for t in tensors])  # B x S x ...
 
-    def __call__(self, samples):
+    def __call__(self, samples, seqlens=None):
+        """Collates ``samples``; ``seqlens`` are their real lengths when they arrive padded.
+
+        `make_dataloader` passes ``seqlens`` in same-length mode, where the samples
+        were padded to the batch's max seqlen before collation.
+        """
         if len(samples) == 0:
             raise ValueError("PaddedCollate got an empty list of samples")
-        if isinstance(samples[0], (tuple, list)):
-            fields = [self._stack(column) for column in zip(*samples)]
-            seqlens = torch.tensor([len(s[0]) for s in samples], dtype=torch.int64)
-            return (*fields, seqlens)
-        return self._stack(samples), torch.tensor([len(s) for s in samples], dtype=torch.int64)
+        tuples = isinstance(samples[0], (tuple, list))
+        if seqlens is None:
+            seqlens = [len(s[0]) if tuples else len(s) for s in samples]
+        lengths = torch.as_tensor(seqlens, dtype=torch.int64)
+        if tuples:
+            return (*[self._stack(column) for column in zip(*samples)], lengths)
+        return self._stack(samples), lengths
 
     def __repr__(self):
         return f"PaddedCollate(pad_value={self.pad_value!r})"
@@ -850,28 +857,43 @@ class _Collate:
     """Loads the samples of a step input's micro-batch keys, pads them, collates them.
 
     A key is ``(batch_index, sample_ids, pad_to)``: ``pad_to`` is the batch's max
-    seqlen in same-length mode, else 0. Picklable, so it runs in worker processes.
+    seqlen in same-length mode, else 0. With ``seqlens`` (the plan's), every
+    sample's length is checked against it, so a dataset that disagrees with the
+    lengths it was planned with fails loudly instead of overshooting the budget.
+    Picklable, so it runs in worker processes.
     """
 
-    def __init__(self, dataset, collate_fn=None, sample_padding_fn=None):
+    def __init__(self, dataset, collate_fn=None, sample_padding_fn=None, seqlens=None):
         self.dataset = dataset
         self.collate_fn = collate_fn
         self.sample_padding_fn = sample_padding_fn
+        self.seqlens = seqlens
 
     def __call__(self, keys):
         samples = []
+        real_lengths = []
         for _, sample_ids, pad_to in keys:
             for i in sample_ids:
                 sample = self.dataset[i]
+                got = _length_of(sample)
+                if self.seqlens is not None and got is not None and got != self.seqlens[i]:
+                    raise ValueError(f"sample {i} has length {got}, but it was planned with seqlen "
+                                     f"{int(self.seqlens[i])}; the seqlens given to varbatch do not match "
+                                     f"the dataset (recompute them, or delete a stale seqlen cache)")
+                real_lengths.append(got)
                 if pad_to:
                     sample = self.sample_padding_fn(sample, pad_to)
-                    got = _length_of(sample)
-                    if got is not None and got != pad_to:
+                    padded = _length_of(sample)
+                    if padded is not None and padded != pad_to:
                         raise ValueError(f"sample_padding_fn should return a sample of length {pad_to}, "
-                                         f"but returned length {got} for sample {i}; it must pad the "
+                                         f"but returned length {padded} for sample {i}; it must pad the "
                                          f"sequence dimension (the first) to exactly `length`")
                 samples.append(sample)
-        return self.collate_fn(samples) if self.collate_fn is not None else samples
+        if self.collate_fn is None:
+            return samples
+        if isinstance(self.collate_fn, PaddedCollate) and None not in real_lengths:
+            return self.collate_fn(samples, seqlens=real_lengths)  # the real lengths, not the padded S
+        return self.collate_fn(samples)
 
 
 def _length_of(sample) -> int | None:
@@ -1124,13 +1146,16 @@ def make_dataloader(dataset, batch_sampler: VariableBatchSampler, *, collate_fn=
     """
     if not isinstance(batch_sampler, VariableBatchSampler):
         raise TypeError(f"batch_sampler should be a VariableBatchSampler, but got {type(batch_sampler).__name__}")
+    if hasattr(dataset, "__len__") and len(dataset) != len(batch_sampler.seqlens):
+        raise ValueError(f"the dataset has {len(dataset)} samples but the sampler was given "
+                         f"{len(batch_sampler.seqlens)} seqlens; give one seqlen per sample of this dataset")
     if batch_sampler.same_length and sample_padding_fn is None:
         raise ValueError("sample_padding_fn is None, but same-length mode pads every sample of a batch to "
                          "the batch's max seqlen; pass sample_padding_fn=varbatch.pad_sample (tensors) or "
                          "your own fn(sample, length)")
     return DataLoader(_KeyDataset(), batch_size=batch_sampler.micro_batch_size,
                       sampler=batch_sampler.microbatch_keys(),
-                      collate_fn=_Collate(dataset, collate_fn, sample_padding_fn),
+                      collate_fn=_Collate(dataset, collate_fn, sample_padding_fn, batch_sampler.seqlens),
                       num_workers=num_workers, pin_memory=pin_memory, **dataloader_kwargs)
 
 
