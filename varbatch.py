@@ -597,66 +597,6 @@ def _not_enough_samples_message(num_eligible: int, k: int, min_bs: int) -> str:
             f"or a smaller min_batch_size")
 
 
-def batch_by_seqlens(
-    seqlens,
-    max_tokens,
-    sequence_ids_per_mb=None,
-    min_batch_size=1,
-    max_batch_size=None,
-    sequence_picking_order="dataloader",
-    effective_batch_size=1,
-    required_microbatches_of_same_size=False,
-    verbose=False,
-    seed=None,
-    *,
-    budget="sum",
-    epoch=0,
-    required_microbatches_of_same_seqlen=False,
-    bucket_size=None,
-    on_overlong="skip",
-):
-    """DeepSpeed's ``batch_by_seqlens``, without its data loss and in linear time.
-
-    Same arguments and return values as DeepSpeed's; ``max_tokens`` counts the
-    sum of seqlens of a micro-batch (``budget="sum"``) or its padded ``n x S``
-    size (``budget="padded"``). See `plan_batches` for every argument;
-    ``sequence_ids_per_mb`` is its ``sample_ids`` (the samples to use).
-
-    Returns:
-        ``(microbatch_ids, batch_sizes, batch_max_seqlens)``: a list of
-        ``(batch_id, [sample ids])`` per micro-batch, the samples per batch,
-        and the longest sample per batch.
-    """
-    plan = plan_batches(seqlens, max_tokens, effective_batch_size=effective_batch_size, budget=budget,
-                        order=sequence_picking_order, min_batch_size=min_batch_size,
-                        max_batch_size=max_batch_size, sample_ids=sequence_ids_per_mb,
-                        same_size=bool(required_microbatches_of_same_size),
-                        same_length=bool(required_microbatches_of_same_seqlen), seed=seed, epoch=epoch,
-                        bucket_size=bucket_size, on_overlong=on_overlong)
-    _log_drops(plan)
-    if verbose:
-        _logger.info(_plan_summary(plan))
-    k = plan.effective_batch_size
-    microbatch_ids = [(j // k, ids) for j, ids in enumerate(plan.microbatches())]
-    return microbatch_ids, plan.batch_sizes.tolist(), plan.batch_max_seqlens.tolist()
-
-
-def _log_drops(plan: Plan) -> None:
-    """One warning per reason with a count and the first ids; never an unbounded line."""
-    for reason in ("over_budget", "min_batch_size", "tail"):
-        ids = plan.dropped[reason]
-        if len(ids):
-            _logger.warning("epoch %d: dropped %s as %s", plan.epoch, _format_ids(ids), reason)
-
-
-def _plan_summary(plan: Plan) -> str:
-    sizes = plan.batch_sizes
-    return (f"epoch {plan.epoch}: {plan.num_batches} batches of {plan.effective_batch_size} micro-batches, "
-            f"{int(sizes.sum())} samples, batch size min/mean/max {int(sizes.min())}/{sizes.mean():.1f}/"
-            f"{int(sizes.max())}, {plan.num_dropped} dropped "
-            f"({', '.join(f'{r}={len(v)}' for r, v in plan.dropped.items())})")
-
-
 # =============================================================================
 # Learning-rate math
 # =============================================================================
@@ -739,6 +679,282 @@ def micro_batch_loss_weight(count, batch_count, *, num_replicas=1, gradient_accu
     if not batch_count > 0:
         raise ValueError(f"batch_count should be > 0, but got batch_count={batch_count!r}")
     return count / batch_count * num_replicas * gradient_accumulation_steps
+
+
+# =============================================================================
+# Plan reports, and DeepSpeed's entry point to the planner
+# =============================================================================
+# Totals of a plan as plain data and as text: the verbose training log and the
+# command line print the same numbers. `batch_by_seqlens` sits here, after the
+# LR math and the reports it logs with, rather than beside `plan_batches`.
+
+
+def _plan_lr_factors(plan: Plan, lr_scaling_method="linear", lr_scaling_reference=None,
+                     lr_scaling_unit="sequences") -> np.ndarray:
+    """The LR factor ``s(B_t / B_ref)`` of every batch of ``plan``, as `VariableBatchSizeLR` applies it.
+
+    Args:
+        lr_scaling_method: ``"linear"``, ``"sqrt"``, ``"none"``/None or a callable (see `scale_lr`).
+        lr_scaling_reference: ``B_ref``: None for ``plan.effective_batch_size``
+            (``train_batch_size``, DeepSpeed's default), a number, or ``"mean"``.
+        lr_scaling_unit: ``"sequences"`` or ``"tokens"``: the unit of ``B_t`` and ``B_ref``.
+
+    Example:
+        >>> plan = plan_batches([3, 5, 2, 6, 4, 1], max_tokens=8, effective_batch_size=2)
+        >>> _plan_lr_factors(plan).tolist(), _plan_lr_factors(plan, "linear", "mean").tolist()
+        ([2.0, 1.0], [1.3333333333333333, 0.6666666666666666])
+    """
+    method = _check_lr_method(lr_scaling_method)
+    unit = _check_choice("lr_scaling_unit", lr_scaling_unit, LR_SCALING_UNITS)
+    sizes = plan.batch_tokens if unit == "tokens" else plan.batch_sizes
+    reference = _lr_reference(plan, lr_scaling_reference, unit)
+    return np.array([_lr_factor(b / reference, method) for b in sizes.tolist()], dtype=np.float64)
+
+
+def _lr_reference(plan: Plan, lr_scaling_reference, lr_scaling_unit: str) -> float:
+    """``B_ref`` as a number: ``train_batch_size`` when None, the plan's mean batch size for ``"mean"``."""
+    if lr_scaling_reference is None:
+        return float(plan.effective_batch_size)
+    if isinstance(lr_scaling_reference, str) and lr_scaling_reference == "mean":
+        sizes = plan.batch_tokens if lr_scaling_unit == "tokens" else plan.batch_sizes
+        return float(sizes.mean())
+    scale_lr(lr_scaling_reference, 1)  # validates it
+    return float(lr_scaling_reference)
+
+
+def _accumulation_steps(k: int, micro_batch_size: int, num_replicas: int) -> int:
+    """``k / (micro_batch_size x num_replicas)``, or raises when it is not whole."""
+    if k % (micro_batch_size * num_replicas):
+        raise ValueError(f"effective_batch_size={k} should be a multiple of micro_batch_size x num_replicas = "
+                         f"{micro_batch_size} x {num_replicas}; set train_batch_size = micro batch per GPU x "
+                         f"gradient accumulation steps x data-parallel size")
+    return k // (micro_batch_size * num_replicas)
+
+
+def _padded_seqlens(plan: Plan, seqlens: np.ndarray, *, same_length: bool = False, micro_batch_size: int = 1,
+                    num_replicas: int = 1) -> np.ndarray:
+    """The padded S of every micro-batch: the longest sample of the tensor it is collated into.
+
+    A step input collates ``micro_batch_size`` micro-batches of one rank into
+    one tensor, padded to their longest sample; in same-length mode (pipeline)
+    every sample of a batch is padded to the batch's longest.
+    """
+    k = plan.effective_batch_size
+    if same_length:
+        return np.repeat(plan.batch_max_seqlens, k)
+    # No micro-batch is empty, so reduceat sees no empty segment.
+    own = np.maximum.reduceat(seqlens[plan.sample_ids], plan.microbatch_offsets[:-1])
+    if micro_batch_size == 1:
+        return own
+    accumulation = _accumulation_steps(k, micro_batch_size, num_replicas)
+    # Micro-batch i of a batch goes to rank i % num_replicas; that rank's
+    # (i // num_replicas)-th micro-batch, in step input (i // num_replicas) //
+    # micro_batch_size (the sampler's dealing, see VariableBatchSampler._step_keys).
+    j = np.arange(plan.num_microbatches)
+    i = j % k
+    rank, position = i % num_replicas, i // num_replicas
+    step_input = ((j // k) * num_replicas + rank) * accumulation + position // micro_batch_size
+    longest = np.zeros(int(step_input.max()) + 1, dtype=np.int64)
+    np.maximum.at(longest, step_input, own)
+    return longest[step_input]
+
+
+def _distribution(values: np.ndarray) -> dict:
+    """min / median / mean / max of ``values`` as plain numbers."""
+    values = np.asarray(values)
+    return {"min": values.min().item(), "median": float(np.median(values)), "mean": float(values.mean()),
+            "max": values.max().item()}
+
+
+def _plan_totals(plan: Plan, seqlens, *, same_length: bool = False, micro_batch_size: int = 1,
+                 num_replicas: int = 1, lr_scaling: Mapping | None = None) -> dict:
+    """The totals of a plan as plain data: batches, drops, padding, distributions of B and S.
+
+    Shared by ``python varbatch.py plan`` and the verbose training log; turn it
+    into text with `_format_plan_totals`. Padding counts each micro-batch as
+    ``n x S`` with S the longest sample of the tensor it is collated into (see
+    `_padded_seqlens`); ``largest_padded_microbatch`` compares the largest such
+    ``n x S`` with ``max_tokens``, which bounds it only with ``budget="padded"``.
+
+    Args:
+        plan: the plan.
+        seqlens: the token count of every sample of the dataset (indexed by sample id).
+        same_length: samples are padded to their batch's longest (pipeline mode).
+        micro_batch_size, num_replicas: micro-batches per step input and
+            data-parallel ranks (``k`` must be a multiple of their product);
+            the accumulation steps are ``k / (micro_batch_size x num_replicas)``.
+        lr_scaling: None to leave out the LR factors, or a dict with the keys
+            ``method``, ``reference`` and ``unit`` (see `_plan_lr_factors`).
+
+    Returns:
+        A JSON-serializable dict.
+
+    Example:
+        >>> plan = plan_batches([3, 5, 2, 6, 4, 1], max_tokens=8, effective_batch_size=2)
+        >>> totals = _plan_totals(plan, [3, 5, 2, 6, 4, 1])
+        >>> totals["batches"], totals["real_tokens"], totals["padded_tokens"], totals["batch_size"]["max"]
+        (2, 21, 27, 4)
+    """
+    seqlens = _as_seqlens(seqlens)
+    k = plan.effective_batch_size
+    micro_batch_size = _check_int("micro_batch_size", micro_batch_size, minimum=1)
+    num_replicas = _check_int("num_replicas", num_replicas, minimum=1)
+    accumulation = _accumulation_steps(k, micro_batch_size, num_replicas)
+    padded_s = _padded_seqlens(plan, seqlens, same_length=same_length, micro_batch_size=micro_batch_size,
+                               num_replicas=num_replicas)
+    sizes = plan.microbatch_sizes()
+    padded = sizes * padded_s
+    largest = int(np.argmax(padded))
+    real = int(plan.batch_tokens.sum())
+    totals = {
+        "epoch": plan.epoch,
+        "max_tokens": plan.max_tokens,
+        "budget": plan.budget,
+        "effective_batch_size": k,
+        "micro_batch_size": micro_batch_size,
+        "gradient_accumulation_steps": accumulation,
+        "num_replicas": num_replicas,
+        "same_length": bool(same_length),
+        "batches": plan.num_batches,
+        "optimizer_steps_per_epoch": plan.num_batches,
+        "step_inputs_per_rank": plan.num_batches * accumulation,
+        "microbatches": plan.num_microbatches,
+        "samples": int(plan.batch_sizes.sum()),
+        "dropped": {reason: len(ids) for reason, ids in plan.dropped.items()},
+        "num_dropped": plan.num_dropped,
+        "real_tokens": real,
+        "padded_tokens": int(padded.sum()),
+        "efficiency": real / float(padded.sum()),
+        "largest_padded_microbatch": {"microbatch": largest, "sequences": int(sizes[largest]),
+                                      "padded_seqlen": int(padded_s[largest]), "tokens": int(padded[largest]),
+                                      "over_max_tokens": float(padded[largest] / plan.max_tokens)},
+        "batch_size": _distribution(plan.batch_sizes),
+        "batch_tokens": _distribution(plan.batch_tokens),
+        "microbatch_size": _distribution(sizes),
+        "padded_seqlen": _distribution(padded_s),
+    }
+    if lr_scaling is not None:
+        unknown = sorted(set(lr_scaling) - {"method", "reference", "unit"})
+        if unknown:
+            raise ValueError(f"lr_scaling has unknown keys {unknown}; use 'method', 'reference' and 'unit'")
+        method = lr_scaling.get("method", "linear")
+        reference = lr_scaling.get("reference")
+        unit = lr_scaling.get("unit", "sequences")
+        factors = _plan_lr_factors(plan, method, reference, unit)
+        totals["lr_factor"] = {**_distribution(factors),
+                               "method": ("none" if method is None else method if isinstance(method, str)
+                                          else "callable"),
+                               "reference": reference if reference is not None else "train_batch_size",
+                               "reference_value": _lr_reference(plan, reference, unit), "unit": unit}
+    return totals
+
+
+def _plural(count: int, word: str, plural: str | None = None) -> str:
+    """``'1 rank'``, ``'2 ranks'``."""
+    return f"{count} {word if count == 1 else plural or word + 's'}"
+
+
+def _number(value: float) -> str:
+    """A statistic for people: whole numbers as such, else 3 significant digits, never 1e+03."""
+    if float(value).is_integer():
+        return str(int(value))
+    return f"{value:.1f}" if abs(value) >= 100 else f"{value:.3g}"
+
+
+def _format_plan_totals(totals: Mapping) -> str:
+    """`_plan_totals` as a few lines of text (the same words as the JSON keys).
+
+    Example:
+        >>> plan = plan_batches([3, 5, 2, 6, 4, 1], max_tokens=8, effective_batch_size=2)
+        >>> print(_format_plan_totals(_plan_totals(plan, [3, 5, 2, 6, 4, 1])).splitlines()[3])
+        tokens: 21 real / 27 padded = 77.8% efficiency
+    """
+    t = totals
+
+    def dist(d: Mapping) -> str:
+        return " / ".join(f"{key} {_number(d[key])}" for key in ("min", "median", "mean", "max"))
+
+    big = t["largest_padded_microbatch"]
+    drops = ", ".join(f"{count} {reason}" for reason, count in t["dropped"].items())
+    lines = [
+        f"epoch {t['epoch']}: {_plural(t['batches'], 'batch', 'batches')} of "
+        f"{_plural(t['effective_batch_size'], 'micro-batch', 'micro-batches')} ({t['micro_batch_size']} per "
+        f"step input x {_plural(t['gradient_accumulation_steps'], 'accumulation step')} x "
+        f"{_plural(t['num_replicas'], 'rank')}), {t['microbatches']} micro-batches in all",
+        f"steps per epoch: {t['optimizer_steps_per_epoch']} optimizer steps, {t['step_inputs_per_rank']} "
+        f"step inputs per rank",
+        f"samples: {t['samples']} trained, {t['num_dropped']} dropped ({drops})",
+        f"tokens: {t['real_tokens']} real / {t['padded_tokens']} padded = {t['efficiency']:.1%} efficiency",
+        f"largest padded micro-batch: {big['sequences']} x {big['padded_seqlen']} = {big['tokens']} tokens = "
+        f"{big['over_max_tokens']:.2f} x max_tokens={t['max_tokens']} (budget {t['budget']}"
+        f"{', same length' if t['same_length'] else ''})",
+        f"B (sequences per batch): {dist(t['batch_size'])}",
+        f"sequences per micro-batch: {dist(t['microbatch_size'])}",
+        f"S (padded seqlen per micro-batch): {dist(t['padded_seqlen'])}",
+    ]
+    lr = t.get("lr_factor")
+    if lr is not None:
+        lines.append(f"LR factor ({lr['method']} rule, B_ref={lr['reference']} = "
+                     f"{_number(lr['reference_value'])} {lr['unit']}): {dist(lr)}")
+        if not 0.5 <= lr["mean"] <= 2.0:
+            lines.append(f"warning: the configured LR is multiplied by {lr['mean']:.3g} on average, because "
+                         f"B_ref={lr['reference_value']:g} is far from the mean batch size; set "
+                         f"lr_scaling_reference to \"mean\" or to the batch size (in {lr['unit']}) your LR "
+                         f"was tuned for")
+    return "\n".join(lines)
+
+
+def batch_by_seqlens(
+    seqlens,
+    max_tokens,
+    sequence_ids_per_mb=None,
+    min_batch_size=1,
+    max_batch_size=None,
+    sequence_picking_order="dataloader",
+    effective_batch_size=1,
+    required_microbatches_of_same_size=False,
+    verbose=False,
+    seed=None,
+    *,
+    budget="sum",
+    epoch=0,
+    required_microbatches_of_same_seqlen=False,
+    bucket_size=None,
+    on_overlong="skip",
+):
+    """DeepSpeed's ``batch_by_seqlens``, without its data loss and in linear time.
+
+    Same arguments and return values as DeepSpeed's; ``max_tokens`` counts the
+    sum of seqlens of a micro-batch (``budget="sum"``) or its padded ``n x S``
+    size (``budget="padded"``). See `plan_batches` for every argument;
+    ``sequence_ids_per_mb`` is its ``sample_ids`` (the samples to use).
+
+    Returns:
+        ``(microbatch_ids, batch_sizes, batch_max_seqlens)``: a list of
+        ``(batch_id, [sample ids])`` per micro-batch, the samples per batch,
+        and the longest sample per batch.
+    """
+    plan = plan_batches(seqlens, max_tokens, effective_batch_size=effective_batch_size, budget=budget,
+                        order=sequence_picking_order, min_batch_size=min_batch_size,
+                        max_batch_size=max_batch_size, sample_ids=sequence_ids_per_mb,
+                        same_size=bool(required_microbatches_of_same_size),
+                        same_length=bool(required_microbatches_of_same_seqlen), seed=seed, epoch=epoch,
+                        bucket_size=bucket_size, on_overlong=on_overlong)
+    _log_drops(plan)
+    if verbose:
+        _logger.info(_format_plan_totals(_plan_totals(plan, seqlens)))
+    k = plan.effective_batch_size
+    microbatch_ids = [(j // k, ids) for j, ids in enumerate(plan.microbatches())]
+    return microbatch_ids, plan.batch_sizes.tolist(), plan.batch_max_seqlens.tolist()
+
+
+def _log_drops(plan: Plan) -> None:
+    """One warning per reason with a count and the first ids; never an unbounded line."""
+    for reason in ("over_budget", "min_batch_size", "tail"):
+        ids = plan.dropped[reason]
+        if len(ids):
+            _logger.warning("epoch %d: dropped %s as %s", plan.epoch, _format_ids(ids), reason)
+
 
 
 # =============================================================================
@@ -851,6 +1067,12 @@ class _KeyDataset(Dataset):
 
     def __getitem__(self, key):
         return key
+
+    def __len__(self):
+        # DeepSpeed's engine.deepspeed_io() takes only datasets with __getitem__ and
+        # __len__ (the returned deepspeed_io_kwargs go there); the keys come from the
+        # sampler, so there is no length to give.
+        raise TypeError("_KeyDataset has no length: its items are the micro-batch keys its sampler yields")
 
 
 class _Collate:
@@ -995,7 +1217,9 @@ class VariableBatchSampler(Sampler[list[int]]):
         if self.rank == 0:
             _log_drops(plan)
             if self.verbose:
-                _logger.info(_plan_summary(plan))
+                _logger.info(_format_plan_totals(_plan_totals(
+                    plan, self.seqlens, same_length=self.same_length, micro_batch_size=self.micro_batch_size,
+                    num_replicas=self.num_replicas)))
         return plan
 
     def plan_for_epoch(self, epoch: int) -> Plan:
@@ -1834,221 +2058,6 @@ def _synthetic_seqlens() -> np.ndarray:
     """The default lengths of ``python varbatch.py plan`` (deterministic)."""
     rng = np.random.default_rng(0)
     return np.clip(rng.lognormal(5.5, 0.9, _SYNTHETIC_NUM_SAMPLES), 8, 4096).astype(np.int64)
-
-
-def _plan_lr_factors(plan: Plan, lr_scaling_method="linear", lr_scaling_reference=None,
-                     lr_scaling_unit="sequences") -> np.ndarray:
-    """The LR factor ``s(B_t / B_ref)`` of every batch of ``plan``, as `VariableBatchSizeLR` applies it.
-
-    Args:
-        lr_scaling_method: ``"linear"``, ``"sqrt"``, ``"none"``/None or a callable (see `scale_lr`).
-        lr_scaling_reference: ``B_ref``: None for ``plan.effective_batch_size``
-            (``train_batch_size``, DeepSpeed's default), a number, or ``"mean"``.
-        lr_scaling_unit: ``"sequences"`` or ``"tokens"``: the unit of ``B_t`` and ``B_ref``.
-
-    Example:
-        >>> plan = plan_batches([3, 5, 2, 6, 4, 1], max_tokens=8, effective_batch_size=2)
-        >>> _plan_lr_factors(plan).tolist(), _plan_lr_factors(plan, "linear", "mean").tolist()
-        ([2.0, 1.0], [1.3333333333333333, 0.6666666666666666])
-    """
-    method = _check_lr_method(lr_scaling_method)
-    unit = _check_choice("lr_scaling_unit", lr_scaling_unit, LR_SCALING_UNITS)
-    sizes = plan.batch_tokens if unit == "tokens" else plan.batch_sizes
-    reference = _lr_reference(plan, lr_scaling_reference, unit)
-    return np.array([_lr_factor(b / reference, method) for b in sizes.tolist()], dtype=np.float64)
-
-
-def _lr_reference(plan: Plan, lr_scaling_reference, lr_scaling_unit: str) -> float:
-    """``B_ref`` as a number: ``train_batch_size`` when None, the plan's mean batch size for ``"mean"``."""
-    if lr_scaling_reference is None:
-        return float(plan.effective_batch_size)
-    if isinstance(lr_scaling_reference, str) and lr_scaling_reference == "mean":
-        sizes = plan.batch_tokens if lr_scaling_unit == "tokens" else plan.batch_sizes
-        return float(sizes.mean())
-    scale_lr(lr_scaling_reference, 1)  # validates it
-    return float(lr_scaling_reference)
-
-
-def _accumulation_steps(k: int, micro_batch_size: int, num_replicas: int) -> int:
-    """``k / (micro_batch_size x num_replicas)``, or raises when it is not whole."""
-    if k % (micro_batch_size * num_replicas):
-        raise ValueError(f"effective_batch_size={k} should be a multiple of micro_batch_size x num_replicas = "
-                         f"{micro_batch_size} x {num_replicas}; set train_batch_size = micro batch per GPU x "
-                         f"gradient accumulation steps x data-parallel size")
-    return k // (micro_batch_size * num_replicas)
-
-
-def _padded_seqlens(plan: Plan, seqlens: np.ndarray, *, same_length: bool = False, micro_batch_size: int = 1,
-                    num_replicas: int = 1) -> np.ndarray:
-    """The padded S of every micro-batch: the longest sample of the tensor it is collated into.
-
-    A step input collates ``micro_batch_size`` micro-batches of one rank into
-    one tensor, padded to their longest sample; in same-length mode (pipeline)
-    every sample of a batch is padded to the batch's longest.
-    """
-    k = plan.effective_batch_size
-    if same_length:
-        return np.repeat(plan.batch_max_seqlens, k)
-    # No micro-batch is empty, so reduceat sees no empty segment.
-    own = np.maximum.reduceat(seqlens[plan.sample_ids], plan.microbatch_offsets[:-1])
-    if micro_batch_size == 1:
-        return own
-    accumulation = _accumulation_steps(k, micro_batch_size, num_replicas)
-    # Micro-batch i of a batch goes to rank i % num_replicas; that rank's
-    # (i // num_replicas)-th micro-batch, in step input (i // num_replicas) //
-    # micro_batch_size (the sampler's dealing, see VariableBatchSampler._step_keys).
-    j = np.arange(plan.num_microbatches)
-    i = j % k
-    rank, position = i % num_replicas, i // num_replicas
-    step_input = ((j // k) * num_replicas + rank) * accumulation + position // micro_batch_size
-    longest = np.zeros(int(step_input.max()) + 1, dtype=np.int64)
-    np.maximum.at(longest, step_input, own)
-    return longest[step_input]
-
-
-def _distribution(values: np.ndarray) -> dict:
-    """min / median / mean / max of ``values`` as plain numbers."""
-    values = np.asarray(values)
-    return {"min": values.min().item(), "median": float(np.median(values)), "mean": float(values.mean()),
-            "max": values.max().item()}
-
-
-def _plan_totals(plan: Plan, seqlens, *, same_length: bool = False, micro_batch_size: int = 1,
-                 num_replicas: int = 1, lr_scaling: Mapping | None = None) -> dict:
-    """The totals of a plan as plain data: batches, drops, padding, distributions of B and S.
-
-    Shared by ``python varbatch.py plan`` and the verbose training log; turn it
-    into text with `_format_plan_totals`. Padding counts each micro-batch as
-    ``n x S`` with S the longest sample of the tensor it is collated into (see
-    `_padded_seqlens`); ``largest_padded_microbatch`` compares the largest such
-    ``n x S`` with ``max_tokens``, which bounds it only with ``budget="padded"``.
-
-    Args:
-        plan: the plan.
-        seqlens: the token count of every sample of the dataset (indexed by sample id).
-        same_length: samples are padded to their batch's longest (pipeline mode).
-        micro_batch_size, num_replicas: micro-batches per step input and
-            data-parallel ranks (``k`` must be a multiple of their product);
-            the accumulation steps are ``k / (micro_batch_size x num_replicas)``.
-        lr_scaling: None to leave out the LR factors, or a dict with the keys
-            ``method``, ``reference`` and ``unit`` (see `_plan_lr_factors`).
-
-    Returns:
-        A JSON-serializable dict.
-
-    Example:
-        >>> plan = plan_batches([3, 5, 2, 6, 4, 1], max_tokens=8, effective_batch_size=2)
-        >>> totals = _plan_totals(plan, [3, 5, 2, 6, 4, 1])
-        >>> totals["batches"], totals["real_tokens"], totals["padded_tokens"], totals["batch_size"]["max"]
-        (2, 21, 27, 4)
-    """
-    seqlens = _as_seqlens(seqlens)
-    k = plan.effective_batch_size
-    micro_batch_size = _check_int("micro_batch_size", micro_batch_size, minimum=1)
-    num_replicas = _check_int("num_replicas", num_replicas, minimum=1)
-    accumulation = _accumulation_steps(k, micro_batch_size, num_replicas)
-    padded_s = _padded_seqlens(plan, seqlens, same_length=same_length, micro_batch_size=micro_batch_size,
-                               num_replicas=num_replicas)
-    sizes = plan.microbatch_sizes()
-    padded = sizes * padded_s
-    largest = int(np.argmax(padded))
-    real = int(plan.batch_tokens.sum())
-    totals = {
-        "epoch": plan.epoch,
-        "max_tokens": plan.max_tokens,
-        "budget": plan.budget,
-        "effective_batch_size": k,
-        "micro_batch_size": micro_batch_size,
-        "gradient_accumulation_steps": accumulation,
-        "num_replicas": num_replicas,
-        "same_length": bool(same_length),
-        "batches": plan.num_batches,
-        "optimizer_steps_per_epoch": plan.num_batches,
-        "step_inputs_per_rank": plan.num_batches * accumulation,
-        "microbatches": plan.num_microbatches,
-        "samples": int(plan.batch_sizes.sum()),
-        "dropped": {reason: len(ids) for reason, ids in plan.dropped.items()},
-        "num_dropped": plan.num_dropped,
-        "real_tokens": real,
-        "padded_tokens": int(padded.sum()),
-        "efficiency": real / float(padded.sum()),
-        "largest_padded_microbatch": {"microbatch": largest, "sequences": int(sizes[largest]),
-                                      "padded_seqlen": int(padded_s[largest]), "tokens": int(padded[largest]),
-                                      "over_max_tokens": float(padded[largest] / plan.max_tokens)},
-        "batch_size": _distribution(plan.batch_sizes),
-        "batch_tokens": _distribution(plan.batch_tokens),
-        "microbatch_size": _distribution(sizes),
-        "padded_seqlen": _distribution(padded_s),
-    }
-    if lr_scaling is not None:
-        unknown = sorted(set(lr_scaling) - {"method", "reference", "unit"})
-        if unknown:
-            raise ValueError(f"lr_scaling has unknown keys {unknown}; use 'method', 'reference' and 'unit'")
-        method = lr_scaling.get("method", "linear")
-        reference = lr_scaling.get("reference")
-        unit = lr_scaling.get("unit", "sequences")
-        factors = _plan_lr_factors(plan, method, reference, unit)
-        totals["lr_factor"] = {**_distribution(factors),
-                               "method": ("none" if method is None else method if isinstance(method, str)
-                                          else "callable"),
-                               "reference": reference if reference is not None else "train_batch_size",
-                               "reference_value": _lr_reference(plan, reference, unit), "unit": unit}
-    return totals
-
-
-def _plural(count: int, word: str, plural: str | None = None) -> str:
-    """``'1 rank'``, ``'2 ranks'``."""
-    return f"{count} {word if count == 1 else plural or word + 's'}"
-
-
-def _number(value: float) -> str:
-    """A statistic for people: whole numbers as such, else 3 significant digits, never 1e+03."""
-    if float(value).is_integer():
-        return str(int(value))
-    return f"{value:.1f}" if abs(value) >= 100 else f"{value:.3g}"
-
-
-def _format_plan_totals(totals: Mapping) -> str:
-    """`_plan_totals` as a few lines of text (the same words as the JSON keys).
-
-    Example:
-        >>> plan = plan_batches([3, 5, 2, 6, 4, 1], max_tokens=8, effective_batch_size=2)
-        >>> print(_format_plan_totals(_plan_totals(plan, [3, 5, 2, 6, 4, 1])).splitlines()[3])
-        tokens: 21 real / 27 padded = 77.8% efficiency
-    """
-    t = totals
-
-    def dist(d: Mapping) -> str:
-        return " / ".join(f"{key} {_number(d[key])}" for key in ("min", "median", "mean", "max"))
-
-    big = t["largest_padded_microbatch"]
-    drops = ", ".join(f"{count} {reason}" for reason, count in t["dropped"].items())
-    lines = [
-        f"epoch {t['epoch']}: {_plural(t['batches'], 'batch', 'batches')} of "
-        f"{_plural(t['effective_batch_size'], 'micro-batch', 'micro-batches')} ({t['micro_batch_size']} per "
-        f"step input x {_plural(t['gradient_accumulation_steps'], 'accumulation step')} x "
-        f"{_plural(t['num_replicas'], 'rank')}), {t['microbatches']} micro-batches in all",
-        f"steps per epoch: {t['optimizer_steps_per_epoch']} optimizer steps, {t['step_inputs_per_rank']} "
-        f"step inputs per rank",
-        f"samples: {t['samples']} trained, {t['num_dropped']} dropped ({drops})",
-        f"tokens: {t['real_tokens']} real / {t['padded_tokens']} padded = {t['efficiency']:.1%} efficiency",
-        f"largest padded micro-batch: {big['sequences']} x {big['padded_seqlen']} = {big['tokens']} tokens = "
-        f"{big['over_max_tokens']:.2f} x max_tokens={t['max_tokens']} (budget {t['budget']}"
-        f"{', same length' if t['same_length'] else ''})",
-        f"B (sequences per batch): {dist(t['batch_size'])}",
-        f"sequences per micro-batch: {dist(t['microbatch_size'])}",
-        f"S (padded seqlen per micro-batch): {dist(t['padded_seqlen'])}",
-    ]
-    lr = t.get("lr_factor")
-    if lr is not None:
-        lines.append(f"LR factor ({lr['method']} rule, B_ref={lr['reference']} = "
-                     f"{_number(lr['reference_value'])} {lr['unit']}): {dist(lr)}")
-        if not 0.5 <= lr["mean"] <= 2.0:
-            lines.append(f"warning: the configured LR is multiplied by {lr['mean']:.3g} on average, because "
-                         f"B_ref={lr['reference_value']:g} is far from the mean batch size; set "
-                         f"lr_scaling_reference to \"mean\" or to the batch size (in {lr['unit']}) your LR "
-                         f"was tuned for")
-    return "\n".join(lines)
 
 
 def _plan_rows(plan: Plan, padded_s: np.ndarray, lr_factors: np.ndarray, num_rows: int) -> list[dict]:
