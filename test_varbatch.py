@@ -10,7 +10,10 @@ import json
 import math
 import pickle
 import re
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -46,6 +49,24 @@ def _deepspeed_batch_by_seqlens():
     """DeepSpeed's own ``batch_by_seqlens``."""
     module = pytest.importorskip("deepspeed.runtime.data_pipeline.data_sampling.variable_batch_size_and_lr")
     return module.batch_by_seqlens
+
+
+def test_docstring_examples_run():
+    """Every example in varbatch.py's docstrings prints what it shows."""
+    import doctest
+    result = doctest.testmod(varbatch, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0, result
+
+
+def test_import_defines_names_only():
+    """Importing varbatch prints nothing and leaves logging unconfigured; __all__ names exist."""
+    code = ("import logging, varbatch; "
+            "assert not logging.getLogger().handlers and not logging.getLogger('varbatch').handlers; "
+            "missing = [n for n in varbatch.__all__ if not hasattr(varbatch, n)]; assert not missing, missing")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=str(Path(varbatch.__file__).parent))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == ""
 
 
 # =============================================================================
@@ -1216,3 +1237,354 @@ def test_dynamic_batching_config_unknown_key():
     with pytest.raises(ValueError, match=re.escape("unknown key 'max_token'") + ".*"
                        + re.escape("did you mean 'max_tokens'?")):
         varbatch._read_dynamic_batching(config)
+
+
+# =============================================================================
+# Command line: python varbatch.py plan ...
+# =============================================================================
+
+
+VARBATCH = str(Path(varbatch.__file__).resolve())
+
+# A small dataset whose plans have several batches, padding and a tail.
+LENGTHS = [3, 5, 2, 6, 4, 1, 7, 7, 2, 3, 8, 1, 1, 4, 6, 2, 5, 3, 3, 9, 2, 4]
+
+
+def _run_cli(*args, stdin=None):
+    """``python varbatch.py ARGS`` in a fresh interpreter: (exit code, stdout, stderr)."""
+    done = subprocess.run([sys.executable, VARBATCH, *args], input=stdin, capture_output=True, text=True,
+                          timeout=120)
+    return done.returncode, done.stdout, done.stderr
+
+
+def _main(capsys, *args):
+    """``varbatch._main(ARGS)`` in this process: (exit code, stdout, stderr)."""
+    code = varbatch._main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture
+def npy_file(tmp_path):
+    path = tmp_path / "lengths.npy"
+    np.save(path, np.array(LENGTHS))
+    return str(path)
+
+
+@pytest.fixture
+def text_file(tmp_path):
+    path = tmp_path / "lengths.txt"
+    path.write_text("\n".join(str(x) for x in LENGTHS) + "\n")
+    return str(path)
+
+
+def _padded_tokens_oracle(plan, seqlens, same_length=False):
+    """Padded n x S of every micro-batch, one micro-batch at a time (micro_batch_size 1)."""
+    k = plan.effective_batch_size
+    out = []
+    for j, ids in enumerate(plan.microbatches()):
+        s = int(plan.batch_max_seqlens[j // k]) if same_length else max(seqlens[i] for i in ids)
+        out.append(len(ids) * s)
+    return out
+
+
+def _cell_values(cell, k):
+    """A table cell of per-micro-batch values: one value stands for k equal ones."""
+    values = [int(x) for x in cell.split(",")]
+    return values * k if len(values) == 1 else values
+
+
+def _table_rows(stdout):
+    """The rows of the printed per-batch table, as lists of cells."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.split()[:2] == ["batch", "B"])
+    rows = []
+    for line in lines[start + 1:]:
+        if not line.strip() or not line.split()[0].isdigit():
+            break
+        rows.append(line.split())
+    return rows
+
+
+# =============================================================================
+# The table and the totals
+# =============================================================================
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_table_and_totals_match_plan_batches(capsys, npy_file, pipeline):
+    """Every batch of the table and every total equals what plan_batches and a slow recount give."""
+    flags = ["--pipeline"] if pipeline else []
+    code, out, err = _main(capsys, "plan", "--seqlens", npy_file, "--max-tokens", "10", "--world-size", "2",
+                           "--batches", "0", *flags)
+    assert code == 0, err
+    plan = plan_batches(LENGTHS, 10, effective_batch_size=2, same_size=pipeline, same_length=pipeline)
+    padded = _padded_tokens_oracle(plan, LENGTHS, same_length=pipeline)
+    rows = _table_rows(out)
+    assert len(rows) == plan.num_batches
+    for b, row in enumerate(rows):
+        batch, sequences, microbatches, sizes, _, real, padding, factor = row
+        mb = [len(ids) for ids in plan.microbatches()[2 * b:2 * b + 2]]
+        assert (int(batch), int(sequences), int(microbatches)) == (b, plan.batch_sizes[b], 2)
+        assert _cell_values(sizes, 2) == mb
+        assert int(real) == plan.batch_tokens[b]
+        slots = padded[2 * b] + padded[2 * b + 1]
+        assert float(padding) == pytest.approx(100 * (1 - plan.batch_tokens[b] / slots), abs=0.051)
+        # Default reference: train_batch_size = 2 micro-batches, linear rule.
+        assert float(factor) == pytest.approx(plan.batch_sizes[b] / 2, rel=1e-3)
+    assert f"epoch 0: {plan.num_batches} batches of 2 micro-batches" in out
+    assert f"tokens: {sum(LENGTHS[i] for i in plan.sample_ids)} real / {sum(padded)} padded" in out
+    assert f"samples: {plan.batch_sizes.sum()} trained, {plan.num_dropped} dropped" in out
+
+
+def test_json_matches_plan_batches(capsys, npy_file):
+    """--json holds the settings, totals, rows and dropped ids of the same plan."""
+    code, out, err = _main(capsys, "plan", "--seqlens", npy_file, "--max-tokens", "10", "--effective-batch-size",
+                           "3", "--order", "random", "--seed", "5", "--epoch", "2", "--batches", "0", "--json",
+                           "--lr-scaling-method", "sqrt", "--lr-scaling-reference", "mean")
+    assert code == 0, err
+    data = json.loads(out)
+    plan = plan_batches(LENGTHS, 10, effective_batch_size=3, order="random", seed=5, epoch=2)
+    totals = data["totals"]
+    assert totals["batches"] == plan.num_batches == len(data["batches"])
+    assert totals["samples"] + totals["num_dropped"] == len(LENGTHS)
+    assert totals["dropped"] == {reason: len(ids) for reason, ids in plan.dropped.items()}
+    assert data["dropped_ids"] == {reason: ids.tolist() for reason, ids in plan.dropped.items()}
+    assert totals["real_tokens"] == int(plan.batch_tokens.sum())
+    assert totals["padded_tokens"] == sum(_padded_tokens_oracle(plan, LENGTHS))
+    assert totals["efficiency"] == pytest.approx(totals["real_tokens"] / totals["padded_tokens"])
+    sizes = plan.microbatch_sizes().tolist()
+    mean = plan.batch_sizes.mean()
+    for b, row in enumerate(data["batches"]):
+        assert row["microbatch_sizes"] == sizes[3 * b:3 * b + 3]
+        assert row["real_tokens"] == plan.batch_tokens[b]
+        assert row["lr_factor"] == pytest.approx(varbatch.scale_lr(mean, int(plan.batch_sizes[b]), 1.0, "sqrt"))
+    assert totals["lr_factor"]["mean"] == pytest.approx(np.mean([r["lr_factor"] for r in data["batches"]]))
+    assert data["settings"]["seed"] == 5 and data["settings"]["epoch"] == 2
+
+
+def test_totals_largest_padded_microbatch_is_the_largest(capsys, npy_file):
+    """The largest padded micro-batch is the max over micro-batches of n x S, compared with max_tokens."""
+    code, out, _ = _main(capsys, "plan", "--seqlens", npy_file, "--max-tokens", "10", "--json")
+    assert code == 0
+    largest = json.loads(out)["totals"]["largest_padded_microbatch"]
+    plan = plan_batches(LENGTHS, 10)
+    assert largest["tokens"] == max(_padded_tokens_oracle(plan, LENGTHS))
+    assert largest["over_max_tokens"] == pytest.approx(largest["tokens"] / 10)
+    assert largest["tokens"] == largest["sequences"] * largest["padded_seqlen"]
+
+
+def test_synthetic_default_runs_alone(capsys):
+    """`python varbatch.py plan` without files plans the documented 2000 synthetic lengths."""
+    code, out, err = _main(capsys, "plan", "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["settings"]["num_samples"] == 2000 and data["settings"]["max_tokens"] == 4096
+    assert data["totals"]["samples"] + data["totals"]["num_dropped"] == 2000
+    assert data["totals"]["real_tokens"] == int(varbatch._synthetic_seqlens().sum())
+
+
+def test_lr_unit_trap_is_flagged(capsys, npy_file):
+    """The totals warn when the mean LR factor is far from 1, and not when B_ref is the mean."""
+    _, trap, _ = _main(capsys, "plan", "--seqlens", npy_file, "--max-tokens", "20")
+    _, fixed, _ = _main(capsys, "plan", "--seqlens", npy_file, "--max-tokens", "20", "--lr-scaling-reference",
+                        "mean")
+    assert "warning: the configured LR is multiplied by" in trap and "lr_scaling_reference" in trap
+    assert "warning" not in fixed
+
+
+# =============================================================================
+# Inputs: .npy, text, stdin, a DeepSpeed config
+# =============================================================================
+
+
+def test_npy_text_and_stdin_give_the_same_plan(capsys, npy_file, text_file):
+    """The three ways to pass lengths give the same JSON (but for the source's name)."""
+    outs = []
+    for source in (npy_file, text_file):
+        code, out, err = _main(capsys, "plan", "--seqlens", source, "--max-tokens", "10", "--json")
+        assert code == 0, err
+        outs.append(json.loads(out))
+    code, out, err = _run_cli("plan", "--seqlens", "-", "--max-tokens", "10", "--json",
+                              stdin="\n".join(map(str, LENGTHS)) + "\n\n")
+    assert code == 0, err
+    outs.append(json.loads(out))
+    for data in outs:
+        data["settings"].pop("seqlens")
+    assert outs[0] == outs[1] == outs[2]
+
+
+def _write_config(tmp_path, **batch_keys):
+    config = dict(batch_keys)
+    config["data_efficiency"] = {"data_sampling": {"dynamic_batching": {
+        "enabled": True, "max_tokens": 12, "lr_scaling_method": "sqrt", "lr_scaling_reference": 4}}}
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+@pytest.mark.parametrize("batch_keys, world_size, expected", [
+    # (k, micro batch per GPU, accumulation, ranks), resolved as DeepSpeed does
+    (dict(train_batch_size=8, train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2), None, (8, 2, 2, 2)),
+    (dict(train_batch_size=8, train_micro_batch_size_per_gpu=1), "4", (8, 1, 2, 4)),
+    (dict(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=3), "2", (12, 2, 3, 2)),
+    (dict(train_batch_size=6), None, (6, 6, 1, 1)),
+    (dict(train_batch_size=6, gradient_accumulation_steps=3), "2", (6, 1, 3, 2)),
+])
+def test_config_batch_geometry(capsys, tmp_path, npy_file, batch_keys, world_size, expected):
+    """train_batch_size = micro batch per GPU x accumulation x world size, any one of them derived."""
+    config = _write_config(tmp_path, **batch_keys)
+    flags = ["--world-size", world_size] if world_size else []
+    code, out, err = _main(capsys, "plan", "--config", config, "--seqlens", npy_file, "--json", *flags)
+    assert code == 0, err
+    data = json.loads(out)
+    s = data["settings"]
+    assert (s["effective_batch_size"], s["micro_batch_size"], s["gradient_accumulation_steps"],
+            s["world_size"]) == expected
+    assert s["max_tokens"] == 12 and data["totals"]["lr_factor"]["method"] == "sqrt"
+    assert data["totals"]["lr_factor"]["reference_value"] == 4
+
+
+def test_config_world_size_that_contradicts_it_is_an_error(capsys, tmp_path, npy_file):
+    config = _write_config(tmp_path, train_batch_size=4, train_micro_batch_size_per_gpu=1,
+                           gradient_accumulation_steps=2)
+    code, out, err = _main(capsys, "plan", "--config", config, "--seqlens", npy_file, "--world-size", "3")
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and "train_batch_size=4" in err and "world size 3" in err
+
+
+def test_step_input_padding_follows_the_sampler():
+    """With micro_batch_size > 1 a micro-batch is padded to the longest sample of its rank's step input."""
+    seqlens = np.array(LENGTHS * 3)
+    for micro, accumulation, replicas in [(2, 1, 1), (2, 2, 2), (3, 1, 2)]:
+        sampler = VariableBatchSampler(seqlens, 10, micro_batch_size=micro, gradient_accumulation_steps=accumulation,
+                                       num_replicas=replicas, rank=0)
+        plan = sampler.plan
+        padded = varbatch._padded_seqlens(plan, seqlens, micro_batch_size=micro, num_replicas=replicas)
+        s_of_sample = {i: int(padded[j]) for j, ids in enumerate(plan.microbatches()) for i in ids}
+        for rank in range(replicas):
+            for step in VariableBatchSampler(seqlens, 10, micro_batch_size=micro, num_replicas=replicas, rank=rank,
+                                             gradient_accumulation_steps=accumulation):
+                longest = int(seqlens[step].max())
+                assert [s_of_sample[i] for i in step] == [longest] * len(step), (micro, accumulation, replicas)
+
+
+@settings(max_examples=40, deadline=None)
+@given(lengths=st.lists(st.integers(1, 30), min_size=4, max_size=80), max_tokens=st.integers(30, 90),
+       k=st.integers(1, 4), pipeline=st.booleans(), budget=st.sampled_from(varbatch.BUDGETS))
+def test_plan_totals_properties(lengths, max_tokens, k, pipeline, budget):
+    """Totals count every sample once, padding never below the real tokens, padded budget never exceeded."""
+    plan = plan_batches(lengths, max_tokens, effective_batch_size=k, budget=budget, same_size=pipeline,
+                        same_length=pipeline)
+    totals = varbatch._plan_totals(plan, lengths, same_length=pipeline)
+    assert totals["samples"] + totals["num_dropped"] == len(lengths)
+    assert totals["real_tokens"] <= totals["padded_tokens"] == sum(_padded_tokens_oracle(plan, lengths, pipeline))
+    assert 0 < totals["efficiency"] <= 1
+    if budget == "padded":
+        assert totals["largest_padded_microbatch"]["tokens"] <= max_tokens
+    text = varbatch._format_plan_totals(totals)
+    assert f"{totals['padded_tokens']} padded" in text and "LR factor" not in text
+
+
+# =============================================================================
+# Errors: one line, exit code 2
+# =============================================================================
+
+
+def test_bad_flag_exits_2_with_one_line():
+    code, out, err = _run_cli("plan", "--max-tokenz", "5")
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("varbatch: error:") and "--max-tokenz" in err
+
+
+@pytest.mark.parametrize("args", [["plan", "--budget", "sideways"], ["plan", "--max-tokens", "0"],
+                                  ["plan", "--lr-scaling-reference", "-1"], []])
+def test_bad_flag_values_exit_2_with_one_line(capsys, args):
+    with pytest.raises(SystemExit) as exit_info:
+        varbatch._main(args)
+    _, err = capsys.readouterr()
+    assert exit_info.value.code == 2
+    assert err.count("\n") == 1 and err.startswith("varbatch: error:")
+
+
+def test_missing_file_exits_2_with_one_line(tmp_path):
+    missing = str(tmp_path / "nope.npy")
+    code, out, err = _run_cli("plan", "--seqlens", missing)
+    assert code == 2 and out == ""
+    assert err == f"varbatch: error: {missing}: No such file or directory\n"
+
+
+@pytest.mark.parametrize("content, names", [
+    ("3\n4\nfour\n", "line 3"),
+    ("3\n0\n", "seqlens[1]=0"),
+    ("\n\n", "no lengths"),
+])
+def test_bad_text_file_exits_2_naming_the_problem(capsys, tmp_path, content, names):
+    path = tmp_path / "lengths.txt"
+    path.write_text(content)
+    code, out, err = _main(capsys, "plan", "--seqlens", str(path))
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and names in err and str(path) in err
+
+
+@pytest.mark.parametrize("content, names", [
+    ('{"train_batch_size": ', "not valid JSON"),
+    ('{"data_efficiency": {}}', "dynamic_batching"),
+    ('{"data_efficiency": {"data_sampling": {"dynamic_batching": {"enabled": true, "max_tokenz": 5}}}}',
+     "max_tokens"),
+])
+def test_bad_config_exits_2_naming_the_problem(capsys, tmp_path, content, names):
+    path = tmp_path / "ds_config.json"
+    path.write_text(content)
+    code, out, err = _main(capsys, "plan", "--config", str(path))
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and names in err
+
+
+def test_corrupt_npy_exits_2(capsys, tmp_path):
+    path = tmp_path / "lengths.npy"
+    path.write_bytes(b"")
+    code, _, err = _main(capsys, "plan", "--seqlens", str(path))
+    assert code == 2 and err.count("\n") == 1 and str(path) in err
+
+
+def test_help_explains_every_flag():
+    code, out, _ = _run_cli("plan", "--help")
+    assert code == 0
+    parser = varbatch._make_parser()
+    plan_parser = parser._subparsers._group_actions[0].choices["plan"]
+    for action in plan_parser._actions:
+        assert action.help, f"flag {action.option_strings} has no help"
+        for flag in action.option_strings:
+            assert flag in out
+    assert "train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps" in out
+    assert "synthetic" in out
+
+
+# =============================================================================
+# The picture
+# =============================================================================
+
+
+def test_plot_writes_a_png(capsys, tmp_path, npy_file):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "plan.png"
+    code, out, err = _main(capsys, "plan", "--seqlens", npy_file, "--max-tokens", "10", "--world-size", "2",
+                           "--plot", str(path))
+    assert code == 0, err
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+    assert f"wrote {path}" in err and "epoch 0:" in out
+
+
+def test_plot_without_matplotlib_says_how_to_get_it(capsys, monkeypatch, tmp_path, npy_file):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
+    path = tmp_path / "plan.png"
+    code, out, err = _main(capsys, "plan", "--seqlens", npy_file, "--plot", str(path))
+    assert code == 2 and out == "" and not path.exists()
+    assert err.count("\n") == 1 and "pip install matplotlib" in err
+
+
+def test_plan_without_plot_works_without_matplotlib(capsys, monkeypatch, npy_file):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    code, out, _ = _main(capsys, "plan", "--seqlens", npy_file, "--max-tokens", "10")
+    assert code == 0 and "epoch 0:" in out
