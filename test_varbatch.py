@@ -8,6 +8,7 @@ import copy
 import functools
 import json
 import math
+import os
 import pickle
 import re
 import subprocess
@@ -854,6 +855,60 @@ def test_make_dataloader_needs_a_variable_batch_sampler():
     """make_dataloader refuses another sampler, naming its type."""
     with pytest.raises(TypeError, match="BatchSampler"):
         make_dataloader([1, 2], torch.utils.data.BatchSampler(range(2), 1, False))
+
+
+_TWO_RANK_SCRIPT = """
+import datetime, json, os, sys
+import numpy as np, torch, torch.distributed as dist
+import varbatch
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=30))
+seqlens = np.random.default_rng(3).integers(1, 50, 101)  # 101 samples: no even split over 2 ranks
+sampler = varbatch.VariableBatchSampler(seqlens, 120, micro_batch_size=2, gradient_accumulation_steps=3,
+                                        order="random", seed=5)
+seen, steps = [], 0
+for epoch in range(2):
+    sampler.set_epoch(epoch)
+    for ids in sampler:
+        signal = torch.tensor([1.0])
+        dist.all_reduce(signal)  # a collective every step: unequal step counts would hang here
+        seen.append(ids)
+        steps += 1
+print(json.dumps({"rank": rank, "steps": steps, "len": len(sampler), "seen": seen}))
+dist.destroy_process_group()
+"""
+
+
+def _free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_ranks_take_equal_steps_on_an_uneven_dataset(tmp_path):
+    """With 2 real gloo ranks and 101 samples, both ranks take the same steps and together train the plan."""
+    script = tmp_path / "two_ranks.py"
+    script.write_text(_TWO_RANK_SCRIPT)
+    port = str(_free_port())
+    env = dict(os.environ, PYTHONPATH=str(Path(varbatch.__file__).parent))
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), port], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for r in range(2)]
+    outs = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0, err[-2000:]
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    assert outs[0]["steps"] == outs[1]["steps"] > 0
+    seqlens = np.random.default_rng(3).integers(1, 50, 101)
+    for epoch in range(2):
+        plan = plan_batches(seqlens, 120, effective_batch_size=12, order="random", seed=5, epoch=epoch)
+        steps = plan.num_batches * 3
+        both = [ids for out in outs for ids in out["seen"][epoch * steps:(epoch + 1) * steps]]
+        trained = sorted(i for ids in both for i in ids)
+        assert trained == sorted(plan.sample_ids.tolist()), f"epoch {epoch}: the ranks did not split the plan"
+        assert len(trained) + plan.num_dropped == 101
 
 
 # =============================================================================
