@@ -857,6 +857,21 @@ def test_make_dataloader_needs_a_variable_batch_sampler():
         make_dataloader([1, 2], torch.utils.data.BatchSampler(range(2), 1, False))
 
 
+def test_make_dataloader_refuses_seqlens_of_another_dataset_size():
+    """Seqlens for 3 samples with a dataset of 4 is refused before any batch, naming both sizes."""
+    sampler = VariableBatchSampler([2, 2, 2], 4)
+    with pytest.raises(ValueError, match=r"dataset has 4 samples.*3 seqlens"):
+        make_dataloader([torch.ones(2)] * 4, sampler)
+
+
+def test_samples_that_disagree_with_their_seqlens_are_refused():
+    """A sample whose real length differs from the planned seqlen fails loudly, naming the sample."""
+    dataset = [torch.ones(2), torch.ones(5), torch.ones(2)]  # sample 1 is 5 long, planned as 2
+    loader = make_dataloader(dataset, VariableBatchSampler([2, 2, 2], 4), collate_fn=PaddedCollate())
+    with pytest.raises(ValueError, match=r"sample 1 has length 5, but it was planned with seqlen 2"):
+        list(loader)
+
+
 _TWO_RANK_SCRIPT = """
 import datetime, json, os, sys
 import numpy as np, torch, torch.distributed as dist
