@@ -1886,6 +1886,13 @@ def _data_parallel(engine) -> tuple[int, int]:
     return torch.distributed.get_rank(group=group), torch.distributed.get_world_size(group=group)
 
 
+def _world() -> tuple[int, int]:
+    """``(rank, world_size)`` of this process; ``(0, 1)`` without torch.distributed."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
 def _gather(obj) -> list:
     """``obj`` of every rank (a list of one without torch.distributed)."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
@@ -1896,15 +1903,16 @@ def _gather(obj) -> list:
 
 
 def _load_cached_seqlens(metrics_path: str, num_samples: int) -> np.ndarray | None:
-    """Seqlens cached in ``metrics_path`` (varbatch's .npy, or DeepSpeed's metric files), if valid."""
+    """Seqlens cached in ``metrics_path`` (varbatch's .npy, or DeepSpeed's metric files), if any."""
     import os
     path = os.path.join(metrics_path, _SEQLEN_CACHE)
+    deepspeed_path = os.path.join(metrics_path, "seqlen", "seqlen_sample_to_metric")
     if os.path.exists(path):
         seqlens = np.load(path)
-    elif os.path.exists(os.path.join(metrics_path, "seqlen", "seqlen_sample_to_metric.bin")):
+    elif os.path.exists(deepspeed_path + ".bin") and os.path.exists(deepspeed_path + ".idx"):
+        # Written by DeepSpeed's DataAnalyzer: one N x 1 metric row per sample.
         from deepspeed.runtime.data_pipeline.data_sampling.indexed_dataset import MMapIndexedDataset
-        metric = MMapIndexedDataset(os.path.join(metrics_path, "seqlen", "seqlen_sample_to_metric"),
-                                    skip_warmup=True)
+        metric = MMapIndexedDataset(deepspeed_path, skip_warmup=True)
         seqlens = np.concatenate([np.asarray(metric[i]).reshape(-1) for i in range(len(metric))])
     else:
         return None
@@ -1912,58 +1920,85 @@ def _load_cached_seqlens(metrics_path: str, num_samples: int) -> np.ndarray | No
         _logger.warning("the seqlen cache in %s has %d entries but the dataset %d samples: recomputing it",
                         metrics_path, len(seqlens), num_samples)
         return None
-    return seqlens
+    return seqlens.astype(np.int64)
 
 
-def _compute_seqlens(dataset, batch_seqlens_fn, collate_fn, rank: int, world_size: int,
-                     batch_size: int = 256) -> np.ndarray:
-    """Seqlens of every sample with ``batch_seqlens_fn``, each rank a shard, then gathered."""
-    shard = list(range(rank, len(dataset), world_size))
-    loader = DataLoader(torch.utils.data.Subset(dataset, shard), batch_size=batch_size,
-                        collate_fn=collate_fn if collate_fn is not None else _identity)
-    progress = None
-    if rank == 0:
+def _seqlens_of(dataset, ids: np.ndarray, batch_seqlens_fn, collate_fn, progress: bool = False,
+                batch_size: int = 256) -> np.ndarray:
+    """``batch_seqlens_fn(collate_fn(samples))`` over the samples ``ids``, ``batch_size`` at a time.
+
+    As in DeepSpeed, ``batch_seqlens_fn`` gets a batch collated by the
+    training collate function and returns one length per sample.
+    """
+    bar = None
+    if progress:
         try:
             from tqdm import tqdm
-            progress = tqdm(total=len(shard), desc="varbatch: seqlens", unit="sample")
-        except ImportError:
+            bar = tqdm(total=len(ids), desc="varbatch: seqlens", unit="sample")
+        except ImportError:  # no progress bar without tqdm; DeepSpeed installs it
             pass
-    lengths: list[int] = []
-    for batch in loader:
-        got = [int(x) for x in batch_seqlens_fn(batch)]
-        lengths.extend(got)
-        if progress is not None:
-            progress.update(len(got))
-    if progress is not None:
-        progress.close()
-    if len(lengths) != len(shard):
-        raise ValueError(f"batch_seqlens_fn returned {len(lengths)} lengths for {len(shard)} samples; it must "
-                         f"return one length per sample of the collated batch")
-    seqlens = np.zeros(len(dataset), dtype=np.int64)
-    for r, part in enumerate(_gather((list(range(rank, len(dataset), world_size)), lengths))):
-        seqlens[np.asarray(part[0], dtype=np.int64)] = part[1]
-    return seqlens
+    lengths = np.zeros(len(ids), dtype=np.int64)
+    for start in range(0, len(ids), batch_size):
+        chunk = ids[start:start + batch_size]
+        samples = [dataset[int(i)] for i in chunk]
+        got = batch_seqlens_fn(collate_fn(samples) if collate_fn is not None else samples)
+        if isinstance(got, torch.Tensor):
+            got = got.detach().cpu().reshape(-1).tolist()
+        got = list(got)
+        if len(got) != len(chunk):
+            raise ValueError(f"batch_seqlens_fn returned {len(got)} lengths for a batch of {len(chunk)} samples "
+                             f"(ids {int(chunk[0])}..{int(chunk[-1])}); it must return one length per sample of "
+                             f"the batch that dataloader_collate_fn made")
+        lengths[start:start + len(chunk)] = [int(x) for x in got]
+        if bar is not None:
+            bar.update(len(chunk))
+    if bar is not None:
+        bar.close()
+    return lengths
 
 
-def _dataset_seqlens(dataset, settings, batch_seqlens_fn, collate_fn, rank, world_size) -> np.ndarray:
-    """Seqlens from the cache in ``metrics_path``, else computed once and cached."""
+# How many cached seqlens are recomputed to check that a cache belongs to the dataset.
+_CACHE_SPOT_CHECKS = 16
+
+
+def _dataset_seqlens(dataset, settings, batch_seqlens_fn, collate_fn) -> np.ndarray:
+    """Seqlens from the cache in ``metrics_path``, else computed once (sharded over ranks) and cached."""
     import os
+    num_samples = len(dataset)
     metrics_path = settings["metrics_path"]
     if metrics_path:
-        cached = _load_cached_seqlens(metrics_path, len(dataset))
+        cached = _load_cached_seqlens(metrics_path, num_samples)
+        if cached is not None and batch_seqlens_fn is not None and num_samples:
+            # A cache outlives the dataset it was made for: recompute a few entries (the
+            # same on every rank, so all ranks take the same branch) before trusting it.
+            ids = np.unique(np.linspace(0, num_samples - 1, min(num_samples, _CACHE_SPOT_CHECKS)).astype(np.int64))
+            fresh = _seqlens_of(dataset, ids, batch_seqlens_fn, collate_fn)
+            stale = np.flatnonzero(fresh != cached[ids])
+            if len(stale):
+                i = int(ids[stale[0]])
+                _logger.warning("the seqlen cache in %s says sample %d has seqlen %d but batch_seqlens_fn gives %d: "
+                                "the cache is from another dataset; recomputing it", metrics_path, i,
+                                int(cached[i]), int(fresh[stale[0]]))
+                cached = None
         if cached is not None:
             return cached
     if batch_seqlens_fn is None:
         raise ValueError("no dataset_seqlens, no seqlen cache in metrics_path, and batch_seqlens_fn is None; "
                          "pass dataset_seqlens, or batch_seqlens_fn (e.g. varbatch.seqlens_from_padded) to "
                          "compute them once")
-    seqlens = _compute_seqlens(dataset, batch_seqlens_fn, collate_fn, rank, world_size)
-    if metrics_path and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
+    # Each rank measures every world_size-th sample, then all ranks gather the shards.
+    rank, world_size = _world()
+    shard = np.arange(rank, num_samples, world_size, dtype=np.int64)
+    lengths = _seqlens_of(dataset, shard, batch_seqlens_fn, collate_fn, progress=rank == 0)
+    seqlens = np.zeros(num_samples, dtype=np.int64)
+    for ids, part in _gather((shard, lengths)):
+        seqlens[ids] = part
+    if metrics_path and rank == 0:
         os.makedirs(metrics_path, exist_ok=True)
         tmp = os.path.join(metrics_path, f".{_SEQLEN_CACHE}.{os.getpid()}.npy")
         np.save(tmp, seqlens)
-        os.replace(tmp, os.path.join(metrics_path, _SEQLEN_CACHE))
-    if torch.distributed.is_initialized():
+        os.replace(tmp, os.path.join(metrics_path, _SEQLEN_CACHE))  # atomic: no rank reads half a file
+    if world_size > 1:
         torch.distributed.barrier()
     return seqlens
 
@@ -1978,39 +2013,62 @@ def get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(dataset,
     """The dataloader and LR scheduler for a DeepSpeed engine, from its config.
 
     Reads ``data_efficiency.data_sampling.dynamic_batching`` (see README), takes
-    the batch sizes and data-parallel rank from the engine, turns on same-size
-    and same-length micro-batches for a ``PipelineEngine``, checks that every
-    rank planned the same epoch, and installs the scheduler as
-    ``engine.lr_scheduler`` (wrapping the engine's scheduler or optimizer) so
-    ``engine.step()`` steps it and checkpoints save it.
+    ``train_batch_size``, ``train_micro_batch_size_per_gpu``, the gradient
+    accumulation steps and the data-parallel rank and size from the engine,
+    turns on same-size and same-length micro-batches for a ``PipelineEngine``,
+    checks that every rank planned the same epoch, and installs the scheduler
+    as ``engine.lr_scheduler`` (wrapping the engine's scheduler, or its
+    optimizer's constant LR; ZeRO and fp16 wrappers are unwrapped) so
+    ``engine.step()`` and ``engine.train_batch()`` step it and checkpoints
+    save it.
 
     Seqlens: ``dataset_seqlens`` if given; else the cache in ``metrics_path``
     (varbatch's ``varbatch_seqlens.npy`` or DeepSpeed's
-    ``seqlen/seqlen_sample_to_metric`` files); else computed once with
+    ``seqlen/seqlen_sample_to_metric`` files), spot-checked with
+    ``batch_seqlens_fn`` when given; else computed once with
     ``batch_seqlens_fn`` (which gets a batch made by ``dataloader_collate_fn``
-    and returns one length per sample), each rank a shard, and cached.
+    and returns one length per sample), each rank a shard, gathered, and
+    cached in ``metrics_path``.
 
     Returns:
-        ``(dataloader, lr_scheduler, deepspeed_io_kwargs)``.
+        ``(dataloader, lr_scheduler, deepspeed_io_kwargs)``: the loader of this
+        rank's step inputs, the `VariableBatchSizeLR` (None when the engine has
+        no optimizer), and the keyword arguments of ``engine.deepspeed_io``
+        that build the same loader inside DeepSpeed.
+
+    Raises:
+        ValueError: the config section is missing, disabled, has an unknown
+            key or a bad value, or the engine's batch sizes disagree.
+        RuntimeError: the ranks planned different epochs.
     """
     settings = _read_dynamic_batching(_engine_config_dict(engine))
     dp_rank, dp_size = _data_parallel(engine)
+    k, mbs = engine.train_batch_size(), engine.train_micro_batch_size_per_gpu()
+    gas = engine.gradient_accumulation_steps()
+    if k != mbs * gas * dp_size:
+        raise ValueError(f"train_batch_size={k} should be train_micro_batch_size_per_gpu x "
+                         f"gradient_accumulation_steps x data-parallel size = {mbs} x {gas} x {dp_size}; "
+                         f"fix the batch sizes in the DeepSpeed config")
     if dataset_seqlens is None:
-        dataset_seqlens = _dataset_seqlens(dataset, settings, batch_seqlens_fn, dataloader_collate_fn,
-                                           dp_rank, dp_size)
+        dataset_seqlens = _dataset_seqlens(dataset, settings, batch_seqlens_fn, dataloader_collate_fn)
     pipeline = hasattr(engine, "train_batch") and getattr(engine, "grid", None) is not None
     base = engine.lr_scheduler if getattr(engine, "lr_scheduler", None) is not None else engine.optimizer
+    if isinstance(base, VariableBatchSizeLR):
+        # Called again on the same engine: scale the original schedule, not the scaled one.
+        for group, lr in zip(base.optimizer.param_groups, base._unscaled_lrs):
+            group["lr"] = lr
+        base = base._base if base._base is not None else base.optimizer
     dataloader, lr_scheduler, io_kwargs = get_dataloader_and_lr_scheduler_for_variable_batch_size(
         dataset=dataset,
         dataset_seqlens=dataset_seqlens,
         max_tokens=settings["max_tokens"],
-        effective_batch_size=engine.train_batch_size(),
+        effective_batch_size=k,
         dataset_filter_ids=dataset_filter_ids,
         lr_scaling_method=settings["lr_scaling_method"],
         min_batch_size=settings["min_batch_size"],
         max_batch_size=settings["max_batch_size"],
         sequence_picking_order=settings["order"],
-        dataloader_batch_size=engine.train_micro_batch_size_per_gpu(),
+        dataloader_batch_size=mbs,
         dataloader_rank=dp_rank,
         dataloader_num_replicas=dp_size,
         dataloader_num_workers=settings["num_workers"],
@@ -2028,15 +2086,19 @@ def get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(dataset,
         bucket_size=settings["bucket_size"],
         on_overlong=settings["on_overlong"],
     )
-    # Every rank must train on the same plan, else samples are trained twice or never.
+    # Every rank must train on the same plan, else samples are trained twice or never
+    # and the ranks disagree on the number of steps (a hang at the first collective
+    # that one rank never reaches). Pipeline stages are compared too.
     sampler = _find_batch_sampler(dataloader)
     fingerprints = _gather(sampler.plan.fingerprint())
-    for r, fingerprint in enumerate(fingerprints):
-        if fingerprint != fingerprints[0]:
-            raise RuntimeError(f"rank {r} planned a different epoch than rank 0 (plan fingerprint {fingerprint} "
-                               f"!= {fingerprints[0]}): the ranks see different seqlens or settings; give every "
-                               f"rank the same dataset, seqlens and config")
-    engine.lr_scheduler = lr_scheduler
+    differ = [r for r, fingerprint in enumerate(fingerprints) if fingerprint != fingerprints[0]]
+    if differ:
+        raise RuntimeError(f"rank {differ[0]} planned a different epoch than rank 0 (plan fingerprint "
+                           f"{fingerprints[differ[0]]} != {fingerprints[0]}; {len(differ)} rank(s) differ): the "
+                           f"ranks see different seqlens, dataset_filter_ids or configs; give every rank the same "
+                           f"dataset, seqlens and config (delete a seqlen cache in metrics_path that is not shared)")
+    if lr_scheduler is not None:
+        engine.lr_scheduler = lr_scheduler
     return dataloader, lr_scheduler, io_kwargs
 
 
