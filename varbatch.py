@@ -1806,7 +1806,7 @@ _DEEPSPEED_KEYS = ("enabled", "max_tokens", "lr_scaling_method", "min_batch_size
                    "sequence_picking_order", "sentence_picking_order", "metrics_path", "verbose")
 _VARBATCH_KEYS = ("seed", "num_workers", "pin_memory", "budget", "lr_scaling_unit", "lr_scaling_reference",
                   "bucket_size", "on_overlong")
-DYNAMIC_BATCHING_KEYS = _DEEPSPEED_KEYS + _VARBATCH_KEYS
+_DYNAMIC_BATCHING_KEYS = _DEEPSPEED_KEYS + _VARBATCH_KEYS
 _SEQLEN_CACHE = "varbatch_seqlens.npy"
 
 
@@ -1824,11 +1824,11 @@ def _read_dynamic_batching(config: Mapping) -> dict:
         raise ValueError("the DeepSpeed config has no data_efficiency.data_sampling.dynamic_batching section; "
                          "add one with at least \"enabled\": true and \"max_tokens\"")
     for key in section:
-        if key not in DYNAMIC_BATCHING_KEYS:
-            close = difflib.get_close_matches(key, DYNAMIC_BATCHING_KEYS, n=1)
+        if key not in _DYNAMIC_BATCHING_KEYS:
+            close = difflib.get_close_matches(key, _DYNAMIC_BATCHING_KEYS, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise ValueError(f"unknown key {key!r} in data_efficiency.data_sampling.dynamic_batching{hint} "
-                             f"(valid keys: {', '.join(DYNAMIC_BATCHING_KEYS)})")
+                             f"(valid keys: {', '.join(_DYNAMIC_BATCHING_KEYS)})")
     if not section.get("enabled", False):
         raise ValueError("dynamic_batching.enabled is false; set \"enabled\": true in "
                          "data_efficiency.data_sampling.dynamic_batching")
