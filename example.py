@@ -331,7 +331,7 @@ def main(args):
     # 1. Data, engine, and varbatch's loader and LR scheduler (installed as engine.lr_scheduler).
     dataset = RunningSumSequences(args.num_samples, seed=args.seed)
     engine, dataloader, lr_scheduler = make_engine(args, load_config(args), dataset)
-    sampler = dataloader.sampler.batch_sampler  # the VariableBatchSampler: plan, set_epoch, state_dict
+    sampler = dataloader.variable_batch_sampler  # plan, set_epoch, state_dict
     gas = engine.gradient_accumulation_steps()
     num_replicas = sampler.num_replicas
 

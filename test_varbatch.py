@@ -1085,18 +1085,29 @@ def test_no_warnings_while_stepping(schedule):
         scheduler.load_state_dict(scheduler.state_dict())
 
 
-def test_warns_once_per_epoch_when_mean_factor_is_far_from_one():
-    """With DeepSpeed's default reference (micro-batches, not sequences) each epoch warns once, naming the fix."""
+def test_warns_once_when_mean_factor_is_far_from_one(caplog):
+    """With DeepSpeed's default reference (micro-batches, not sequences): one warning naming the fix, then each
+    epoch's factors are logged, not warned again."""
     sampler = _sampler(gradient_accumulation_steps=1)
     optimizer = _optimizer()
     assert _mean_size(sampler) > 2 * sampler.effective_batch_size
     with pytest.warns(UserWarning, match="mean LR factor of epoch 0 .*lr_scaling_reference='mean'"):
         scheduler = VariableBatchSizeLR(optimizer, sampler.effective_batch_size, sampler)
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level("INFO", logger="varbatch"):
         warnings.simplefilter("always")
         _train(sampler, scheduler, optimizer, epochs=2)
-    messages = [str(w.message) for w in caught]
-    assert len(messages) == 2 and "epoch 1" in messages[0] and "epoch 2" in messages[1], messages
+    assert [str(w.message) for w in caught] == []
+    logged = [r.getMessage() for r in caplog.records if "LR factor mean" in r.getMessage()]
+    assert [m.split(":")[0] for m in logged] == ["epoch 1", "epoch 2"], logged
+
+
+def test_lr_factor_report_only_on_rank_0(caplog):
+    """Rank 1 neither warns nor logs the LR factors: one report per job, not one per rank."""
+    sampler = _sampler(gradient_accumulation_steps=1, num_replicas=2, rank=1)
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level("INFO", logger="varbatch"):
+        warnings.simplefilter("always")
+        VariableBatchSizeLR(_optimizer(), sampler.effective_batch_size, sampler)
+    assert caught == [] and not [r for r in caplog.records if "LR factor" in r.getMessage()]
 
 
 class _WrappedOptimizer:

@@ -1363,10 +1363,14 @@ def make_dataloader(dataset, batch_sampler: VariableBatchSampler, *, collate_fn=
     (``same_length=True``) every sample is first padded with
     ``sample_padding_fn(sample, length)`` to its batch's max seqlen, so every
     step input of a batch has the same padded S. Works with ``num_workers > 0``
-    (also under spawn), ``pin_memory`` and ``persistent_workers``.
+    (also under spawn), ``pin_memory`` and ``persistent_workers``. The loader's
+    ``variable_batch_sampler`` attribute is ``batch_sampler`` (for `set_epoch`,
+    ``state_dict`` and ``plan``), also on loaders made by the DeepSpeed-compatible
+    functions.
 
     Raises:
-        ValueError: same-length mode without ``sample_padding_fn``.
+        ValueError: same-length mode without ``sample_padding_fn``, or a
+            dataset whose size differs from the number of seqlens.
     """
     if not isinstance(batch_sampler, VariableBatchSampler):
         raise TypeError(f"batch_sampler should be a VariableBatchSampler, but got {type(batch_sampler).__name__}")
@@ -1377,10 +1381,12 @@ def make_dataloader(dataset, batch_sampler: VariableBatchSampler, *, collate_fn=
         raise ValueError("sample_padding_fn is None, but same-length mode pads every sample of a batch to "
                          "the batch's max seqlen; pass sample_padding_fn=varbatch.pad_sample (tensors) or "
                          "your own fn(sample, length)")
-    return DataLoader(_KeyDataset(), batch_size=batch_sampler.micro_batch_size,
-                      sampler=batch_sampler.microbatch_keys(),
-                      collate_fn=_Collate(dataset, collate_fn, sample_padding_fn, batch_sampler.seqlens),
-                      num_workers=num_workers, pin_memory=pin_memory, **dataloader_kwargs)
+    loader = DataLoader(_KeyDataset(), batch_size=batch_sampler.micro_batch_size,
+                        sampler=batch_sampler.microbatch_keys(),
+                        collate_fn=_Collate(dataset, collate_fn, sample_padding_fn, batch_sampler.seqlens),
+                        num_workers=num_workers, pin_memory=pin_memory, **dataloader_kwargs)
+    loader.variable_batch_sampler = batch_sampler  # for set_epoch, state_dict and the plan
+    return loader
 
 
 # =============================================================================
@@ -1402,7 +1408,8 @@ def _torch_optimizer(optimizer):
 
 def _find_batch_sampler(obj) -> VariableBatchSampler | None:
     """The `VariableBatchSampler` behind a sampler, a key sampler or a DataLoader, if any."""
-    for candidate in (obj, getattr(obj, "batch_sampler", None), getattr(obj, "sampler", None),
+    for candidate in (obj, getattr(obj, "variable_batch_sampler", None), getattr(obj, "batch_sampler", None),
+                      getattr(obj, "sampler", None),
                       getattr(getattr(obj, "batch_sampler", None), "sampler", None),
                       getattr(obj, "data_sampler", None)):
         if isinstance(candidate, VariableBatchSampler):
@@ -1489,6 +1496,7 @@ class VariableBatchSizeLR(LRScheduler):
         self._constant_lrs = [group["lr"] for group in self.optimizer.param_groups]
         self._unscaled_lrs = [group["lr"] for group in self.optimizer.param_groups]
         self._reported_epoch = None
+        self._warned = False
         self._apply()
 
     # -- batch sizes --------------------------------------------------------
@@ -1519,15 +1527,21 @@ class VariableBatchSizeLR(LRScheduler):
         return self._batch
 
     def _report(self, epoch: int) -> None:
-        """Logs the epoch's LR factors once; warns when their mean is far from 1."""
+        """Logs each epoch's LR factors once, on rank 0; warns once when their mean is far from 1."""
         if self._reported_epoch == epoch:
             return
         self._reported_epoch = epoch
+        rank = self._sampler.rank if self._sampler is not None else (
+            torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized()
+            else 0)
+        if rank != 0:
+            return
         reference = self._reference(epoch)
         factors = np.array([_lr_factor(b / reference, self.lr_scaling_method) for b in self._sizes(epoch)])
         _logger.info("epoch %d: LR factor mean %.3g, min %.3g, max %.3g (B_ref=%g %s)", epoch, factors.mean(),
                      factors.min(), factors.max(), reference, self.lr_scaling_unit)
-        if not 0.5 <= factors.mean() <= 2.0:
+        if not 0.5 <= factors.mean() <= 2.0 and not self._warned:
+            self._warned = True  # once per scheduler: the cause is a setting, not an epoch
             warnings.warn(
                 f"the mean LR factor of epoch {epoch} is {factors.mean():.3g}: the configured LR is multiplied by "
                 f"{factors.mean():.3g} on average, because base_batch_size={self.base_batch_size!r} is far from the "
