@@ -11,8 +11,11 @@ import math
 import os
 import pickle
 import re
+import signal
+import socket
 import subprocess
 import sys
+import types
 import warnings
 from pathlib import Path
 
@@ -896,7 +899,6 @@ dist.destroy_process_group()
 
 
 def _free_port():
-    import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -1318,6 +1320,502 @@ def test_dynamic_batching_config_unknown_key():
     with pytest.raises(ValueError, match=re.escape("unknown key 'max_token'") + ".*"
                        + re.escape("did you mean 'max_tokens'?")):
         varbatch._read_dynamic_batching(config)
+
+
+# =============================================================================
+# DeepSpeed glue and the example (integration)
+# =============================================================================
+# The glue's config reading, seqlen cache and plan check run against a stand-in
+# engine (what the glue reads from DeepSpeed's: the raw config, the batch
+# sizes, the optimizer and scheduler). The example runs under the DeepSpeed
+# launcher with 2 CPU ranks (gloo), DDP and pipeline; its rank-0 step lines
+# are compared with a plan computed here from the dataset's real seqlens.
+
+_ROOT = os.path.dirname(os.path.abspath(__file__))
+_STEP_LINE = re.compile(r"^step +(\d+) \| epoch (\d+) \| B ([\d,]+) \| S ([\d,]+) \| tokens (\d+) \| "
+                        r"padding ([\d.]+)% \| lr (\S+) \| loss (\S+)$", re.M)
+_SUMMARY_LINE = re.compile(r"^summary \| .*\| samples trained (\d+) \| dropped (.*?) \|", re.M)
+# Small runs: a few seconds of training each; the launcher's start-up dominates.
+_NUM_SAMPLES, _EPOCHS = 800, 5
+_SMALL_RUN = ["--num-samples", str(_NUM_SAMPLES), "--epochs", str(_EPOCHS)]
+_LAUNCH_TIMEOUT_S = 600
+
+
+def _run(cmd, timeout=_LAUNCH_TIMEOUT_S, cwd=_ROOT):
+    """Runs ``cmd`` in its own process group; on timeout kills the whole group (launcher and ranks)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} did not finish in {timeout} s (a hang):\n{out[-3000:]}\n{err[-3000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _launch(script, args, num_gpus=2, cwd=_ROOT):
+    """``deepspeed --num_gpus N script args`` (the launcher's own entry point, this Python)."""
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(num_gpus),
+           "--master_port", str(_free_port()), script, *args]
+    return _run(cmd, cwd=cwd)
+
+
+def _check_ok(result):
+    assert result.returncode == 0, (f"exit code {result.returncode}\n--- stdout ---\n{result.stdout[-4000:]}"
+                                    f"\n--- stderr ---\n{result.stderr[-4000:]}")
+
+
+def _steps(stdout):
+    """The rank-0 step lines as dicts, in order."""
+    return [dict(step=int(m[1]), epoch=int(m[2]), B=[int(x) for x in m[3].split(",")],
+                 S=[int(x) for x in m[4].split(",")], tokens=int(m[5]), padding=m[6], lr=m[7], loss=float(m[8]))
+            for m in _STEP_LINE.finditer(stdout)]
+
+
+def _example_config(path=None):
+    with open(path or os.path.join(_ROOT, "ds_config.json")) as f:
+        return json.load(f)
+
+
+def _example_plan(config, epoch, pipeline, num_samples=_NUM_SAMPLES, seed=0):
+    """The plan the example should train, computed here from the dataset's real seqlens."""
+    import example
+    seqlens = example.RunningSumSequences(num_samples, seed=seed).seqlens.numpy()
+    section = config["data_efficiency"]["data_sampling"]["dynamic_batching"]
+    plan = varbatch.plan_batches(
+        seqlens, section["max_tokens"], effective_batch_size=config["train_batch_size"], budget=section["budget"],
+        order=section["sequence_picking_order"], min_batch_size=section.get("min_batch_size", 1),
+        seed=config["data_efficiency"]["seed"], epoch=epoch, same_size=pipeline, same_length=pipeline)
+    return plan, seqlens
+
+
+def _rank0_shapes(plan, seqlens, b, num_replicas, same_length):
+    """(B, S) of rank 0's step inputs of batch ``b``: micro-batch j goes to rank j % num_replicas."""
+    k = plan.effective_batch_size
+    shapes = []
+    for j in range(b * k, (b + 1) * k, num_replicas):
+        ids = plan.microbatch(j)
+        seqlen = int(plan.batch_max_seqlens[b]) if same_length else int(seqlens[ids].max())
+        shapes.append((len(ids), seqlen))
+    return shapes
+
+
+_PATHS = {"ddp": [], "pipeline": ["--pipeline-num-stages", "2"]}
+
+
+@pytest.fixture(scope="module")
+def example_runs():
+    """One uninterrupted run of each path, shared by the tests below (each launch costs ~15 s)."""
+    runs = {}
+
+    def get(path):
+        if path not in runs:
+            runs[path] = _launch("example.py", _PATHS[path] + _SMALL_RUN)
+        return runs[path]
+    return get
+
+
+@pytest.mark.parametrize("path", ["ddp", "pipeline"])
+def test_example_trains_the_plan_and_the_loss_goes_down(example_runs, path):
+    """2 ranks: every step's B, S, real tokens and LR are the plan's; the loss goes down; drops are reported."""
+    result = example_runs(path)
+    _check_ok(result)
+    steps = _steps(result.stdout)
+    config = _example_config()
+    pipeline = path == "pipeline"
+    num_replicas = 1 if pipeline else 2  # 2 ranks: 2 stages x 1, or 2 data-parallel ranks
+    section = config["data_efficiency"]["data_sampling"]["dynamic_batching"]
+    max_lr = config["scheduler"]["params"]["warmup_max_lr"]
+    warmup = config["scheduler"]["params"]["warmup_num_steps"]
+    expected_steps, samples, drops = [], 0, {reason: 0 for reason in varbatch.DROP_REASONS}
+    for epoch in range(_EPOCHS):
+        plan, seqlens = _example_plan(config, epoch, pipeline)
+        samples += int(plan.batch_sizes.sum())
+        for reason, ids in plan.dropped.items():
+            drops[reason] += len(ids)
+        for b in range(plan.num_batches):
+            expected_steps.append((epoch, _rank0_shapes(plan, seqlens, b, num_replicas, pipeline),
+                                   int(plan.batch_tokens[b]), int(plan.batch_sizes[b]) / plan.batch_sizes.mean()))
+    assert [s["step"] for s in steps] == list(range(1, len(expected_steps) + 1)), \
+        f"expected steps 1..{len(expected_steps)}, got {[s['step'] for s in steps]}"
+    for s, (epoch, shapes, tokens, factor) in zip(steps, expected_steps):
+        assert s["epoch"] == epoch, f"step {s['step']}: epoch {s['epoch']}, expected {epoch}"
+        assert list(zip(s["B"], s["S"])) == shapes, f"step {s['step']}: B x S {list(zip(s['B'], s['S']))}, " \
+                                                    f"expected {shapes}"
+        assert all(n * seqlen <= section["max_tokens"] for n, seqlen in shapes)  # budget="padded"
+        assert s["tokens"] == tokens, f"step {s['step']}: {s['tokens']} real tokens, expected {tokens}"
+        if s["step"] > warmup + 1:  # after the warmup, LR = max_lr x B_t / mean B (lr_scaling_reference "mean")
+            assert math.isclose(float(s["lr"]), max_lr * factor, rel_tol=1e-5), \
+                f"LR is wrong at step {s['step']}: expected {max_lr * factor}, got {s['lr']}"
+    losses = [s["loss"] for s in steps]
+    assert np.mean(losses[-5:]) < 0.5 * np.mean(losses[:5]), f"the loss did not go down: {losses}"
+    summary = _SUMMARY_LINE.search(result.stdout)
+    assert summary, result.stdout[-2000:]
+    assert int(summary[1]) == samples
+    assert summary[2] == " ".join(f"{reason}={count}" for reason, count in drops.items())
+
+
+@pytest.mark.parametrize("path", ["ddp", "pipeline"])
+def test_example_stop_and_resume_reproduces_the_uninterrupted_run(example_runs, path, tmp_path):
+    """Stopped mid-epoch and resumed, the run trains the same batches with the same LRs and losses."""
+    full = example_runs(path)
+    _check_ok(full)
+    plan, _ = _example_plan(_example_config(), 0, path == "pipeline")
+    stop = plan.num_batches + 2  # batch 2 of epoch 1: mid-epoch, after an epoch boundary
+    checkpoint = str(tmp_path / "ckpt")
+    first = _launch("example.py", _PATHS[path] + _SMALL_RUN + ["--max-steps", str(stop),
+                                                               "--checkpoint-dir", checkpoint])
+    _check_ok(first)
+    second = _launch("example.py", _PATHS[path] + _SMALL_RUN + ["--checkpoint-dir", checkpoint, "--resume"])
+    _check_ok(second)
+    assert f"at step {stop}: epoch 1, batch 2" in second.stdout
+    expected, got = _steps(full.stdout), _steps(first.stdout) + _steps(second.stdout)
+    assert [s["step"] for s in got] == [s["step"] for s in expected]
+    for a, b in zip(got, expected):
+        same = ("epoch", "B", "S", "tokens", "lr")
+        assert [a[key] for key in same] == [b[key] for key in same], \
+            f"step {a['step']} differs after resuming at step {stop}: {a} != {b}"
+        assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5, abs_tol=1e-7), \
+            f"loss is wrong at step {a['step']}: expected {b['loss']}, got {a['loss']}"
+
+
+def test_example_pipeline_on_one_process_fails_at_once_with_the_command_that_works():
+    """One process cannot hold 2 stages: the example says which command works, and never hangs."""
+    fix = "deepspeed --num_gpus 2 example.py --pipeline-num-stages 2"
+    launched = _run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port",
+                     str(_free_port()), "example.py", "--pipeline-num-stages", "2"], timeout=120)
+    plain = _run([sys.executable, "example.py", "--pipeline-num-stages", "2"], timeout=120)
+    for result in (launched, plain):
+        assert result.returncode != 0
+        assert fix in result.stderr + result.stdout, result.stderr[-2000:]
+        assert "needs a multiple of 2 processes" in result.stderr + result.stdout
+
+
+# A training script written against DeepSpeed's module, in the style of DeepSpeed's
+# example for the feature: its import line is the only thing varbatch changes.
+_DEEPSPEED_STYLE_SCRIPT = '''
+import argparse
+import random
+
+import deepspeed
+import torch
+import torch.nn.functional as F
+from deepspeed.pipe import PipelineModule
+from torch import nn
+from deepspeed.runtime.data_pipeline.data_sampling.variable_batch_size_and_lr import get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--local_rank", type=int, default=-1)
+parser.add_argument("--pipeline", action="store_true")
+parser.add_argument("--metrics-path", required=True)
+args = parser.parse_args()
+deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no JIT build of the CPU comm op
+deepspeed.init_distributed()
+MAX_SEQLEN, EMBED = 12, 4
+
+
+class Sequences(torch.utils.data.Dataset):
+    def __init__(self, count, seed=0):
+        rng = random.Random(seed)
+        self.items = [torch.ones(rng.randrange(2, MAX_SEQLEN + 1), EMBED) for _ in range(count)]
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i], len(self.items[i])
+
+
+def collate(batch):
+    seqs, labels = zip(*batch)
+    return nn.utils.rnn.pad_sequence(seqs, batch_first=True), torch.tensor(labels, dtype=torch.float32)
+
+
+def padding(sample, length):
+    seq, label = sample
+    return F.pad(seq, (0, 0, 0, length - len(seq))), label
+
+
+def seqlens(batch):
+    seqs, _ = batch
+    return (seqs[:, :, 0] != 0).sum(dim=1)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(EMBED, 1)
+
+    def forward(self, x):
+        return self.fc(F.pad(x, (0, 0, 0, MAX_SEQLEN - x.shape[1]))).sum(dim=(1, 2))
+
+
+class Scale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, x):
+        return x * self.scale
+
+
+loss_fn = lambda out, labels: F.mse_loss(out.float(), labels.float())
+if args.pipeline:
+    model = PipelineModule(layers=[Net(), Scale()], num_stages=2, loss_fn=loss_fn)
+else:
+    model = nn.Sequential(Net(), Scale())
+config = {
+    "train_batch_size": 4,
+    "train_micro_batch_size_per_gpu": 1,
+    "steps_per_print": 100000,
+    "zero_optimization": {"stage": 1},
+    "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
+    "data_efficiency": {
+        "enabled": True,
+        "seed": 42,
+        "data_sampling": {
+            "num_workers": 0,
+            "pin_memory": False,
+            "dynamic_batching": {
+                "enabled": True,
+                "max_tokens": 40,
+                "metrics_path": args.metrics_path,
+                "lr_scaling_method": "linear",
+                "sentence_picking_order": "seqlen",
+                "min_batch_size": 1,
+                "max_batch_size": 10,
+                "verbose": True,
+            },
+        },
+    },
+}
+engine, optimizer, _, _ = deepspeed.initialize(config=config, model=model, model_parameters=model.parameters())
+dataset = Sequences(200)
+dataloader, lr_scheduler, _ = get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
+    dataset=dataset, engine=engine, dataloader_collate_fn=collate, sample_padding_fn=padding,
+    batch_seqlens_fn=seqlens)
+engine.training_dataloader = dataloader
+lrs = []
+for epoch in range(2):
+    if args.pipeline:
+        data_iter = iter(dataloader)
+        for _ in range(len(dataloader) // engine.gradient_accumulation_steps()):
+            engine.reset_activation_shape()
+            lrs.append((engine.get_lr()[0], lr_scheduler.get_last_lr()[0]))
+            loss = engine.train_batch(data_iter=data_iter)
+    else:
+        for i, (seqs, labels) in enumerate(dataloader):
+            if i % engine.gradient_accumulation_steps() == 0:
+                lrs.append((engine.get_lr()[0], lr_scheduler.get_last_lr()[0]))
+            loss = loss_fn(engine(seqs.to(engine.device)), labels.to(engine.device))
+            engine.backward(loss)
+            engine.step()
+    if engine.data_parallel_group.rank() == 0:
+        print(f"epoch {epoch} loss {loss.item():.4f} LRs {lr_scheduler.get_lr()}", flush=True)
+if torch.distributed.get_rank() == 0:
+    print("optimizer", type(engine.optimizer).__name__, flush=True)
+    print("lrs", lrs, flush=True)
+'''
+
+
+def test_deepspeed_style_script_runs_unchanged_on_varbatch_with_zero_stage_1(tmp_path):
+    """A script for DeepSpeed's module runs on varbatch (import line swapped): DDP, then pipeline, ZeRO-1.
+
+    DeepSpeed 0.19.8's own function fails on this script (its DataAnalyzer
+    crashes on CPU, and it rejects ZeRO's optimizer wrapper). The first run
+    computes the seqlens with ``batch_seqlens_fn`` (progress bar) and caches
+    them in ``metrics_path``; the second reads the cache. The LR in ZeRO's
+    optimizer is varbatch's: base LR x B_t / train_batch_size.
+    """
+    script = _DEEPSPEED_STYLE_SCRIPT.replace(
+        "from deepspeed.runtime.data_pipeline.data_sampling.variable_batch_size_and_lr import", "from varbatch import")
+    assert script != _DEEPSPEED_STYLE_SCRIPT
+    (tmp_path / "train.py").write_text(script)
+    (tmp_path / "varbatch.py").write_text(open(os.path.join(_ROOT, "varbatch.py")).read())
+    metrics = str(tmp_path / "metrics")
+    for mode, computes in (([], True), (["--pipeline"], False)):
+        result = _launch("train.py", ["--metrics-path", metrics, *mode], cwd=str(tmp_path))
+        _check_ok(result)
+        assert ("varbatch: seqlens" in result.stderr) == computes, f"{mode}: seqlens computed={not computes}"
+        assert os.path.exists(os.path.join(metrics, "varbatch_seqlens.npy"))
+        assert "optimizer DeepSpeedZeroOptimizer" in result.stdout
+        lrs = eval(re.search(r"^lrs (.*)$", result.stdout, re.M)[1])
+        assert all(math.isclose(engine_lr, scheduler_lr) for engine_lr, scheduler_lr in lrs), lrs
+        batch_sizes = [lr / 1e-3 * 4 for lr, _ in lrs]  # B_t = lr / base_lr x train_batch_size
+        assert all(abs(b - round(b)) < 1e-6 and b >= 4 for b in batch_sizes), batch_sizes
+        assert len({round(b) for b in batch_sizes}) > 1, "the LR never followed the batch size"
+
+
+# -- the glue against a stand-in engine ---------------------------------------
+
+
+class _Engine:
+    """What the glue reads from a DeepSpeed engine: its raw config, batch sizes, optimizer, scheduler."""
+
+    def __init__(self, config, optimizer=None, lr_scheduler=None, gradient_accumulation_steps=None):
+        self._config = types.SimpleNamespace(_param_dict=config)
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self._gas = gradient_accumulation_steps
+
+    def train_batch_size(self):
+        return self._config._param_dict["train_batch_size"]
+
+    def train_micro_batch_size_per_gpu(self):
+        return self._config._param_dict.get("train_micro_batch_size_per_gpu", 1)
+
+    def gradient_accumulation_steps(self):
+        return self._gas or self.train_batch_size() // self.train_micro_batch_size_per_gpu()
+
+
+def _glue_config(**section):
+    # B_ref "mean" keeps the LR factors near 1, so these tests do not trip the unit-trap warning.
+    dynamic_batching = {"enabled": True, "max_tokens": 16, "lr_scaling_reference": "mean", **section}
+    return {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 1,
+            "data_efficiency": {"data_sampling": {"dynamic_batching": dynamic_batching}}}
+
+
+def _glue(config, dataset=None, **kwargs):
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    engine = _Engine(config, optimizer=optimizer)
+    dataset = dataset if dataset is not None else [torch.ones(n) for n in [3, 5, 2, 7, 4, 6, 1, 8]]
+    out = varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(dataset, engine, **kwargs)
+    return engine, out
+
+
+def _microbatch_ids(loader):
+    """The sample ids of every step input of a one-rank loader, in order (its VariableBatchSampler's)."""
+    return [list(ids) for ids in loader.sampler.batch_sampler]
+
+
+def test_deepspeed_glue_rejects_an_unknown_key_naming_the_closest_one():
+    with pytest.raises(ValueError, match=r"'max_token'.*did you mean 'max_tokens'"):
+        _glue(_glue_config(max_token=16), dataset_seqlens=[3, 5, 2, 7, 4, 6, 1, 8])
+    with pytest.raises(ValueError, match=r"'sentence_picking_ordre'.*'sentence_picking_order'"):
+        _glue(_glue_config(sentence_picking_ordre="seqlen"), dataset_seqlens=[3, 5, 2, 7, 4, 6, 1, 8])
+
+
+def test_deepspeed_glue_reads_both_spellings_of_the_picking_order():
+    """``sentence_picking_order`` (DeepSpeed's older key) and ``sequence_picking_order`` give the same plan."""
+    seqlens = [3, 5, 2, 7, 4, 6, 1, 8]
+    _, (old, _, _) = _glue(_glue_config(sentence_picking_order="seqlen"), dataset_seqlens=seqlens)
+    _, (new, _, _) = _glue(_glue_config(sequence_picking_order="seqlen"), dataset_seqlens=seqlens)
+    expected = varbatch.plan_batches(seqlens, 16, effective_batch_size=2, order="seqlen", seed=1234)
+    for loader in (old, new):
+        assert _microbatch_ids(loader) == expected.microbatches()
+
+
+def test_deepspeed_glue_rejects_batch_sizes_that_do_not_multiply():
+    engine = _Engine(_glue_config(), optimizer=None, gradient_accumulation_steps=3)
+    with pytest.raises(ValueError, match=r"train_batch_size=2 should be .* 1 x 3 x 1"):
+        varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed([torch.ones(2)] * 4, engine,
+                                                                                   dataset_seqlens=[2] * 4)
+
+
+def test_deepspeed_glue_installs_the_scheduler_and_does_not_scale_twice():
+    """The scheduler becomes engine.lr_scheduler; calling the glue again scales the original LR, not the scaled one."""
+    seqlens = [3, 5, 2, 7, 4, 6, 1, 8]
+    engine, (_, first, _) = _glue(_glue_config(), dataset_seqlens=seqlens)
+    assert engine.lr_scheduler is first
+    expected = first.get_last_lr()
+    second = varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
+        [torch.ones(n) for n in seqlens], engine, dataset_seqlens=seqlens)[1]
+    assert engine.lr_scheduler is second
+    assert second.get_last_lr() == pytest.approx(expected), \
+        f"LR is wrong at step 0: expected {expected}, got {second.get_last_lr()}"
+
+
+def test_deepspeed_glue_computes_seqlens_once_then_reads_the_cache(tmp_path):
+    """batch_seqlens_fn gets collated batches; the cache in metrics_path is read back, and a stale one is redone."""
+    seqlens = [3, 5, 2, 7, 4, 6, 1, 8] * 40
+    dataset = [torch.arange(1, n + 1) for n in seqlens]
+    calls = []
+
+    def batch_seqlens(batch):
+        padded, lengths = batch  # made by dataloader_collate_fn
+        calls.append(len(lengths))
+        return lengths
+
+    config = _glue_config(metrics_path=str(tmp_path))
+    kwargs = dict(dataloader_collate_fn=varbatch.PaddedCollate(), batch_seqlens_fn=batch_seqlens)
+    _, (loader, _, _) = _glue(config, dataset, **kwargs)
+    assert sum(calls) == len(seqlens)
+    assert np.load(tmp_path / "varbatch_seqlens.npy").tolist() == seqlens
+    expected = varbatch.plan_batches(seqlens, 16, effective_batch_size=2, seed=1234)
+    assert _microbatch_ids(loader) == expected.microbatches()
+    calls.clear()
+    _glue(config, dataset, **kwargs)  # from the cache: only a spot check is measured
+    assert 0 < sum(calls) < len(seqlens)
+    changed = [torch.arange(1, n + 2) for n in seqlens]  # same size, other lengths: the cache is stale
+    calls.clear()
+    _glue(config, changed, **kwargs)
+    assert sum(calls) > len(seqlens)  # spot check, then every sample
+    assert np.load(tmp_path / "varbatch_seqlens.npy").tolist() == [n + 1 for n in seqlens]
+
+
+def test_deepspeed_glue_reads_deepspeed_metric_files(tmp_path):
+    """Seqlens written by DeepSpeed's DataAnalyzer (seqlen/seqlen_sample_to_metric.bin/.idx) are used as they are."""
+    from deepspeed.runtime.data_pipeline.data_sampling.indexed_dataset import MMapIndexedDatasetBuilder
+    seqlens = [3, 5, 2, 7, 4, 6, 1, 8]
+    os.makedirs(tmp_path / "seqlen")
+    prefix = str(tmp_path / "seqlen" / "seqlen_sample_to_metric")
+    builder = MMapIndexedDatasetBuilder(prefix + ".bin", dtype=np.int64)
+    for n in seqlens:
+        builder.add_item(torch.tensor([n], dtype=torch.int64))
+    builder.finalize(prefix + ".idx")
+    _, (loader, _, _) = _glue(_glue_config(metrics_path=str(tmp_path)), [torch.ones(n) for n in seqlens])
+    expected = varbatch.plan_batches(seqlens, 16, effective_batch_size=2, seed=1234)
+    assert _microbatch_ids(loader) == expected.microbatches()
+
+
+def test_deepspeed_glue_without_any_seqlens_source_says_what_to_pass():
+    with pytest.raises(ValueError, match="batch_seqlens_fn"):
+        _glue(_glue_config(), [torch.ones(2)] * 4)
+
+
+_RANKS_DISAGREE_SCRIPT = '''
+import os, sys, types
+import torch
+import varbatch
+torch.distributed.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=2)
+rank = torch.distributed.get_rank()
+config = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 1,
+          "data_efficiency": {"data_sampling": {"dynamic_batching": {"enabled": True, "max_tokens": 16}}}}
+engine = types.SimpleNamespace(_config=types.SimpleNamespace(_param_dict=config), optimizer=None,
+                               lr_scheduler=None, data_parallel_group=None, train_batch_size=lambda: 2,
+                               train_micro_batch_size_per_gpu=lambda: 1, gradient_accumulation_steps=lambda: 1)
+seqlens = [3, 5, 2, 7, 4, 6, 1, 8] if rank == 0 else [8] * 8  # rank 1 sees other lengths
+try:
+    varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
+        [torch.ones(n) for n in seqlens], engine, dataset_seqlens=seqlens)
+except RuntimeError as error:
+    print(f"rank {rank}: {error}", flush=True)
+    torch.distributed.destroy_process_group()
+    sys.exit(3)
+'''
+
+
+def test_deepspeed_glue_fails_on_every_rank_when_the_ranks_plan_differently(tmp_path):
+    """Ranks with different seqlens get a clear error at the start, on every rank, instead of a hang."""
+    (tmp_path / "disagree.py").write_text(_RANKS_DISAGREE_SCRIPT)
+    port = str(_free_port())
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, PYTHONPATH=_ROOT)
+    procs = [subprocess.Popen([sys.executable, "disagree.py"], cwd=tmp_path, env=dict(env, RANK=str(r)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    outs = []
+    for proc in procs:
+        try:
+            outs.append(proc.communicate(timeout=120))
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            pytest.fail("the ranks hung instead of failing")
+    for proc, (out, err) in zip(procs, outs):
+        assert proc.returncode == 3, f"{out}\n{err}"
+        assert "planned a different epoch than rank 0" in out
+        assert "give every rank the same dataset" in out
 
 
 # =============================================================================
