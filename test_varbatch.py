@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import types
 import warnings
 from pathlib import Path
@@ -2167,3 +2168,75 @@ def test_plan_without_plot_works_without_matplotlib(capsys, monkeypatch, npy_fil
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     code, out, _ = _main(capsys, "plan", "--seqlens", npy_file, "--max-tokens", "10")
     assert code == 0 and "epoch 0:" in out
+
+
+# =============================================================================
+# README: every command and program in it runs, with the output it shows
+# =============================================================================
+# ```bash blocks hold commands: each line runs (installation aside: `pip install
+# X && cmd` runs cmd). Plain ``` blocks whose lines start with `$ ` show a command
+# and its exact output. ```python blocks are complete programs and run; ```py
+# blocks are fragments of a larger script and are not run.
+
+_README = Path(varbatch.__file__).with_name("README.md")
+_README_TEST_COMMAND = "python -m pytest -q test_varbatch.py"
+
+
+def _readme_steps():
+    """``(kind, text, expected_output)`` for every command and program of the README, in order."""
+    steps = []
+    for lang, body in re.findall(r"^```(\w*)\n(.*?)^```", _README.read_text(), re.S | re.M):
+        if lang == "bash":
+            for line in body.splitlines():
+                line = line.strip()
+                if not line or line.startswith("#"):
+                    continue
+                if line.startswith("pip install"):
+                    if "&&" not in line:
+                        continue  # installation only
+                    line = line.split("&&", 1)[1].strip()
+                steps.append(("command", line, None))
+        elif lang == "python":
+            steps.append(("program", body, None))
+        elif lang == "" and body.startswith("$ "):
+            for chunk in re.split(r"^\$ ", body, flags=re.M)[1:]:
+                command, _, output = chunk.partition("\n")
+                steps.append(("command", command.strip(), output))
+    return steps
+
+
+def test_readme_test_command_is_what_ci_runs():
+    """The README's test command is the one .ci/run runs, and both README commands come first."""
+    readme = _README.read_text()
+    first_block = re.search(r"^```bash\n(.*?)^```", readme, re.S | re.M).group(1).splitlines()
+    assert first_block == [
+        "pip install -r requirements.txt && deepspeed --num_gpus 2 example.py --pipeline-num-stages 2",
+        f"pip install -r requirements.txt && {_README_TEST_COMMAND}"]
+    ci = _README.with_name(".ci").joinpath("run").read_text()
+    assert re.search(rf"^{re.escape(_README_TEST_COMMAND)}$", ci, re.M), "CI does not run the README's command"
+
+
+def test_readme_commands_run_and_print_what_it_shows(tmp_path):
+    """Every README command exits 0 (or 2 where it shows an error) and prints exactly the output shown."""
+    root = _README.parent
+    for name in ("varbatch.py", "example.py", "ds_config.json"):
+        (tmp_path / name).write_bytes((root / name).read_bytes())
+    steps = _readme_steps()
+    assert sum(kind == "command" for kind, _, _ in steps) >= 10, "the README lost its commands"
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(tmp_path))
+    seen = set()
+    for kind, text, expected in steps:
+        if text == _README_TEST_COMMAND or (kind, text, expected) in seen:
+            continue  # this suite itself; a command shown twice runs once
+        seen.add((kind, text, expected))
+        started = time.perf_counter()
+        args = [sys.executable, "-c", text] if kind == "program" else ["bash", "-c", text]
+        done = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+                              start_new_session=True)
+        print(f"{time.perf_counter() - started:6.1f} s  {text[:100]!r}")
+        shows_error = expected is not None and expected.startswith("varbatch: error:")
+        assert done.returncode == (2 if shows_error else 0), f"{text!r} exited {done.returncode}:\n{done.stderr[-3000:]}"
+        if expected is not None:
+            got = (done.stderr if shows_error else done.stdout).rstrip("\n").splitlines()
+            assert [line.rstrip() for line in got] == [line.rstrip() for line in expected.rstrip("\n").splitlines()], \
+                f"README output of {text!r} differs:\n{done.stdout}{done.stderr}"
