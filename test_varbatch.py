@@ -1286,15 +1286,21 @@ def test_load_state_dict_rejects_unknown_keys_and_keeps_its_argument(owner):
 
 
 def test_sampler_refuses_another_seed_config_or_world_size():
-    """A sampler state saved with another seed, max_tokens or world size is refused."""
+    """A sampler state saved with another seed, max_tokens, dataset or world size is refused, naming it."""
     seqlens = _lengths(60, seed=10)
     state = VariableBatchSampler(seqlens, 50, num_replicas=2, rank=0, order="random", seed=1).state_dict()
-    with pytest.raises(ValueError, match="fingerprint"):
+    before = copy.deepcopy(state)
+    with pytest.raises(ValueError, match=re.escape("seed=1 into a sampler with seed=2")):
         VariableBatchSampler(seqlens, 50, num_replicas=2, rank=0, order="random", seed=2).load_state_dict(state)
-    with pytest.raises(ValueError, match="fingerprint"):
+    with pytest.raises(ValueError, match=re.escape("max_tokens=50 into a sampler with max_tokens=51")):
         VariableBatchSampler(seqlens, 51, num_replicas=2, rank=0, order="random", seed=1).load_state_dict(state)
     with pytest.raises(ValueError, match=re.escape("num_replicas=2 into a sampler with num_replicas=1")):
         VariableBatchSampler(seqlens, 50, num_replicas=1, rank=0, order="random", seed=1).load_state_dict(state)
+    other = list(seqlens)
+    other[0] += 1
+    with pytest.raises(ValueError, match=re.escape("the seqlens (another dataset?)")):
+        VariableBatchSampler(other, 50, num_replicas=2, rank=0, order="random", seed=1).load_state_dict(state)
+    assert state == before, "load_state_dict changed its argument"
 
 
 def test_scheduler_refuses_another_seed_or_settings():

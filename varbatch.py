@@ -1283,13 +1283,16 @@ class VariableBatchSampler(Sampler[list[int]]):
 
     # -- state --------------------------------------------------------------
 
-    def _config_fingerprint(self) -> str:
-        digest = hashlib.sha256(np.ascontiguousarray(self.seqlens).tobytes())
-        options = {k: (v if k != "sample_ids" or v is None else np.asarray(v).tolist())
-                   for k, v in self._options.items()}
-        digest.update(repr(sorted(options.items())).encode())
-        digest.update(repr((self.num_replicas, self.micro_batch_size, self.gradient_accumulation_steps)).encode())
-        return digest.hexdigest()[:16]
+    def _settings(self) -> dict:
+        """Everything the plans depend on besides the epoch, as plain data (seqlens as a hash)."""
+        def digest(array):
+            return None if array is None else hashlib.sha256(
+                np.ascontiguousarray(np.asarray(array, dtype=np.int64)).tobytes()).hexdigest()[:16]
+        settings = {key: value for key, value in self._options.items() if key != "sample_ids"}
+        settings.update(seqlens=digest(self.seqlens), sample_ids=digest(self._options["sample_ids"]),
+                        micro_batch_size=self.micro_batch_size,
+                        gradient_accumulation_steps=self.gradient_accumulation_steps, num_replicas=self.num_replicas)
+        return settings
 
     def state_dict(self, steps_done: int | None = None) -> dict:
         """The position to resume from: the epoch and the step inputs done in it.
@@ -1303,21 +1306,24 @@ class VariableBatchSampler(Sampler[list[int]]):
                 ``gradient_accumulation_steps``).
         """
         done = self._steps_done if steps_done is None else _check_int("steps_done", steps_done, minimum=0)
-        return {"epoch": self.epoch, "steps_done": done, "num_replicas": self.num_replicas,
-                "rank": self.rank, "fingerprint": self._config_fingerprint()}
+        return {"epoch": self.epoch, "steps_done": done, "rank": self.rank, "settings": self._settings()}
 
     def load_state_dict(self, state_dict: Mapping) -> None:
         """Restores a `state_dict`: the next iteration continues where it stopped."""
-        expected = {"epoch", "steps_done", "num_replicas", "rank", "fingerprint"}
+        expected = {"epoch", "steps_done", "rank", "settings"}
         _check_state_keys("VariableBatchSampler", state_dict, expected)
-        if state_dict["num_replicas"] != self.num_replicas:
-            raise ValueError(f"cannot load a sampler state saved with num_replicas={state_dict['num_replicas']} "
-                             f"into a sampler with num_replicas={self.num_replicas}; resume with the same "
-                             f"world size")
-        if state_dict["fingerprint"] != self._config_fingerprint():
-            raise ValueError("cannot load a sampler state saved for other seqlens or settings "
-                             f"(fingerprint {state_dict['fingerprint']} != {self._config_fingerprint()}); "
-                             "resume with the same dataset, max_tokens, order, seed and batch sizes")
+        saved, mine = state_dict["settings"], self._settings()
+        if not isinstance(saved, Mapping) or set(saved) != set(mine):
+            raise ValueError("the sampler state's settings are not a VariableBatchSampler's; pass a dict made by "
+                             "VariableBatchSampler.state_dict()")
+        # Name the first setting that differs, so the fix is obvious; the likeliest causes first.
+        for key in sorted(mine, key=lambda k: (k not in ("num_replicas", "seqlens", "sample_ids"), k)):
+            if saved[key] != mine[key]:
+                what = {"seqlens": "the seqlens (another dataset?)",
+                        "sample_ids": "the sample_ids subset"}.get(key, f"{key}={saved[key]!r}")
+                now = "others" if key in ("seqlens", "sample_ids") else f"{key}={mine[key]!r}"
+                raise ValueError(f"cannot load a sampler state saved with {what} into a sampler with {now}; "
+                                 f"resume with the same dataset, config and world size")
         epoch = _check_int("epoch", state_dict["epoch"], minimum=0)
         steps = _check_int("steps_done", state_dict["steps_done"], minimum=0)
         self.epoch = epoch
