@@ -1,0 +1,1089 @@
+"""Benchmark of varbatch, side by side with DeepSpeed's own implementation.
+
+Measures, each against its alternative in the same run (ratios are what count on
+a shared machine):
+
+1. Planner speed and growth: varbatch's `plan_batches` vs DeepSpeed's
+   `batch_by_seqlens` on the same lengths (uniform 10..499, max_tokens=4096,
+   lengths in random order), then varbatch alone up to 10M sequences: every
+   mode at 1M (effective_batch_size 1 and 8, same-size off/on, the pipeline's
+   same-length shapes, sum and padded budgets, every order) and the costliest
+   order of each at 10M, with fitted growth exponents. DeepSpeed runs in a
+   subprocess with a time cap per call.
+2. Padding efficiency (real tokens / padded B x S slots) and budget overshoot
+   (padded size / max_tokens) on long-tailed lengths, for DeepSpeed's planner and
+   every varbatch order x budget, in DDP and pipeline (same-shape) modes.
+3. Training throughput on this CPU: token-budget batches vs fixed-size batches
+   padded to their longest sample, at the same peak padded tensor size: real
+   tokens per second and held-out loss after a fixed number of real tokens.
+4. Peak memory (RSS) of planning 10M sequences, in a subprocess.
+
+Usage:
+    python bench.py                 # full run, markdown tables on stdout (minutes)
+    python bench.py --quick         # a subset in under a minute (the CI smoke check)
+    python bench.py --plot          # also write bench_plan_time.png (needs matplotlib)
+    python bench.py --sections speed,padding   # only some sections
+
+Progress goes to stderr, tables to stdout. Nothing here asserts a time: the
+"Targets" table at the end reports each target next to its measurement.
+DeepSpeed and matplotlib are optional: without DeepSpeed its columns are left
+out; matplotlib is imported only by --plot (``pip install matplotlib``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import varbatch
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_START = time.perf_counter()
+
+# Item 1: the lengths and budget of the planner-speed comparison.
+SPEED_MAX_TOKENS = 4096
+SPEED_MIN_SEQLEN, SPEED_MAX_SEQLEN = 10, 499
+# Item 2: the long-tailed set (lognormal, mean ~365 tokens after clipping).
+PAD_MAX_TOKENS = 16384
+PAD_EFFECTIVE_BATCH_SIZE = 8
+PAD_LOGNORMAL_MEAN, PAD_LOGNORMAL_SIGMA = 5.5, 0.9
+PAD_MIN_SEQLEN, PAD_MAX_SEQLEN = 8, 4096
+# DeepSpeed's planner is run on chunks of this many consecutive sequences of the
+# picking order: on the whole 200k-sequence set it would run for days (cubic).
+DS_CHUNK = 2000
+
+SECTIONS = ("speed", "modes", "padding", "training", "memory")
+
+
+# =============================================================================
+# Helpers: progress, formatting, machine, data
+# =============================================================================
+
+
+def _progress(message: str) -> None:
+    print(f"[bench {time.perf_counter() - _START:6.1f} s] {message}", file=sys.stderr, flush=True)
+
+
+def _table(headers: list[str], rows: list[list]) -> str:
+    """A markdown table; every cell is written with str()."""
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join(" --- " for _ in headers) + "|"]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _fmt_time(seconds: float | None) -> str:
+    if seconds is None or not math.isfinite(seconds):
+        return "-"
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.0f} us"
+    if seconds < 1:
+        return f"{seconds * 1e3:.3g} ms"
+    return f"{seconds:.3g} s"
+
+
+def _fmt_duration(seconds: float) -> str:
+    """A long duration in the largest fitting unit: '11 minutes', '7 days'."""
+    for unit, scale in (("days", 86400), ("hours", 3600), ("minutes", 60)):
+        if seconds >= 2 * scale:
+            return f"{seconds / scale:,.0f} {unit}"
+    return f"{seconds:.0f} s"
+
+
+def _fmt_ratio(ratio: float | None) -> str:
+    if ratio is None or not math.isfinite(ratio):
+        return "-"
+    return f"{ratio:,.0f}x" if ratio >= 100 else f"{ratio:.3g}x"
+
+
+def _fmt_n(n: int) -> str:
+    for unit, scale in (("M", 10**6), ("k", 10**3)):
+        if n >= scale and n % (scale // 10) == 0:
+            return f"{n / scale:g}{unit}"
+    return str(n)
+
+
+def _growth_exponent(sizes, seconds) -> float:
+    """Slope of log(time) vs log(N), least squares: time ~ N^slope."""
+    if len(sizes) < 2:
+        return float("nan")
+    return float(np.polyfit(np.log(np.asarray(sizes, float)), np.log(np.asarray(seconds, float)), 1)[0])
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _deepspeed_version() -> str | None:
+    # The version only, without importing DeepSpeed (slow, and it starts an accelerator).
+    try:
+        from importlib.metadata import version
+        return version("deepspeed")
+    except Exception:
+        return None
+
+
+def machine_description() -> str:
+    cpus = os.cpu_count()
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cpus
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
+    memory = ""
+    if hasattr(os, "sysconf") and "SC_PHYS_PAGES" in os.sysconf_names:
+        memory = f", {os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE') / 2**30:.0f} GiB RAM"
+    rows = [
+        ["platform", platform.platform()],
+        ["CPU", f"{_cpu_model()}, {cpus} logical CPUs ({usable} usable){memory}"],
+        ["load average at start (1, 5, 15 min)", load],
+        ["python", platform.python_version()],
+        ["numpy / torch", f"{np.__version__} / {torch.__version__} ({torch.get_num_threads()} threads)"],
+        ["deepspeed", _deepspeed_version() or "not installed"],
+        ["varbatch", varbatch.__version__],
+    ]
+    return _table(["machine", ""], rows)
+
+
+def uniform_seqlens(num_samples: int, seed: int = 0) -> np.ndarray:
+    """Item 1's lengths: uniform in 10..499, in random order."""
+    rng = np.random.default_rng(seed)
+    return rng.integers(SPEED_MIN_SEQLEN, SPEED_MAX_SEQLEN + 1, num_samples, dtype=np.int64)
+
+
+def long_tailed_seqlens(num_samples: int, seed: int = 0) -> np.ndarray:
+    """Item 2's lengths: lognormal(5.5, 0.9) rounded and clipped to 8..4096 (mean ~365)."""
+    rng = np.random.default_rng(seed)
+    raw = np.round(rng.lognormal(PAD_LOGNORMAL_MEAN, PAD_LOGNORMAL_SIGMA, num_samples))
+    return np.clip(raw, PAD_MIN_SEQLEN, PAD_MAX_SEQLEN).astype(np.int64)
+
+
+def _best_time(fn, repeats: int) -> float:
+    """The fastest of ``repeats`` calls: other processes on a shared machine only add time."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+# =============================================================================
+# DeepSpeed, in a subprocess with a time cap
+# =============================================================================
+# DeepSpeed's batch_by_seqlens re-validates every candidate prefix of every
+# micro-batch, so its time grows as N^3: a call can run for minutes. Each call
+# runs in a worker process under a SIGALRM cap (the planner is pure Python, so
+# the alarm interrupts it promptly); the parent also kills the worker if the
+# whole job list overruns. Importing DeepSpeed (~1 s) is not timed.
+
+_DS_WORKER = r"""
+import json, signal, sys, time
+import numpy as np
+
+class _Cap(Exception):
+    pass
+
+def _alarm(signum, frame):
+    raise _Cap()
+
+try:
+    from deepspeed.runtime.data_pipeline.data_sampling.variable_batch_size_and_lr import batch_by_seqlens
+except Exception as error:
+    print(json.dumps({"error": f"{type(error).__name__}: {error}"}), flush=True)
+    sys.exit(0)
+can_alarm = hasattr(signal, "setitimer")
+if can_alarm:
+    signal.signal(signal.SIGALRM, _alarm)
+stopped_groups = set()
+arrays = {}
+for job in json.load(sys.stdin):
+    if job.get("group") in stopped_groups:
+        print(json.dumps({"skipped": True}), flush=True)
+        continue
+    if job["path"] not in arrays:
+        arrays[job["path"]] = np.load(job["path"])
+    lens = arrays[job["path"]][job["start"]:job["stop"]].tolist()
+    times, result, stopped, failed = [], None, False, None
+    for _ in range(job["repeats"]):
+        if can_alarm:
+            signal.setitimer(signal.ITIMER_REAL, job["cap"])
+        start = time.perf_counter()
+        try:
+            result = batch_by_seqlens(lens, job["max_tokens"], **job["kwargs"])
+        except _Cap:
+            stopped = True
+        except Exception as error:  # e.g. its assertion when a chunk makes fewer than k micro-batches
+            failed = f"{type(error).__name__}: {error}"
+            break
+        finally:
+            if can_alarm:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+        times.append(time.perf_counter() - start)
+        if stopped:
+            break
+    out = {"times": times, "stopped": stopped}
+    if failed:
+        out["failed"] = failed
+    elif stopped:
+        stopped_groups.add(job.get("group"))
+    elif job.get("return_plan"):
+        out["microbatches"] = [[int(i) for i in ids] for _, ids in result[0]]
+    print(json.dumps(out), flush=True)
+"""
+
+
+def run_deepspeed(jobs: list[dict], arrays: dict[str, np.ndarray], timeout: float) -> list[dict] | str:
+    """Runs DeepSpeed's batch_by_seqlens on each job in one worker process.
+
+    Args:
+        jobs: dicts with ``array`` (a key of ``arrays``), ``start``/``stop`` (the
+            slice of it to plan), ``max_tokens`` (sum of seqlens of a
+            micro-batch, DeepSpeed's only budget), ``kwargs`` (DeepSpeed's
+            keyword arguments), ``repeats``, ``cap`` (seconds per call), and
+            optionally ``group`` (after a capped call the later jobs of its
+            group are skipped) and ``return_plan``.
+        arrays: the length arrays, by name.
+        timeout: seconds after which the whole worker is killed.
+
+    Returns:
+        One result dict per job (``times``, ``stopped``, ``skipped``,
+        ``microbatches``), or a string saying why DeepSpeed could not run.
+    """
+    with tempfile.TemporaryDirectory(prefix="varbatch-bench-") as tmp:
+        paths = {}
+        for name, array in arrays.items():
+            paths[name] = os.path.join(tmp, f"{name}.npy")
+            np.save(paths[name], np.asarray(array, dtype=np.int64))
+        payload = [dict(job, path=paths[job["array"]]) for job in jobs]
+        for job in payload:
+            job.pop("array")
+        try:
+            done = subprocess.run([sys.executable, "-c", _DS_WORKER], input=json.dumps(payload),
+                                  capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired as expired:
+            done = None
+            stdout = expired.stdout.decode() if isinstance(expired.stdout, bytes) else (expired.stdout or "")
+        else:
+            stdout = done.stdout
+    results = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+    if results and "error" in results[0]:
+        return f"DeepSpeed not usable here ({results[0]['error']})"
+    if done is not None and done.returncode != 0 and len(results) < len(jobs):
+        tail = done.stderr.strip().splitlines()[-1:] or ["no message"]
+        return f"DeepSpeed worker failed (exit {done.returncode}: {tail[0]})"
+    # Jobs the worker never reached (killed at `timeout`) count as stopped.
+    results += [{"times": [], "stopped": True, "killed": True}] * (len(jobs) - len(results))
+    return results
+
+
+# =============================================================================
+# 1. Planner speed and growth
+# =============================================================================
+
+
+def _same_microbatches(ds_microbatches: list[list[int]], plan: varbatch.Plan) -> str:
+    """'a/b': a of DeepSpeed's b micro-batches equal varbatch's at the same position;
+    says whether all the others are in DeepSpeed's last batch."""
+    ours = plan.microbatches()
+    differ = [j for j, mb in enumerate(ds_microbatches) if j >= len(ours) or ours[j] != list(mb)]
+    text = f"{len(ds_microbatches) - len(differ)}/{len(ds_microbatches)}"
+    if differ and differ[0] >= len(ds_microbatches) - plan.effective_batch_size:
+        text += " (the rest: last batch)"
+    return text
+
+
+def bench_speed(quick: bool, ds_cap: float, results: dict) -> str:
+    """DeepSpeed vs varbatch at small N, then varbatch alone up to 10M (default mode)."""
+    out = ["## 1. Planner speed and growth", ""]
+    ds_sizes = [1000, 2000] if quick else [1000, 2000, 4000]
+    lengths = uniform_seqlens(max(ds_sizes))
+    ds_jobs = [dict(array="uniform", start=0, stop=n, max_tokens=SPEED_MAX_TOKENS, kwargs={},
+                    repeats=3 if n <= 1000 else 1, cap=ds_cap, group="default", return_plan=True)
+               for n in ds_sizes]
+    _progress(f"DeepSpeed batch_by_seqlens at N={ds_sizes} (cap {ds_cap:g} s per call)")
+    ds = run_deepspeed(ds_jobs, {"uniform": lengths}, timeout=ds_cap * len(ds_sizes) * 3 + 120)
+    rows, ds_points = [], []
+    for i, n in enumerate(ds_sizes):
+        seqlens = lengths[:n]
+        ours = _best_time(lambda: varbatch.plan_batches(seqlens, SPEED_MAX_TOKENS), 7)
+        plan = varbatch.plan_batches(seqlens, SPEED_MAX_TOKENS)
+        ds_cell, ratio, same, runs, bound = "-", None, "-", "-", ""
+        if not isinstance(ds, str):
+            r = ds[i]
+            if r.get("skipped"):
+                ds_cell = "not run (a smaller N hit the cap)"
+            elif r.get("failed"):
+                ds_cell = f"failed ({r['failed']})"
+            elif r["stopped"]:
+                ds_cell = f"> {ds_cap:g} s (stopped at the cap)"
+                ratio, bound = ds_cap / ours, "> "  # a lower bound
+            else:
+                t = min(r["times"])
+                ds_cell, ratio, runs = _fmt_time(t), t / ours, len(r["times"])
+                same = _same_microbatches(r["microbatches"], plan)
+                ds_points.append((n, t))
+        rows.append([n, ds_cell, runs, _fmt_time(ours), bound + _fmt_ratio(ratio), same])
+        results.setdefault("speed_ratio", {})[n] = (ratio, bound)
+    out.append("### 1a. DeepSpeed vs varbatch, default mode (effective_batch_size=1, sum budget, "
+               "dataloader order)")
+    out.append("")
+    out.append(f"Uniform lengths {SPEED_MIN_SEQLEN}..{SPEED_MAX_SEQLEN} in random order, "
+               f"max_tokens={SPEED_MAX_TOKENS}. Best of the runs shown (varbatch: best of 7). "
+               "\"Same micro-batches\": how many of DeepSpeed's micro-batches equal varbatch's at the same "
+               "position; in the last batch DeepSpeed never packs the final sample(s), varbatch packs "
+               "every sample.")
+    out.append("")
+    out.append(_table(["N", "DeepSpeed", "runs", "varbatch", "speed-up", "same micro-batches"], rows))
+    if isinstance(ds, str):
+        out += ["", f"DeepSpeed column empty: {ds}."]
+    results["ds_points"] = ds_points
+
+    # varbatch alone, far beyond what DeepSpeed can do.
+    sizes = [1000, 2000, 4000, 10_000, 100_000] if quick else \
+        [1000, 2000, 4000, 10_000, 100_000, 1_000_000, 3_000_000, 10_000_000]
+    big = uniform_seqlens(max(sizes), seed=1)
+    sweep = []
+    for n in sizes:
+        _progress(f"varbatch default mode, N={_fmt_n(n)}")
+        seqlens = big[:n]
+        repeats = 7 if n <= 100_000 else 3 if n <= 1_000_000 else 2
+        sweep.append((n, _best_time(lambda: varbatch.plan_batches(seqlens, SPEED_MAX_TOKENS), repeats)))
+    results["vb_points"] = sweep
+    ns, ts = zip(*sweep)
+    vb_exp_all = _growth_exponent(ns, ts)
+    large = [(n, t) for n, t in sweep if n >= 10_000]
+    vb_exp_large = _growth_exponent(*zip(*large)) if len(large) >= 2 else float("nan")
+    ds_exp = _growth_exponent(*zip(*ds_points)) if len(ds_points) >= 2 else float("nan")
+    results["vb_exponent"], results["vb_exponent_all"], results["ds_exponent"] = vb_exp_large, vb_exp_all, ds_exp
+    out += ["", "### 1b. varbatch alone, default mode", ""]
+    out.append(_table(["N", "plan time", "ns per sequence"],
+                      [[_fmt_n(n), _fmt_time(t), f"{t / n * 1e9:.0f}"] for n, t in sweep]))
+    out += ["", "Fitted growth exponent (time ~ N^e, least squares on log-log):", ""]
+    ds_range = f"{_fmt_n(ds_points[0][0])}..{_fmt_n(ds_points[-1][0])}" if ds_points else "-"
+    out.append(_table(["planner", "N range", "exponent e"], [
+        ["DeepSpeed", ds_range, f"{ds_exp:.2f}" if math.isfinite(ds_exp) else "-"],
+        ["varbatch", f"{_fmt_n(large[0][0])}..{_fmt_n(large[-1][0])}", f"{vb_exp_large:.2f}"],
+        ["varbatch", f"{_fmt_n(sweep[0][0])}..{_fmt_n(sweep[-1][0])} (fixed costs dominate below 10k)",
+         f"{vb_exp_all:.2f}"],
+    ]))
+    return "\n".join(out)
+
+
+def _mode_kwargs(k: int, shape: str, budget: str, order: str) -> dict:
+    """plan_batches keyword arguments of one mode; shape is 'free', 'same-size' or 'pipeline'."""
+    return dict(effective_batch_size=k, budget=budget, order=order, same_size=shape != "free",
+                same_length=shape == "pipeline")
+
+
+def _all_modes():
+    """Every (k, shape, budget, order); 'pipeline' (same size and same length) differs from
+    'same-size' only under the padded budget, so it is listed there only."""
+    for k in (1, 8):
+        for shape in ("free", "same-size", "pipeline"):
+            for budget in varbatch.BUDGETS:
+                if shape == "pipeline" and budget == "sum":
+                    continue
+                for order in varbatch.ORDERS:
+                    yield k, shape, budget, order
+
+
+def bench_modes(quick: bool, ds_cap: float, results: dict) -> str:
+    """Every mode: DeepSpeed vs varbatch at N=2000 (where DeepSpeed has the mode), then
+    varbatch alone at 1M and 10M (100k in --quick) with the growth between them."""
+    out = ["### 1c. DeepSpeed vs varbatch at N=2,000, every mode DeepSpeed has (sum budget)", ""]
+    n_ds = 2000
+    lengths = uniform_seqlens(n_ds)
+    ds_modes = [(k, shape, order) for k in (1, 8) for shape in ("free", "same-size")
+                for order in ("dataloader", "seqlen", "random")]
+    if quick:  # the default mode is in 1a; one more that exercises DeepSpeed's same-size loop
+        ds_modes = [(8, "same-size", "dataloader")]
+    jobs = [dict(array="uniform", start=0, stop=n_ds, max_tokens=SPEED_MAX_TOKENS,
+                 kwargs=dict(effective_batch_size=k, required_microbatches_of_same_size=shape != "free",
+                             sequence_picking_order=order, seed=0),
+                 repeats=1, cap=ds_cap, return_plan=True) for k, shape, order in ds_modes]
+    _progress(f"DeepSpeed at N={n_ds} in {len(jobs)} modes")
+    ds = run_deepspeed(jobs, {"uniform": lengths}, timeout=ds_cap * len(jobs) + 120)
+    rows = []
+    for i, (k, shape, order) in enumerate(ds_modes):
+        kwargs = _mode_kwargs(k, shape, "sum", order)
+        ours = _best_time(lambda: varbatch.plan_batches(lengths, SPEED_MAX_TOKENS, **kwargs), 7)
+        plan = varbatch.plan_batches(lengths, SPEED_MAX_TOKENS, **kwargs)
+        ds_cell, ratio, same, bound = "-", None, "-", ""
+        if not isinstance(ds, str):
+            r = ds[i]
+            if r.get("failed"):
+                ds_cell = f"failed ({r['failed']})"
+            elif r["stopped"]:
+                ds_cell, ratio, bound = f"> {ds_cap:g} s (stopped)", ds_cap / ours, "> "
+            else:
+                ds_cell, ratio = _fmt_time(r["times"][0]), r["times"][0] / ours
+                same = _same_microbatches(r["microbatches"], plan) if order != "random" else "-"
+        results.setdefault("mode_ratio_2000", {})[(k, shape, order)] = ratio
+        rows.append([k, shape, order, ds_cell, _fmt_time(ours), bound + _fmt_ratio(ratio), same])
+    out.append("Uniform lengths as in 1a; \"same micro-batches\" as in 1a (the random orders draw from "
+               "different generators: nothing to compare).")
+    out.append("")
+    out.append(_table(["k", "shape", "order", "DeepSpeed (1 run)", "varbatch (best of 7)", "speed-up",
+                       "same micro-batches"], rows))
+    if isinstance(ds, str):
+        out += ["", f"DeepSpeed column empty: {ds}."]
+
+    # Every mode at 1M; at 10M only the bucket order (the costliest: a shuffle, a
+    # sort per window and a shuffle of the batches) of every k x shape x budget,
+    # which keeps the full run to minutes.
+    small, large = (100_000, None) if quick else (1_000_000, 10_000_000)
+    big = uniform_seqlens(large or small, seed=2)
+    rows = []
+    per_mode = {}
+    for k, shape, budget, order in _all_modes():
+        kwargs = _mode_kwargs(k, shape, budget, order)
+        times = {}
+        for n in (small, large):
+            if n is None or (n == large and order != "bucket"):
+                continue
+            _progress(f"varbatch N={_fmt_n(n)} k={k} {shape} {budget} {order}")
+            seqlens = big[:n]
+            times[n] = _best_time(lambda: varbatch.plan_batches(seqlens, SPEED_MAX_TOKENS, **kwargs), 1)
+        per_mode[(k, shape, budget, order)] = times
+        row = [k, shape, budget, order, _fmt_time(times[small])]
+        if large:
+            row.append(_fmt_time(times.get(large)))
+            row.append(f"{_growth_exponent(list(times), list(times.values())):.2f}" if large in times else "-")
+        rows.append(row)
+    results["per_mode"] = per_mode
+    sizes = f"N = {_fmt_n(small)}" + (f" (all orders) and {_fmt_n(large)} (bucket order)" if large else "")
+    out += ["", f"### 1d. varbatch in every mode, {sizes}, one run each", ""]
+    out.append("shape: free = micro-batches of any size; same-size = every micro-batch of a batch holds "
+               "the same number of samples; pipeline = same-size and every sample padded to the batch's "
+               "longest (differs from same-size under the padded budget only). Lengths uniform "
+               f"{SPEED_MIN_SEQLEN}..{SPEED_MAX_SEQLEN}, max_tokens={SPEED_MAX_TOKENS}.")
+    out.append("")
+    headers = ["k", "shape", "budget", "order", f"N={_fmt_n(small)}"]
+    if large:
+        headers += [f"N={_fmt_n(large)}", f"growth exponent {_fmt_n(small)}..{_fmt_n(large)}"]
+    out.append(_table(headers, rows))
+    return "\n".join(out)
+
+
+def write_plot(path: str, results: dict, ds_cap: float) -> None:
+    """Plan time vs N on log-log axes, DeepSpeed and varbatch, with fitted slopes."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.4), dpi=110)
+    for name, key, exponent, style in (("DeepSpeed batch_by_seqlens", "ds_points", results.get("ds_exponent"), "o-"),
+                                       ("varbatch plan_batches", "vb_points", results.get("vb_exponent"), "s-")):
+        points = results.get(key) or []
+        if not points:
+            continue
+        ns, ts = zip(*points)
+        fitted = exponent is not None and math.isfinite(exponent)
+        lines = ax.loglog(ns, ts, style, label=f"{name} (N^{exponent:.2f})" if fitted else name)
+        if key == "ds_points" and fitted:
+            # Where DeepSpeed's measured growth leads: a dotted extrapolation, not a measurement.
+            far = np.array([ns[-1], 1e5])
+            ax.loglog(far, ts[-1] * (far / ns[-1]) ** exponent, ":", color=lines[0].get_color(),
+                      label="DeepSpeed, extrapolated from its fit")
+    ax.axhline(ds_cap, color="grey", linestyle=":", linewidth=1)
+    ax.text(0.98, ds_cap * 1.3, f"DeepSpeed time cap ({ds_cap:g} s)", color="grey", fontsize=8, ha="right",
+            transform=ax.get_yaxis_transform())  # x in axes fraction, y in seconds
+    ax.set_xlabel("sequences N (uniform 10..499, max_tokens=4096)")
+    ax.set_ylabel("plan time (s)")
+    ax.set_title("Planner time vs N (default mode, this machine)")
+    ax.grid(True, which="both", linewidth=0.3)
+    bottom, top = ax.get_ylim()
+    ax.set_ylim(bottom, top * 300)  # head room for the legend above the curves
+    ax.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+# =============================================================================
+# 2. Padding efficiency and budget overshoot
+# =============================================================================
+
+
+def _padding_stats(seqlens: np.ndarray, microbatches: list[np.ndarray], k: int, max_tokens: int,
+                   pipeline: bool) -> dict:
+    """Real/padded tokens and padded size / max_tokens of every micro-batch.
+
+    The padded size of a micro-batch is n x S: S is its own longest sample in DDP
+    mode, the longest sample of its batch (k micro-batches) in pipeline mode.
+    """
+    sizes = np.array([len(mb) for mb in microbatches], dtype=np.int64)
+    flat = np.concatenate(microbatches) if microbatches else np.zeros(0, np.int64)
+    lens = seqlens[flat]
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    mb_max = np.maximum.reduceat(lens, starts)
+    if pipeline:
+        batch_max = mb_max.reshape(-1, k).max(axis=1)
+        mb_max = np.repeat(batch_max, k)
+    padded = sizes * mb_max
+    over = padded / max_tokens
+    return dict(samples=int(sizes.sum()), microbatches=len(sizes), real=int(lens.sum()), padded=int(padded.sum()),
+                over_mean=float(over.mean()), over_max=float(over.max()), over_count=int((over > 1).sum()))
+
+
+def _stats_row(name: str, order: str, budget: str, mode: str, stats: dict, total: int, plan_s) -> list:
+    return [name, order, budget, mode, f"{100 * stats['samples'] / total:.1f}%", stats["microbatches"],
+            f"{stats['samples'] / stats['microbatches']:.1f}", f"{100 * stats['real'] / stats['padded']:.1f}%",
+            f"{stats['over_mean']:.2f}", f"{stats['over_max']:.2f}", stats["over_count"], plan_s]
+
+
+def _deepspeed_chunk_stats(seqlens: np.ndarray, max_tokens: int, k: int, num_chunks: int, ds_cap: float,
+                           seed: int = 0) -> dict | str:
+    """DeepSpeed's plan on evenly spaced chunks of consecutive sequences of each picking order.
+
+    A chunk holds `DS_CHUNK` sequences, or more where those hold fewer than
+    ``(k + 2) x max_tokens`` tokens (the short end of the seqlen order): DeepSpeed
+    refuses a list that makes fewer than k micro-batches. Chunks of the seqlen
+    order are slices of the globally sorted order (DeepSpeed's own sort of such a
+    chunk leaves it unchanged); chunks of the dataloader and random orders are
+    slices of the data order (DeepSpeed shuffles each one).
+    """
+    n = len(seqlens)
+    sorted_ids = np.argsort(seqlens, kind="stable")
+    sources = {"data": np.arange(n), "sorted": sorted_ids}
+    chunks = {}  # source -> [(start, stop)]
+    for source, ids in sources.items():
+        cumulative = np.concatenate([[0], np.cumsum(seqlens[ids])])
+        chunk = min(DS_CHUNK, n)
+        spans = []
+        # Chunk i is centred on quantile (i + 1/2) / num_chunks of the order.
+        centres = (np.arange(num_chunks) + 0.5) * n / num_chunks
+        for start in np.clip(centres - chunk / 2, 0, n - chunk).astype(np.int64):
+            enough = int(np.searchsorted(cumulative, cumulative[start] + (k + 2) * max_tokens))
+            spans.append((int(start), min(n, max(int(start) + chunk, enough))))
+        chunks[source] = spans
+    arrays = {source: seqlens[ids] for source, ids in sources.items()}
+    settings = [(order, pipeline) for order in ("dataloader", "seqlen", "random") for pipeline in (False, True)]
+    jobs, where = [], []
+    for order, pipeline in settings:
+        source = "sorted" if order == "seqlen" else "data"
+        for start, stop in chunks[source]:
+            jobs.append(dict(array=source, start=start, stop=stop, max_tokens=max_tokens, repeats=1, cap=ds_cap,
+                             return_plan=True,
+                             kwargs=dict(effective_batch_size=k, required_microbatches_of_same_size=pipeline,
+                                         sequence_picking_order=order, seed=seed)))
+            where.append((order, pipeline, source, start, stop))
+    ds = run_deepspeed(jobs, arrays, timeout=ds_cap * len(jobs) + 120)
+    if isinstance(ds, str):
+        return ds
+    out = {}
+    for order, pipeline in settings:
+        microbatches, seconds, sequences, chunk_sizes, stopped, failed = [], 0.0, 0, [], 0, []
+        for r, (o, p, source, start, stop) in zip(ds, where):
+            if (o, p) != (order, pipeline):
+                continue
+            if r.get("failed"):
+                failed.append(r["failed"])
+                continue
+            if r["stopped"]:
+                stopped += 1
+                continue
+            seconds += r["times"][0]
+            sequences += stop - start
+            chunk_sizes.append(stop - start)
+            ids = sources[source][start:stop]
+            microbatches += [ids[np.asarray(mb, dtype=np.int64)] for mb in r["microbatches"]]
+        stats = _padding_stats(seqlens, microbatches, k, max_tokens, pipeline) if microbatches else {}
+        stats.update(seconds=seconds, chunks=len(chunk_sizes), stopped=stopped, failed=failed, sequences=sequences,
+                     chunk_min=min(chunk_sizes, default=0), chunk_max=max(chunk_sizes, default=0))
+        out[(order, pipeline)] = stats
+    return out
+
+
+def _padding_table(seqlens: np.ndarray, max_tokens: int, k: int, num_chunks: int, ds_cap: float,
+                   results: dict | None, label: str) -> str:
+    n = len(seqlens)
+    headers = ["planner", "order", "budget", "mode", "packed", "micro-batches", "samples / mb", "real / padded",
+               "padded / budget mean", "max", "mbs over budget", "plan time"]
+    rows = []
+    _progress(f"padding [{label}]: DeepSpeed on {num_chunks} chunks of {min(DS_CHUNK, n)} per setting")
+    ds = _deepspeed_chunk_stats(seqlens, max_tokens, k, num_chunks, ds_cap)
+    if not isinstance(ds, str):
+        for (order, pipeline), stats in ds.items():
+            mode = "pipeline" if pipeline else "DDP"
+            sizes = (f"{stats['chunk_min']}" if stats["chunk_min"] == stats["chunk_max"]
+                     else f"{stats['chunk_min']}..{stats['chunk_max']}")
+            name = f"DeepSpeed ({stats['chunks']} chunk{'s' if stats['chunks'] != 1 else ''} of {sizes})"
+            if stats["stopped"]:
+                name += f", {stats['stopped']} stopped at the {ds_cap:g} s cap"
+            if stats["failed"]:
+                name += f", {len(stats['failed'])} failed ({stats['failed'][0]})"
+            if "real" not in stats:
+                rows.append([name, order, "sum", mode] + ["-"] * 8)
+                continue
+            rows.append(_stats_row(name, order, "sum", mode, stats, stats["sequences"],
+                                   f"{_fmt_time(stats['seconds'])} total"))
+            if results is not None:
+                results.setdefault("padding", {})[("DeepSpeed", order, "sum", mode)] = stats
+    for order in varbatch.ORDERS:
+        for budget in varbatch.BUDGETS:
+            for pipeline in (False, True):
+                mode = "pipeline" if pipeline else "DDP"
+                _progress(f"padding [{label}]: varbatch {order} {budget} {mode}")
+                start = time.perf_counter()
+                plan = varbatch.plan_batches(seqlens, max_tokens, effective_batch_size=k, budget=budget,
+                                             order=order, same_size=pipeline, same_length=pipeline)
+                seconds = time.perf_counter() - start
+                microbatches = [plan.microbatch(j) for j in range(plan.num_microbatches)]
+                stats = _padding_stats(seqlens, microbatches, k, max_tokens, pipeline)
+                rows.append(_stats_row("varbatch", order, budget, mode, stats, n, _fmt_time(seconds)))
+                if results is not None:
+                    results.setdefault("padding", {})[("varbatch", order, budget, mode)] = stats
+    table = _table(headers, rows)
+    if isinstance(ds, str):
+        table += f"\n\nDeepSpeed rows missing: {ds}."
+    return table
+
+
+def bench_padding(quick: bool, ds_cap: float, results: dict) -> str:
+    n = 20_000 if quick else 200_000
+    num_chunks = 1 if quick else 10
+    seqlens = long_tailed_seqlens(n)
+    out = ["## 2. Padding efficiency and budget overshoot", ""]
+    out.append(f"Long-tailed lengths: lognormal({PAD_LOGNORMAL_MEAN}, {PAD_LOGNORMAL_SIGMA}) clipped to "
+               f"{PAD_MIN_SEQLEN}..{PAD_MAX_SEQLEN}, {n:,} sequences (mean {seqlens.mean():.0f}, "
+               f"median {np.median(seqlens):.0f}, max {seqlens.max()}), max_tokens={PAD_MAX_TOKENS}, "
+               f"effective_batch_size={PAD_EFFECTIVE_BATCH_SIZE}.")
+    out.append("")
+    out.append("real / padded = real tokens / padded B x S slots. padded / budget = n x S / max_tokens "
+               "per micro-batch, where S is the micro-batch's longest sample in DDP mode and the batch's "
+               "longest in pipeline mode (same-size, same-length micro-batches). packed = share of the "
+               "sequences that are in the plan.")
+    out.append("")
+    table = _padding_table(seqlens, PAD_MAX_TOKENS, PAD_EFFECTIVE_BATCH_SIZE, num_chunks, ds_cap, results,
+                           "long-tailed")
+    # What one DeepSpeed call on the whole set would cost, from its measured chunk time and N^3 growth.
+    cost = ""
+    measured = results.get("padding", {}).get(("DeepSpeed", "dataloader", "sum", "DDP"))
+    if measured and measured.get("chunks"):
+        per_chunk = measured["seconds"] / measured["chunks"]
+        whole = per_chunk * (n / DS_CHUNK) ** 3
+        cost = (f" ({_fmt_time(per_chunk)} per chunk of {DS_CHUNK} in DDP mode here; at N^3 one call on "
+                f"all {n:,} would take ~{_fmt_duration(whole)})")
+    out.append(f"DeepSpeed's planner cannot plan {n:,} sequences in one call{cost}, so it is run on "
+               f"{num_chunks} evenly spaced chunk{'s' if num_chunks > 1 else ''} of {DS_CHUNK} consecutive "
+               f"sequences of each picking order (more where those hold too few tokens for "
+               f"{PAD_EFFECTIVE_BATCH_SIZE} micro-batches, at the short end of the seqlen order; for "
+               "`seqlen`, the chunks are slices of the globally sorted order; for `random`, DeepSpeed "
+               "shuffles each chunk), and its rows describe the micro-batches of those chunks. Its `packed` "
+               "share is lower than one call on the whole set would give: it drops the micro-batches that "
+               "do not fill a last batch in every chunk. It has the sum budget only.")
+    out.append("")
+    out.append(table)
+    # The sum budget's overshoot is worst when lengths are alike: item 1's uniform set.
+    uniform = uniform_seqlens(2000 if quick else 20_000)
+    out += ["", f"### 2b. The same on item 1's uniform lengths ({SPEED_MIN_SEQLEN}..{SPEED_MAX_SEQLEN}, "
+                f"{len(uniform):,} sequences, max_tokens={SPEED_MAX_TOKENS}, "
+                f"effective_batch_size={PAD_EFFECTIVE_BATCH_SIZE})", ""]
+    out.append(_padding_table(uniform, SPEED_MAX_TOKENS, PAD_EFFECTIVE_BATCH_SIZE, 1 if quick else 2, ds_cap,
+                              results.setdefault("uniform", {}), "uniform"))
+    return "\n".join(out)
+
+
+# =============================================================================
+# 3. Training throughput
+# =============================================================================
+# A one-block causal language model on B x S x E batches with per-sample masks:
+# the shape of the example's model, small enough for a CPU. Both sides train
+# identical copies on the same data, stepping in turns so that load from other
+# processes on the machine hits both alike.
+
+TRAIN_VOCAB = 64
+TRAIN_DIM = 128
+TRAIN_HEADS = 4
+TRAIN_MAX_SEQLEN = 512
+TRAIN_PEAK_SLOTS = 4096  # the peak padded B x S of both sides
+TRAIN_LR = 1e-3
+
+
+class TinyCausalLM(torch.nn.Module):
+    """Embedding, one pre-norm block (causal self-attention + feed-forward), LM head."""
+
+    def __init__(self, vocab: int = TRAIN_VOCAB, dim: int = TRAIN_DIM, heads: int = TRAIN_HEADS,
+                 max_seqlen: int = TRAIN_MAX_SEQLEN):
+        super().__init__()
+        self.heads = heads
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.position = torch.nn.Embedding(max_seqlen, dim)
+        self.norm1 = torch.nn.LayerNorm(dim)
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.proj = torch.nn.Linear(dim, dim)
+        self.norm2 = torch.nn.LayerNorm(dim)
+        self.ff = torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(), torch.nn.Linear(4 * dim, dim))
+        self.head = torch.nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor, seqlens: torch.Tensor) -> torch.Tensor:
+        batch, seq = tokens.shape
+        dim = self.embed.embedding_dim
+        x = self.embed(tokens) + self.position(torch.arange(seq))  # B x S x E
+        # Query i sees keys j <= i that are real tokens of its own sample.
+        real = torch.arange(seq)[None, :] < seqlens[:, None]  # B x S
+        causal = torch.ones(seq, seq, dtype=torch.bool).tril()  # S x S
+        mask = (causal[None] & real[:, None, :])[:, None]  # B x 1 x S x S
+        q, k, v = self.qkv(self.norm1(x)).view(batch, seq, 3, self.heads, dim // self.heads).permute(2, 0, 3, 1, 4)
+        attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # B x H x S x E/H
+        x = x + self.proj(attended.transpose(1, 2).reshape(batch, seq, dim))
+        x = x + self.ff(self.norm2(x))
+        return self.head(x)  # B x S x V
+
+
+def _training_data(num_samples: int, seed: int) -> tuple[list[torch.Tensor], np.ndarray]:
+    """Arithmetic progressions mod TRAIN_VOCAB with long-tailed lengths (8..512).
+
+    Each sample is (a + d*t) mod V for a random start a and step d: after two
+    tokens the rest is predictable, so the loss has far to fall.
+    """
+    rng = np.random.default_rng(seed)
+    seqlens = np.clip(np.round(rng.lognormal(4.6, 0.8, num_samples)), 8, TRAIN_MAX_SEQLEN).astype(np.int64)
+    seqlens[0] = TRAIN_MAX_SEQLEN  # make sure the longest possible sample is there: it sets the baseline's B
+    starts = rng.integers(0, TRAIN_VOCAB, num_samples)
+    steps = rng.integers(1, 8, num_samples)
+    samples = [torch.from_numpy((a + d * np.arange(n)) % TRAIN_VOCAB) for a, d, n in zip(starts, steps, seqlens)]
+    return samples, seqlens
+
+
+def _collate(samples: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pads to the longest sample: tokens B x S, targets B x S (-100 where nothing to predict), seqlens B."""
+    seqlens = torch.tensor([len(s) for s in samples])
+    tokens = torch.nn.utils.rnn.pad_sequence(samples, batch_first=True)  # B x S
+    targets = torch.full_like(tokens, -100)
+    targets[:, :-1] = tokens[:, 1:]
+    targets[torch.arange(tokens.shape[1])[None, :] >= (seqlens[:, None] - 1)] = -100
+    return tokens, targets, seqlens
+
+
+def _loss(model: TinyCausalLM, samples: list[torch.Tensor]) -> torch.Tensor:
+    tokens, targets, seqlens = _collate(samples)
+    logits = model(tokens, seqlens)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100)
+
+
+class _Side:
+    """One training run: a model, its optimizer, and an endless stream of batches."""
+
+    def __init__(self, name: str, model: TinyCausalLM, batches, lr_of_batch):
+        self.name = name
+        self.model = model
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=TRAIN_LR)
+        self.batches = batches
+        self.lr_of_batch = lr_of_batch
+        self.tokens = self.steps = self.peak_slots = self.slots = 0
+        self.seconds = 0.0
+
+    def step(self, samples: list[torch.Tensor]) -> None:
+        start = time.perf_counter()
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr_of_batch(samples)
+        loss = _loss(self.model, samples)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+        self.seconds += time.perf_counter() - start
+        slots = len(samples) * max(len(s) for s in samples)
+        self.tokens += sum(len(s) for s in samples)
+        self.slots += slots
+        self.peak_slots = max(self.peak_slots, slots)
+        self.steps += 1
+
+
+def bench_training(quick: bool, results: dict) -> str:
+    torch.manual_seed(0)
+    samples, seqlens = _training_data(2000 if quick else 20_000, seed=3)
+    held_out, _ = _training_data(64, seed=4)
+    token_target = 30_000 if quick else 150_000
+    fixed_batch_size = TRAIN_PEAK_SLOTS // TRAIN_MAX_SEQLEN  # B x longest possible sample = the peak
+    reference_tokens = fixed_batch_size * float(seqlens.mean())  # the baseline's mean real tokens per step
+
+    def fixed_batches():
+        generator = torch.Generator().manual_seed(5)
+        while True:  # a new random order every epoch, like DataLoader(shuffle=True)
+            order = torch.randperm(len(samples), generator=generator).tolist()
+            for i in range(0, len(order), fixed_batch_size):
+                yield [samples[j] for j in order[i:i + fixed_batch_size]]
+
+    def budget_batches():
+        epoch = 0
+        while True:
+            plan = varbatch.plan_batches(seqlens, TRAIN_PEAK_SLOTS, budget="padded", order="bucket",
+                                         seed=5, epoch=epoch)
+            for mb in plan.microbatches():
+                yield [samples[j] for j in mb]
+            epoch += 1
+
+    def sqrt_lr(batch):  # the square-root rule on real tokens, reference = the baseline's mean batch
+        return varbatch.scale_lr(reference_tokens, sum(len(s) for s in batch), TRAIN_LR, method="sqrt")
+
+    initial = TinyCausalLM()
+    sides = []
+    for name, batches, lr in (("fixed batch size, padded to longest", fixed_batches(), lambda b: TRAIN_LR),
+                              ("token budget (padded, bucket), same LR", budget_batches(), lambda b: TRAIN_LR),
+                              ("token budget, LR x sqrt(batch tokens / baseline's)", budget_batches(), sqrt_lr)):
+        model = TinyCausalLM()
+        model.load_state_dict(initial.state_dict())
+        sides.append(_Side(name, model, batches, lr))
+    # Warm-up (allocator, kernels), untimed and without an optimizer step.
+    _loss(TinyCausalLM(), samples[:fixed_batch_size]).backward()
+    _progress(f"training: {len(sides)} runs to {token_target:,} real tokens each, in turns")
+    # Step whichever run has processed the fewest tokens: all runs then move
+    # through the token target together, so a burst of load from other processes
+    # falls on all of them alike (plain turns would leave the baseline, with its
+    # smaller steps, running alone at the end).
+    active = list(sides)
+    while active:
+        side = min(active, key=lambda s: s.tokens)
+        side.step(next(side.batches))
+        if side.tokens >= token_target:
+            active.remove(side)
+    rows = []
+    baseline = sides[0]
+    for side in sides:
+        with torch.no_grad():
+            side.model.eval()
+            eval_loss = float(np.mean([_loss(side.model, held_out[i:i + 8]).item() for i in range(0, 64, 8)]))
+        rate = side.tokens / side.seconds
+        ratio = rate / (baseline.tokens / baseline.seconds)
+        rows.append([side.name, side.steps, f"{side.tokens:,}", side.peak_slots,
+                     f"{100 * side.tokens / side.slots:.1f}%", f"{side.seconds:.2f} s", f"{rate:,.0f}",
+                     f"{ratio:.2f}x", f"{eval_loss:.3f}"])
+        results.setdefault("training", []).append(dict(name=side.name, rate=rate, ratio=ratio, loss=eval_loss,
+                                                       peak=side.peak_slots))
+    out = ["## 3. Training throughput on this CPU", ""]
+    out.append(f"Model: embedding + one pre-norm block (causal self-attention with per-sample masks, "
+               f"{TRAIN_HEADS} heads, E={TRAIN_DIM}; feed-forward 4E) + LM head, vocabulary {TRAIN_VOCAB}, "
+               f"AdamW lr {TRAIN_LR:g}, {torch.get_num_threads()} torch threads. Data: {len(samples):,} "
+               f"arithmetic progressions mod {TRAIN_VOCAB}, lengths lognormal(4.6, 0.8) clipped to "
+               f"8..{TRAIN_MAX_SEQLEN} (mean {seqlens.mean():.0f}). Both sides have the same peak padded "
+               f"tensor, {TRAIN_PEAK_SLOTS} B x S slots: the baseline takes B={fixed_batch_size} random "
+               f"samples padded to their longest (B x {TRAIN_MAX_SEQLEN} at worst); the token budget packs "
+               f"n x S <= {TRAIN_PEAK_SLOTS} (budget='padded', order='bucket'). Each run stops at the first "
+               f"step that reaches {token_target:,} real tokens; time covers collation, forward, backward "
+               "and the optimizer step; the runs are interleaved (the one with the fewest tokens steps "
+               "next). Loss: mean next-token cross-entropy on 64 held-out samples (ln 64 = 4.16 at chance). "
+               "The two token-budget runs do the same work (same batches, same model size): the gap between "
+               "their times is this run's noise. For the same tokens the token budget takes fewer, larger "
+               "optimizer steps, so its loss at a fixed token count depends on the LR rule (third row).")
+    out.append("")
+    out.append(_table(["batching", "steps", "real tokens", "peak B x S", "real / padded", "time",
+                       "real tokens / s", "vs baseline", "held-out loss"], rows))
+    return "\n".join(out)
+
+
+# =============================================================================
+# 4. Memory
+# =============================================================================
+
+_RSS_WORKER = r"""
+import json, resource, sys, time
+sys.path.insert(0, sys.argv[1])
+import numpy as np
+import varbatch
+n = int(sys.argv[2])
+kwargs = json.loads(sys.argv[3])
+seqlens = np.random.default_rng(0).integers(10, 500, n, dtype=np.int64)
+
+def status(key):  # kB fields of /proc/self/status (Linux); None elsewhere
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+
+# The peak RSS of this process's own memory map: VmHWM on Linux. (ru_maxrss of
+# resource.getrusage is the fallback elsewhere; on Linux a child's ru_maxrss also
+# counts the parent's peak at the time of exec, i.e. the bench's, not the planner's.)
+def peak_rss():
+    hwm = status("VmHWM")
+    if hwm is not None:
+        return hwm
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+
+peak_import = peak_rss()
+# Importing torch peaks above what planning needs: reset the peak (Linux
+# clear_refs 5) to the current RSS, so that the peak read after planning is the
+# planner's own.
+rss_before = status("VmRSS")
+try:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    reset = rss_before is not None
+except OSError:
+    reset = False
+start = time.perf_counter()
+plan = varbatch.plan_batches(seqlens, 4096, **kwargs)
+seconds = time.perf_counter() - start
+print(json.dumps({"rss_before": rss_before if reset else None, "peak": peak_rss(), "peak_import": peak_import,
+                  "reset": reset, "seconds": seconds, "microbatches": plan.num_microbatches}))
+"""
+
+
+def _mib(num_bytes: int | None) -> str:
+    return "-" if num_bytes is None else f"{num_bytes / 2**20:,.0f} MiB"
+
+
+def bench_memory(quick: bool, results: dict) -> str:
+    if importlib.util.find_spec("resource") is None:  # POSIX only
+        return "## 4. Memory\n\nNot measured: the resource module is POSIX-only."
+    n = 1_000_000 if quick else 10_000_000
+    modes = [("k=1, free, sum, dataloader", dict()),
+             ("k=8, pipeline, padded, bucket", dict(effective_batch_size=8, budget="padded", order="bucket",
+                                                    same_size=True, same_length=True))]
+    rows = []
+    for name, kwargs in modes:
+        _progress(f"memory: planning {_fmt_n(n)} sequences ({name}) in a subprocess")
+        done = subprocess.run([sys.executable, "-c", _RSS_WORKER, _HERE, str(n), json.dumps(kwargs)],
+                              capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            rows.append([name, "failed: " + (done.stderr.strip().splitlines() or ["?"])[-1]] + ["-"] * 5)
+            continue
+        r = json.loads(done.stdout.strip().splitlines()[-1])
+        adds = r["peak"] - r["rss_before"] if r["reset"] else None
+        rows.append([name, _fmt_time(r["seconds"]), _mib(r["peak_import"]), _mib(r["rss_before"]), _mib(r["peak"]),
+                     _mib(adds), "-" if adds is None else f"{adds / n:.0f}"])
+        results.setdefault("memory", {})[name] = dict(r, n=n, adds=adds)
+    out = ["## 4. Memory", ""]
+    out.append(f"A fresh process imports varbatch (and so torch), draws {n:,} uniform lengths (int64: "
+               f"{n * 8 / 2**20:.0f} MiB) and plans them once. Peak RSS is the process's VmHWM (Linux; "
+               "resource.getrusage's ru_maxrss elsewhere, which on Linux would also count the bench "
+               "process's own peak, inherited at exec). Importing torch peaks above what planning needs, so "
+               "before planning the peak is reset to the current RSS (/proc/self/clear_refs): the peak read "
+               "after planning is then the planner's own.")
+    out.append("")
+    out.append(_table(["mode", "plan time", "peak RSS after imports", "RSS before planning",
+                       "peak RSS while planning", "planning adds", "bytes per sequence"], rows))
+    return "\n".join(out)
+
+
+# =============================================================================
+# Targets and main
+# =============================================================================
+
+
+def _check(met: bool | None) -> str:
+    return "n/a" if met is None else ("yes" if met else "**NO**")
+
+
+def _modes_over(modes) -> str:
+    """Names the shapes of the modes over a limit, e.g. 'k=1 same-size x 8, k=1 pipeline x 4'."""
+    counts: dict = {}
+    for k, shape, _, _ in modes:
+        counts[f"k={k} {shape}"] = counts.get(f"k={k} {shape}", 0) + 1
+    return ", ".join(f"{name} x {count}" for name, count in counts.items())
+
+
+def targets_table(results: dict, quick: bool) -> str:
+    rows = []
+    ratio, bound = results.get("speed_ratio", {}).get(2000, (None, ""))
+    rows.append([">= 100x DeepSpeed's speed at N=2,000 (default mode)", bound + _fmt_ratio(ratio),
+                 _check(None if ratio is None else ratio >= 100)])
+    mode_ratios = {m: r for m, r in results.get("mode_ratio_2000", {}).items() if r is not None}
+    if mode_ratios:
+        worst_mode, worst = min(mode_ratios.items(), key=lambda item: item[1])
+        rows.append([">= 100x at N=2,000, slowest of DeepSpeed's modes (1c)",
+                     f"{_fmt_ratio(worst)} (k={worst_mode[0]}, {worst_mode[1]}, {worst_mode[2]})",
+                     _check(worst >= 100)])
+    exponent = results.get("vb_exponent")
+    if exponent is not None:
+        rows.append(["growth exponent <= 1.1 (varbatch, N >= 10k)", f"{exponent:.2f}", _check(exponent <= 1.1)])
+    ds_exponent = results.get("ds_exponent")
+    if ds_exponent is not None and math.isfinite(ds_exponent):
+        rows.append(["(DeepSpeed's growth exponent, for reference)", f"{ds_exponent:.2f}", "-"])
+    per_mode = results.get("per_mode")
+    for n, limit, which in ((1_000_000, 1.0, "every mode"), (10_000_000, 10.0, "every k/shape/budget, bucket order")):
+        timed = {m: t[n] for m, t in (per_mode or {}).items() if n in t}
+        if timed:
+            (worst_mode, worst) = max(timed.items(), key=lambda item: item[1])
+            over = [m for m, t in timed.items() if t > limit]
+            detail = f"slowest {_fmt_time(worst)} (k={worst_mode[0]}, {', '.join(worst_mode[1:])})"
+            if over:
+                detail += f"; {len(over)} of {len(timed)} modes over ({_modes_over(over)})"
+            rows.append([f"{_fmt_n(n)} sequences in <= {limit:g} s ({which})", detail, _check(not over)])
+    padding = results.get("padding", {})
+    for mode, floor in (("DDP", 0.95), ("pipeline", 0.90)):
+        stats = padding.get(("varbatch", "bucket", "padded", mode))
+        if stats:
+            eff = stats["real"] / stats["padded"]
+            rows.append([f"bucket + padded budget, {mode}: >= {floor:.0%} real/padded, none over budget",
+                         f"{eff:.1%}, {stats['over_count']} over budget",
+                         _check(eff >= floor and stats["over_count"] == 0)])
+    training = results.get("training")
+    if training:
+        rows.append([">= 1.5x real tokens/s of the fixed-size baseline (same LR)", f"{training[1]['ratio']:.2f}x",
+                     _check(training[1]["ratio"] >= 1.5)])
+    for name, r in results.get("memory", {}).items():
+        adds = "" if r["adds"] is None else f" (planning adds {r['adds'] / 2**20:,.0f} MiB)"
+        rows.append([f"peak RSS planning {_fmt_n(r['n'])} ({name})", f"{r['peak'] / 2**20:,.0f} MiB{adds}", "-"])
+    note = (" (--quick: smaller sizes, so the 1M/10M rows are absent and the padding rows use 20k sequences)"
+            if quick else "")
+    return f"## Targets{note}\n\n" + _table(["target", "measured", "met"], rows)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="Benchmark varbatch against DeepSpeed's planner (markdown "
+                                                 "tables on stdout, progress on stderr).")
+    parser.add_argument("--quick", action="store_true",
+                        help="a subset that finishes in under a minute (CI smoke check)")
+    parser.add_argument("--plot", nargs="?", const=os.path.join(_HERE, "bench_plan_time.png"), default=None,
+                        metavar="PNG", help="write the plan time vs N plot (needs matplotlib; default path "
+                                            "bench_plan_time.png next to bench.py)")
+    parser.add_argument("--sections", default=",".join(SECTIONS),
+                        help=f"comma-separated sections to run, of {', '.join(SECTIONS)} (default: all)")
+    parser.add_argument("--ds-cap", type=float, default=None,
+                        help="seconds after which a DeepSpeed call is stopped (default 30, 10 with --quick)")
+    args = parser.parse_args(argv)
+    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    unknown = sorted(set(sections) - set(SECTIONS))
+    if unknown:
+        parser.error(f"--sections should name some of {', '.join(SECTIONS)}, but got {', '.join(unknown)}")
+    if args.plot:
+        if "speed" not in sections:
+            parser.error("--plot needs the speed section; add speed to --sections")
+        if importlib.util.find_spec("matplotlib") is None:
+            parser.error("--plot needs matplotlib, which is not installed: pip install matplotlib")
+    ds_cap = args.ds_cap if args.ds_cap is not None else (10.0 if args.quick else 30.0)
+
+    results: dict = {}
+    print(f"# varbatch benchmark{' (--quick)' if args.quick else ''}\n")
+    print(machine_description() + "\n", flush=True)
+    if "speed" in sections:
+        print(bench_speed(args.quick, ds_cap, results) + "\n", flush=True)
+    if "modes" in sections:
+        print(bench_modes(args.quick, ds_cap, results) + "\n", flush=True)
+    if "padding" in sections:
+        print(bench_padding(args.quick, ds_cap, results) + "\n", flush=True)
+    if "training" in sections:
+        print(bench_training(args.quick, results) + "\n", flush=True)
+    if "memory" in sections:
+        print(bench_memory(args.quick, results) + "\n", flush=True)
+    print(targets_table(results, args.quick) + "\n")
+    if args.plot:
+        write_plot(args.plot, results, ds_cap)
+        print(f"Plot written to {os.path.relpath(args.plot)}.\n")
+    print(f"Total bench time: {time.perf_counter() - _START:.0f} s.")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
