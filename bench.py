@@ -691,9 +691,28 @@ def bench_padding(quick: bool, ds_cap: float, results: dict) -> str:
                "do not fill a last batch in every chunk. It has the sum budget only.")
     out.append("")
     out.append(table)
+    # How the window of the bucket order trades randomness for padding: a batch in
+    # pipeline mode spans k micro-batches of one sorted window, so it needs a
+    # larger window than a DDP micro-batch for the same fill.
+    sizes = [s for s in (1024, 4096, 16384, 65536) if s < n] + [n]
+    rows = []
+    for pipeline in (False, True):
+        cells = []
+        for bucket_size in sizes:
+            plan = varbatch.plan_batches(seqlens, PAD_MAX_TOKENS, effective_batch_size=PAD_EFFECTIVE_BATCH_SIZE,
+                                         budget="padded", order="bucket", same_size=pipeline, same_length=pipeline,
+                                         bucket_size=bucket_size)
+            stats = _padding_stats(seqlens, [plan.microbatch(j) for j in range(plan.num_microbatches)],
+                                   PAD_EFFECTIVE_BATCH_SIZE, PAD_MAX_TOKENS, pipeline)
+            cells.append(f"{100 * stats['real'] / stats['padded']:.1f}%")
+            results.setdefault("bucket_sizes", {})[(pipeline, bucket_size)] = stats
+        rows.append(["pipeline" if pipeline else "DDP"] + cells)
+    out += ["", "### 2b. bucket order, padded budget: real / padded vs bucket_size (same set)", ""]
+    out.append(_table(["mode"] + [f"bucket_size={s:,}" + (" (all)" if s == n else "") for s in sizes], rows))
+
     # The sum budget's overshoot is worst when lengths are alike: item 1's uniform set.
     uniform = uniform_seqlens(2000 if quick else 20_000)
-    out += ["", f"### 2b. The same on item 1's uniform lengths ({SPEED_MIN_SEQLEN}..{SPEED_MAX_SEQLEN}, "
+    out += ["", f"### 2c. The same on item 1's uniform lengths ({SPEED_MIN_SEQLEN}..{SPEED_MAX_SEQLEN}, "
                 f"{len(uniform):,} sequences, max_tokens={SPEED_MAX_TOKENS}, "
                 f"effective_batch_size={PAD_EFFECTIVE_BATCH_SIZE})", ""]
     out.append(_padding_table(uniform, SPEED_MAX_TOKENS, PAD_EFFECTIVE_BATCH_SIZE, 1 if quick else 2, ds_cap,
