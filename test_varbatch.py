@@ -1500,6 +1500,42 @@ def test_example_pipeline_on_one_process_fails_at_once_with_the_command_that_wor
         assert "needs a multiple of 2 processes" in result.stderr + result.stdout
 
 
+def test_example_a_stalled_rank_makes_the_job_fail_within_the_timeout():
+    """Rank 1 frozen mid-training: rank 0 fails at its next collective after --dist-timeout, no 30-minute hang."""
+    psutil = pytest.importorskip("psutil")  # a DeepSpeed dependency
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(_free_port()),
+           "example.py", "--dist-timeout", "10", "--num-samples", "4000", "--epochs", "50"]
+    proc = subprocess.Popen(cmd, cwd=_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    frozen = []
+    try:
+        for line in proc.stdout:  # wait until training runs
+            if _STEP_LINE.match(line.strip()):
+                break
+        ranks = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                 if "--local_rank=1" in " ".join(p.cmdline())]
+        assert ranks, "rank 1's process was not found"
+        for p in ranks:
+            p.suspend()
+            frozen.append(p)
+        started = time.monotonic()
+        proc.stdout.read()
+        proc.wait(timeout=240)
+        waited = time.monotonic() - started
+    finally:
+        for p in frozen:
+            try:
+                p.resume()
+            except psutil.NoSuchProcess:
+                pass  # the launcher ended it, as it should
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert proc.returncode != 0, "the job went on with a frozen rank"
+    assert waited < 180, f"the job took {waited:.0f} s to fail with --dist-timeout 10"
+    print(f"the job failed {waited:.1f} s after rank 1 froze")
+
+
 # A training script written against DeepSpeed's module, in the style of DeepSpeed's
 # example for the feature: its import line is the only thing varbatch changes.
 _DEEPSPEED_STYLE_SCRIPT = '''
