@@ -296,14 +296,17 @@ def _pack_one_by_one(lens: list[int], max_tokens: int, padded: bool, min_bs: int
     return ends, too_small, []
 
 
-def _pack_same_size(lens: list[int], k: int, max_tokens: int, padded: bool, same_length: bool,
+def _pack_same_size(lens: np.ndarray, k: int, max_tokens: int, padded: bool, same_length: bool,
                     min_bs: int, max_bs: int) -> tuple[list[tuple[int, int]], list[int], list[int]]:
     """Greedy packing of whole batches of ``k`` micro-batches of equal size.
 
-    A batch of ``n`` samples per micro-batch takes the next ``n * k`` samples;
-    micro-batch ``b`` holds every k-th of them starting at ``b`` (DeepSpeed's
-    interleaving, which balances lengths across micro-batches in seqlen order).
-    ``n`` is the largest for which every micro-batch fits.
+    A batch of ``n`` samples per micro-batch takes the next ``n * k`` samples,
+    seen as ``n`` rows of ``k``; micro-batch ``b`` is column ``b``, every k-th
+    sample from ``b`` (DeepSpeed's interleaving, which balances lengths across
+    micro-batches in seqlen order). ``n`` is the largest for which every
+    micro-batch fits. Rows are checked in numpy blocks whose height starts at
+    the previous batch's ``n`` and doubles while every row fits, so the work
+    stays linear in the samples with few Python steps per batch.
 
     Returns:
         (batches, too_small, tail): ``(start, n)`` per batch, the positions
@@ -313,33 +316,31 @@ def _pack_same_size(lens: list[int], k: int, max_tokens: int, padded: bool, same
     too_small: list[int] = []
     total_len = len(lens)
     start = 0
+    guess = 8
     while start + k <= total_len:
-        # Invariant: rows 0..n-1 (samples lens[start:start + n*k]) form k micro-batches
-        # within the budget; column b of the rows is micro-batch b.
-        col_sum = [0] * k
-        col_max = [0] * k
-        batch_max = 0
-        n = 0
-        while start + (n + 1) * k <= total_len and n + 1 <= max_bs:
-            row = lens[start + n * k:start + (n + 1) * k]
+        rows_left = min((total_len - start) // k, max_bs)
+        rows = min(guess, rows_left)
+        while True:
+            block = lens[start:start + rows * k].reshape(rows, k)  # rows x k: column b is micro-batch b
+            count = np.arange(1, rows + 1)
             if padded and same_length:  # every micro-batch is padded to the batch's longest sample
-                fits = (n + 1) * max(batch_max, max(row)) <= max_tokens
+                fits = count * np.maximum.accumulate(block.max(axis=1)) <= max_tokens
             elif padded:
-                fits = all((n + 1) * max(m, x) <= max_tokens for m, x in zip(col_max, row))
+                fits = (count[:, None] * np.maximum.accumulate(block, axis=0) <= max_tokens).all(axis=1)
             else:
-                fits = all(s + x <= max_tokens for s, x in zip(col_sum, row))
-            if not fits:
+                fits = (np.cumsum(block, axis=0) <= max_tokens).all(axis=1)
+            # `fits` is True for the first n rows and False after: costs only grow with rows.
+            n = rows if fits.all() else int(fits.argmin())
+            if n < rows or rows == rows_left:
                 break
-            col_sum = [s + x for s, x in zip(col_sum, row)]
-            col_max = [max(m, x) for m, x in zip(col_max, row)]
-            batch_max = max(batch_max, max(row))
-            n += 1
+            rows = min(2 * rows, rows_left)
+        guess = n + 1
         if n >= min_bs:
             batches.append((start, n))
             start += n * k
-        elif start + (n + 1) * k > total_len or n + 1 > max_bs:  # ran out of samples
+        elif n == rows_left:  # ran out of samples, not of budget
             break
-        else:
+        else:  # the budget cannot hold min_bs rows starting here: skip one sample
             too_small.append(start)
             start += 1
     return batches, too_small, list(range(start, total_len))
@@ -413,7 +414,9 @@ def plan_batches(
             default, never an unseeded generator.
         epoch: the epoch; ``random`` and ``bucket`` draw a new order per epoch.
         bucket_size: samples per sorted window of the ``bucket`` order
-            (default 4096). Larger: less padding, less randomness.
+            (default 4096, times ``k`` with ``same_size``: a same-size batch
+            spans k micro-batches of a window). Larger: less padding, less
+            randomness.
         on_overlong: ``"skip"`` reports samples longer than ``max_tokens`` as
             ``over_budget`` drops (with one warning); ``"error"`` refuses them.
 
@@ -450,6 +453,7 @@ def plan_batches(
                          f"and max_batch_size={max_bs}; lower min_batch_size or raise max_batch_size")
     seed = _DEFAULT_SEED if seed is None else _check_int("seed", seed, minimum=0)
     epoch = _check_int("epoch", epoch, minimum=0)
+    bucket_size_arg = bucket_size
     bucket_size = _DEFAULT_BUCKET_SIZE if bucket_size is None else _check_int("bucket_size", bucket_size, minimum=1)
     if not isinstance(same_size, bool) or not isinstance(same_length, bool):
         raise TypeError(f"same_size and same_length should be bools, but got same_size={same_size!r}, "
@@ -479,24 +483,28 @@ def plan_batches(
 
     # 3. Put the samples in picking order and pack them.
     rng = np.random.default_rng((seed, epoch))
+    if order == "bucket" and bucket_size_arg is None and same_size:
+        # A same-size batch spans n x k samples of a window, not n: a window k times
+        # larger keeps the lengths inside a batch as close as a micro-batch's.
+        bucket_size *= k
     picked = _picking_order(lengths, ids, order, rng, bucket_size)
-    lens = lengths[picked].tolist()
     padded = budget == "padded"
-    big = len(lens) + 1
-    if same_size:
-        batch_rows, too_small, tail = _pack_same_size(lens, k, max_tokens, padded, same_length, min_bs,
-                                                      max_bs or big)
-        # Micro-batch b of a batch is every k-th sample from b: permute each
-        # batch's samples column by column so micro-batches are contiguous.
-        positions: list[int] = []
-        offsets = [0]
-        for start, n in batch_rows:
-            for b in range(k):
-                positions.extend(range(start + b, start + n * k, k))
-                offsets.append(offsets[-1] + n)
-        position_array = np.asarray(positions, dtype=np.int64)
+    big = len(picked) + 1
+    if same_size and k > 1:
+        batch_rows, too_small, tail = _pack_same_size(lengths[picked], k, max_tokens, padded, same_length,
+                                                      min_bs, max_bs or big)
+        # Batch (start, n) lists position start + r*k + b as the r-th sample of micro-batch b.
+        starts = np.asarray([start for start, _ in batch_rows], dtype=np.int64)
+        rows = np.asarray([n for _, n in batch_rows], dtype=np.int64)
+        micro_sizes = np.repeat(rows, k)
+        per_sample_batch = np.repeat(np.arange(len(rows)), rows * k)
+        local = np.arange(int((rows * k).sum())) - np.repeat(np.cumsum(rows * k) - rows * k, rows * k)
+        n_of = rows[per_sample_batch]
+        position_array = starts[per_sample_batch] + (local % n_of) * k + local // n_of
     else:
-        ends, too_small, tail = _pack_one_by_one(lens, max_tokens, padded, min_bs, max_bs or big)
+        # With k == 1 every batch is one micro-batch: same-size holds trivially.
+        ends, too_small, tail = _pack_one_by_one(lengths[picked].tolist(), max_tokens, padded, min_bs,
+                                                 max_bs or big)
         starts = [0] + ends[:-1]
         # Drops in the middle break contiguity: a micro-batch starts at its first kept position.
         skipped = set(too_small)
@@ -514,29 +522,25 @@ def plan_batches(
                 tail = [p for a, b in leftover for p in range(a, b)] + tail
             else:
                 bounds += resplit
-        position_array = np.asarray([p for a, b in bounds for p in range(a, b)], dtype=np.int64)
-        offsets = [0]
-        for a, b in bounds:
-            offsets.append(offsets[-1] + b - a)
-    packed = picked[position_array] if len(position_array) else np.zeros(0, dtype=np.int64)
-    offsets_array = np.asarray(offsets, dtype=np.int64)
-    num_micro = len(offsets_array) - 1
+        first = np.asarray([a for a, _ in bounds], dtype=np.int64)
+        micro_sizes = np.asarray([b for _, b in bounds], dtype=np.int64) - first
+        # Micro-batch j holds the consecutive positions first[j] .. first[j] + size - 1.
+        position_array = np.arange(int(micro_sizes.sum())) + np.repeat(first - (np.cumsum(micro_sizes) - micro_sizes),
+                                                                       micro_sizes)
+    packed = picked[position_array]
+    num_micro = len(micro_sizes)
     if num_micro == 0:
         raise ValueError(_not_enough_samples_message(len(ids), k, min_bs))
 
     # 4. Shuffle whole batches in `bucket` order: windows are sorted, batches need not be.
     if order == "bucket":
-        num_batches = num_micro // k
-        batch_order = rng.permutation(num_batches)
-        sizes = np.diff(offsets_array)
-        new_packed = []
-        new_sizes = []
-        for b in batch_order:
-            lo, hi = offsets_array[b * k], offsets_array[(b + 1) * k]
-            new_packed.append(packed[lo:hi])
-            new_sizes.append(sizes[b * k:(b + 1) * k])
-        packed = np.concatenate(new_packed)
-        offsets_array = np.concatenate([[0], np.cumsum(np.concatenate(new_sizes))]).astype(np.int64)
+        batch_order = rng.permutation(num_micro // k)
+        batch_bounds = np.concatenate([[0], np.cumsum(micro_sizes)])[::k]
+        batch_lens = np.diff(batch_bounds)[batch_order]
+        new_starts = np.cumsum(batch_lens) - batch_lens
+        packed = packed[np.arange(len(packed)) + np.repeat(batch_bounds[batch_order] - new_starts, batch_lens)]
+        micro_sizes = micro_sizes.reshape(-1, k)[batch_order].ravel()
+    offsets_array = np.concatenate([[0], np.cumsum(micro_sizes)]).astype(np.int64)
 
     # 5. Per-batch statistics for the LR rule and for padding.
     batch_starts = offsets_array[:-1:k]
