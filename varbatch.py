@@ -230,14 +230,23 @@ class Plan:
         return digest.hexdigest()[:16]
 
 
+def _stable_argsort(values: np.ndarray) -> np.ndarray:
+    """A stable argsort; lengths below 2**16 take numpy's linear-time radix sort."""
+    if len(values) and values.max() < 2 ** 16:
+        values = values.astype(np.uint16)
+    return np.argsort(values, kind="stable")
+
+
 def _picking_order(seqlens: np.ndarray, ids: np.ndarray, order: str, rng: np.random.Generator,
                    bucket_size: int) -> np.ndarray:
     """Returns ``ids`` in the order in which the packer picks them."""
     if order == "dataloader":
         return ids
     if order == "seqlen":
-        # Equal lengths in id order, whatever the order of `ids` (as DeepSpeed's sort of (len, id) pairs).
-        return ids[np.lexsort((ids, seqlens[ids]))]
+        # Equal lengths in id order, whatever the order of `ids` (as DeepSpeed's sort of
+        # (len, id) pairs): a stable sort by length of the ids in ascending order.
+        ascending = ids if (ids[1:] > ids[:-1]).all() else np.sort(ids)
+        return ascending[_stable_argsort(seqlens[ascending])]
     shuffled = ids[rng.permutation(len(ids))]
     if order == "random":
         return shuffled
@@ -248,7 +257,7 @@ def _picking_order(seqlens: np.ndarray, ids: np.ndarray, order: str, rng: np.ran
     out = shuffled.copy()
     for w, start in enumerate(range(0, len(out), bucket_size)):
         window = out[start:start + bucket_size]
-        ranked = window[np.argsort(seqlens[window], kind="stable")]
+        ranked = window[_stable_argsort(seqlens[window])]
         out[start:start + bucket_size] = ranked if w % 2 == 0 else ranked[::-1]
     return out
 
@@ -316,17 +325,18 @@ def _pack_same_size(lens: np.ndarray, k: int, max_tokens: int, padded: bool, sam
     too_small: list[int] = []
     total_len = len(lens)
     start = 0
-    guess = 8
+    # First guess at the rows of a batch: how many samples of mean length fit; then the last batch's.
+    guess = max(1, int(max_tokens // max(1.0, float(lens.mean())))) + 1 if total_len else 1
     while start + k <= total_len:
         rows_left = min((total_len - start) // k, max_bs)
         rows = min(guess, rows_left)
         while True:
             block = lens[start:start + rows * k].reshape(rows, k)  # rows x k: column b is micro-batch b
-            count = np.arange(1, rows + 1)
             if padded and same_length:  # every micro-batch is padded to the batch's longest sample
-                fits = count * np.maximum.accumulate(block.max(axis=1)) <= max_tokens
+                fits = np.arange(1, rows + 1) * np.maximum.accumulate(block.max(axis=1)) <= max_tokens
             elif padded:
-                fits = (count[:, None] * np.maximum.accumulate(block, axis=0) <= max_tokens).all(axis=1)
+                count = np.arange(1, rows + 1)[:, None]
+                fits = (count * np.maximum.accumulate(block, axis=0) <= max_tokens).all(axis=1)
             else:
                 fits = (np.cumsum(block, axis=0) <= max_tokens).all(axis=1)
             # `fits` is True for the first n rows and False after: costs only grow with rows.
