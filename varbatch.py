@@ -2367,23 +2367,18 @@ def _make_parser():
             # One line, like every other error of this command; the usage is in --help.
             self.exit(2, f"varbatch: error: {message} (see {self.prog} --help)\n")
 
-    def positive_int(text):
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
-        return value
+    def int_at_least(minimum):
+        def parse(text):
+            try:
+                value = int(text)
+            except ValueError:
+                value = minimum - 1
+            if value < minimum:
+                raise argparse.ArgumentTypeError(f"expected a whole number >= {minimum}, got {text!r}")
+            return value
+        return parse
 
-    def non_negative_int(text):
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}") from None
-        if value < 0:
-            raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
-        return value
+    positive_int, non_negative_int = int_at_least(1), int_at_least(0)
 
     def reference(text):
         if text == "mean":
