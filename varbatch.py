@@ -64,6 +64,7 @@ __all__ = [
     "ORDERS",
     "BUDGETS",
     "LR_SCALING_METHODS",
+    "LR_SCALING_UNITS",
     "DROP_REASONS",
 ]
 
