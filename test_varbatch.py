@@ -1298,7 +1298,7 @@ def test_sampler_refuses_another_seed_config_or_world_size():
         VariableBatchSampler(seqlens, 50, num_replicas=1, rank=0, order="random", seed=1).load_state_dict(state)
     other = list(seqlens)
     other[0] += 1
-    with pytest.raises(ValueError, match=re.escape("the seqlens (another dataset?)")):
+    with pytest.raises(ValueError, match=re.escape("other seqlens (another dataset?)")):
         VariableBatchSampler(other, 50, num_replicas=2, rank=0, order="random", seed=1).load_state_dict(state)
     assert state == before, "load_state_dict changed its argument"
 
@@ -1309,8 +1309,12 @@ def test_scheduler_refuses_another_seed_or_settings():
     samplers = [VariableBatchSampler(seqlens, 50, order="random", seed=s) for s in (1, 2)]
     assert samplers[0].plan.batch_sizes.tolist() != samplers[1].plan.batch_sizes.tolist()
     state = VariableBatchSizeLR(_optimizer(), "mean", samplers[0]).state_dict()
-    with pytest.raises(ValueError, match="other batch sizes"):
+    with pytest.raises(ValueError, match=re.escape("sampler was saved with seed=1 into a sampler with seed=2")):
         VariableBatchSizeLR(_optimizer(), "mean", samplers[1]).load_state_dict(state)
+    # Batch sizes alone (a list, no sampler to compare settings with): refused by their fingerprint.
+    listed = VariableBatchSizeLR(_optimizer(), "mean", samplers[0].plan.batch_sizes.tolist()).state_dict()
+    with pytest.raises(ValueError, match="other batch sizes"):
+        VariableBatchSizeLR(_optimizer(), "mean", samplers[1].plan.batch_sizes.tolist()).load_state_dict(listed)
     with pytest.raises(ValueError, match=re.escape("lr_scaling_method='linear' into one with "
                                                    "lr_scaling_method='sqrt'")):
         VariableBatchSizeLR(_optimizer(), "mean", samplers[0], lr_scaling_method="sqrt").load_state_dict(state)

@@ -1327,18 +1327,10 @@ class VariableBatchSampler(Sampler[list[int]]):
         """Restores a `state_dict`: the next iteration continues where it stopped."""
         expected = {"epoch", "steps_done", "rank", "settings"}
         _check_state_keys("VariableBatchSampler", state_dict, expected)
-        saved, mine = state_dict["settings"], self._settings()
-        if not isinstance(saved, Mapping) or set(saved) != set(mine):
-            raise ValueError("the sampler state's settings are not a VariableBatchSampler's; pass a dict made by "
-                             "VariableBatchSampler.state_dict()")
-        # Name the first setting that differs, so the fix is obvious; the likeliest causes first.
-        for key in sorted(mine, key=lambda k: (k not in ("num_replicas", "seqlens", "sample_ids"), k)):
-            if saved[key] != mine[key]:
-                what = {"seqlens": "the seqlens (another dataset?)",
-                        "sample_ids": "the sample_ids subset"}.get(key, f"{key}={saved[key]!r}")
-                now = "others" if key in ("seqlens", "sample_ids") else f"{key}={mine[key]!r}"
-                raise ValueError(f"cannot load a sampler state saved with {what} into a sampler with {now}; "
-                                 f"resume with the same dataset, config and world size")
+        mismatch = _settings_mismatch(state_dict["settings"], self._settings())
+        if mismatch:
+            raise ValueError(f"cannot load a sampler state saved with {mismatch}; resume with the same dataset, "
+                             f"config and world size")
         epoch = _check_int("epoch", state_dict["epoch"], minimum=0)
         steps = _check_int("steps_done", state_dict["steps_done"], minimum=0)
         self.epoch = epoch
@@ -1349,6 +1341,21 @@ class VariableBatchSampler(Sampler[list[int]]):
             self.epoch, steps = epoch + 1, 0
         self._start_step = steps
         self._steps_done = steps
+
+
+def _settings_mismatch(saved: Any, mine: dict) -> str | None:
+    """``"seed=1 into a sampler with seed=2"`` for the first setting that differs, else None.
+
+    The likeliest causes are named first: the world size, then the data.
+    """
+    if not isinstance(saved, Mapping) or set(saved) != set(mine):
+        return "settings that are not a VariableBatchSampler's (pass a dict made by state_dict())"
+    for key in sorted(mine, key=lambda k: (k not in ("num_replicas", "seqlens", "sample_ids"), k)):
+        if saved[key] != mine[key]:
+            if key in ("seqlens", "sample_ids"):
+                return f"other {key} (another dataset?) than this one's"
+            return f"{key}={saved[key]!r} into a sampler with {key}={mine[key]!r}"
+    return None
 
 
 def _check_state_keys(owner: str, state_dict: Mapping, expected: set) -> None:
@@ -1644,13 +1651,14 @@ class VariableBatchSizeLR(LRScheduler):
             "lr_scaling_method": method,
             "lr_scaling_unit": self.lr_scaling_unit,
             "batch_sizes_fingerprint": self._sizes_fingerprint(),
+            "plan_settings": None if self._sampler is None else self._sampler._settings(),
             "base_lr_scheduler": None if self._base is None else self._base.state_dict(),
         }
 
     def load_state_dict(self, state_dict):
         """Restores a `state_dict`: the next `step` continues exactly where it stopped."""
         expected = {"last_epoch", "epoch", "batch", "unscaled_lrs", "base_batch_size", "lr_scaling_method",
-                    "lr_scaling_unit", "batch_sizes_fingerprint", "base_lr_scheduler"}
+                    "lr_scaling_unit", "batch_sizes_fingerprint", "plan_settings", "base_lr_scheduler"}
         _check_state_keys("VariableBatchSizeLR", state_dict, expected)
         method = self.lr_scaling_method if not callable(self.lr_scaling_method) else "callable"
         for key, mine in (("base_batch_size", self.base_batch_size), ("lr_scaling_method", method),
@@ -1661,6 +1669,11 @@ class VariableBatchSizeLR(LRScheduler):
         if len(state_dict["unscaled_lrs"]) != len(self.optimizer.param_groups):
             raise ValueError(f"the state has {len(state_dict['unscaled_lrs'])} parameter groups, the optimizer "
                              f"{len(self.optimizer.param_groups)}; resume with the same model and optimizer")
+        if state_dict["plan_settings"] is not None and self._sampler is not None:
+            mismatch = _settings_mismatch(state_dict["plan_settings"], self._sampler._settings())
+            if mismatch:
+                raise ValueError(f"cannot load a scheduler state whose sampler was saved with {mismatch}; resume "
+                                 f"with the same dataset, config and world size")
         position = (self._epoch, self._batch)
         self._epoch, self._batch = int(state_dict["epoch"]), int(state_dict["batch"])
         if state_dict["batch_sizes_fingerprint"] != self._sizes_fingerprint():
