@@ -21,7 +21,8 @@ uninterrupted one):
 
 Every step, rank 0 prints one line: step, epoch, B and padded S of each of its
 step inputs, real tokens in the batch, padding %, LR, loss (the mean over the
-real tokens of the whole batch). The settings are in ds_config.json
+real tokens of the whole batch); about every tenth of the run a progress line
+with tokens/s and the time left. The settings are in ds_config.json
 (``--config`` picks another); the flags below override the common ones.
 """
 
@@ -356,6 +357,13 @@ def main(args):
     samples_trained = tokens_trained = 0
     epochs_done, steps_done = float(start_epoch), None  # steps_done: step inputs done in the sampler's epoch
     activation_shape = None
+    # A progress line about every tenth of the run: steps, tokens/s, ETA (plans of later
+    # epochs may hold a batch more or less; the estimate uses the current one).
+    total_steps = engine.global_steps + sampler.plan.num_batches * (args.epochs - start_epoch) - start_batch
+    if args.max_steps:
+        total_steps = min(total_steps, args.max_steps)
+    progress_every = max(1, (total_steps - engine.global_steps) // 10)
+    first_step = engine.global_steps
     started = time.perf_counter()
     for epoch in range(start_epoch, args.epochs):
         if args.max_steps and engine.global_steps >= args.max_steps:
@@ -390,6 +398,12 @@ def main(args):
             print0(f"step {engine.global_steps:4d} | epoch {epoch} | B {','.join(str(n) for n, _ in shapes)} | "
                    f"S {','.join(str(s) for _, s in shapes)} | tokens {tokens} | "
                    f"padding {100 * (1 - tokens / slots):.1f}% | lr {lr:.6e} | loss {loss:.6f}")
+            done = engine.global_steps - first_step
+            if done % progress_every == 0:
+                elapsed = time.perf_counter() - started
+                eta = elapsed / done * max(0, total_steps - engine.global_steps)
+                print0(f"progress | step {engine.global_steps}/{total_steps} | "
+                       f"tokens/s {tokens_trained / max(elapsed, 1e-9):.0f} | ETA {eta:.1f} s")
             if args.max_steps and engine.global_steps >= args.max_steps:
                 break
     wall = time.perf_counter() - started
