@@ -1466,6 +1466,12 @@ def test_example_trains_the_plan_and_the_loss_goes_down(example_runs, path):
     assert summary, result.stdout[-2000:]
     assert int(summary[1]) == samples
     assert summary[2] == " ".join(f"{reason}={count}" for reason, count in drops.items())
+    progress = re.findall(r"^progress \| step (\d+)/(\d+) \| tokens/s (\d+) \| ETA ([\d.]+) s$", result.stdout, re.M)
+    assert 5 <= len(progress) <= 15, f"expected a progress line about every tenth of the run, got {progress}"
+    # The last one comes within a tenth of the end; the total is estimated from the first epoch's plan.
+    assert len(expected_steps) - int(progress[-1][0]) <= len(expected_steps) // 10
+    assert abs(int(progress[-1][1]) - len(expected_steps)) <= _EPOCHS
+    assert all(int(tokens_per_s) > 0 for _, _, tokens_per_s, _ in progress)
 
 
 @pytest.mark.parametrize("path", ["ddp", "pipeline"])
