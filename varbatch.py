@@ -646,6 +646,19 @@ def _lr_factor(ratio: float, method: Any) -> float:
     return float(factor)
 
 
+def _reference_batch_size(sizes: np.ndarray, reference: Any) -> float:
+    """``B_ref`` as a number: ``reference`` itself, or the mean of ``sizes`` for ``"mean"``."""
+    if isinstance(reference, str) and reference == "mean":
+        return float(np.mean(sizes))
+    return float(reference)
+
+
+def _lr_factors(sizes: np.ndarray, reference: Any, method: Any) -> np.ndarray:
+    """``s(B / B_ref)`` for every batch size ``B`` in ``sizes``."""
+    reference = _reference_batch_size(sizes, reference)
+    return np.array([_lr_factor(b / reference, method) for b in np.asarray(sizes).tolist()], dtype=np.float64)
+
+
 def scale_lr(base_batch_size, batch_size, base_lr=1, method="linear"):
     """The learning rate for ``batch_size``, given ``base_lr`` tuned at ``base_batch_size``.
 
@@ -722,19 +735,17 @@ def _plan_lr_factors(plan: Plan, lr_scaling_method="linear", lr_scaling_referenc
     method = _check_lr_method(lr_scaling_method)
     unit = _check_choice("lr_scaling_unit", lr_scaling_unit, LR_SCALING_UNITS)
     sizes = plan.batch_tokens if unit == "tokens" else plan.batch_sizes
-    reference = _lr_reference(plan, lr_scaling_reference, unit)
-    return np.array([_lr_factor(b / reference, method) for b in sizes.tolist()], dtype=np.float64)
+    return _lr_factors(sizes, _lr_reference(plan, lr_scaling_reference, unit), method)
 
 
 def _lr_reference(plan: Plan, lr_scaling_reference, lr_scaling_unit: str) -> float:
     """``B_ref`` as a number: ``train_batch_size`` when None, the plan's mean batch size for ``"mean"``."""
     if lr_scaling_reference is None:
         return float(plan.effective_batch_size)
-    if isinstance(lr_scaling_reference, str) and lr_scaling_reference == "mean":
-        sizes = plan.batch_tokens if lr_scaling_unit == "tokens" else plan.batch_sizes
-        return float(sizes.mean())
-    scale_lr(lr_scaling_reference, 1)  # validates it
-    return float(lr_scaling_reference)
+    if not (isinstance(lr_scaling_reference, str) and lr_scaling_reference == "mean"):
+        scale_lr(lr_scaling_reference, 1)  # validates it
+    sizes = plan.batch_tokens if lr_scaling_unit == "tokens" else plan.batch_sizes
+    return _reference_batch_size(sizes, lr_scaling_reference)
 
 
 def _accumulation_steps(k: int, micro_batch_size: int, num_replicas: int) -> int:
@@ -1536,7 +1547,7 @@ class VariableBatchSizeLR(LRScheduler):
         return plan.batch_tokens if self.lr_scaling_unit == "tokens" else plan.batch_sizes
 
     def _reference(self, epoch: int) -> float:
-        return float(self._sizes(epoch).mean()) if self.base_batch_size == "mean" else float(self.base_batch_size)
+        return _reference_batch_size(self._sizes(epoch), self.base_batch_size)
 
     @property
     def batch_size(self) -> int:
@@ -1565,7 +1576,7 @@ class VariableBatchSizeLR(LRScheduler):
         if rank != 0:
             return
         reference = self._reference(epoch)
-        factors = np.array([_lr_factor(b / reference, self.lr_scaling_method) for b in self._sizes(epoch)])
+        factors = _lr_factors(self._sizes(epoch), reference, self.lr_scaling_method)
         _logger.info("epoch %d: LR factor mean %.3g, min %.3g, max %.3g (B_ref=%g %s)", epoch, factors.mean(),
                      factors.min(), factors.max(), reference, self.lr_scaling_unit)
         if not 0.5 <= factors.mean() <= 2.0 and not self._warned:
