@@ -4,24 +4,22 @@
 """Token-budget batching with learning-rate scaling for PyTorch and DeepSpeed.
 
 Variable-length samples are packed into micro-batches by a token budget
-(``max_tokens``) instead of a fixed number of samples, so the batch dimension B
-and the sequence dimension S change from step to step; the learning rate
-follows the size of each batch (linear or square-root rule) across all ranks
-and accumulation steps; pipeline batches get micro-batches of one shape.
+(``max_tokens``) instead of a fixed number of samples, so the batch size B and
+the padded length S change from step to step; the learning rate follows each
+batch's size over all ranks and accumulation steps (linear or square-root
+rule); pipeline batches get micro-batches of one shape.
 
-Public names: DeepSpeed's (``batch_by_seqlens``, ``scale_lr``,
+Public names: DeepSpeed's ``batch_by_seqlens``, ``scale_lr``,
 ``dataloader_for_variable_batch_size``, ``VariableBatchSizeLR``,
-``lr_scheduler_for_variable_batch_size``,
-``get_dataloader_and_lr_scheduler_for_variable_batch_size`` and its
-``..._deepspeed`` variant, same signatures as DeepSpeed >= 0.16.5) and
-varbatch's own: ``plan_batches`` -> ``Plan``, ``VariableBatchSampler``,
+``lr_scheduler_for_variable_batch_size`` and
+``get_dataloader_and_lr_scheduler_for_variable_batch_size[_deepspeed]`` (with
+DeepSpeed's signatures); ``plan_batches`` -> ``Plan``, ``VariableBatchSampler``,
 ``make_dataloader``, ``PaddedCollate``, ``pad_sample``, ``seqlens_from_padded``,
-``micro_batch_loss_weight``.
-
-Guarantees: no micro-batch costs more than ``max_tokens``; every sample is
-trained on once per epoch or listed in ``Plan.dropped`` with a reason; every
-rank computes the same plan. Needs numpy and torch; DeepSpeed is imported only
-inside the functions that use it. Tests: ``python -m pytest test_varbatch.py``.
+``micro_batch_loss_weight``. Guarantees: no micro-batch costs more than
+``max_tokens``; every sample is trained once per epoch or listed in
+``Plan.dropped`` with a reason; every rank computes the same plan. Needs numpy
+and torch (DeepSpeed only inside the functions that use it).
+Tests: ``python -m pytest test_varbatch.py``.
 """
 
 from __future__ import annotations
@@ -44,18 +42,14 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-__all__ = [
-    # DeepSpeed's names (deepspeed.runtime.data_pipeline.data_sampling.variable_batch_size_and_lr)
+__all__ = [  # DeepSpeed's names (deepspeed.runtime.data_pipeline.data_sampling.variable_batch_size_and_lr), then ours
     "batch_by_seqlens", "scale_lr", "dataloader_for_variable_batch_size", "VariableBatchSizeLR",
     "lr_scheduler_for_variable_batch_size", "get_dataloader_and_lr_scheduler_for_variable_batch_size",
     "get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed",
-    # varbatch's own
     "Plan", "plan_batches", "VariableBatchSampler", "make_dataloader", "PaddedCollate", "pad_sample",
     "seqlens_from_padded", "micro_batch_loss_weight",
 ]
-
 __version__ = "0.2.0"
-
 _logger = logging.getLogger("varbatch")
 
 _Budget = Literal["sum", "padded"]
@@ -65,14 +59,11 @@ _LRMethod = Literal["linear", "sqrt", "none"]
 _LRUnit = Literal["sequences", "tokens"]
 _Clock = Literal["steps", "tokens", "samples"]
 _DROP_REASONS = ("over_budget", "min_batch_size", "tail", "filtered")
-
 # `random` and `bucket` never use an unseeded generator: every rank must draw the
 # same order (DeepSpeed's `random` with seed=None draws a different one per rank).
 _DEFAULT_SEED = 0
 _DEFAULT_BUCKET_SIZE = 4096  # samples per sorted window of the `bucket` order
-# Sums of up to 2**31 lengths of at most 2**31 tokens stay inside int64.
-_MAX_TOKENS_LIMIT = 2 ** 31
-_MAX_IDS_IN_MESSAGE = 10
+_MAX_TOKENS_LIMIT = 2 ** 31  # sums of up to 2**31 lengths below it stay inside int64
 
 
 # =============================================================================
@@ -81,103 +72,88 @@ _MAX_IDS_IN_MESSAGE = 10
 # One template for every message: parameter, offending value, constraint, fix.
 
 
-def _check_int(name: str, value: Any, *, minimum: int | None = None, maximum: int | None = None,
-               fix: str = "") -> int:
-    """``value`` as an int, or raises naming ``name`` and the value."""
+def _check_int(name: str, value: Any, minimum: int = 0, maximum: int | None = None, fix: str = "") -> int:
+    """``value`` as an int in ``[minimum, maximum]``, or raises naming ``name`` and the value."""
     fix = f"; {fix}" if fix else ""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} should be an integer, but got {name}={value!r} of type "
-                        f"{type(value).__name__}{fix}")
-    value = int(value)
-    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        raise TypeError(f"{name} should be an integer, but got {name}={value!r} of type {type(value).__name__}{fix}")
+    if value < minimum or (maximum is not None and value > maximum):
         bounds = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
         raise ValueError(f"{name} should be an integer {bounds}, but got {name}={value}{fix}")
-    return value
+    return int(value)
 
 
-def _check_bound(name: str, value: Any) -> int | None:
-    """A batch-size bound: None or 0 means none (DeepSpeed's convention), else an int >= 1."""
-    if value is None or (not isinstance(value, bool) and isinstance(value, numbers.Integral) and value == 0):
-        return None
-    return _check_int(name, value, minimum=1, fix="or None for no bound")
-
-
-def _check_real(name: str, value: Any, *, minimum: float = 0.0, strict: bool = True) -> float:
-    """A finite number above ``minimum`` (or at least it when not ``strict``)."""
+def _check_real(name: str, value: Any, strict: bool = True) -> float:
+    """A finite number > 0 (>= 0 when not ``strict``)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} should be a number, but got {name}={value!r} of type {type(value).__name__}")
-    if not math.isfinite(value) or value < minimum or (strict and value == minimum):
-        raise ValueError(f"{name} should be a finite number {'>' if strict else '>='} {minimum:g}, but got {name}={value!r}")
+    if not math.isfinite(value) or value < 0 or (strict and value == 0):
+        raise ValueError(f"{name} should be a finite number {'>' if strict else '>='} 0, but got {name}={value!r}")
     return float(value)
 
 
 def _check_choice(name: str, value: Any, choices: Any) -> str:
-    """``value`` if it is one of ``choices`` (a Literal type or a tuple); else names the closest."""
-    choices = typing.get_args(choices) or tuple(choices)
+    """``value`` if it is one of the Literal type ``choices``; else raises naming the closest."""
+    choices = typing.get_args(choices)
     if isinstance(value, str) and value in choices:
         return value
     close = difflib.get_close_matches(str(value), choices, n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    raise ValueError(f"{name} should be one of {', '.join(map(repr, choices))}, but got {name}={value!r}{hint}")
+    raise ValueError(f"{name} should be one of {', '.join(map(repr, choices))}, but got {name}={value!r}"
+                     + (f" (did you mean {close[0]!r}?)" if close else ""))
 
 
 def _format_ids(ids: np.ndarray) -> str:
-    """``'3 samples (ids 4, 9, 12)'``, naming at most `_MAX_IDS_IN_MESSAGE` ids."""
-    shown = ", ".join(str(int(i)) for i in ids[:_MAX_IDS_IN_MESSAGE])
-    more = ", ..." if len(ids) > _MAX_IDS_IN_MESSAGE else ""
-    return f"{len(ids)} sample{'s' if len(ids) != 1 else ''} (ids {shown}{more})"
+    """``'3 samples (ids 4, 9, 12)'``, naming at most 10 ids."""
+    shown = ", ".join(str(int(i)) for i in ids[:10]) + (", ..." if len(ids) > 10 else "")
+    return f"{len(ids)} sample{'s' if len(ids) != 1 else ''} (ids {shown})"
 
 
 def _as_counts(values: Any, name: str = "seqlens", minimum: int = 1,
                fix: str = "pass one whole token count per sample") -> np.ndarray:
-    """Per-sample (or per-batch) whole counts as a read-only int64 array, or raises naming the bad one."""
+    """Whole numbers (seqlens, batch sizes, ids) as a read-only int64 array, or raises naming the first bad one."""
     if values is None or isinstance(values, (str, bytes, Mapping)):
         raise TypeError(f"{name} should be a sequence of whole numbers, but got {name}={values!r}; {fix}")
-    if isinstance(values, torch.Tensor):  # bfloat16 and other torch-only dtypes: go through float64
+    if isinstance(values, torch.Tensor):  # bfloat16 and other torch-only dtypes: through float64
         values = values.detach().cpu()
         values = (values.double() if values.is_floating_point() else values).numpy()
     try:
         array = np.asarray(values)
     except ValueError:  # ragged nesting
         raise ValueError(f"{name} should be flat (one number per sample), but it is ragged; {fix}") from None
-    if array.ndim == 2 and array.shape[1] == 1:  # DeepSpeed's metric files are N x 1
-        array = array[:, 0]
+    array = array[:, 0] if array.ndim == 2 and array.shape[1] == 1 else array  # DeepSpeed's metric files: N x 1
     if array.ndim != 1:
         raise ValueError(f"{name} should be one-dimensional, but got shape {array.shape}; {fix}")
     if array.dtype == bool or array.dtype.kind not in "iuf":
         raise TypeError(f"{name} should hold whole numbers, but got dtype {array.dtype}; {fix}")
     bad = np.flatnonzero(~np.isfinite(array) | (array != np.round(array)) | (array >= 2.0 ** 63)
                          if array.dtype.kind == "f" else array > np.iinfo(np.int64).max)
+    if not len(bad):
+        array = array.astype(np.int64)
+        bad = np.flatnonzero(array < minimum)
     if len(bad):
-        raise ValueError(f"{name} should hold whole numbers below 2**63, but {name}[{bad[0]}]="
+        raise ValueError(f"{name} should hold whole numbers in [{minimum}, 2**63), but {name}[{bad[0]}]="
                          f"{array[bad[0]].item()!r} ({len(bad)} such values); {fix}")
-    array = array.astype(np.int64)
-    bad = np.flatnonzero(array < minimum)
-    if len(bad):
-        raise ValueError(f"{name} should be >= {minimum} everywhere, but {name}[{bad[0]}]={array[bad[0]]} "
-                         f"({len(bad)} such values); {fix}")
     array.setflags(write=False)
     return array
 
 
 def _as_sample_ids(sample_ids: Any, num_samples: int) -> np.ndarray:
-    """A subset of sample ids (curriculum filtering), each in range and named once."""
-    if np.asarray(sample_ids).dtype.kind == "f" and len(sample_ids):
-        raise TypeError(f"sample_ids (dataset_filter_ids) should be integer ids, but got dtype {np.asarray(sample_ids).dtype}")
-    ids = _as_counts(sample_ids, "sample_ids", minimum=0, fix="pass the integer ids of the samples to use")
-    bad = np.flatnonzero(ids >= num_samples)
-    if len(bad):
-        raise ValueError(f"sample_ids should be in [0, {num_samples}) (the dataset has {num_samples} samples), "
-                         f"but got sample_ids[{bad[0]}]={ids[bad[0]]}; remove ids that are not in the dataset")
+    """A subset of sample ids (curriculum filtering): integers, each in the dataset, each once."""
+    if len(sample_ids) and np.asarray(sample_ids).dtype.kind not in "iu":
+        raise TypeError(f"sample_ids should be integer ids, but got dtype {np.asarray(sample_ids).dtype}")
+    ids = _as_counts(sample_ids, "sample_ids", minimum=0, fix="pass the ids of the samples to use")
     unique, counts = np.unique(ids, return_counts=True)
+    out = np.flatnonzero(ids >= num_samples)
+    if len(out):
+        raise ValueError(f"sample_ids should be in [0, {num_samples}), but got sample_ids[{out[0]}]={ids[out[0]]}")
     if (counts > 1).any():
-        raise ValueError(f"sample_ids should name each sample once, but {_format_ids(unique[counts > 1])} "
-                         f"appear more than once; deduplicate them (np.unique)")
+        raise ValueError(f"sample_ids should name each sample once, but {_format_ids(unique[counts > 1])} appear more "
+                         f"than once; deduplicate them (np.unique)")
     return ids
 
 
 def _digest(*arrays: Any) -> str | None:
-    """A short sha256 of int arrays: equal on ranks that hold equal data (None for None)."""
+    """A short sha256 of int arrays, equal on ranks that hold equal data (None for None)."""
     if arrays[0] is None:
         return None
     digest = hashlib.sha256()
@@ -188,11 +164,10 @@ def _digest(*arrays: Any) -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class _Settings:
-    """Every option of a plan, validated once; what each means is documented in `plan_batches`.
+    """Every option of a plan, validated once; each is documented in `plan_batches`.
 
-    Built by the keyword arguments of the public functions, by the config
-    reader and by the command line, then passed through: a new option is one
-    field here (and one line in `plan_batches`' docstring).
+    Built from keyword arguments, by the config reader or by the command line,
+    then passed through: a new option is a field here and a line there.
     """
 
     max_tokens: int
@@ -210,59 +185,52 @@ class _Settings:
     on_overlong: _OnOverlong = "skip"
 
     def __post_init__(self):
-        put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
-        put("max_tokens", _check_int("max_tokens", self.max_tokens, minimum=1, maximum=_MAX_TOKENS_LIMIT,
-                                     fix="it is the token budget of one micro-batch"))
-        put("effective_batch_size", _check_int("effective_batch_size", self.effective_batch_size, minimum=1,
-                                               fix="it is train_batch_size, micro-batches per optimizer step"))
-        put("micro_batch_size", _check_int("micro_batch_size", self.micro_batch_size, minimum=1,
-                                           fix="it is train_micro_batch_size_per_gpu"))
-        put("num_replicas", _check_int("num_replicas", self.num_replicas, minimum=1))
+        def put(name, value):
+            object.__setattr__(self, name, value)
+        put("max_tokens", _check_int("max_tokens", self.max_tokens, 1, _MAX_TOKENS_LIMIT, "it is the token budget of "
+                                     "one micro-batch"))
+        for name, fix in (("effective_batch_size", "it is train_batch_size, micro-batches per optimizer step"),
+                          ("micro_batch_size", "it is train_micro_batch_size_per_gpu"), ("num_replicas", "")):
+            put(name, _check_int(name, getattr(self, name), 1, fix=fix))
         if self.effective_batch_size % (self.micro_batch_size * self.num_replicas):
-            raise ValueError(f"effective_batch_size={self.effective_batch_size} should be a multiple of "
-                             f"micro_batch_size x num_replicas = {self.micro_batch_size} x {self.num_replicas}; "
-                             f"set train_batch_size = micro batch per GPU x accumulation steps x data-parallel size")
+            raise ValueError(f"effective_batch_size={self.effective_batch_size} should be a multiple of micro_batch_size"
+                             f" x num_replicas = {self.micro_batch_size} x {self.num_replicas}; set train_batch_size = "
+                             f"micro batch per GPU x gradient accumulation steps x data-parallel size")
         for name, choices in (("budget", _Budget), ("order", _Order), ("on_overlong", _OnOverlong)):
-            put(name, _check_choice("sequence_picking_order" if name == "order" else name,
-                                    getattr(self, name), choices))
-        put("min_batch_size", _check_bound("min_batch_size", self.min_batch_size) or 1)
-        put("max_batch_size", _check_bound("max_batch_size", self.max_batch_size))
+            put(name, _check_choice("sequence_picking_order" if name == "order" else name, getattr(self, name), choices))
+        for name in ("min_batch_size", "max_batch_size"):  # None or 0: no bound (DeepSpeed's convention)
+            value = getattr(self, name)
+            zero = value is None or not isinstance(value, bool) and isinstance(value, numbers.Integral) and value == 0
+            put(name, None if zero else _check_int(name, value, 1, fix="or None for no bound"))
+        put("min_batch_size", self.min_batch_size or 1)
         if self.max_batch_size is not None and self.min_batch_size > self.max_batch_size:
-            raise ValueError(f"min_batch_size should be <= max_batch_size, but got min_batch_size="
-                             f"{self.min_batch_size} and max_batch_size={self.max_batch_size}")
+            raise ValueError(f"min_batch_size should be <= max_batch_size, but got min_batch_size={self.min_batch_size} "
+                             f"and max_batch_size={self.max_batch_size}")
         for name in ("same_size", "same_length"):
             if not isinstance(getattr(self, name), (bool, np.bool_)):
                 raise TypeError(f"{name} should be a bool, but got {name}={getattr(self, name)!r}")
             put(name, bool(getattr(self, name)))
         if self.budget == "padded" and self.same_length and not self.same_size:
-            raise ValueError("budget='padded' with same_length=True needs same_size=True (the padded size of a "
-                             "micro-batch then depends on the whole batch); set same_size=True or budget='sum'")
-        put("seed", _DEFAULT_SEED if self.seed is None else _check_int("seed", self.seed, minimum=0))
-        if self.bucket_size is not None:
-            put("bucket_size", _check_int("bucket_size", self.bucket_size, minimum=1))
+            raise ValueError("budget='padded' with same_length=True needs same_size=True (the padded size of a micro-"
+                             "batch then depends on the whole batch); set same_size=True or budget='sum'")
+        put("seed", _DEFAULT_SEED if self.seed is None else _check_int("seed", self.seed))
+        put("bucket_size", None if self.bucket_size is None else _check_int("bucket_size", self.bucket_size, 1))
 
     @classmethod
-    def of(cls, **options: Any) -> "_Settings":
+    def of(cls, **options: Any) -> _Settings:
         """Settings from keyword arguments; an unknown one is named with the closest known one."""
         known = [field.name for field in dataclasses.fields(cls)]
-        for name in options:
-            if name not in known:
-                close = difflib.get_close_matches(name, known, n=1)
-                raise TypeError(f"unknown plan option {name!r}{f' (did you mean {close[0]!r}?)' if close else ''};"
-                                f" the options are {', '.join(known)}")
+        for name in set(options) - set(known):
+            close = difflib.get_close_matches(name, known, n=1)
+            raise TypeError(f"unknown plan option {name!r}{f' (did you mean {close[0]!r}?)' if close else ''}; the "
+                            f"options are {', '.join(known)}")
         return cls(**options)
 
-    @property
-    def gradient_accumulation_steps(self) -> int:
-        return self.effective_batch_size // (self.micro_batch_size * self.num_replicas)
-
-    @property
-    def unit_width(self) -> int:
-        """Micro-batches packed together as one block of equal-size micro-batches (see `_pack_rows`)."""
-        if self.same_size:
-            return self.effective_batch_size
-        # A step input's micro-batches are padded to one S: under the padded budget they are packed together.
-        return self.micro_batch_size if self.budget == "padded" else 1
+    gradient_accumulation_steps = property(lambda self: self.effective_batch_size // (self.micro_batch_size
+                                                                                      * self.num_replicas))
+    # Micro-batches packed as one block of equal micro-batches: a batch (same_size), a padded step input, or 1.
+    unit_width = property(lambda self: self.effective_batch_size if self.same_size else
+                          self.micro_batch_size if self.budget == "padded" else 1)
 
 
 # =============================================================================
@@ -274,24 +242,16 @@ class _Settings:
 class Plan:
     """The packing of one epoch: micro-batches grouped into batches, and the drops.
 
-    Plain, read-only data that depends only on (seqlens, settings, seed, epoch),
-    so every rank computes the same plan. Micro-batch ``j`` holds
+    Plain, read-only data that depends only on (seqlens, settings, seed,
+    epoch): every rank computes the same plan. Micro-batch ``j`` holds
     ``sample_ids[microbatch_offsets[j]:microbatch_offsets[j + 1]]``; batch ``b``
-    (one optimizer step) holds micro-batches ``b*k .. b*k + k - 1``, ``k =
-    effective_batch_size``; a step input is ``micro_batch_size`` consecutive
-    micro-batches collated into one ``B x S`` tensor.
-
-    Attributes:
-        sample_ids: packed sample ids, micro-batch after micro-batch.
-        microbatch_offsets: ``num_microbatches + 1`` offsets into ``sample_ids``.
-        padded_seqlens: per micro-batch, the S of the tensor it is collated into
-            (its step input's longest sample; its batch's in same-length mode).
-        batch_sizes: samples (sequences) per batch, the B of the LR rule.
-        batch_tokens: real tokens (sum of seqlens) per batch.
-        batch_max_seqlens: longest sample per batch.
-        dropped: reason -> sorted ids of the samples left out, for each of
-            ``over_budget``, ``min_batch_size``, ``tail`` and ``filtered``.
-        settings: the options the plan was made with; epoch: its epoch.
+    (one optimizer step) holds micro-batches ``b*k .. b*k + k - 1`` (``k =
+    effective_batch_size``); a step input is ``micro_batch_size`` consecutive
+    micro-batches collated into one ``B x S`` tensor. ``padded_seqlens`` is,
+    per micro-batch, that S (its step input's longest sample; its batch's in
+    same-length mode). ``batch_sizes`` (the B of the LR rule), ``batch_tokens``
+    and ``batch_max_seqlens`` describe each batch; ``dropped`` maps each reason
+    (``over_budget``, ``min_batch_size``, ``tail``, ``filtered``) to sorted ids.
     """
 
     sample_ids: np.ndarray
@@ -330,52 +290,41 @@ class Plan:
         return _digest(self.sample_ids, self.microbatch_offsets, [self.effective_batch_size])
 
     def totals(self) -> dict:
-        """The totals of the plan as plain (JSON) data: batches, drops, padding, distributions of B and S.
+        """The totals as plain (JSON) data: batches, drops, padding (a micro-batch costs ``n x S``), B and S.
 
-        Padding counts each micro-batch as ``n x S`` with S its `padded_seqlens`;
-        a step input (``micro_batch_size`` micro-batches sharing one S) is the
-        tensor a forward pass sees, bounded by ``micro_batch_size x max_tokens``
-        under the padded budget.
+        ``largest_step_input`` compares the largest tensor a forward pass sees
+        with its bound under the padded budget, ``micro_batch_size x max_tokens``.
 
         Example:
             >>> t = plan_batches([3, 5, 2, 6, 4, 1], max_tokens=8, effective_batch_size=2).totals()
             >>> t["batches"], t["real_tokens"], t["padded_tokens"], t["batch_size"]["max"]
             (2, 21, 27, 4)
         """
-        s = self.settings
-        sizes = self.microbatch_sizes()
-        step_tokens = (sizes * self.padded_seqlens).reshape(-1, s.micro_batch_size).sum(axis=1)
-        largest = int(np.argmax(step_tokens)) if len(step_tokens) else 0
-        first = largest * s.micro_batch_size
+        s, sizes = self.settings, self.microbatch_sizes()
+        steps = (sizes * self.padded_seqlens).reshape(-1, s.micro_batch_size).sum(axis=1)  # tokens per tensor
+        big, real, padded = int(np.argmax(steps)) if len(steps) else 0, int(self.batch_tokens.sum()), int(steps.sum())
 
-        def distribution(values):
-            return None if not len(values) else {"min": values.min().item(), "median": float(np.median(values)),
-                                                 "mean": float(values.mean()), "max": values.max().item()}
-        real, padded = int(self.batch_tokens.sum()), int(step_tokens.sum())
-        bound = s.micro_batch_size * s.max_tokens
-        return {
-            "epoch": self.epoch, "max_tokens": s.max_tokens, "budget": s.budget, "same_length": s.same_length,
-            "effective_batch_size": s.effective_batch_size, "micro_batch_size": s.micro_batch_size,
-            "gradient_accumulation_steps": s.gradient_accumulation_steps, "num_replicas": s.num_replicas,
-            "batches": self.num_batches, "step_inputs_per_rank": self.num_batches * s.gradient_accumulation_steps,
-            "microbatches": self.num_microbatches, "samples": int(self.batch_sizes.sum()),
-            "dropped": {reason: len(ids) for reason, ids in self.dropped.items()}, "num_dropped": self.num_dropped,
-            "real_tokens": real, "padded_tokens": padded, "efficiency": real / padded if padded else 1.0,
-            "largest_step_input": {
-                "sequences": int(sizes[first:first + s.micro_batch_size].sum()) if len(sizes) else 0,
-                "padded_seqlen": int(self.padded_seqlens[first]) if len(sizes) else 0,
-                "tokens": int(step_tokens[largest]) if len(sizes) else 0, "bound": bound,
-                "over_bound": float(step_tokens[largest] / bound) if len(sizes) else 0.0},
-            "batch_size": distribution(self.batch_sizes), "batch_tokens": distribution(self.batch_tokens),
-            "microbatch_size": distribution(sizes), "padded_seqlen": distribution(self.padded_seqlens),
-        }
+        def distribution(v):
+            return {"min": v.min().item(), "median": float(np.median(v)), "mean": float(v.mean()),
+                    "max": v.max().item()} if len(v) else None
+        return {"epoch": self.epoch, **{key: getattr(s, key) for key in (
+                    "max_tokens", "budget", "same_length", "effective_batch_size", "micro_batch_size",
+                    "gradient_accumulation_steps", "num_replicas")},
+                "batches": self.num_batches, "step_inputs_per_rank": self.num_batches * s.gradient_accumulation_steps,
+                "microbatches": self.num_microbatches, "samples": int(self.batch_sizes.sum()),
+                "dropped": {reason: len(ids) for reason, ids in self.dropped.items()}, "num_dropped": self.num_dropped,
+                "real_tokens": real, "padded_tokens": padded, "efficiency": real / padded if padded else 1.0,
+                "largest_step_input": {
+                    "sequences": int(sizes.reshape(-1, s.micro_batch_size)[big].sum()) if len(steps) else 0,
+                    "padded_seqlen": int(self.padded_seqlens[big * s.micro_batch_size]) if len(steps) else 0,
+                    "tokens": int(steps[big]) if len(steps) else 0, "bound": s.micro_batch_size * s.max_tokens},
+                "batch_size": distribution(self.batch_sizes), "batch_tokens": distribution(self.batch_tokens),
+                "microbatch_size": distribution(sizes), "padded_seqlen": distribution(self.padded_seqlens)}
 
 
 def _stable_argsort(values: np.ndarray) -> np.ndarray:
     """A stable argsort; lengths below 2**16 take numpy's linear-time radix sort."""
-    if len(values) and values.max() < 2 ** 16:
-        values = values.astype(np.uint16)
-    return np.argsort(values, kind="stable")
+    return np.argsort(values.astype(np.uint16) if len(values) and values.max() < 2 ** 16 else values, kind="stable")
 
 
 def _picking_order(seqlens: np.ndarray, ids: np.ndarray, s: _Settings, rng: np.random.Generator) -> np.ndarray:
@@ -386,233 +335,176 @@ def _picking_order(seqlens: np.ndarray, ids: np.ndarray, s: _Settings, rng: np.r
         ascending = ids if (ids[1:] > ids[:-1]).all() else np.sort(ids)
         return ascending[_stable_argsort(seqlens[ascending])]
     shuffled = ids[rng.permutation(len(ids))]
-    if s.order == "random":
-        return shuffled
-    # `bucket`: sort inside windows of shuffled samples, alternately ascending and
-    # descending, so that a micro-batch spanning two windows joins samples of similar
-    # length. A block of `unit_width` micro-batches spans that many times the samples
-    # of one, so the default window grows with it.
+    # `bucket`: sort inside windows of shuffled samples, alternately ascending and descending, so
+    # a micro-batch spanning two windows joins samples of like length. A block of `unit_width`
+    # micro-batches spans that many times the samples: the default window grows with it.
     window = s.bucket_size or _DEFAULT_BUCKET_SIZE * s.unit_width
-    out = shuffled.copy()
-    for w, start in enumerate(range(0, len(out), window)):
-        part = out[start:start + window]
+    for w, start in enumerate(range(0, len(shuffled), window) if s.order == "bucket" else ()):
+        part = shuffled[start:start + window]
         ranked = part[_stable_argsort(seqlens[part])]
-        out[start:start + window] = ranked if w % 2 == 0 else ranked[::-1]
-    return out
+        shuffled[start:start + window] = ranked if w % 2 == 0 else ranked[::-1]
+    return shuffled
 
 
 def _pack_greedy(lens: list[int], s: _Settings) -> tuple[list[tuple[int, int]], list[int], int]:
-    """Greedy packing of single micro-batches from consecutive samples (DeepSpeed's rule, in one pass).
+    """Micro-batches of as many consecutive samples as fit (DeepSpeed's greedy rule, in one pass).
 
-    Returns:
-        ``((first, end) position range per micro-batch, positions skipped as
-        min_batch_size, where the tail starts)``.
+    Returns ``(start, n)`` per micro-batch, the positions dropped as
+    ``min_batch_size`` (no micro-batch of that many starts there), and where the tail starts.
     """
     padded, cap, max_bs = s.budget == "padded", s.max_tokens, s.max_batch_size or len(lens)
-    bounds, too_small = [], []
-    start, n = 0, len(lens)
-    while start < n:
-        # Invariant: lens[start:i] is a micro-batch within the budget and max_batch_size.
-        count = total = longest = 0
-        i = start
-        while i < n and count < max_bs:
-            longest_next = max(longest, lens[i])
-            if ((count + 1) * longest_next if padded else total + lens[i]) > cap:
+    blocks, too_small, start = [], [], 0
+    while start < len(lens):
+        count = total = longest = 0  # invariant: lens[start:start + count] fits the budget and max_bs
+        while start + count < len(lens) and count < max_bs:
+            length = lens[start + count]
+            if ((count + 1) * max(longest, length) if padded else total + length) > cap:
                 break
-            count, total, longest, i = count + 1, total + lens[i], longest_next, i + 1
+            count, total, longest = count + 1, total + length, max(longest, length)
         if count >= s.min_batch_size:
-            bounds.append((start, i))
-            start = i
-        elif i == n:  # ran out of samples, not of budget
+            blocks.append((start, count))
+            start += count
+        elif start + count == len(lens):  # ran out of samples, not of budget
             break
-        else:  # no micro-batch of min_batch_size samples starts here: skip one sample
+        else:
             too_small.append(start)
             start += 1
-    return bounds, too_small, start
+    return blocks, too_small, start
 
 
-def _block_fits(block: np.ndarray, s: _Settings, group: int) -> np.ndarray:
-    """For ``rows x width`` blocks (column b is micro-batch b): whether the first 1, 2, ... rows fit.
+def _fits(lens: np.ndarray, s: _Settings, group: int, n: int | None = None) -> Any:
+    """Whether micro-batches fit, each padded to the longest sample of its ``group`` adjacent ones.
 
-    Micro-batches are padded to the longest sample of their group of ``group``
-    adjacent columns (their step input, or the whole batch in same-length mode).
-    Costs only grow with rows, so the result is True for the first rows, then False.
+    ``lens`` is ``rows x width``, column b being micro-batch b: whether the
+    first 1, 2, ... rows fit (True, then False). With ``n``: ``width x n``, row b
+    being micro-batch b: whether it all fits.
     """
-    rows, width = block.shape
+    if n is not None:
+        cost = lens.sum(axis=1) if s.budget == "sum" else n * lens.reshape(-1, group * n).max(axis=1)
+        return bool((cost <= s.max_tokens).all())
+    rows, width = lens.shape
     if s.budget == "sum":
-        return (np.cumsum(block, axis=0) <= s.max_tokens).all(axis=1)
-    longest = np.maximum.accumulate(block.reshape(rows, width // group, group).max(axis=2), axis=0)
+        return (np.cumsum(lens, axis=0) <= s.max_tokens).all(axis=1)
+    longest = np.maximum.accumulate(lens.reshape(rows, width // group, group).max(axis=2), axis=0)
     return (np.arange(1, rows + 1)[:, None] * longest <= s.max_tokens).all(axis=1)
 
 
-def _consecutive_rows(lens: np.ndarray, width: int, rows_max: int, s: _Settings, group: int) -> int:
-    """The most rows ``n >= min_batch_size`` for which micro-batch b = samples ``b*n .. b*n + n - 1`` fits, or 0.
-
-    The fallback layout when the interleaved one cannot reach min_batch_size.
-    Fitting is not monotone in ``n`` here, so every ``n`` up to where the first
-    micro-batch alone stops fitting is tried, largest first.
-    """
-    first = np.cumsum(lens[:rows_max]) if s.budget == "sum" else \
-        np.arange(1, min(rows_max, len(lens)) + 1) * np.maximum.accumulate(lens[:rows_max])
-    for n in range(int((first <= s.max_tokens).sum()), s.min_batch_size - 1, -1):
-        block = lens[:n * width].reshape(width, n)  # row b: micro-batch b
-        costs = block.sum(axis=1) if s.budget == "sum" else \
-            n * np.repeat(block.reshape(width // group, group * n).max(axis=1), group)
-        if (costs <= s.max_tokens).all():
-            return n
-    return 0
-
-
 def _pack_rows(lens: np.ndarray, s: _Settings) -> tuple[list[tuple[int, int, bool]], list[int], int]:
-    """Greedy packing of blocks of ``width`` micro-batches of ``n`` samples each.
+    """Blocks of ``width`` micro-batches of ``n`` samples each, ``n`` as large as fits.
 
-    A block takes the next ``n * width`` samples as ``n`` rows of ``width``;
-    micro-batch b is column b, every width-th sample from b (DeepSpeed's
-    interleaving, which balances lengths across micro-batches in seqlen order);
-    ``n`` is the most rows that fit. Rows are checked in numpy blocks whose
-    height starts at the previous block's ``n`` and doubles while all fit, so
-    the work stays linear. When that layout cannot reach ``min_batch_size``
-    rows, micro-batch b takes samples ``b*n .. b*n + n - 1`` instead.
-
-    Returns:
-        ``((start, n, consecutive) per block, positions skipped as min_batch_size, where the tail starts)``.
+    A block takes the next ``n * width`` samples as ``n`` rows; micro-batch b
+    is column b, every width-th sample from b (DeepSpeed's interleaving, which
+    balances lengths in seqlen order). Rows are checked in numpy blocks whose
+    height starts at the last ``n`` and doubles while all fit: linear work.
+    Where this cannot reach ``min_batch_size`` rows, micro-batch b takes samples
+    ``b*n .. b*n + n - 1`` instead (not monotone in ``n``: each is tried,
+    largest first). Returns ``(start, n, consecutive)`` per block, the
+    positions dropped as ``min_batch_size``, and where the tail starts.
     """
-    width = s.unit_width
-    group = width if s.same_length or not s.same_size else s.micro_batch_size
-    blocks, too_small = [], []
-    total, start = len(lens), 0
+    width, blocks, too_small, start, total = s.unit_width, [], [], 0, len(lens)
+    group = width if s.same_length or not s.same_size else s.micro_batch_size  # micro-batches padded to one S
     guess = max(1, int(s.max_tokens // max(1.0, float(lens.mean())))) + 1 if total else 1
     while start + width <= total:
         rows_left = min((total - start) // width, s.max_batch_size or total)
         rows = min(guess, rows_left)
         while True:
-            fits = _block_fits(lens[start:start + rows * width].reshape(rows, width), s, group)
+            fits = _fits(lens[start:start + rows * width].reshape(rows, width), s, group)
             n = rows if fits.all() else int(fits.argmin())
             if n < rows or rows == rows_left:
                 break
             rows = min(2 * rows, rows_left)
         guess, consecutive = n + 1, False
         if n < s.min_batch_size <= rows_left:
-            m = _consecutive_rows(lens[start:], width, rows_left, s, group)
-            n, consecutive = (m, True) if m else (n, False)
+            first = lens[start:start + rows_left]
+            first = np.cumsum(first) if s.budget == "sum" else np.arange(1, rows_left + 1) * np.maximum.accumulate(first)
+            n = next((m for m in range(int((first <= s.max_tokens).sum()), s.min_batch_size - 1, -1)
+                      if _fits(lens[start:start + m * width].reshape(width, m), s, group, m)), n)
+            consecutive = n >= s.min_batch_size
         if n >= s.min_batch_size:
             blocks.append((start, n, consecutive))
             start += n * width
         elif n == rows_left:  # ran out of samples, not of budget
             break
-        else:  # no block of min_batch_size rows starts here: skip one sample
+        else:
             too_small.append(start)
             start += 1
     return blocks, too_small, start
 
 
-def _block_positions(blocks: list[tuple[int, int, bool]], width: int) -> tuple[np.ndarray, np.ndarray]:
-    """Positions of the samples of blocks, micro-batch after micro-batch, and the micro-batch sizes."""
-    starts, rows, consecutive = (np.asarray(column, dtype=np.int64).reshape(-1) for column in zip(*blocks)) \
-        if blocks else (np.zeros(0, np.int64),) * 3
-    per_block = rows * width
-    block = np.repeat(np.arange(len(rows)), per_block)
-    local = np.arange(int(per_block.sum())) - np.repeat(np.cumsum(per_block) - per_block, per_block)
-    n = rows[block]  # local = b*n + r: row r of micro-batch b
-    positions = starts[block] + np.where(consecutive[block] == 1, local, (local % n) * width + local // n)
-    return positions, np.repeat(rows, width)
+def _resplit(blocks: list[list[np.ndarray]], count: int, min_bs: int) -> list[list[np.ndarray]] | None:
+    """Cuts fewer than ``count`` blocks (lists of equal-size micro-batches) into exactly ``count``, or None.
 
-
-def _resplit(parts: list[list[np.ndarray]], count: int, min_bs: int) -> list[list[np.ndarray]] | None:
-    """Cuts fewer than ``count`` blocks (each a list of equal-size micro-batches) into exactly ``count``.
-
-    A part of a micro-batch never costs more than the whole under either
-    budget, so cutting keeps every block within the budget. The block with the
-    most rows is cut in two at a multiple of ``min_bs`` near its middle: ``r``
-    rows can make ``r // min_bs`` blocks, and such a cut keeps that room. So
-    this returns None exactly when the sum of ``r // min_bs`` is below ``count``.
+    A part of a micro-batch never costs more than the whole. The block of most
+    rows is cut at a multiple of ``min_bs`` near its middle: ``r`` rows make at
+    most ``r // min_bs`` blocks and such a cut keeps that room, so this is None
+    exactly when the sum of ``r // min_bs`` is below ``count``.
     """
-    parts = list(parts)
-    while len(parts) < count:
-        j = max(range(len(parts)), key=lambda p: len(parts[p][0]))
-        rows = len(parts[j][0])
+    blocks = list(blocks)
+    while len(blocks) < count:
+        j = max(range(len(blocks)), key=lambda p: len(blocks[p][0]))
+        rows = len(blocks[j][0])
         if rows < 2 * min_bs:  # the largest, so every block, is too small to cut
             return None
-        cut = min_bs * ((rows // min_bs) // 2)
-        parts[j:j + 1] = [[mb[:cut] for mb in parts[j]], [mb[cut:] for mb in parts[j]]]
-    return parts
+        cut = min_bs * (rows // min_bs // 2)
+        blocks[j:j + 1] = [[mb[:cut] for mb in blocks[j]], [mb[cut:] for mb in blocks[j]]]
+    return blocks
 
 
 def _pack(seqlens: np.ndarray, s: _Settings, sample_ids: np.ndarray | None, epoch: int) -> Plan:
-    """The plan of one epoch; may have no batches (then every sample is in its drops)."""
+    """The plan of one epoch (without a batch when the samples cannot fill one: then all are in its drops)."""
     k, width = s.effective_batch_size, s.unit_width
     # 1. Samples that alone exceed the budget can never be packed.
     ids = np.arange(len(seqlens), dtype=np.int64) if sample_ids is None else sample_ids
     overlong = ids[seqlens[ids] > s.max_tokens]
-    if len(overlong) and s.on_overlong == "error":
+    if len(overlong) and (s.on_overlong == "error" or len(overlong) == len(ids)):
         raise ValueError(f"max_tokens={s.max_tokens} is smaller than {_format_ids(overlong)} (longest "
-                         f"{int(seqlens[overlong].max())}); raise max_tokens, truncate them, or pass on_overlong='skip'")
-    if len(overlong) and len(overlong) == len(ids):
-        raise ValueError(f"every sample is longer than max_tokens={s.max_tokens} (shortest "
-                         f"{int(seqlens[ids].min())}); raise max_tokens")
-    ids = ids[seqlens[ids] <= s.max_tokens]
-
-    # 2. Pick and pack: blocks of `width` equal micro-batches, or single micro-batches.
+                         f"{int(seqlens[overlong].max())}); raise max_tokens, truncate them, or pass on_overlong='skip'"
+                         if s.on_overlong == "error" else f"every sample is longer than max_tokens={s.max_tokens} "
+                         f"(shortest {int(seqlens[ids].min())}); raise max_tokens")
+    # 2. Pick and pack, into blocks of `width` equal micro-batches or micro-batches one by one;
+    # then the positions of each block's samples, micro-batch after micro-batch (row r of b).
     rng = np.random.default_rng((s.seed, epoch))
-    picked = _picking_order(seqlens, ids, s, rng)
-    lens = seqlens[picked]
-    if width > 1:
-        blocks, too_small, end = _pack_rows(lens, s)
-        positions, micro_sizes = _block_positions(blocks, width)
-        units = [(start, n) for start, n, _ in blocks]
-    else:
-        bounds, too_small, end = _pack_greedy(lens.tolist(), s)
-        first = np.asarray([a for a, _ in bounds], dtype=np.int64)
-        micro_sizes = np.asarray([b for _, b in bounds], dtype=np.int64) - first
-        positions = np.arange(int(micro_sizes.sum())) + np.repeat(first - (np.cumsum(micro_sizes) - micro_sizes),
-                                                                  micro_sizes)
-        units = [(a, b - a) for a, b in bounds]
-    tail = list(range(end, len(picked)))
-    # 3. Batches of k micro-batches. Fewer than k micro-batches left over are cut
-    # into exactly k (blocks into k / width blocks) when they can be; else tail.
-    per_batch = k // width
-    if not s.same_size and len(units) % per_batch:
-        left = len(units) % per_batch
-        kept = int(micro_sizes[:len(micro_sizes) - left * width].sum())
-        sizes = micro_sizes[len(micro_sizes) - left * width:]
-        pieces = np.split(positions[kept:], np.cumsum(sizes)[:-1])
-        resplit = _resplit([pieces[u * width:(u + 1) * width] for u in range(left)], per_batch, s.min_batch_size)
-        positions, micro_sizes = positions[:kept], micro_sizes[:len(micro_sizes) - left * width]
-        if resplit is None:
+    picked = _picking_order(seqlens, ids[seqlens[ids] <= s.max_tokens], s, rng)
+    blocks, too_small, end = _pack_rows(seqlens[picked], s) if width > 1 else \
+        _pack_greedy(seqlens[picked].tolist(), s)
+    starts, rows, consecutive = (np.asarray([b[i] if i < len(b) else 1 for b in blocks], np.int64) for i in range(3))
+    per_block = rows * width
+    block = np.repeat(np.arange(len(rows)), per_block)
+    local = np.arange(int(per_block.sum())) - np.repeat(np.cumsum(per_block) - per_block, per_block)  # b*n + r
+    positions = starts[block] + np.where(consecutive[block] == 1, local, local % rows[block] * width
+                                         + local // rows[block])
+    sizes, tail = np.repeat(rows, width), list(range(end, len(picked)))
+    # 3. Batches of k micro-batches. Blocks that cannot fill a last batch are cut into exactly
+    # k / width blocks where they can be (see `_resplit`); else they are the tail.
+    left = 0 if s.same_size else len(blocks) % (k // width)
+    if left:
+        kept = int(sizes[:len(sizes) - left * width].sum())
+        pieces = np.split(positions[kept:], np.cumsum(sizes[len(sizes) - left * width:])[:-1])
+        cut = _resplit([pieces[u * width:(u + 1) * width] for u in range(left)], k // width, s.min_batch_size)
+        positions, sizes = positions[:kept], sizes[:len(sizes) - left * width]
+        if cut is None:
             tail = sorted(int(p) for piece in pieces for p in piece) + tail
         else:
-            flat = [mb for block in resplit for mb in block]
-            positions = np.concatenate([positions, *flat])
-            micro_sizes = np.concatenate([micro_sizes, [len(mb) for mb in flat]]).astype(np.int64)
+            positions = np.concatenate([positions, *[mb for b in cut for mb in b]])
+            sizes = np.concatenate([sizes, [len(mb) for b in cut for mb in b]]).astype(np.int64)
     packed = picked[positions]
-    # 4. In `bucket` order the windows are sorted: shuffle whole batches.
-    if s.order == "bucket" and len(micro_sizes):
-        order = rng.permutation(len(micro_sizes) // k)
-        batch_len = micro_sizes.reshape(-1, k).sum(axis=1)
+    if s.order == "bucket" and len(sizes):  # the windows are sorted: shuffle whole batches
+        order, batch_len = rng.permutation(len(sizes) // k), sizes.reshape(-1, k).sum(axis=1)
         old_starts, new_len = np.cumsum(batch_len) - batch_len, batch_len[order]
-        packed = packed[np.arange(len(packed)) + np.repeat(old_starts[order] - (np.cumsum(new_len) - new_len), new_len)]
-        micro_sizes = micro_sizes.reshape(-1, k)[order].ravel()
-    # 5. Per-batch and per-micro-batch statistics.
-    offsets = np.concatenate([[0], np.cumsum(micro_sizes)]).astype(np.int64)
-    packed_lens = seqlens[packed]
-    batch_starts = offsets[:-1:k]
-    batch_sizes = np.diff(offsets[::k])
-    batch_tokens = np.add.reduceat(packed_lens, batch_starts) if len(packed) else np.zeros(0, np.int64)
-    batch_max = np.maximum.reduceat(packed_lens, batch_starts) if len(packed) else np.zeros(0, np.int64)
-    if s.same_length:
-        padded_s = np.repeat(batch_max, k)
-    else:
-        own = np.maximum.reduceat(packed_lens, offsets[:-1]) if len(packed) else np.zeros(0, np.int64)
-        padded_s = np.repeat(own.reshape(-1, s.micro_batch_size).max(axis=1), s.micro_batch_size)
-    filtered = np.zeros(0, np.int64)
-    if sample_ids is not None:
-        mask = np.ones(len(seqlens), dtype=bool)
-        mask[sample_ids] = False
-        filtered = np.flatnonzero(mask)
+        packed = packed[np.arange(len(packed)) + np.repeat(old_starts[order] - np.cumsum(new_len) + new_len, new_len)]
+        sizes = sizes.reshape(-1, k)[order].ravel()
+    # 4. Per-batch and per-micro-batch statistics, and the drops.
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    lens, empty = seqlens[packed], np.zeros(0, np.int64)
+    tokens, longest, own = (np.add.reduceat(lens, offsets[:-1:k]), np.maximum.reduceat(lens, offsets[:-1:k]),
+                            np.maximum.reduceat(lens, offsets[:-1])) if len(packed) else (empty, empty, empty)
+    padded = np.repeat(longest, k) if s.same_length else np.repeat(own.reshape(-1, s.micro_batch_size).max(axis=1),
+                                                                   s.micro_batch_size)
     dropped = {"over_budget": np.sort(overlong), "min_batch_size": np.sort(picked[np.asarray(too_small, np.int64)]),
-               "tail": np.sort(picked[np.asarray(tail, np.int64)]), "filtered": filtered.astype(np.int64)}
-    arrays = dict(sample_ids=packed, microbatch_offsets=offsets, padded_seqlens=padded_s.astype(np.int64),
-                  batch_sizes=batch_sizes, batch_tokens=batch_tokens, batch_max_seqlens=batch_max)
+               "tail": np.sort(picked[np.asarray(tail, np.int64)]),
+               "filtered": empty if sample_ids is None else np.setdiff1d(np.arange(len(seqlens)), sample_ids)}
+    arrays = dict(sample_ids=packed, microbatch_offsets=offsets, padded_seqlens=padded.astype(np.int64),
+                  batch_sizes=np.diff(offsets[::k]), batch_tokens=tokens, batch_max_seqlens=longest)
     for array in (*arrays.values(), *dropped.values()):
         array.setflags(write=False)
     return Plan(**arrays, dropped=dropped, settings=s, epoch=epoch)
@@ -621,12 +513,12 @@ def _pack(seqlens: np.ndarray, s: _Settings, sample_ids: np.ndarray | None, epoc
 def _empty_plan_message(plan: Plan) -> str:
     """Why a plan has no batch, in numbers that add up, and what to change."""
     s, d = plan.settings, {reason: len(ids) for reason, ids in plan.dropped.items()}
-    return (f"not enough samples for one batch in epoch {plan.epoch}: of {sum(d.values()) - d['filtered']} samples, "
-            f"{d['over_budget']} are longer than max_tokens={s.max_tokens}, {d['min_batch_size']} cannot start a "
-            f"micro-batch of min_batch_size={s.min_batch_size} within it, and the remaining {d['tail']} cannot fill "
-            f"one batch of effective_batch_size={s.effective_batch_size} micro-batches of at least "
-            f"min_batch_size samples each (at least {s.effective_batch_size * s.min_batch_size} samples); use more "
-            f"data, fewer ranks or accumulation steps, or a smaller min_batch_size")
+    return (f"not enough samples for one batch in epoch {plan.epoch}: of {plan.num_dropped - d['filtered']} samples, "
+            f"{d['over_budget']} are longer than max_tokens={s.max_tokens}, {d['min_batch_size']} cannot start a micro-"
+            f"batch of min_batch_size={s.min_batch_size} within it, and the other {d['tail']} cannot fill one batch of "
+            f"effective_batch_size={s.effective_batch_size} micro-batches of at least min_batch_size samples (at least "
+            f"{s.effective_batch_size * s.min_batch_size}); use more data, fewer ranks or accumulation steps, or a "
+            f"smaller min_batch_size")
 
 
 def plan_batches(seqlens: Sequence[int] | np.ndarray, max_tokens: int, *, effective_batch_size: int = 1,
@@ -635,50 +527,40 @@ def plan_batches(seqlens: Sequence[int] | np.ndarray, max_tokens: int, *, effect
 
     Args:
         seqlens: the token count of every sample of the dataset (``L_i >= 1``).
-        max_tokens: the budget of one micro-batch. ``budget="sum"`` bounds the
-            sum of its seqlens (DeepSpeed's meaning); ``budget="padded"`` bounds
-            ``n x S``, the padded ``B x S`` tensor, S being the longest sample of
-            the step input it is collated into (of its batch when ``same_length``).
+        max_tokens: the budget of one micro-batch: with ``budget="sum"`` the sum
+            of its seqlens (DeepSpeed's meaning); with ``"padded"``, ``n x S``,
+            its padded ``B x S`` tensor (S: the longest sample of its step
+            input; of its batch when ``same_length``).
         effective_batch_size: ``k``, micro-batches per batch (one optimizer step):
             micro-batches per step input x accumulation steps x data-parallel ranks.
-        sample_ids: the subset of samples to pack (curriculum filtering); the
-            rest is reported as ``filtered``. In ``dataloader`` order, packed in
-            the given order.
-        epoch: ``random`` and ``bucket`` draw a new order per epoch.
-        **options: the plan options:
-            budget: ``"sum"`` or ``"padded"``, as above.
-            order: ``"dataloader"`` (index order), ``"seqlen"`` (ascending, ties
-                by id), ``"random"`` (a permutation drawn from ``(seed, epoch)``) or
-                ``"bucket"`` (random, sorted inside windows of ``bucket_size``
-                samples, then the batches shuffled: random with little padding).
-            min_batch_size, max_batch_size: bounds on the samples of a
-                micro-batch (None or 0: unbounded, as in DeepSpeed).
-            same_size: every micro-batch of a batch holds the same number of
-                samples (pipeline parallelism).
-            same_length: every sample of a batch is padded to the batch's
-                longest; with ``budget="padded"`` it needs ``same_size``.
-            micro_batch_size, num_replicas: micro-batches per step input and
-                data-parallel ranks (``k`` is a multiple of their product). Under
-                the padded budget the micro-batches of a step input share one S,
-                so its tensor stays within ``micro_batch_size x max_tokens``.
-            seed: seed of the ``random`` and ``bucket`` orders; None is a fixed
-                default, never an unseeded generator.
-            bucket_size: samples per sorted window of ``bucket`` (default 4096,
-                times the micro-batches packed as one block). Larger: less
-                padding, less randomness.
-            on_overlong: ``"skip"`` reports samples longer than ``max_tokens``
-                as ``over_budget`` drops; ``"error"`` refuses them.
+        sample_ids: the samples to pack (curriculum filtering; in ``dataloader``
+            order, in the order given); the others are dropped as ``filtered``.
+        epoch: ``random`` and ``bucket`` draw a new order each epoch.
+        **options: ``budget``, as above. ``order``: ``"dataloader"`` (index
+            order), ``"seqlen"`` (ascending, ties by id), ``"random"`` (drawn
+            from ``(seed, epoch)``) or ``"bucket"`` (random, sorted inside
+            windows of ``bucket_size`` samples, batches then shuffled: random with
+            little padding). ``min_batch_size``, ``max_batch_size``: bounds on a
+            micro-batch's samples (None or 0: none). ``same_size``: every
+            micro-batch of a batch as many samples (pipelines); ``same_length``:
+            every sample padded to its batch's longest (needs ``same_size`` under
+            the padded budget). ``micro_batch_size``, ``num_replicas``:
+            micro-batches per step input, data-parallel ranks (a padded step
+            input shares one S: its tensor is <= ``micro_batch_size x max_tokens``).
+            ``seed``: of ``random``/``bucket`` (None: a fixed one, never
+            unseeded). ``bucket_size``: default 4096 times the micro-batches of a
+            block; larger, less padding and randomness. ``on_overlong``: samples
+            longer than ``max_tokens`` are dropped as ``over_budget`` (``"skip"``)
+            or refused (``"error"``).
 
     Returns:
-        The `Plan`. With ``min_batch_size=1`` fewer than ``k`` samples are
-        dropped as ``tail``; micro-batches that do not fill a last batch are cut
-        into ``k`` when they can be. A sample is dropped as ``min_batch_size``
-        only where no micro-batch (or block) of ``min_batch_size`` samples
-        starting with it fits.
+        The `Plan`. Micro-batches that do not fill a last batch are cut into
+        ``k`` where they can be: with ``min_batch_size=1`` fewer than ``k``
+        samples are dropped as ``tail``. A sample is dropped as ``min_batch_size``
+        only where no micro-batch (or block) of that many samples starting with it fits.
 
     Raises:
-        TypeError, ValueError: on bad input, naming the value and the fix, and
-        when no batch can be packed.
+        TypeError, ValueError: bad input, naming the value and the fix; or no batch to pack.
 
     Example:
         >>> plan = plan_batches([3, 5, 2, 6, 4, 1], max_tokens=8, effective_batch_size=2)
@@ -687,8 +569,8 @@ def plan_batches(seqlens: Sequence[int] | np.ndarray, max_tokens: int, *, effect
     """
     lengths = _as_counts(seqlens)
     settings = _Settings.of(max_tokens=max_tokens, effective_batch_size=effective_batch_size, **options)
-    ids = None if sample_ids is None else _as_sample_ids(sample_ids, len(lengths))
-    plan = _pack(lengths, settings, ids, _check_int("epoch", epoch, minimum=0))
+    plan = _pack(lengths, settings, None if sample_ids is None else _as_sample_ids(sample_ids, len(lengths)),
+                 _check_int("epoch", epoch))
     if plan.num_batches == 0:
         raise ValueError(_empty_plan_message(plan))
     return plan
@@ -697,14 +579,13 @@ def plan_batches(seqlens: Sequence[int] | np.ndarray, max_tokens: int, *, effect
 # =============================================================================
 # Learning-rate math
 # =============================================================================
-# `lr = lr_ref x s(B / B_ref)`. Linear rule, s(r) = r: Goyal et al. 2017 ("Accurate,
-# Large Minibatch SGD"), for SGD with warmup. Square-root rule, s(r) = sqrt(r):
-# Krizhevsky 2014 ("One weird trick") derives it from the gradient's variance (and
-# reports the linear rule working better in his runs); Hoffer et al. 2017 use it
-# for SGD, Malladi et al. 2022 derive it for Adam (which also rescale Adam's betas
-# and epsilon). All compare whole runs at fixed batch sizes: scaling each step by
-# its own batch is a heuristic built on them, and the unit of B should match the
-# loss (tokens for a loss averaged over tokens, sequences for one over sequences).
+# lr = lr_ref x s(B / B_ref). Linear, s(r) = r: Goyal et al. 2017, SGD with warmup.
+# Square root, s(r) = sqrt(r): Krizhevsky 2014 derives it from the gradient's variance
+# (and reports the linear rule working better in his runs); Hoffer et al. 2017 use it
+# for SGD, Malladi et al. 2022 for Adam (also rescaling Adam's betas and epsilon). All
+# compare whole runs at fixed batch sizes: scaling each step by its own batch is a
+# heuristic built on them. B's unit should match the loss: tokens for a loss averaged
+# over tokens (a token budget keeps it nearly constant), sequences for one over sequences.
 
 
 def _check_lr_method(method: Any) -> Any:
@@ -716,26 +597,20 @@ def _check_lr_method(method: Any) -> Any:
 
 def _lr_factor(ratio: float, method: Any) -> float:
     """The LR multiplier for a batch ``ratio`` times the reference batch."""
-    if method is None or method == "none":
-        return 1.0
-    if method in ("linear", "sqrt"):
-        return ratio if method == "linear" else math.sqrt(ratio)
+    if method in ("linear", "sqrt", "none", None):
+        return ratio if method == "linear" else math.sqrt(ratio) if method == "sqrt" else 1.0
     factor = method(ratio)
     if isinstance(factor, bool) or not isinstance(factor, numbers.Real) or not math.isfinite(factor) or factor < 0:
-        raise ValueError(f"lr_scaling_method={method!r} should return a finite factor >= 0, but returned "
-                         f"{factor!r} for the batch-size ratio {ratio}")
+        raise ValueError(f"lr_scaling_method={method!r} should return a finite factor >= 0, but returned {factor!r} "
+                         f"for the batch-size ratio {ratio}")
     return float(factor)
 
 
 def scale_lr(base_batch_size, batch_size, base_lr=1, method="linear"):
     """The learning rate for ``batch_size``, given ``base_lr`` tuned at ``base_batch_size`` (same unit).
 
-    Args:
-        base_batch_size: the reference batch size ``B_ref`` (> 0).
-        batch_size: the batch size ``B`` of the step (>= 0).
-        base_lr: the LR at the reference batch size.
-        method: ``"linear"`` (``lr x B/B_ref``), ``"sqrt"`` (``lr x sqrt(B/B_ref)``),
-            ``"none"`` or None (``lr``), or a callable ``f(B/B_ref) -> factor``.
+    ``method``: ``"linear"`` (``lr x B/B_ref``), ``"sqrt"`` (``lr x sqrt(B/B_ref)``),
+    ``"none"`` or None (``lr``), or a callable ``f(B/B_ref) -> factor``.
 
     Example:
         >>> scale_lr(2, 10, 1e-3), scale_lr(2, 4, 1e-3), scale_lr(4, 16, 1.0, "sqrt")
@@ -747,98 +622,82 @@ def scale_lr(base_batch_size, batch_size, base_lr=1, method="linear"):
 
 def _check_reference(reference: Any, name: str = "lr_scaling_reference") -> Any:
     """``B_ref`` as given: None (the default, ``train_batch_size``), ``"mean"``, or a number > 0."""
-    if reference is None or (isinstance(reference, str) and reference == "mean"):
-        return reference
-    return _check_real(name, reference)
+    return reference if reference is None or isinstance(reference, str) and reference == "mean" else \
+        _check_real(name, reference)
 
 
-def _reference_value(sizes: np.ndarray, reference: Any, default: float) -> float:
-    """``B_ref`` as a number: the default (``train_batch_size``) for None, the mean of ``sizes`` for ``"mean"``.
+def _lr_factors(sizes: np.ndarray, reference: Any, method: Any, default: float,
+                index: int | None = None) -> tuple[np.ndarray, float]:
+    """``s(B / B_ref)`` for the batch sizes ``sizes`` (or only ``sizes[index]``), and ``B_ref``.
 
-    The one computation of ``B_ref``: the LR scheduler, its report and the plan command all call it.
+    The one computation of both. ``B_ref`` is ``default`` (``train_batch_size``)
+    for None, the mean of ``sizes`` for ``"mean"``, else ``reference``.
     """
-    return float(default) if reference is None else float(np.mean(sizes)) if reference == "mean" else float(reference)
-
-
-def _lr_factors(sizes: np.ndarray, reference: Any, method: Any, default: float) -> tuple[np.ndarray, float]:
-    """``s(B / B_ref)`` for every batch size in ``sizes``, and ``B_ref``."""
-    b_ref = _reference_value(sizes, reference, default)
-    return np.array([_lr_factor(b / b_ref, method) for b in np.asarray(sizes).tolist()], dtype=np.float64), b_ref
+    b_ref = float(default) if reference is None else float(np.mean(sizes)) if reference == "mean" else reference
+    chosen = np.asarray(sizes).tolist() if index is None else [int(sizes[index])]
+    return np.array([_lr_factor(b / b_ref, method) for b in chosen]), b_ref
 
 
 def _lr_warning(mean: float, b_ref: float, unit: str) -> str:
     """What the default ``B_ref`` does to the LR, and the setting that fixes it."""
-    return (f"the configured LR is multiplied by {mean:.3g} on average: the default B_ref=train_batch_size="
-            f"{b_ref:g} counts micro-batches, B counts {unit} (about max_tokens / mean seqlen of them per "
-            f"micro-batch); set lr_scaling_reference to \"mean\" or to the batch size (in {unit}) your LR was tuned for")
+    return (f"the configured LR is multiplied by {mean:.3g} on average: the default B_ref=train_batch_size={b_ref:g} "
+            f"counts micro-batches, B counts {unit} (about max_tokens / mean seqlen of them per micro-batch); set "
+            f"lr_scaling_reference to \"mean\" or to the batch size (in {unit}) your LR was tuned for")
 
 
 def micro_batch_loss_weight(count, batch_count, *, num_replicas=1, gradient_accumulation_steps=1):
     """The weight of one step input's mean loss, so the batch's gradient is the gradient of the batch mean.
 
-    Micro-batches of one batch hold different numbers of samples (or tokens);
+    Micro-batches of one batch hold different numbers of samples (or tokens):
     averaging their mean losses would weight a sample of a small micro-batch
-    more. Multiplying each step input's mean loss by ``count / batch_count``
-    makes the *sum* over the batch's step inputs (all ranks, all accumulation
-    steps) the batch mean. Engines that *average* gradients over ranks and
-    accumulation steps (DDP, DeepSpeed) divide by ``num_replicas x
-    gradient_accumulation_steps``: pass both and the weight undoes that.
-
-    Args:
-        count: samples (or real tokens) in this step input.
-        batch_count: samples (or real tokens) in the whole batch.
-        num_replicas, gradient_accumulation_steps: what the engine averages over
-            (1 and 1 for a plain loop that sums ``loss.backward()`` calls).
+    more. ``count / batch_count`` makes the *sum* over the batch's step inputs
+    (all ranks, all accumulation steps) the batch mean; engines that *average*
+    over ranks and accumulation steps (DDP, DeepSpeed) divide by ``num_replicas
+    x gradient_accumulation_steps``, which the weight undoes (1 and 1 for a
+    plain loop that sums ``loss.backward()`` calls).
 
     Example:
         >>> micro_batch_loss_weight(3, 12), micro_batch_loss_weight(3, 12, num_replicas=2)
         (0.25, 0.5)
     """
-    batch_count = _check_real("batch_count", batch_count)
-    count = _check_real("count", count, strict=False)
+    batch_count, count = _check_real("batch_count", batch_count), _check_real("count", count, strict=False)
     if count > batch_count:
-        raise ValueError(f"count should be <= batch_count (a step input is part of its batch), but got "
-                         f"count={count:g} and batch_count={batch_count:g}")
+        raise ValueError(f"count should be <= batch_count (a step input is part of its batch), but got count="
+                         f"{count:g} and batch_count={batch_count:g}")
     return (count / batch_count * _check_int("num_replicas", num_replicas, minimum=1)
             * _check_int("gradient_accumulation_steps", gradient_accumulation_steps, minimum=1))
 
 
-def _format_totals(totals: Mapping) -> str:
-    """`Plan.totals` (plus an optional ``lr_factor`` entry) as a few lines of text, in the JSON keys' words.
+def _format_totals(t: Mapping) -> str:
+    """`Plan.totals` (plus an optional ``lr_factor`` entry) as lines of text, in the words of the keys.
 
     Example:
-        >>> plan = plan_batches([3, 5, 2, 6, 4, 1], max_tokens=8, effective_batch_size=2)
-        >>> print(_format_totals(plan.totals()).splitlines()[3])
+        >>> print(_format_totals(plan_batches([3, 5, 2, 6, 4, 1], 8, effective_batch_size=2).totals()).splitlines()[3])
         tokens: 21 real / 27 padded = 77.8% efficiency
     """
-    t, big = totals, totals["largest_step_input"]
-
     def plural(count, word, many=None):
         return f"{count} {word if count == 1 else many or word + 's'}"
 
-    def number(value):  # whole numbers as such, else 3 significant digits, never 1e+03
-        return str(int(value)) if float(value).is_integer() else f"{value:.1f}" if abs(value) >= 100 else f"{value:.3g}"
+    def number(v):  # whole numbers as such, else 3 significant digits, never 1e+03
+        return str(int(v)) if float(v).is_integer() else f"{v:.1f}" if abs(v) >= 100 else f"{v:.3g}"
 
     def dist(d):
         return "-" if d is None else " / ".join(f"{key} {number(d[key])}" for key in ("min", "median", "mean", "max"))
-
+    big, lr = t["largest_step_input"], t.get("lr_factor")
     lines = [
         f"epoch {t['epoch']}: {plural(t['batches'], 'batch', 'batches')} of "
-        f"{plural(t['effective_batch_size'], 'micro-batch', 'micro-batches')} ({t['micro_batch_size']} per step "
-        f"input x {plural(t['gradient_accumulation_steps'], 'accumulation step')} x "
-        f"{plural(t['num_replicas'], 'rank')}), {t['microbatches']} micro-batches in all",
+        f"{plural(t['effective_batch_size'], 'micro-batch', 'micro-batches')} ({t['micro_batch_size']} per step input x "
+        f"{plural(t['gradient_accumulation_steps'], 'accumulation step')} x {plural(t['num_replicas'], 'rank')}), "
+        f"{t['microbatches']} micro-batches in all",
         f"steps per epoch: {t['batches']} optimizer steps, {t['step_inputs_per_rank']} step inputs per rank",
         f"samples: {t['samples']} trained, {t['num_dropped']} dropped "
         f"({', '.join(f'{count} {reason}' for reason, count in t['dropped'].items())})",
         f"tokens: {t['real_tokens']} real / {t['padded_tokens']} padded = {t['efficiency']:.1%} efficiency",
         f"largest step input: {big['sequences']} x {big['padded_seqlen']} = {big['tokens']} tokens = "
-        f"{big['over_bound']:.2f} x {t['micro_batch_size']} x max_tokens={t['max_tokens']} (budget {t['budget']}"
-        f"{', same length' if t['same_length'] else ''}{'' if t['budget'] == 'padded' else ': not a bound'})",
-        f"B (sequences per batch): {dist(t['batch_size'])}",
-        f"sequences per micro-batch: {dist(t['microbatch_size'])}",
-        f"S (padded seqlen per micro-batch): {dist(t['padded_seqlen'])}",
-    ]
-    lr = t.get("lr_factor")
+        f"{big['tokens'] / big['bound']:.2f} x {t['micro_batch_size']} x max_tokens={t['max_tokens']} (budget "
+        f"{t['budget']}{', same length' if t['same_length'] else ''}{'' if t['budget'] == 'padded' else ': not a bound'})",
+        f"B (sequences per batch): {dist(t['batch_size'])}", f"sequences per micro-batch: {dist(t['microbatch_size'])}",
+        f"S (padded seqlen per micro-batch): {dist(t['padded_seqlen'])}"]
     if lr is not None:
         lines.append(f"LR factor ({lr['method']} rule, B_ref={lr['reference']} = {number(lr['reference_value'])} "
                      f"{lr['unit']}): {dist(lr)}")
@@ -850,29 +709,24 @@ def _format_totals(totals: Mapping) -> str:
 # =============================================================================
 # Torch adapters: padding, collate, seqlens of a collated batch
 # =============================================================================
-# A sample is one sequence (a tensor, array or list of numbers, sequence first),
-# a tuple of fields (`(tokens, label)`), or a dict (Hugging Face style:
-# `{"input_ids": ..., "labels": ...}`). Fields with a sequence dimension are
-# padded along it; scalar fields are stacked. Its len() means nothing here.
+# A sample is one sequence (a tensor, array or list of numbers, sequence first), a
+# tuple of fields (`(label, tokens)`), or a dict (Hugging Face style). Fields with
+# a sequence dimension are padded along it; others are kept. len() means nothing here.
 
 
 def _is_one_sequence(sample: Any) -> bool:
     """A tensor, an array, or a flat list of numbers (not a tuple of fields)."""
-    if isinstance(sample, (torch.Tensor, np.ndarray)):
-        return True
-    return isinstance(sample, (list, tuple)) and all(isinstance(x, numbers.Number) for x in sample)
+    return isinstance(sample, (torch.Tensor, np.ndarray)) or \
+        isinstance(sample, (list, tuple)) and all(isinstance(x, numbers.Number) for x in sample)
 
 
 def _fields(sample: Any) -> list[tuple[Any, Any]]:
-    """``(key, value)`` of each field: dict keys, tuple positions, or ``(None, sample)`` for one sequence."""
+    """``(key, value)`` per field: dict keys, tuple positions, or ``(None, sample)`` for one sequence."""
     if isinstance(sample, Mapping):
         return list(sample.items())
-    if _is_one_sequence(sample):
+    if _is_one_sequence(sample) or not isinstance(sample, (tuple, list)):
         return [(None, sample)]
-    if isinstance(sample, (tuple, list)):
-        return list(enumerate(sample))
-    raise TypeError(f"a sample should be a tensor, an array, a list of numbers, a tuple of fields or a dict, but "
-                    f"got {type(sample).__name__}; pass a sample_padding_fn / collate_fn that knows it")
+    return list(enumerate(sample))
 
 
 def _as_tensor(value: Any) -> torch.Tensor | None:
@@ -883,59 +737,46 @@ def _as_tensor(value: Any) -> torch.Tensor | None:
         return None
 
 
-def _pad_value(pad_value: Any, key: Any) -> Any:
-    return pad_value.get(key, 0) if isinstance(pad_value, Mapping) else pad_value
-
-
 def _pad_field(value: Any, length: int, pad_value: Any, key: Any) -> torch.Tensor:
     """One field padded along its first dimension to ``length``."""
-    tensor = torch.as_tensor(value)
-    where = "" if key is None else f" (field {key!r})"
-    if tensor.dim() == 0:
-        raise ValueError(f"cannot pad a scalar{where} to length={length}; name the fields to pad with fields=...")
+    tensor, where = _as_tensor(value), "" if key is None else f" (field {key!r})"
+    if tensor is None or tensor.dim() == 0:
+        raise ValueError(f"cannot pad {type(value).__name__}{where} to length={length}: it has no sequence dimension; "
+                         f"name the fields to pad with fields=..., or pass your own sample_padding_fn")
     if tensor.shape[0] > length:
-        raise ValueError(f"cannot pad a sample{where} of seqlen {tensor.shape[0]} to length={length}: the planned "
-                         f"length is shorter than the sample; the seqlens given to varbatch do not match the dataset")
-    if tensor.shape[0] == length:
-        return tensor
-    return torch.cat([tensor, tensor.new_full((length - tensor.shape[0], *tensor.shape[1:]), pad_value)])
+        raise ValueError(f"cannot pad a sample{where} of seqlen {tensor.shape[0]} to length={length}: the planned length "
+                         f"is shorter than the sample; the seqlens given to varbatch do not match the dataset")
+    value = pad_value.get(key, 0) if isinstance(pad_value, Mapping) else pad_value
+    return torch.cat([tensor, tensor.new_full((length - tensor.shape[0], *tensor.shape[1:]), value)])
 
 
 def pad_sample(sample, length, pad_value=0, fields=None):
     """Pads a sample to ``length`` along its sequence (first) dimension: the default ``sample_padding_fn``.
 
-    Args:
-        sample: one sequence (tensor, array, list of numbers), a tuple of
-            fields, or a dict of fields (Hugging Face style).
-        length: the length to pad to.
-        pad_value: a number, or a dict field -> number (``{"labels": -100}``;
-            other fields get 0).
-        fields: the dict keys or tuple positions to pad; default every field
-            with a sequence dimension (scalars are kept).
-
-    Returns:
-        The sample, its padded fields as tensors, in its own structure. Picklable;
-        use ``functools.partial(pad_sample, pad_value=...)`` for other values.
+    ``sample``: one sequence (tensor, array, list of numbers), a tuple of
+    fields, or a dict of fields; ``pad_value``: a number, or a dict field ->
+    number (``{"labels": -100}``; others get 0); ``fields``: the dict keys or
+    tuple positions to pad (default: every field with a sequence dimension).
+    Returns the sample in its own structure, padded fields as tensors. Picklable.
 
     Example:
         >>> pad_sample(torch.ones(2, 3), 4).shape, pad_sample({"ids": [5, 6], "label": 1}, 3)
         (torch.Size([4, 3]), {'ids': tensor([5, 6, 0]), 'label': 1})
     """
-    length = _check_int("length", length, minimum=0)
-    padded = []
+    length, padded = _check_int("length", length), []
     for key, value in _fields(sample):
         tensor = _as_tensor(value)
-        chosen = tensor is not None and tensor.dim() > 0 if fields is None else key in fields or key is None
-        padded.append(_pad_field(value, length, _pad_value(pad_value, key), key) if chosen else value)
+        chosen = key is None or (tensor is not None and tensor.dim() > 0 if fields is None else key in fields)
+        padded.append(_pad_field(value, length, pad_value, key) if chosen else value)
     if isinstance(sample, Mapping):
         return dict(zip(sample, padded))
-    if _is_one_sequence(sample):
+    if _fields(sample)[0][0] is None:
         return padded[0]
     return type(sample)(*padded) if hasattr(sample, "_fields") else type(sample)(padded)  # namedtuples too
 
 
 class _PaddedBatch(tuple):
-    """`PaddedCollate`'s output ``(*fields, seqlens)``: its type tells `seqlens_from_padded` what the last item is."""
+    """`PaddedCollate`'s ``(*fields, seqlens)``: its type tells `seqlens_from_padded` what the last item is."""
 
     __slots__ = ()
 
@@ -943,13 +784,12 @@ class _PaddedBatch(tuple):
 class PaddedCollate:
     """Collates samples of different seqlens into ``B x S x ...`` tensors plus their real lengths.
 
-    One-sequence samples give ``(padded, seqlens)``; tuple samples
-    ``(*fields, seqlens)`` (fields with a sequence dimension padded, scalars
-    stacked); dict samples a dict of padded fields plus ``seqlens_key`` (leave
-    it out with None, e.g. for ``model(**batch)``). ``seqlens`` is a ``B``
-    int64 tensor: the lengths `make_dataloader` passes (the plan's, also when
-    the samples arrive padded to their batch's S in same-length mode), else the
-    first sequence field's.
+    One-sequence samples give ``(padded, seqlens)``; tuples ``(*fields,
+    seqlens)`` (sequence fields padded, scalars stacked, text kept as lists);
+    dicts a dict of padded fields plus ``seqlens_key`` (None leaves it out, e.g.
+    for ``model(**batch)``). ``seqlens`` (``B``, int64) are the lengths
+    `make_dataloader` passes (the plan's, also for samples padded to their
+    batch's S in same-length mode), else the first sequence field's.
 
     Example:
         >>> x, lens = PaddedCollate()([torch.ones(2, 4), torch.ones(3, 4)])
@@ -958,38 +798,29 @@ class PaddedCollate:
     """
 
     def __init__(self, pad_value=0, seqlens_key="seqlens"):
-        self.pad_value = pad_value
-        self.seqlens_key = seqlens_key
+        self.pad_value, self.seqlens_key = pad_value, seqlens_key
 
     def __call__(self, samples, seqlens=None):
-        """Collates ``samples``; ``seqlens`` are their real lengths (measured when None)."""
         if len(samples) == 0:
             raise ValueError("PaddedCollate got an empty list of samples")
-        columns = [(key, [_fields(sample)[i][1] for sample in samples]) for i, (key, _) in enumerate(_fields(samples[0]))]
-        stacked = []
+        columns, out = [(key, [_fields(s)[i][1] for s in samples]) for i, (key, _) in enumerate(_fields(samples[0]))], []
         for key, values in columns:
             tensors = [_as_tensor(value) for value in values]
-            if any(t is None for t in tensors):  # text and other non-numeric fields stay a list
-                stacked.append(values)
-                continue
-            stacked.append(torch.nn.utils.rnn.pad_sequence(tensors, batch_first=True,  # B x S x ...
-                                                           padding_value=_pad_value(self.pad_value, key))
-                           if tensors[0].dim() else torch.stack(tensors))  # B
+            value = self.pad_value.get(key, 0) if isinstance(self.pad_value, Mapping) else self.pad_value
+            out.append(values if any(t is None for t in tensors) else torch.stack(tensors) if not tensors[0].dim()
+                       else torch.nn.utils.rnn.pad_sequence(tensors, batch_first=True, padding_value=value))  # B x S x ...
         if seqlens is None:
-            sequence = next((values for (_, values), t in zip(columns, stacked)
-                             if isinstance(t, torch.Tensor) and t.dim() > 1), None)
+            sequence = next((v for (_, v), t in zip(columns, out) if isinstance(t, torch.Tensor) and t.dim() > 1), None)
             if sequence is None:
-                raise ValueError("PaddedCollate found no field with a sequence dimension in the samples")
-            seqlens = [torch.as_tensor(value).shape[0] for value in sequence]
+                raise ValueError("PaddedCollate found no field with a sequence dimension; pass seqlens")
+            seqlens = [torch.as_tensor(v).shape[0] for v in sequence]
         if len(seqlens) != len(samples):
             raise ValueError(f"PaddedCollate got {len(seqlens)} seqlens for {len(samples)} samples")
         lengths = torch.as_tensor(list(seqlens), dtype=torch.int64)
-        if isinstance(samples[0], Mapping):
-            out = {key: tensor for (key, _), tensor in zip(columns, stacked)}
-            if self.seqlens_key is not None:
-                out[self.seqlens_key] = lengths
-            return out
-        return _PaddedBatch((*stacked, lengths))
+        if not isinstance(samples[0], Mapping):
+            return _PaddedBatch((*out, lengths))
+        batch = {key: tensor for (key, _), tensor in zip(columns, out)}
+        return {**batch, self.seqlens_key: lengths} if self.seqlens_key is not None else batch
 
     def __repr__(self):
         return f"PaddedCollate(pad_value={self.pad_value!r}, seqlens_key={self.seqlens_key!r})"
@@ -998,43 +829,41 @@ class PaddedCollate:
 def seqlens_from_padded(batch, pad_value=0):
     """The real length of every sample of a collated batch (a ``batch_seqlens_fn``).
 
-    `PaddedCollate`'s output is recognised by its type (tuples) or its
-    ``"seqlens"`` key (dicts), and its lengths are returned. Anything else is
-    measured: a dict's ``attention_mask`` row sums, else the first tensor of
-    the batch (of a tuple or list, the first item; of a dict, the first
-    field), ``B x S x ...``: a position is real when any of its values differs
-    from ``pad_value``, and a sample runs to its last real position.
+    `PaddedCollate`'s lengths are recognised by its output's type (tuples) or
+    the ``"seqlens"`` key (dicts); a dict's ``attention_mask`` gives its row
+    sums. Anything else is measured on its first tensor (a tuple's first item,
+    a dict's first field), ``B x S x ...``: a sample runs to its last position
+    holding a value other than ``pad_value``.
 
     Example:
         >>> seqlens_from_padded(torch.tensor([[5, 6, 0], [7, 0, 0]]))
         [2, 1]
     """
-    if isinstance(batch, _PaddedBatch):
-        return [int(x) for x in batch[-1]]
-    if isinstance(batch, Mapping):
-        if "seqlens" in batch:
-            return [int(x) for x in batch["seqlens"]]
-        if "attention_mask" in batch:
-            return [int(x) for x in torch.as_tensor(batch["attention_mask"]).sum(dim=1)]
-        batch = next(iter(batch.values()))
+    if isinstance(batch, _PaddedBatch) or isinstance(batch, Mapping) and ("seqlens" in batch or
+                                                                          "attention_mask" in batch):
+        lengths = batch[-1] if isinstance(batch, _PaddedBatch) else batch.get("seqlens")
+        return [int(x) for x in (torch.as_tensor(batch["attention_mask"]).sum(dim=1) if lengths is None else lengths)]
+    batch = next(iter(batch.values())) if isinstance(batch, Mapping) else batch
     while isinstance(batch, (tuple, list)) and len(batch) and not _is_one_sequence(batch):
         batch = batch[0]
     tensor = torch.as_tensor(batch)
     if tensor.dim() < 2:
-        raise ValueError(f"seqlens_from_padded needs a collated B x S (x ...) batch, but got shape "
-                         f"{tuple(tensor.shape)}; collate the samples first (e.g. with varbatch.PaddedCollate())")
+        raise ValueError(f"seqlens_from_padded needs a collated B x S (x ...) batch, but got shape {tuple(tensor.shape)}"
+                         f"; collate the samples first (e.g. with varbatch.PaddedCollate())")
     real = (tensor != pad_value).reshape(tensor.shape[0], tensor.shape[1], -1).any(dim=2)  # B x S
     return [int(x) for x in (real * torch.arange(1, tensor.shape[1] + 1)).max(dim=1).values]
+
+
 
 
 # =============================================================================
 # The batch sampler and its DataLoader
 # =============================================================================
-# The dealing rule, written once (`VariableBatchSampler._keys`): step input g of
-# an epoch is micro-batches g*m .. g*m + m - 1 of the plan (m = micro_batch_size),
-# and rank r trains step inputs r, r + R, r + 2R, ... (R ranks): its t-th is
-# g = t*R + r. So every rank trains gradient_accumulation_steps step inputs of
-# every batch, and with m = 1 micro-batch j goes to rank j % R, as in DeepSpeed.
+# The dealing rule, written once (`VariableBatchSampler._keys`): step input g of an
+# epoch is micro-batches g*m .. g*m + m - 1 of the plan (m = micro_batch_size), and
+# rank r trains step inputs r, r + R, r + 2R, ... (R ranks), its t-th being g = t*R + r.
+# So every rank trains gradient_accumulation_steps step inputs of every batch; with
+# m = 1, micro-batch j goes to rank j % R, as in DeepSpeed.
 
 
 def _world(group: Any = None) -> tuple[int, int]:
@@ -1046,8 +875,7 @@ def _world(group: Any = None) -> tuple[int, int]:
 
 def _on_rank_zero(rank: int) -> bool:
     """Whether this process reports for the job: global rank 0, or ``rank`` 0 without torch.distributed."""
-    initialized = torch.distributed.is_available() and torch.distributed.is_initialized()
-    return (_world()[0] if initialized else rank) == 0
+    return (_world()[0] if _world()[1] > 1 else rank) == 0
 
 
 def _log_drops(plan: Plan) -> None:
@@ -1057,12 +885,14 @@ def _log_drops(plan: Plan) -> None:
             _logger.warning("epoch %d: dropped %s as %s", plan.epoch, _format_ids(plan.dropped[reason]), reason)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
 class _Planner:
-    """epoch -> `Plan` of one dataset and settings (plain data: it pickles into worker processes)."""
+    """epoch -> `Plan` of one dataset and settings, or always one ``fixed`` plan (DeepSpeed's micro-batch lists)."""
 
-    def __init__(self, seqlens: np.ndarray | None, settings: _Settings, sample_ids: np.ndarray | None = None,
-                 fixed: Plan | None = None):
-        self.seqlens, self.settings, self.sample_ids, self.fixed = seqlens, settings, sample_ids, fixed
+    seqlens: np.ndarray | None
+    settings: _Settings
+    sample_ids: np.ndarray | None = None
+    fixed: Plan | None = None
 
     def __call__(self, epoch: int) -> Plan:
         return self.fixed if self.fixed is not None else _pack(self.seqlens, self.settings, self.sample_ids, epoch)
@@ -1071,37 +901,27 @@ class _Planner:
 class VariableBatchSampler(Sampler[list[int]]):
     """Yields this rank's step inputs of a token-budget plan, a new plan every epoch.
 
-    Every rank computes the same `Plan` for the epoch (see `plan_batches`):
-    micro-batches of at most ``max_tokens`` tokens in batches of ``k =
-    micro_batch_size x gradient_accumulation_steps x num_replicas``. A step
-    input is ``micro_batch_size`` consecutive micro-batches; rank r takes step
-    inputs r, r + R, r + 2R, ... (DeepSpeed's interleaving). It is the list of
-    its sample ids. Every rank yields ``len(sampler)`` step inputs, so no
-    collective waits forever; iterating to the end advances the epoch (a new
-    order in ``random``/``bucket`` also without `set_epoch`).
-
-    Tuning: ``max_tokens`` is the memory knob (with ``budget="padded"`` the size
-    of the padded tensor); ``order="bucket"`` with ``budget="padded"`` gives
-    random batches with little padding; ``bucket_size`` trades padding (larger)
-    against randomness (smaller).
+    Every rank computes the same `Plan` per epoch (see `plan_batches`): micro-
+    batches of at most ``max_tokens`` tokens, ``k = micro_batch_size x
+    gradient_accumulation_steps x num_replicas`` per batch. A step input is
+    ``micro_batch_size`` consecutive micro-batches, yielded as its sample ids;
+    rank r takes step inputs r, r + R, ... Every rank yields ``len(sampler)``,
+    so no collective waits forever; iterating to the end advances the epoch.
+    Tune ``max_tokens`` for memory (``budget="padded"``: the padded tensor's
+    size); ``order="bucket"`` with the padded budget gives random batches with
+    little padding; ``bucket_size`` trades padding (larger) for randomness.
 
     Args:
-        seqlens: token count of every sample.
-        max_tokens: budget of one micro-batch (sum of seqlens, or padded
-            ``n x S`` with ``budget="padded"``).
-        micro_batch_size: micro-batches per step input (``train_micro_batch_size_per_gpu``).
-        gradient_accumulation_steps: step inputs per rank per batch.
-        num_replicas, rank: data-parallel size and rank (default: from
-            torch.distributed, else 1 and 0).
-        sample_ids: the subset of samples to use (see `plan_batches`).
+        seqlens, max_tokens: token count of every sample; budget of one micro-batch.
+        micro_batch_size, gradient_accumulation_steps: micro-batches per step
+            input; step inputs per rank per batch.
+        num_replicas, rank: data-parallel size and rank (default: torch.distributed's).
+        sample_ids: the samples to use (see `plan_batches`).
         verbose: log each trained epoch's plan totals (rank 0).
-        **options: the plan options of `plan_batches`: ``budget``, ``order``,
-            ``seed``, ``min_batch_size``, ``max_batch_size``, ``same_size``,
-            ``same_length``, ``bucket_size``, ``on_overlong``.
+        **options: `plan_batches`' options (``budget``, ``order``, ``seed``, ...).
 
     Attributes:
-        epoch: the epoch the next iteration yields.
-        steps_done: step inputs of ``epoch`` yielded so far (or restored).
+        epoch: the epoch the next iteration yields; steps_done: its step inputs yielded (or restored).
 
     Example:
         >>> sampler = VariableBatchSampler([3, 5, 2, 6, 4, 1], max_tokens=8)
@@ -1112,22 +932,21 @@ class VariableBatchSampler(Sampler[list[int]]):
     def __init__(self, seqlens, max_tokens, *, micro_batch_size=1, gradient_accumulation_steps=1, num_replicas=None,
                  rank=None, sample_ids=None, verbose=False, **options):
         world_rank, world_size = _world()
-        num_replicas = _check_int("num_replicas", world_size if num_replicas is None else num_replicas, minimum=1)
-        rank = _check_int("rank", world_rank if rank is None else rank, minimum=0)
+        num_replicas = _check_int("num_replicas", world_size if num_replicas is None else num_replicas, 1)
+        rank = _check_int("rank", world_rank if rank is None else rank)
         if rank >= num_replicas:
-            raise ValueError(f"rank should be in [0, num_replicas - 1], but got rank={rank} with "
-                             f"num_replicas={num_replicas}")
-        mbs = _check_int("micro_batch_size", micro_batch_size, minimum=1)
-        gas = _check_int("gradient_accumulation_steps", gradient_accumulation_steps, minimum=1)
+            raise ValueError(f"rank should be in [0, num_replicas - 1], but got rank={rank} with num_replicas={num_replicas}")
+        k = (_check_int("micro_batch_size", micro_batch_size, minimum=1)
+             * _check_int("gradient_accumulation_steps", gradient_accumulation_steps, minimum=1) * num_replicas)
         lengths = _as_counts(seqlens)
-        settings = _Settings.of(max_tokens=max_tokens, effective_batch_size=mbs * gas * num_replicas,
-                                micro_batch_size=mbs, num_replicas=num_replicas, **options)
+        settings = _Settings.of(max_tokens=max_tokens, effective_batch_size=k, micro_batch_size=micro_batch_size,
+                                num_replicas=num_replicas, **options)
         ids = None if sample_ids is None else _as_sample_ids(sample_ids, len(lengths))
         self._setup(_Planner(lengths, settings, ids), rank, verbose)
 
     @classmethod
-    def _of(cls, planner: _Planner, rank: int, verbose: bool = False) -> "VariableBatchSampler":
-        """A sampler over given plans (the DeepSpeed-compatible functions build their settings themselves)."""
+    def _of(cls, planner: _Planner, rank: int, verbose: bool = False) -> VariableBatchSampler:
+        """A sampler over ``planner``'s plans (the DeepSpeed-compatible functions make their own settings)."""
         sampler = cls.__new__(cls)
         sampler._setup(planner, rank, verbose)
         return sampler
@@ -1135,19 +954,17 @@ class VariableBatchSampler(Sampler[list[int]]):
     def _setup(self, planner: _Planner, rank: int, verbose: bool) -> None:
         s = planner.settings
         self._planner, self.settings, self.seqlens, self.rank, self.verbose = planner, s, planner.seqlens, rank, verbose
-        self.num_replicas, self.micro_batch_size = s.num_replicas, s.micro_batch_size
-        self.gradient_accumulation_steps, self.effective_batch_size = s.gradient_accumulation_steps, s.effective_batch_size
-        self.same_length = s.same_length
-        self.epoch, self.steps_done, self._start = 0, 0, 0  # _start: first step input of the next iteration
+        self.num_replicas, self.micro_batch_size, self.effective_batch_size = s.num_replicas, s.micro_batch_size, \
+            s.effective_batch_size
+        self.gradient_accumulation_steps, self.same_length = s.gradient_accumulation_steps, s.same_length
+        self.epoch = self.steps_done = self._start = 0  # _start: the first step input the next iteration yields
         self._plans: dict[int, Plan] = {}
         self._logged: set[int] = set()
-        if self.plan_for_epoch(0).num_batches == 0:  # validated before training; later epochs never raise
+        if self.plan_for_epoch(0).num_batches == 0:  # checked before training: later epochs never raise
             raise ValueError(_empty_plan_message(self._plans[0]))
 
-    # -- plans ----------------------------------------------------------------
-
     def plan_for_epoch(self, epoch: int) -> Plan:
-        """The plan of ``epoch`` (computed once; the last few are kept)."""
+        """The plan of ``epoch`` (computed once; the last three are kept)."""
         epoch = _check_int("epoch", epoch, minimum=0)
         if epoch not in self._plans:
             if len(self._plans) >= 3:
@@ -1155,29 +972,23 @@ class VariableBatchSampler(Sampler[list[int]]):
             self._plans[epoch] = self._planner(epoch)
         return self._plans[epoch]
 
-    @property
-    def plan(self) -> Plan:
-        """The plan of the current epoch."""
-        return self.plan_for_epoch(self.epoch)
+    plan = property(lambda self: self.plan_for_epoch(self.epoch), doc="The plan of the current epoch.")
 
     def set_epoch(self, epoch: int) -> None:
         """Sets the epoch of the next iteration (a new order in ``random``/``bucket``)."""
-        epoch = _check_int("epoch", epoch, minimum=0)
-        if epoch != self.epoch:
-            self._start = self.steps_done = 0
-        self.epoch = epoch
+        if _check_int("epoch", epoch, minimum=0) != self.epoch:
+            self.epoch, self.steps_done, self._start = epoch, 0, 0
 
     def __len__(self) -> int:
-        """Step inputs per epoch on this rank (equal on every rank)."""
+        """Step inputs per epoch on this rank (the same on every rank)."""
         return self.plan.num_batches * self.gradient_accumulation_steps
 
     def horizon(self, epochs: int = 1, unit: _Clock = "steps") -> int:
         """Optimizer steps (or real tokens, or samples) from the current position to the end of ``epochs`` epochs.
 
-        Counts what is left of the current epoch (after ``steps_done``) and the
-        ``epochs - 1`` epochs after it, from their plans: size a schedule with
-        it (``len(loader) * epochs`` is wrong here, since every epoch's plan has
-        its own number of batches). Deterministic orders plan one epoch for all.
+        What is left of the current epoch after ``steps_done``, plus the next
+        ``epochs - 1`` epochs, from their plans: size a schedule with it, not
+        with ``len(loader) * epochs`` (each epoch's plan has its own length).
 
         Example:
             >>> VariableBatchSampler([3, 5, 2, 6, 4, 1], max_tokens=8).horizon(epochs=4)
@@ -1186,37 +997,31 @@ class VariableBatchSampler(Sampler[list[int]]):
         epochs, unit = _check_int("epochs", epochs, minimum=1), _check_choice("unit", unit, _Clock)
 
         def amount(plan, skip):
-            values = {"steps": np.ones(plan.num_batches, np.int64), "tokens": plan.batch_tokens,
-                      "samples": plan.batch_sizes}[unit]
+            values = plan.batch_tokens if unit == "tokens" else plan.batch_sizes if unit == "samples" else \
+                np.ones(plan.num_batches, np.int64)
             return int(values[skip:].sum())
-        current = self.plan
-        total = amount(current, self.steps_done // self.gradient_accumulation_steps)
+        total = amount(self.plan, self.steps_done // self.gradient_accumulation_steps)
         if self.settings.order in ("dataloader", "seqlen") or self._planner.fixed is not None:
-            return total + (epochs - 1) * amount(current, 0)  # the same plan every epoch
+            return total + (epochs - 1) * amount(self.plan, 0)  # one plan for every epoch: plan it once
         return total + sum(amount(self._planner(e), 0) for e in range(self.epoch + 1, self.epoch + epochs))
 
-    # -- iteration --------------------------------------------------------------
-
     def _keys(self, epoch: int, start: int, rank: int | None) -> Iterator[tuple]:
-        """Keys ``(sample ids, seqlens, pad_to)`` of ``rank``'s step inputs of ``epoch`` from its ``start``-th.
+        """``(sample ids, seqlens, pad_to)`` of ``rank``'s step inputs of ``epoch`` from its ``start``-th.
 
-        The one dealing rule (see the section's comment); ``rank=None`` yields
-        every rank's, interleaved. ``pad_to`` is the batch's longest seqlen in
-        same-length mode, else 0.
+        The one dealing rule (see above); ``rank=None`` yields all ranks', interleaved.
+        ``pad_to`` is the batch's longest seqlen in same-length mode, else 0.
         """
-        plan, m, ranks = self.plan_for_epoch(epoch), self.micro_batch_size, self.num_replicas
-        offsets, seqlens = plan.microbatch_offsets, self.seqlens
+        plan, m, ranks, seqlens = self.plan_for_epoch(epoch), self.micro_batch_size, self.num_replicas, self.seqlens
         first, stride = (start, 1) if rank is None else (start * ranks + rank, ranks)
         for g in range(first, plan.num_microbatches // m, stride):
-            ids = plan.sample_ids[offsets[g * m]:offsets[(g + 1) * m]]
+            ids = plan.sample_ids[plan.microbatch_offsets[g * m]:plan.microbatch_offsets[(g + 1) * m]]
             yield (tuple(ids.tolist()), None if seqlens is None else tuple(seqlens[ids].tolist()),
                    int(plan.padded_seqlens[g * m]) if self.same_length else 0)
 
     def _iter_keys(self) -> Iterator[tuple]:
-        """This rank's keys for one epoch, from the resume position; then advances the epoch."""
-        epoch, start = self.epoch, self._start
-        self._start = 0
-        if epoch not in self._logged and _on_rank_zero(self.rank):  # once per trained epoch, for the job
+        """This rank's keys of one epoch from the resume position; then advances the epoch."""
+        epoch, start, self._start = self.epoch, self._start, 0
+        if epoch not in self._logged and _on_rank_zero(self.rank):  # once per trained epoch, for the whole job
             self._logged.add(epoch)
             _log_drops(self.plan_for_epoch(epoch))
             if self.verbose:
@@ -1228,25 +1033,19 @@ class VariableBatchSampler(Sampler[list[int]]):
             self.epoch, self.steps_done = epoch + 1, 0
 
     def __iter__(self) -> Iterator[list[int]]:
-        for ids, _, _ in self._iter_keys():
-            yield list(ids)
-
-    # -- state ------------------------------------------------------------------
+        return (list(ids) for ids, _, _ in self._iter_keys())
 
     def _state_settings(self) -> dict:
         """What the plans depend on besides the epoch, as plain data (the data as hashes)."""
+        fixed = self._planner.fixed
         return {**dataclasses.asdict(self.settings), "seqlens": _digest(self.seqlens),
-                "sample_ids": _digest(self._planner.sample_ids),
-                "fixed_plan": None if self._planner.fixed is None else self._planner.fixed.fingerprint()}
+                "sample_ids": _digest(self._planner.sample_ids), "fixed_plan": fixed and fixed.fingerprint()}
 
     def state_dict(self, steps_done: int | None = None) -> dict:
-        """The position to resume from: the epoch and the step inputs done in it, plus the settings.
+        """The position to resume from (epoch, step inputs done in it) and the settings, as plain data.
 
-        Args:
-            steps_done: step inputs of the current epoch already trained on. By
-                default ``self.steps_done``, exact for a `DataLoader` without
-                workers; with workers the loader prefetches ahead, so pass the
-                count your loop trained.
+        ``steps_done`` defaults to ``self.steps_done``, exact without worker
+        processes; with workers the loader prefetches: pass what your loop trained.
         """
         done = self.steps_done if steps_done is None else _check_int("steps_done", steps_done, minimum=0)
         return {"epoch": self.epoch, "steps_done": done, "rank": self.rank, "settings": self._state_settings()}
@@ -1256,13 +1055,11 @@ class VariableBatchSampler(Sampler[list[int]]):
         _check_state(type(self).__name__, state_dict, {"epoch", "steps_done", "rank", "settings"})
         mismatch = _mismatch(state_dict["settings"], self._state_settings())
         if mismatch:
-            raise ValueError(f"cannot load a sampler state saved with {mismatch}; resume with the same dataset, "
-                             f"config and world size")
+            raise ValueError(f"cannot load a sampler state saved with {mismatch}; resume with the same dataset, config "
+                             f"and world size")
         epoch = _check_int("epoch", state_dict["epoch"], minimum=0)
-        steps = _check_int("steps_done", state_dict["steps_done"], minimum=0)
         total = self.plan_for_epoch(epoch).num_batches * self.gradient_accumulation_steps
-        if steps > total:
-            raise ValueError(f"steps_done={steps} is more than the {total} step inputs of epoch {epoch}")
+        steps = _check_int("steps_done", state_dict["steps_done"], minimum=0, maximum=total)
         self.epoch, self.steps_done = (epoch + 1, 0) if steps == total else (epoch, steps)
         self._start = self.steps_done
 
@@ -1271,11 +1068,10 @@ def _mismatch(saved: Any, mine: dict) -> str | None:
     """``"seed=1 into a sampler with seed=2"`` for the first setting that differs (likeliest causes first)."""
     if not isinstance(saved, Mapping) or set(saved) != set(mine):
         return "settings that are not this version's (pass a dict made by state_dict())"
-    for key in sorted(mine, key=lambda k: (k not in ("num_replicas", "seqlens", "sample_ids"), k)):
+    for key in sorted(mine, key=lambda key: (key not in ("num_replicas", "seqlens", "sample_ids"), key)):
         if saved[key] != mine[key]:
-            if key in ("seqlens", "sample_ids", "fixed_plan"):
-                return f"other {key} (another dataset?) than this one's"
-            return f"{key}={saved[key]!r} into a sampler with {key}={mine[key]!r}"
+            return f"other {key} (another dataset?) than this one's" if key in ("seqlens", "sample_ids", "fixed_plan") \
+                else f"{key}={saved[key]!r} into a sampler with {key}={mine[key]!r}"
     return None
 
 
@@ -1285,19 +1081,19 @@ def _check_state(owner: str, state_dict: Any, expected: set) -> None:
         raise TypeError(f"{owner}.load_state_dict expects a dict, but got {type(state_dict).__name__}")
     unknown, missing = sorted(set(state_dict) - expected), sorted(expected - set(state_dict))
     if unknown or missing:
-        raise ValueError(f"{owner}.load_state_dict got unknown keys {unknown} and is missing keys {missing}; "
-                         f"pass a dict made by {owner}.state_dict()")
+        raise ValueError(f"{owner}.load_state_dict got unknown keys {unknown} and is missing keys {missing}; pass a "
+                         f"dict made by {owner}.state_dict()")
 
 
 class _KeyDataset(Dataset):
-    """Item ``key`` is ``key``: the loader's batch sampler yields step-input keys, `_Collate` loads the samples."""
+    """Item ``key`` is ``key``: the loader's sampler yields step-input keys, `_Collate` loads their samples."""
 
     def __getitem__(self, key):
         return key
 
 
 class _StepInputKeys(Sampler[tuple]):
-    """The loader's sampler: the key of each of this rank's step inputs (with state for StatefulDataLoader)."""
+    """The loader's sampler: a key per step input of this rank (with the state StatefulDataLoader saves)."""
 
     def __init__(self, sampler: VariableBatchSampler):
         self.variable_batch_sampler = sampler
@@ -1315,20 +1111,15 @@ class _StepInputKeys(Sampler[tuple]):
         self.variable_batch_sampler.load_state_dict(state_dict)
 
 
-def _takes_seqlens(fn: Callable) -> bool:
-    """Whether ``fn`` has a ``seqlens`` parameter (then the loader passes the plan's real lengths)."""
-    try:
-        return "seqlens" in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-
-
 class _Collate:
     """Loads the samples of a step-input key, pads them in same-length mode, collates them (runs in workers)."""
 
     def __init__(self, dataset, collate_fn=None, sample_padding_fn=None):
         self.dataset, self.collate_fn, self.sample_padding_fn = dataset, collate_fn, sample_padding_fn
-        self.pass_seqlens = collate_fn is not None and _takes_seqlens(collate_fn)
+        try:  # a collate_fn with a `seqlens` parameter gets the plan's real lengths
+            self.pass_seqlens = collate_fn is not None and "seqlens" in inspect.signature(collate_fn).parameters
+        except (TypeError, ValueError):
+            self.pass_seqlens = False
 
     def __call__(self, keys):
         (ids, seqlens, pad_to), = keys
@@ -1342,26 +1133,25 @@ class _Collate:
         if self.collate_fn is None:
             return samples
         if self.pass_seqlens and seqlens is not None:
-            return self.collate_fn(samples, seqlens=list(seqlens))  # the real lengths, also of padded samples
+            return self.collate_fn(samples, seqlens=list(seqlens))
         return self.collate_fn(samples)
 
 
 def make_dataloader(dataset, batch_sampler: VariableBatchSampler, *, collate_fn=None, sample_padding_fn=None,
                     num_workers=0, pin_memory=False, **dataloader_kwargs) -> DataLoader:
-    """A `DataLoader` over ``batch_sampler``'s step inputs: ``collate_fn(samples)`` for each.
+    """A `DataLoader` over ``batch_sampler``'s step inputs: ``collate_fn(samples)`` for each (the list without one).
 
     In same-length mode every sample is first padded with
     ``sample_padding_fn(sample, length)`` to its batch's longest seqlen. A
     ``collate_fn`` with a ``seqlens`` parameter (as `PaddedCollate`) gets the
-    plan's real lengths of its samples, also when they arrive padded. Works
-    with worker processes (also spawned), ``pin_memory`` and
-    ``persistent_workers``; the loader's ``variable_batch_sampler`` attribute
-    is ``batch_sampler`` (for `set_epoch`, ``state_dict`` and ``plan``).
+    plan's real lengths of its samples, also when they arrive padded. Works with
+    workers (also spawned), ``pin_memory`` and ``persistent_workers``; the
+    loader's ``variable_batch_sampler`` is ``batch_sampler``.
 
     Raises:
         TypeError, ValueError: another sampler, same-length mode without
-            ``sample_padding_fn``, a dataset whose size differs from the seqlens,
-            or a DataLoader option the sampler decides (batch size, shuffling).
+        ``sample_padding_fn``, a dataset of another size than the seqlens, or a
+        DataLoader option the sampler decides (batch size, shuffling).
     """
     if not isinstance(batch_sampler, VariableBatchSampler):
         raise TypeError(f"batch_sampler should be a VariableBatchSampler, but got {type(batch_sampler).__name__}")
@@ -1370,14 +1160,14 @@ def make_dataloader(dataset, batch_sampler: VariableBatchSampler, *, collate_fn=
         raise TypeError(f"make_dataloader got {taken}, which the VariableBatchSampler decides; leave them out")
     seqlens = batch_sampler.seqlens
     if hasattr(dataset, "__len__") and seqlens is not None and len(dataset) != len(seqlens):
-        raise ValueError(f"the dataset has {len(dataset)} samples but the sampler was given {len(seqlens)} seqlens; "
-                         f"give one seqlen per sample of this dataset")
+        raise ValueError(f"the dataset has {len(dataset)} samples but the sampler was given {len(seqlens)} seqlens; give "
+                         f"one seqlen per sample of this dataset")
     if batch_sampler.same_length and sample_padding_fn is None:
-        raise ValueError("sample_padding_fn is None, but same-length mode pads every sample of a batch to the "
-                         "batch's max seqlen; pass sample_padding_fn=varbatch.pad_sample or your own fn(sample, length)")
-    loader = DataLoader(_KeyDataset(), batch_size=1, sampler=_StepInputKeys(batch_sampler),
-                        collate_fn=_Collate(dataset, collate_fn, sample_padding_fn), num_workers=num_workers,
-                        pin_memory=pin_memory, **dataloader_kwargs)
+        raise ValueError("sample_padding_fn is None, but same-length mode pads every sample of a batch to the batch's "
+                         "max seqlen; pass sample_padding_fn=varbatch.pad_sample or your own fn(sample, length)")
+    loader = DataLoader(_KeyDataset(), batch_size=1, sampler=_StepInputKeys(batch_sampler), num_workers=num_workers,
+                        collate_fn=_Collate(dataset, collate_fn, sample_padding_fn), pin_memory=pin_memory,
+                        **dataloader_kwargs)
     loader.variable_batch_sampler = batch_sampler
     return loader
 
@@ -1398,10 +1188,8 @@ def _torch_optimizer(optimizer: Any) -> Optimizer:
 
 def _find_sampler(obj: Any, depth: int = 0) -> VariableBatchSampler | None:
     """The `VariableBatchSampler` behind a sampler, a loader, or a launcher's wrapper of either."""
-    if isinstance(obj, VariableBatchSampler):
-        return obj
-    if obj is None or depth > 4 or isinstance(obj, (str, bytes, Sequence, np.ndarray, torch.Tensor)):
-        return None
+    if isinstance(obj, VariableBatchSampler) or obj is None or depth > 4 or isinstance(obj, (str, bytes, Sequence)):
+        return obj if isinstance(obj, VariableBatchSampler) else None
     for name in ("variable_batch_sampler", "batch_sampler", "sampler", "data_sampler", "base_dataloader"):
         found = _find_sampler(getattr(obj, name, None), depth + 1)
         if found is not None:
@@ -1409,52 +1197,41 @@ def _find_sampler(obj: Any, depth: int = 0) -> VariableBatchSampler | None:
     return None
 
 
-# Warned by a wrapped scheduler stepped from inside this one before the first optimizer step.
-_TORCH_STEP_ORDER_WARNING = r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`"
-
-
 class VariableBatchSizeLR(LRScheduler):
     """Scales any LR schedule by the size of each batch: ``lr_t = schedule(t) x s(B_t / B_ref)``.
 
-    ``schedule(t)`` is the wrapped scheduler's LR at global optimizer step
-    ``t`` (or the optimizer's constant LR); ``s`` is the linear, square-root,
-    none or user rule (see `scale_lr`); ``B_t`` is the size of the batch
-    trained at step ``t`` in sequences or real tokens; ``B_ref`` is the batch
-    size the schedule was tuned for. Call `step` after every optimizer step
-    (DeepSpeed's engine does). The schedule is never restarted: ``step(0)`` at
-    an epoch start only realigns the batch index with the sampler's epoch.
+    ``schedule(t)``: the wrapped scheduler's LR at global optimizer step ``t`` (or
+    the optimizer's constant LR); ``s``: the linear, square-root, none or user
+    rule (`scale_lr`); ``B_t``: the batch trained at step ``t``, in sequences or
+    real tokens; ``B_ref``: the batch size the schedule was tuned for. Call
+    `step` after every optimizer step (DeepSpeed's engine does); the schedule is
+    never restarted (``step(0)`` at an epoch start only realigns the batch index).
 
-    NOTE [the unit trap]: DeepSpeed's reference is ``train_batch_size``, a
-    number of *micro-batches*, while ``B_t`` counts *sequences*, about
-    ``max_tokens / mean seqlen`` per micro-batch: with that default the LR
-    comes out that many times the configured one. It stays the default
-    (``base_batch_size=None``) for compatibility and is warned about; each
-    trained epoch's mean/min/max factor is logged (rank 0).
+    NOTE [the unit trap]: DeepSpeed's ``B_ref`` is ``train_batch_size``, a count
+    of micro-batches, against ``B_t`` in sequences: the LR comes out about
+    ``max_tokens / mean seqlen`` times the configured one. It stays the default
+    (None) for compatibility, with a warning; each trained epoch's factors are logged.
 
-    NOTE [clocks]: with ``clock="tokens"`` (or ``"samples"``) the wrapped
-    schedule takes one step per ``clock_step`` real tokens (samples) trained,
-    as many as each batch completes, so its step count is ``floor(seen /
-    clock_step)`` and ``lr_t = schedule(tokens seen before step t) x s(B_t /
-    B_ref)``: warmup and decay land at their token counts whatever the batch
-    sizes. Any torch scheduler works (its progress is a step count); size it
-    with ``sampler.horizon(epochs, "tokens") // clock_step`` steps. For a plain
-    function ``f`` of tokens: ``LambdaLR(optimizer, lambda s: f(s * clock_step))``.
+    NOTE [clocks]: with ``clock="tokens"`` (``"samples"``) the wrapped schedule
+    steps once per ``clock_step`` tokens (samples) trained, so its position is
+    ``floor(seen / clock_step)``: ``lr_t = schedule(tokens before t) x s(B_t /
+    B_ref)``, warmup and decay landing at their token counts whatever the batch
+    sizes. Any step-based torch scheduler works; size it with
+    ``sampler.horizon(epochs, "tokens") // clock_step``. For a function ``f`` of
+    tokens: ``LambdaLR(optimizer, lambda s: f(s * clock_step))``.
 
     Args:
-        lr_scheduler: what to scale: a torch scheduler (any step-based one,
-            `SequentialLR`/`ChainedScheduler` too), a DeepSpeed scheduler, or an
-            optimizer (constant LR); DeepSpeed's optimizer wrappers are unwrapped.
-        base_batch_size: ``B_ref``: a number > 0, ``"mean"`` (each epoch's mean
-            batch size: the configured LR is then the mean LR under the linear
-            rule), or None for ``train_batch_size`` (needs a sampler).
+        lr_scheduler: a torch scheduler (``SequentialLR``, ``ChainedScheduler``
+            too), a DeepSpeed scheduler, or an optimizer (constant LR); DeepSpeed's
+            optimizer wrappers are unwrapped.
+        base_batch_size: ``B_ref``: a number, ``"mean"`` (each epoch's mean batch:
+            the configured LR is the mean LR under the linear rule), or None
+            (``train_batch_size``).
         batch_sizes: a `VariableBatchSampler` or a loader made with one (a new
-            plan each epoch), or a sequence of batch sizes (cycled, as DeepSpeed).
-        dataloader: looked at for a `VariableBatchSampler` when ``batch_sizes`` has none.
-        lr_scaling_method: ``"linear"``, ``"sqrt"``, ``"none"``/None, or a callable.
-        last_epoch: -1 for a new scheduler (torch's convention).
-        verbose: log the LR of every step.
-        lr_scaling_unit: ``"sequences"`` or ``"tokens"`` (needs a sampler).
-        clock, clock_step: what drives the wrapped schedule (see the NOTE).
+            plan each epoch), or a sequence of batch sizes (cycled, as DeepSpeed);
+            ``dataloader`` is searched for a sampler too.
+        lr_scaling_method: ``"linear"``, ``"sqrt"``, ``"none"``/None or a callable.
+        lr_scaling_unit: ``"sequences"`` or ``"tokens"``; clock, clock_step: see the NOTE.
     """
 
     _STATE = ("last_epoch", "_step_count", "base_lrs", "_last_lr", "_unscaled", "_epoch", "_batch", "_seen",
@@ -1462,48 +1239,39 @@ class VariableBatchSizeLR(LRScheduler):
 
     def __init__(self, lr_scheduler, base_batch_size, batch_sizes, dataloader=None, lr_scaling_method="linear",
                  last_epoch=-1, verbose=False, *, lr_scaling_unit="sequences", clock="steps", clock_step=1):
-        # 1. What is scaled. DeepSpeed's optimizer wrappers have `step` and `optimizer` as a
-        # scheduler does, but also `param_groups`: stepping one would step the optimizer.
         if isinstance(lr_scheduler, ReduceLROnPlateau):
             raise TypeError("ReduceLROnPlateau steps on a validation metric, not on batches, so VariableBatchSizeLR "
-                            "cannot wrap it; wrap a step-based schedule (LambdaLR, CosineAnnealingLR, OneCycleLR, "
-                            "SequentialLR, ...) or the optimizer itself (constant LR)")
-        wraps = hasattr(lr_scheduler, "step") and hasattr(lr_scheduler, "optimizer") and not isinstance(
-            lr_scheduler, Optimizer) and not hasattr(lr_scheduler, "param_groups")
+                            "cannot wrap it; wrap a step-based schedule (LambdaLR, CosineAnnealingLR, OneCycleLR, ...) "
+                            "or the optimizer itself (constant LR)")
+        # DeepSpeed's optimizer wrappers have `step` and `optimizer` as schedulers do, but also `param_groups`.
+        wraps = hasattr(lr_scheduler, "step") and hasattr(lr_scheduler, "optimizer") and \
+            not hasattr(lr_scheduler, "param_groups")
         self._base = lr_scheduler if wraps else None
         optimizer = _torch_optimizer(lr_scheduler.optimizer if wraps else lr_scheduler)
-        # 2. The batch sizes, their unit, B_ref and the clock.
         self._sampler = _find_sampler(batch_sizes) or _find_sampler(dataloader)
         self.lr_scaling_unit = _check_choice("lr_scaling_unit", lr_scaling_unit, _LRUnit)
         self.lr_scaling_method = _check_lr_method(lr_scaling_method)
         self.base_batch_size = _check_reference(base_batch_size, "base_batch_size")
-        self.clock = _check_choice("clock", clock, _Clock)
-        self.clock_step = _check_int("clock_step", clock_step, minimum=1,
-                                     fix="it is the tokens (or samples) per step of the wrapped schedule")
-        self.verbose = bool(verbose)
+        self.clock, self.verbose = _check_choice("clock", clock, _Clock), bool(verbose)
+        self.clock_step = _check_int("clock_step", clock_step, minimum=1, fix="the tokens (samples) per schedule step")
         if self._sampler is None:
             if isinstance(batch_sizes, (str, bytes)) or not hasattr(batch_sizes, "__len__") or not len(batch_sizes):
-                raise ValueError(f"batch_sizes should be a VariableBatchSampler, a loader made with one, or a "
-                                 f"non-empty sequence of batch sizes, but got batch_sizes={batch_sizes!r}")
+                raise ValueError(f"batch_sizes should be a VariableBatchSampler, a loader made with one, or a non-empty "
+                                 f"sequence of batch sizes, but got batch_sizes={batch_sizes!r}")
             self._listed = _as_counts(batch_sizes, "batch_sizes", fix="pass the size of every batch")
-            for name, value, plain in (("lr_scaling_unit", self.lr_scaling_unit, "sequences"),
-                                       ("clock", self.clock, "steps"), ("base_batch_size", self.base_batch_size, 1)):
-                if value != plain and (name != "base_batch_size" or value is None):
-                    raise ValueError(f"{name}={value!r} needs the plans (their token counts and train_batch_size); "
-                                     f"pass the VariableBatchSampler as batch_sizes instead of a list")
-        # 3. Position: the plan's epoch and batch, what the clock has counted, DeepSpeed's skipped steps seen.
-        self._epoch = self._sampler.epoch if self._sampler is not None else 0
-        self._batch = self._seen = self._skipped_seen = 0
-        self._skipped: Callable[[], int] | None = None
-        self._reported = -1
+            for name, value in (("lr_scaling_unit", self.lr_scaling_unit != "sequences"),
+                                ("clock", self.clock != "steps"), ("base_batch_size", self.base_batch_size is None)):
+                if value:
+                    raise ValueError(f"{name}={getattr(self, name)!r} needs the plans (their tokens and "
+                                     f"train_batch_size); pass the VariableBatchSampler as batch_sizes, not a list")
+        # Position: the plan's epoch and batch, what the clock counted, DeepSpeed's skipped steps seen.
+        self._epoch, self._batch, self._seen, self._skipped_seen = self._sampler.epoch if self._sampler else 0, 0, 0, 0
+        self._skipped, self._reported = None, -1
         self._unscaled = [group["lr"] for group in optimizer.param_groups]
         super().__init__(optimizer, last_epoch)  # torch's first step: the LRs of batch 0
-        # 4. The default B_ref far from the mean batch: warn once, naming the fix.
         factors, b_ref = self._factors(self._epoch)
         if self.base_batch_size is None and not 0.5 <= factors.mean() <= 2.0 and self._rank_zero():
             warnings.warn(_lr_warning(factors.mean(), b_ref, self.lr_scaling_unit), stacklevel=2)
-
-    # -- batch sizes ------------------------------------------------------------
 
     def _sizes(self, epoch: int, unit: str | None = None) -> np.ndarray:
         if self._sampler is None:
@@ -1511,98 +1279,73 @@ class VariableBatchSizeLR(LRScheduler):
         plan = self._sampler.plan_for_epoch(epoch)
         return plan.batch_tokens if (unit or self.lr_scaling_unit) == "tokens" else plan.batch_sizes
 
-    def _default_reference(self) -> float:
-        return self._sampler.effective_batch_size if self._sampler is not None else 0.0
-
-    def _factors(self, epoch: int) -> tuple[np.ndarray, float]:
-        return _lr_factors(self._sizes(epoch), self.base_batch_size, self.lr_scaling_method, self._default_reference())
+    def _factors(self, epoch: int, index: int | None = None) -> tuple[np.ndarray, float]:
+        return _lr_factors(self._sizes(epoch), self.base_batch_size, self.lr_scaling_method,
+                           self._sampler.effective_batch_size if self._sampler is not None else 1, index)
 
     def _rank_zero(self) -> bool:
         return _on_rank_zero(self._sampler.rank if self._sampler is not None else 0)
 
-    @property
-    def batch_size(self) -> int:
-        """``B_t``: the size of the batch trained at the current step, in ``lr_scaling_unit``."""
-        sizes = self._sizes(self._epoch)
-        return int(sizes[self._batch % len(sizes)])
-
-    @property
-    def lr_factor(self) -> float:
-        """``s(B_t / B_ref)`` at the current step."""
-        b_ref = _reference_value(self._sizes(self._epoch), self.base_batch_size, self._default_reference())
-        return _lr_factor(self.batch_size / b_ref, self.lr_scaling_method)
-
-    @property
-    def steps_in_epoch(self) -> int:
-        """Batches of the current epoch already trained (stepped or skipped)."""
-        return self._batch
-
-    # -- stepping ----------------------------------------------------------------
+    batch_size = property(lambda self: int(self._sizes(self._epoch)[self._batch % len(self._sizes(self._epoch))]),
+                          doc="``B_t``: the size of the batch trained at the current step, in ``lr_scaling_unit``.")
+    lr_factor = property(lambda self: float(self._factors(self._epoch, self._batch % len(self._sizes(self._epoch)))[0][0]),
+                         doc="``s(B_t / B_ref)`` at the current step.")
+    steps_in_epoch = property(lambda self: self._batch, doc="Batches of the current epoch trained (stepped or skipped).")
 
     def get_lr(self):
-        factor = self.lr_factor
-        return [lr * factor for lr in self._unscaled]
+        return [lr * self.lr_factor for lr in self._unscaled]
 
     def _write(self) -> None:
-        """Writes ``get_lr()`` into the optimizer without moving ``t``."""
+        """Writes ``get_lr()`` into the optimizer, ``t`` unchanged."""
         for group, lr in zip(self.optimizer.param_groups, self.get_lr()):
             group["lr"] = lr
         self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 
     def _advance(self, batches: int) -> None:
-        """Moves the batch index ``batches`` forward, into the next epochs' plans."""
+        """Moves the batch index ``batches`` on, into the next epochs' plans (skipping empty ones)."""
         self._batch += batches
-        for _ in range(1000):  # a later epoch's plan may be empty (an unlucky order), not a thousand in a row
-            count = len(self._sizes(self._epoch))
-            if self._batch < count:
+        for _ in range(1000):
+            if self._batch < len(self._sizes(self._epoch)):
                 return
-            self._epoch, self._batch = self._epoch + 1, self._batch - count
+            self._epoch, self._batch = self._epoch + 1, self._batch - len(self._sizes(self._epoch))
         raise RuntimeError("a thousand epochs in a row have no batch; use more data or a smaller min_batch_size")
 
-    def _step_wrapped(self, ticks: int) -> list:
-        """The wrapped schedule's LRs after ``ticks`` steps; on an error its state and the LRs are as before."""
-        if self._base is None or ticks == 0:
-            return self._unscaled
-        groups = self.optimizer.param_groups
-        state, scaled = copy.deepcopy(self._base.state_dict()), [group["lr"] for group in groups]
-        try:
-            for group, lr in zip(groups, self._unscaled):  # chainable schedulers compute from the current LR
-                group["lr"] = lr
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=_TORCH_STEP_ORDER_WARNING)
-                for _ in range(ticks):
-                    self._base.step()
-            return [group["lr"] for group in groups]
-        except BaseException:
-            self._base.load_state_dict(state)
-            for group, lr in zip(groups, scaled):
-                group["lr"] = lr
-            raise
-
     def step(self, epoch=None):
-        """Advances to the next batch (``step()``), or realigns at an epoch start (``step(0)``).
-
-        ``step()`` moves the global step ``t`` and the batch index by one (into
-        the next epoch's plan after the last batch). ``step(0)`` moves neither
-        ``t`` nor the schedule: it points the batch index at batch 0 of the
-        sampler's current epoch.
-        """
+        """Advances to the next batch (``step()``), or points at batch 0 of the sampler's epoch (``step(0)``)."""
         if self._step_count == 0:  # torch's initial step, from __init__
             return super().step()
         if epoch is not None:
             if isinstance(epoch, bool) or not isinstance(epoch, numbers.Integral) or epoch != 0:
-                raise ValueError(f"VariableBatchSizeLR.step takes no argument (the next batch) or 0 (realign at an "
-                                 f"epoch start), but got epoch={epoch!r}; call step() after every optimizer step")
-            self._epoch, self._batch = (self._sampler.epoch if self._sampler is not None else self._epoch), 0
+                raise ValueError(f"VariableBatchSizeLR.step takes no argument (the next batch) or 0 (realign at an epoch "
+                                 f"start), but got epoch={epoch!r}; call step() after every optimizer step")
+            self._epoch, self._batch = self._sampler.epoch if self._sampler else self._epoch, 0
             return self._write()
-        # NOTE [the wrapped scheduler steps first]: torch's step() takes the new LRs from
-        # get_lr(), which here is the wrapped schedule's LR times the next batch's factor;
-        # so the wrapped scheduler steps (on its own, unscaled LRs) before torch's step.
-        self._report(self._epoch)
+        # NOTE [the wrapped scheduler steps first]: torch's step() takes the new LRs from get_lr(),
+        # the wrapped schedule's LR times the next batch's factor: so the wrapped scheduler steps,
+        # on its own unscaled LRs, before torch's step. If it raises, nothing here has moved.
+        if self._epoch != self._reported and self._rank_zero():  # once per trained epoch
+            self._reported = self._epoch
+            factors, b_ref = self._factors(self._epoch)
+            _logger.info("epoch %d: LR factor mean %.3g, min %.3g, max %.3g (B_ref=%g %s)", self._epoch, factors.mean(),
+                         factors.min(), factors.max(), b_ref, self.lr_scaling_unit)
         size = int(self._sizes(self._epoch, "tokens" if self.clock == "tokens" else "sequences")[self._batch])
-        ticks = 1 if self.clock == "steps" else \
-            (self._seen + size) // self.clock_step - self._seen // self.clock_step
-        self._unscaled = self._step_wrapped(ticks)  # the only call that may fail: nothing has moved yet
+        ticks = 1 if self.clock == "steps" else (self._seen + size) // self.clock_step - self._seen // self.clock_step
+        if self._base is not None and ticks:
+            groups, state = self.optimizer.param_groups, copy.deepcopy(self._base.state_dict())
+            scaled = [group["lr"] for group in groups]
+            try:
+                for group, lr in zip(groups, self._unscaled):  # chainable schedulers compute from the current LR
+                    group["lr"] = lr
+                with warnings.catch_warnings():  # torch's step-order check, which this class's own step makes
+                    warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+                    for _ in range(ticks):
+                        self._base.step()
+            except BaseException:
+                self._base.load_state_dict(state)
+                for group, lr in zip(groups, scaled):
+                    group["lr"] = lr
+                raise
+            self._unscaled = [group["lr"] for group in groups]
         self._seen += size
         self._advance(1)
         super().step()
@@ -1610,21 +1353,13 @@ class VariableBatchSizeLR(LRScheduler):
             _logger.info("step %d (epoch %d, batch %d): B=%d, LR factor %.4g, lr %s", self.last_epoch, self._epoch,
                          self._batch, self.batch_size, self.lr_factor, self._last_lr)
 
-    def _report(self, epoch: int) -> None:
-        """Logs an epoch's LR factors once, on rank 0, when its first batch has been trained."""
-        if epoch != self._reported and self._rank_zero():
-            self._reported = epoch
-            factors, b_ref = self._factors(epoch)
-            _logger.info("epoch %d: LR factor mean %.3g, min %.3g, max %.3g (B_ref=%g %s)", epoch, factors.mean(),
-                         factors.min(), factors.max(), b_ref, self.lr_scaling_unit)
-
     def _follow_skipped_steps(self, skipped: Callable[[], int]) -> None:
-        """Makes the LR follow the batch actually trained when an engine skips steps.
+        """Makes the LR follow the batch trained when an engine skips steps.
 
         On an fp16 overflow DeepSpeed skips the optimizer step *and* this
-        scheduler's step, but the data moves on: before each optimizer step,
-        the batch index moves on by the steps skipped since (``skipped()``
-        counts them), while the wrapped schedule stays where DeepSpeed left it.
+        scheduler's step, but the data moves on: before each optimizer step the
+        batch index moves on by the steps skipped since (``skipped()`` counts
+        them); the wrapped schedule stays where DeepSpeed left it.
         """
         self._skipped, self._skipped_seen = skipped, skipped()
         self.optimizer.register_step_pre_hook(self._before_optimizer_step)
@@ -1636,17 +1371,14 @@ class VariableBatchSizeLR(LRScheduler):
             self._skipped_seen = skipped
             self._write()
 
-    # -- state -------------------------------------------------------------------
-
     def _state_settings(self) -> dict:
-        method = "callable" if callable(self.lr_scaling_method) else self.lr_scaling_method
-        return {"base_batch_size": self.base_batch_size, "lr_scaling_method": method,
-                "lr_scaling_unit": self.lr_scaling_unit, "clock": self.clock, "clock_step": self.clock_step,
-                "sampler": None if self._sampler is None else self._sampler._state_settings(),
-                "batch_sizes": _digest(self._listed) if self._sampler is None else None}
+        return {"base_batch_size": self.base_batch_size, "lr_scaling_unit": self.lr_scaling_unit, "clock": self.clock,
+                "lr_scaling_method": "callable" if callable(self.lr_scaling_method) else self.lr_scaling_method,
+                "clock_step": self.clock_step, "batch_sizes": _digest(self._listed) if self._sampler is None else None,
+                "sampler": None if self._sampler is None else self._sampler._state_settings()}
 
     def state_dict(self):
-        """Plain data: torch's position and LRs, varbatch's batch position, and the wrapped scheduler's state."""
+        """Plain data: torch's position and LRs, the batch position, and the wrapped scheduler's state."""
         state = {key: copy.deepcopy(value) for key, value in super().state_dict().items() if key in self._STATE}
         return {**state, "settings": self._state_settings(),
                 "base_lr_scheduler": None if self._base is None else self._base.state_dict()}
@@ -1662,16 +1394,14 @@ class VariableBatchSizeLR(LRScheduler):
                 raise ValueError(f"cannot load a scheduler state saved with {key}={saved[key]!r} into one with "
                                  f"{key}={mine[key]!r}; resume with the same LR settings")
         if (saved["sampler"] is None) != (mine["sampler"] is None) or saved["batch_sizes"] != mine["batch_sizes"]:
-            raise ValueError("cannot load a scheduler state saved for other batch sizes (a sampler against a list, "
-                             "or another list); resume with the same data and settings")
+            raise ValueError("cannot load a scheduler state saved for other batch sizes; resume with the same data")
         mismatch = mine["sampler"] is not None and _mismatch(saved["sampler"], mine["sampler"])
         if mismatch:
-            raise ValueError(f"cannot load a scheduler state whose sampler was saved with {mismatch}; resume with "
-                             f"the same dataset, config and world size")
+            raise ValueError(f"cannot load a scheduler state whose sampler was saved with {mismatch}; resume with the "
+                             f"same dataset, config and world size")
         if (state_dict["base_lr_scheduler"] is None) != (self._base is None) or \
                 len(state_dict["_unscaled"]) != len(self.optimizer.param_groups):
-            raise ValueError("the state and this scheduler differ in what they wrap (a scheduler or an optimizer, "
-                             "and how many parameter groups); resume with the same optimizer and schedule")
+            raise ValueError("the state wraps another kind of schedule or optimizer; resume with the same ones")
         if self._base is not None:
             self._base.load_state_dict(copy.deepcopy(state_dict["base_lr_scheduler"]))
         super().load_state_dict({key: copy.deepcopy(state_dict[key]) for key in self._STATE})
@@ -1680,13 +1410,10 @@ class VariableBatchSizeLR(LRScheduler):
 
 def lr_scheduler_for_variable_batch_size(base_batch_size, batch_sizes, dataloader, lr_scheduler_or_optimizer,
                                          lr_scaling_method="linear", verbose=False, **options):
-    """A `VariableBatchSizeLR` over an LR scheduler or an optimizer (DeepSpeed's signature).
-
-    ``**options``: ``lr_scaling_unit``, ``clock``, ``clock_step`` (see `VariableBatchSizeLR`).
-    """
+    """A `VariableBatchSizeLR` (DeepSpeed's signature; ``**options``: ``lr_scaling_unit``, ``clock``, ``clock_step``)."""
     if lr_scheduler_or_optimizer is None:
-        raise TypeError("lr_scheduler_or_optimizer is None; pass the optimizer (constant LR) or the LR scheduler "
-                        "whose LR is scaled")
+        raise TypeError("lr_scheduler_or_optimizer is None; pass the optimizer (constant LR) or the LR scheduler whose "
+                        "LR is scaled")
     return VariableBatchSizeLR(lr_scheduler_or_optimizer, base_batch_size, batch_sizes, dataloader,
                                lr_scaling_method=lr_scaling_method, verbose=verbose, **options)
 
@@ -1694,7 +1421,6 @@ def lr_scheduler_for_variable_batch_size(base_batch_size, batch_sizes, dataloade
 # =============================================================================
 # DeepSpeed-compatible functions
 # =============================================================================
-# DeepSpeed's signatures; varbatch's own options arrive as keyword arguments.
 
 
 def batch_by_seqlens(seqlens, max_tokens, sequence_ids_per_mb=None, min_batch_size=1, max_batch_size=None,
@@ -1703,9 +1429,8 @@ def batch_by_seqlens(seqlens, max_tokens, sequence_ids_per_mb=None, min_batch_si
                      required_microbatches_of_same_seqlen=False, epoch=0, **options):
     """DeepSpeed's ``batch_by_seqlens`` without its data loss, in linear time (see `plan_batches`).
 
-    Returns:
-        ``(microbatch_ids, batch_sizes, batch_max_seqlens)``: ``(batch_id, [sample
-        ids])`` per micro-batch, the samples per batch, the longest sample per batch.
+    Returns ``(microbatch_ids, batch_sizes, batch_max_seqlens)``: ``(batch_id, [sample ids])``
+    per micro-batch, the samples and the longest sample per batch.
     """
     plan = plan_batches(seqlens, max_tokens, effective_batch_size=effective_batch_size, epoch=epoch,
                         sample_ids=sequence_ids_per_mb, min_batch_size=min_batch_size, max_batch_size=max_batch_size,
@@ -1720,10 +1445,21 @@ def batch_by_seqlens(seqlens, max_tokens, sequence_ids_per_mb=None, min_batch_si
             plan.batch_max_seqlens.tolist())
 
 
-def _io_kwargs(loader: DataLoader) -> dict:
-    """The keyword arguments of ``engine.deepspeed_io`` that build ``loader`` inside DeepSpeed."""
-    return dict(dataset=loader.dataset, batch_size=1, pin_memory=loader.pin_memory, data_sampler=loader.sampler,
-                collate_fn=loader.collate_fn, num_local_io_workers=loader.num_workers)
+def _loader_and_scheduler(dataset, seqlens, settings: _Settings, sample_ids, rank, base, lr: Mapping, verbose, *,
+                          fixed: Plan | None = None, **loader_options):
+    """The sampler, loader, scheduler and ``deepspeed_io`` keyword arguments of the three functions below."""
+    seqlens = None if fixed is not None else _as_counts(seqlens, "dataset_seqlens")
+    ids = None if sample_ids is None else _as_sample_ids(sample_ids, len(seqlens))
+    rank = _check_int("dataloader_rank", rank, minimum=0, maximum=settings.num_replicas - 1)
+    sampler = VariableBatchSampler._of(_Planner(seqlens, settings, ids, fixed), rank, verbose)
+    loader = make_dataloader(dataset, sampler, **loader_options)
+    scheduler = None if base is None else VariableBatchSizeLR(
+        base, lr.get("lr_scaling_reference"), sampler, lr_scaling_method=lr.get("lr_scaling_method", "linear"),
+        verbose=verbose, lr_scaling_unit=lr.get("lr_scaling_unit", "sequences"), clock=lr.get("lr_clock", "steps"),
+        clock_step=lr.get("lr_clock_step", 1))
+    return loader, scheduler, dict(dataset=loader.dataset, batch_size=1, pin_memory=loader.pin_memory,
+                                   data_sampler=loader.sampler, collate_fn=loader.collate_fn,
+                                   num_local_io_workers=loader.num_workers)
 
 
 def dataloader_for_variable_batch_size(dataset, microbatch_ids, batch_max_seqlens, dataloader_rank=0,
@@ -1732,31 +1468,27 @@ def dataloader_for_variable_batch_size(dataset, microbatch_ids, batch_max_seqlen
                                        required_microbatches_of_same_seqlen=False, sample_padding_fn=None):
     """A loader over given micro-batches, the same every epoch (DeepSpeed's signature; see `make_dataloader`).
 
-    Returns:
-        ``(dataloader, deepspeed_io_kwargs)``.
+    Returns ``(dataloader, deepspeed_io_kwargs)``.
     """
     batch_ids = np.asarray([int(b) for b, _ in microbatch_ids], dtype=np.int64)
-    per_batch = np.bincount(batch_ids) if len(batch_ids) else np.zeros(0, np.int64)
-    if not len(per_batch) or (per_batch != per_batch[0]).any() or (np.diff(batch_ids) < 0).any():
-        raise ValueError("microbatch_ids should be (batch_id, sample ids) pairs in batch order with as many "
-                         "micro-batches in every batch, as batch_by_seqlens returns them")
+    per_batch = np.bincount(batch_ids) if len(batch_ids) else np.zeros(1, np.int64)
+    if not per_batch[0] or (per_batch != per_batch[0]).any() or (np.diff(batch_ids) < 0).any():
+        raise ValueError("microbatch_ids should be (batch_id, sample ids) pairs in batch order, as many per batch, as "
+                         "batch_by_seqlens returns them")
     sizes = np.asarray([len(ids) for _, ids in microbatch_ids], dtype=np.int64)
-    sample_ids = _as_counts([int(i) for _, ids in microbatch_ids for i in ids], "microbatch_ids", minimum=0)
-    batch_max = _as_counts(batch_max_seqlens, "batch_max_seqlens")[:len(per_batch)]
-    k, same_length = int(per_batch[0]), bool(required_microbatches_of_same_seqlen)
-    settings = _Settings(max_tokens=int(batch_max.max()), effective_batch_size=k, same_size=same_length,
-                         same_length=same_length, micro_batch_size=dataloader_batch_size,
-                         num_replicas=dataloader_num_replicas)
-    offsets = np.concatenate([[0], np.cumsum(sizes)])
-    plan = Plan(sample_ids=sample_ids, microbatch_offsets=offsets, padded_seqlens=np.repeat(batch_max, k),
-                batch_sizes=np.add.reduceat(sizes, np.arange(0, len(sizes), k)), batch_tokens=np.zeros(len(batch_max),
-                np.int64), batch_max_seqlens=batch_max, dropped={r: np.zeros(0, np.int64) for r in _DROP_REASONS},
-                settings=settings, epoch=0)
-    rank = _check_int("dataloader_rank", dataloader_rank, minimum=0, maximum=settings.num_replicas - 1)
-    loader = make_dataloader(dataset, VariableBatchSampler._of(_Planner(None, settings, fixed=plan), rank),
-                             collate_fn=dataloader_collate_fn, sample_padding_fn=sample_padding_fn,
-                             num_workers=dataloader_num_workers, pin_memory=dataloader_pin_memory)
-    return loader, _io_kwargs(loader)
+    batch_max, k = _as_counts(batch_max_seqlens, "batch_max_seqlens")[:len(per_batch)], int(per_batch[0])
+    same = bool(required_microbatches_of_same_seqlen)
+    settings = _Settings(max_tokens=int(batch_max.max()), effective_batch_size=k, same_size=same, same_length=same,
+                         micro_batch_size=dataloader_batch_size, num_replicas=dataloader_num_replicas)
+    fixed = Plan(sample_ids=_as_counts([i for _, ids in microbatch_ids for i in ids], "microbatch_ids", minimum=0),
+                 microbatch_offsets=np.concatenate([[0], np.cumsum(sizes)]), padded_seqlens=np.repeat(batch_max, k),
+                 batch_sizes=sizes.reshape(-1, k).sum(axis=1), batch_tokens=np.zeros(len(batch_max), np.int64),
+                 batch_max_seqlens=batch_max, dropped={r: np.zeros(0, np.int64) for r in _DROP_REASONS},
+                 settings=settings, epoch=0)
+    loader, _, io_kwargs = _loader_and_scheduler(
+        dataset, None, settings, None, dataloader_rank, None, {}, False, fixed=fixed, collate_fn=dataloader_collate_fn,
+        sample_padding_fn=sample_padding_fn, num_workers=dataloader_num_workers, pin_memory=dataloader_pin_memory)
+    return loader, io_kwargs
 
 
 def get_dataloader_and_lr_scheduler_for_variable_batch_size(
@@ -1770,41 +1502,26 @@ def get_dataloader_and_lr_scheduler_for_variable_batch_size(
     """The loader and LR scheduler of a token-budget plan (DeepSpeed's signature).
 
     Unlike DeepSpeed's, the loader makes a new plan every epoch in ``random`` and
-    ``bucket`` order and the scheduler follows it. ``lr_scaling_reference`` is
+    ``bucket`` order and the scheduler follows it. ``lr_scaling_reference``:
     ``B_ref`` (None: ``effective_batch_size``, DeepSpeed's; a number; ``"mean"``);
-    ``lr_clock``/``lr_clock_step`` drive the schedule (see `VariableBatchSizeLR`);
-    ``**options`` are further plan options (``budget``, ``bucket_size``, ...).
+    ``lr_clock``/``lr_clock_step``: what drives the schedule (`VariableBatchSizeLR`);
+    ``**options``: plan options (``budget``, ``bucket_size``, ...).
 
-    Returns:
-        ``(dataloader, lr_scheduler, deepspeed_io_kwargs)``; ``lr_scheduler`` is
-        None without ``lr_scheduler_or_optimizer``.
+    Returns ``(dataloader, lr_scheduler, deepspeed_io_kwargs)``; no scheduler without ``lr_scheduler_or_optimizer``.
     """
-    settings = _Settings.of(max_tokens=max_tokens, effective_batch_size=effective_batch_size,
+    settings = _Settings.of(max_tokens=max_tokens, effective_batch_size=effective_batch_size, order=sequence_picking_order,
                             micro_batch_size=dataloader_batch_size, num_replicas=dataloader_num_replicas,
-                            order=sequence_picking_order, min_batch_size=min_batch_size, max_batch_size=max_batch_size,
+                            min_batch_size=min_batch_size, max_batch_size=max_batch_size, seed=seed,
                             same_size=bool(required_microbatches_of_same_size),
-                            same_length=bool(required_microbatches_of_same_seqlen), seed=seed, **options)
-    return _loader_and_scheduler(
-        dataset, dataset_seqlens, settings, dataset_filter_ids, dataloader_rank,
-        dict(collate_fn=dataloader_collate_fn, sample_padding_fn=sample_padding_fn, num_workers=dataloader_num_workers,
-             pin_memory=dataloader_pin_memory), lr_scheduler_or_optimizer,
-        dict(lr_scaling_method=lr_scaling_method, lr_scaling_unit=lr_scaling_unit,
-             lr_scaling_reference=lr_scaling_reference, lr_clock=lr_clock, lr_clock_step=lr_clock_step), verbose)
+                            same_length=bool(required_microbatches_of_same_seqlen), **options)
+    lr = dict(lr_scaling_method=lr_scaling_method, lr_scaling_unit=lr_scaling_unit, lr_clock=lr_clock,
+              lr_scaling_reference=lr_scaling_reference, lr_clock_step=lr_clock_step)
+    return _loader_and_scheduler(dataset, dataset_seqlens, settings, dataset_filter_ids, dataloader_rank,
+                                 lr_scheduler_or_optimizer, lr, verbose, collate_fn=dataloader_collate_fn,
+                                 sample_padding_fn=sample_padding_fn, num_workers=dataloader_num_workers,
+                                 pin_memory=dataloader_pin_memory)
 
 
-def _loader_and_scheduler(dataset, seqlens, settings: _Settings, sample_ids, rank, loader_options: dict,
-                          lr_scheduler_or_optimizer, lr_options: dict, verbose: bool):
-    """The sampler, loader and scheduler of `get_dataloader_and_lr_scheduler_for_variable_batch_size` and the glue."""
-    seqlens = _as_counts(seqlens, "dataset_seqlens")
-    rank = _check_int("dataloader_rank", rank, minimum=0, maximum=settings.num_replicas - 1)
-    ids = None if sample_ids is None else _as_sample_ids(sample_ids, len(seqlens))
-    sampler = VariableBatchSampler._of(_Planner(seqlens, settings, ids), rank, verbose)
-    loader = make_dataloader(dataset, sampler, **loader_options)
-    scheduler = None if lr_scheduler_or_optimizer is None else VariableBatchSizeLR(
-        lr_scheduler_or_optimizer, lr_options["lr_scaling_reference"], sampler, verbose=verbose,
-        lr_scaling_method=lr_options["lr_scaling_method"], lr_scaling_unit=lr_options["lr_scaling_unit"],
-        clock=lr_options["lr_clock"], clock_step=lr_options["lr_clock_step"])
-    return loader, scheduler, _io_kwargs(loader)
 
 
 # =============================================================================
@@ -1999,9 +1716,9 @@ def get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(dataset, e
     settings = _Settings.of(**plan_options, effective_batch_size=k, micro_batch_size=mbs, num_replicas=dp_size,
                             same_size=pipeline, same_length=pipeline)
     loader, scheduler, io_kwargs = _loader_and_scheduler(
-        dataset, dataset_seqlens, settings, dataset_filter_ids, dp_rank,
-        dict(collate_fn=dataloader_collate_fn, sample_padding_fn=sample_padding_fn, num_workers=other["num_workers"],
-             pin_memory=other["pin_memory"]), base, lr_options, other["verbose"])
+        dataset, dataset_seqlens, settings, dataset_filter_ids, dp_rank, base, lr_options, other["verbose"],
+        collate_fn=dataloader_collate_fn, sample_padding_fn=sample_padding_fn, num_workers=other["num_workers"],
+        pin_memory=other["pin_memory"])
     # Every rank (pipeline stages too) must train one plan, else samples are trained twice or
     # never and the ranks disagree on the number of steps (a hang at the first collective).
     fingerprints = _gather(loader.variable_batch_sampler.plan.fingerprint())
