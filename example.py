@@ -1,34 +1,24 @@
-"""varbatch with DeepSpeed: token-budget batches and batch-size-aware LR, DDP and pipeline.
+"""varbatch with DeepSpeed: token-budget batches and batch-size-aware LR, data parallel and pipeline.
 
-A causal attention head (per-sample B x S x S masks from the real lengths)
-followed by a fixed-size feed-forward (input padded to the dataset's max
-seqlen M: B x S x E -> B x M x E) learns a running sum over synthetic
-variable-length sequences. Every batch holds a different number of sequences
-B and a different padded length S; the LR follows B.
-
-Launch (on a CPU machine every "GPU" is a process talking gloo):
+A causal attention head (per-sample masks from the real lengths) and a
+fixed-size feed-forward (input padded to the dataset's longest sample) learn a
+running sum over variable-length sequences. Each batch has its own number of
+sequences B and padded length S; the LR follows the batch's real tokens.
 
     deepspeed --num_gpus 2 example.py --pipeline-num-stages 2   # pipeline: attention | feed-forward
     deepspeed --num_gpus 2 example.py                           # data parallel (DDP)
-    deepspeed example.py                                        # one process per GPU of this machine
     python example.py                                           # one process, no launcher
-
-Stop and resume (the resumed run trains exactly the batches and LRs of an
-uninterrupted one):
-
-    deepspeed --num_gpus 2 example.py --max-steps 20 --checkpoint-dir ckpt
+    deepspeed --num_gpus 2 example.py --max-steps 20 --checkpoint-dir ckpt   # stop, then resume exactly:
     deepspeed --num_gpus 2 example.py --checkpoint-dir ckpt --resume
 
-Every step, rank 0 prints one line: step, epoch, B and padded S of each of its
-step inputs, real tokens in the batch, padding %, LR, loss (the mean over the
-real tokens of the whole batch); about every tenth of the run a progress line
-with tokens/s and the time left. The settings are in ds_config.json
-(``--config`` picks another); the flags below override the common ones.
+On a CPU machine each "GPU" is a process talking gloo. Rank 0 prints a line per
+optimizer step (B and S of its step inputs, the batch's real tokens, padding,
+LR, loss), a progress line about every tenth of the run, and a summary.
+Settings: ds_config.json (the dynamic_batching section).
 """
 
 import argparse
 import json
-import logging
 import math
 import os
 import socket
@@ -38,45 +28,29 @@ from datetime import timedelta
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import Dataset
 
 import varbatch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-
 
 def print0(*args):
-    """Prints on global rank 0 only."""
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         print(*args, flush=True)
 
 
-# -----------------------------------------------------------------------------
-# Data: variable-length sequences whose target is a causal running sum
-# -----------------------------------------------------------------------------
+# -- 1. Data and the two callbacks --------------------------------------------
 
 
-class RunningSumSequences(Dataset):
-    """Sequences ``x`` (L x E, normal noise) with targets ``y_t = sum_{s<=t} w.x_s / sqrt(t+1)``.
+class RunningSumSequences(torch.utils.data.Dataset):
+    """Samples ``(x, y)``: ``x`` is L x E noise, ``y_t = sum_{s<=t} w.x_s / sqrt(t+1)``; L log-normal in [4, 64]."""
 
-    Lengths are log-normal, clipped to ``[min_seqlen, max_seqlen]``, so most
-    sequences are short and a few are long (as in text). A sample is
-    ``(x, y, L)``; ``seqlens`` holds every L (the example lets varbatch
-    compute them instead, with `batch_seqlens`, to show that path).
-    """
-
-    def __init__(self, num_samples, max_seqlen=64, embed_dim=16, min_seqlen=4, seed=0):
+    def __init__(self, num_samples, max_seqlen=64, embed_dim=16, seed=0):
         gen = torch.Generator().manual_seed(seed)
         lengths = torch.exp(math.log(20) + 0.6 * torch.randn(num_samples, generator=gen))
-        self.seqlens = lengths.round().clamp(min_seqlen, max_seqlen).long()
+        self.seqlens = lengths.round().clamp(4, max_seqlen).long()
         self.max_seqlen, self.embed_dim = max_seqlen, embed_dim
         w = torch.randn(embed_dim, generator=gen)
-        w = w / w.norm()
-        self.samples = []
-        for seqlen in self.seqlens.tolist():
-            x = torch.randn(seqlen, embed_dim, generator=gen)                   # L x E
-            y = torch.cumsum(x @ w, dim=0) / torch.arange(1, seqlen + 1).sqrt()  # L
-            self.samples.append((x, y, torch.tensor(seqlen)))
+        xs = [torch.randn(n, embed_dim, generator=gen) for n in self.seqlens.tolist()]  # L x E
+        self.samples = [(x, torch.cumsum(x @ (w / w.norm()), 0) / torch.arange(1, len(x) + 1).sqrt()) for x in xs]
 
     def __len__(self):
         return len(self.samples)
@@ -85,379 +59,215 @@ class RunningSumSequences(Dataset):
         return self.samples[i]
 
 
-def pad_to_length(sample, length):
-    """``sample_padding_fn``: pads x and y to ``length`` (pipeline batches share one S); keeps L."""
-    x, y, seqlen = sample
-    return varbatch.pad_sample(x, length), varbatch.pad_sample(y, length), seqlen
+def collate(samples, seqlens=None):
+    """``((x B x S x E, lengths), (y B x S, lengths))``, the (inputs, labels) a pipeline wants.
 
-
-_collate_padded = varbatch.PaddedCollate(pad_value=0)
-
-
-def collate(samples):
-    """``dataloader_collate_fn``: ``((x B x S x E, lengths B), (y B x S, lengths B))``.
-
-    The shape DeepSpeed's pipeline engine wants: (inputs, labels). The real
-    lengths travel with the inputs (the attention masks need them) and with
-    the labels (the loss ignores padding).
+    varbatch passes the real lengths as ``seqlens`` (also when a pipeline batch
+    arrives padded to its longest sample); computing them, it calls without.
     """
-    x, y, lengths, _ = _collate_padded(samples)
+    x, y, lengths = varbatch.PaddedCollate()(samples, seqlens=seqlens)
     return (x, lengths), (y, lengths)
 
 
 def batch_seqlens(batch):
-    """``batch_seqlens_fn``: the real length of every sample of a collated batch."""
-    (_, lengths), _ = batch
-    return lengths
+    """The real length of every sample of a collated batch: varbatch computes the seqlens with it, once."""
+    return batch[0][1]
 
 
-# -----------------------------------------------------------------------------
-# Model: a variable-shape attention head, then a fixed-size feed-forward
-# -----------------------------------------------------------------------------
-# Every layer maps a tuple (h, lengths) to the next, so the same layers run as
-# nn.Sequential (DDP) or as pipeline stages (PipelineModule).
+# -- 2. The model: layers map (h, lengths) to the next, as nn.Sequential or pipeline stages
 
 
 class CausalAttention(nn.Module):
-    """One attention head over the real tokens of each sample: B x S x E -> B x S x E."""
-
-    def __init__(self, embed_dim):
+    def __init__(self, dim):
         super().__init__()
-        self.qkv = nn.Linear(embed_dim, 3 * embed_dim)
-        self.out = nn.Linear(embed_dim, embed_dim)
+        self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
 
     def forward(self, inputs):
-        x, lengths = inputs                                                   # B x S x E, B
-        _, seqlen, embed_dim = x.shape
-        q, k, v = self.qkv(x).chunk(3, dim=-1)                                # B x S x E each
-        pos = torch.arange(seqlen, device=x.device)
-        # Per-sample causal mask: query t sees keys s <= t that are real tokens.
-        mask = (pos[None, :, None] >= pos[None, None, :]) & (pos[None, None, :] < lengths[:, None, None])  # B x S x S
-        scores = (q @ k.transpose(1, 2)) / math.sqrt(embed_dim)               # B x S x S
-        weights = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
-        real = (pos[None, :] < lengths[:, None]).unsqueeze(-1)                # B x S x 1
-        return self.out(weights @ v) * real, lengths                         # B x S x E
+        x, lengths = inputs                                                       # B x S x E, B
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        pos = torch.arange(x.shape[1], device=x.device)
+        mask = (pos[:, None] >= pos[None, :]) & (pos[None, None, :] < lengths[:, None, None])  # B x S x S
+        weights = ((q @ k.transpose(1, 2)) / math.sqrt(x.shape[2])).masked_fill(~mask, float("-inf")).softmax(-1)
+        return self.out(weights @ v) * (pos[None, :, None] < lengths[:, None, None]), lengths
 
 
-class TokenMixing(nn.Module):
-    """Pads to the dataset's max seqlen M and mixes positions: B x S x E -> B x M x E.
+class FeedForward(nn.Module):
+    """Pads to the dataset's longest sample M and mixes positions and channels: B x S x E -> B x M (fixed size)."""
 
-    Its weight is M x M, so every input must be padded to M: the kind of
-    fixed-size layer that variable S meets in real models.
-    """
-
-    def __init__(self, max_seqlen):
+    def __init__(self, max_seqlen, dim, hidden=64):
         super().__init__()
-        self.max_seqlen = max_seqlen
-        self.mix = nn.Linear(max_seqlen, max_seqlen)
-
-    def forward(self, inputs):
-        h, lengths = inputs
-        h = F.pad(h, (0, 0, 0, self.max_seqlen - h.shape[1]))                 # B x M x E
-        return h + self.mix(h.transpose(1, 2)).transpose(1, 2), lengths
-
-
-class ChannelMLP(nn.Module):
-    """Position-wise feed-forward with a residual: B x M x E -> B x M x E."""
-
-    def __init__(self, embed_dim, hidden_dim):
-        super().__init__()
-        self.fc1 = nn.Linear(embed_dim, hidden_dim)
-        self.fc2 = nn.Linear(hidden_dim, embed_dim)
-
-    def forward(self, inputs):
-        h, lengths = inputs
-        return h + self.fc2(F.gelu(self.fc1(h))), lengths
-
-
-class Head(nn.Module):
-    """One prediction per position: B x M x E -> B x M."""
-
-    def __init__(self, embed_dim):
-        super().__init__()
-        self.proj = nn.Linear(embed_dim, 1)
+        self.max_seqlen, self.mix = max_seqlen, nn.Linear(max_seqlen, max_seqlen)
+        self.mlp = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
+        self.head = nn.Linear(dim, 1)
 
     def forward(self, inputs):
         h, _ = inputs
-        return self.proj(h).squeeze(-1)
-
-
-def build_layers(max_seqlen, embed_dim, seed, hidden_dim=64):
-    """The model's layers, initialized from ``seed`` (identical on every rank and path)."""
-    torch.manual_seed(seed)
-    return [CausalAttention(embed_dim), TokenMixing(max_seqlen), ChannelMLP(embed_dim, hidden_dim), Head(embed_dim)]
-
-
-def pipeline_stages(layers, num_stages):
-    """Groups the layers into ``num_stages`` stages: the attention alone, the feed-forward split after it."""
-    feed_forward = layers[1:]
-    bounds = [round(i * len(feed_forward) / (num_stages - 1)) for i in range(num_stages)]
-    return [layers[0]] + [nn.Sequential(*feed_forward[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+        h = F.pad(h, (0, 0, 0, self.max_seqlen - h.shape[1]))                    # B x M x E
+        h = h + self.mix(h.transpose(1, 2)).transpose(1, 2)
+        return self.head(h + self.mlp(h)).squeeze(-1)                            # B x M
 
 
 def token_loss(pred, labels):
-    """Mean squared error over the real tokens of a step input, times its weight in the batch.
-
-    ``labels`` is ``(y B x S, lengths B, weight)``; ``weight`` comes from
-    `varbatch.micro_batch_loss_weight`, so that the engine's averaging over
-    ranks and accumulation steps yields the mean over every real token of the
-    batch, whatever the sizes of its micro-batches.
-    """
-    targets, lengths, weight = labels
-    seqlen = targets.shape[1]
-    real = torch.arange(seqlen, device=targets.device)[None, :] < lengths[:, None]  # B x S
-    squared = (pred[:, :seqlen] - targets).pow(2) * real
-    return squared.sum() / real.sum() * weight
+    """Mean squared error over the real tokens of a step input, times its weight (see `weigh`)."""
+    y, lengths, weight = labels
+    real = torch.arange(y.shape[1], device=y.device)[None, :] < lengths[:, None]  # B x S
+    return ((pred[:, :y.shape[1]] - y).pow(2) * real).sum() / real.sum() * weight
 
 
-# -----------------------------------------------------------------------------
-# Training
-# -----------------------------------------------------------------------------
+def weigh(step_inputs, batch_tokens, num_replicas, accumulation):
+    """Each step input's loss weight, so the engine's average over ranks and steps is the batch's token mean."""
+    return [(inputs, (y, lengths, torch.tensor(varbatch.micro_batch_loss_weight(
+        int(lengths.sum()), batch_tokens, num_replicas=num_replicas, gradient_accumulation_steps=accumulation))))
+        for inputs, (y, lengths) in step_inputs]
+
+
+def warmup_cosine(t, steps, warmup=10, floor=0.1):
+    """The schedule: linear warmup over ``warmup`` steps, then a cosine down to ``floor`` at step ``steps``."""
+    if t < warmup:
+        return (t + 1) / warmup
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, (t - warmup) / max(1, steps - warmup))))
+
+
+# -- 3. Training -----------------------------------------------------------------
 
 
 def init_distributed(args):
-    """Starts torch.distributed through DeepSpeed, also for a plain ``python example.py``."""
+    """torch.distributed through DeepSpeed, also for a plain ``python example.py``; CPU runs made robust."""
     import deepspeed
-    from deepspeed.accelerator import get_accelerator
-    if "RANK" not in os.environ:  # no launcher: a world of one process
+    if "RANK" not in os.environ:  # no launcher: a world of one process, on a free port
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if get_accelerator().device_name() == "cpu":
+            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=str(s.getsockname()[1]))
+    if deepspeed.get_accelerator().device_name() == "cpu":
+        # Each CPU rank gets its share of the cores (oversubscribed ranks run ~10x slower), and
+        # DeepSpeed's shared-memory all-reduce op is not compiled (minutes; a killed build leaves
+        # a lock file that hangs later runs; training uses gloo).
         if "OMP_NUM_THREADS" not in os.environ:
-            # CPU ranks share this machine's cores: without a share each, torch gives
-            # every rank all the cores, and the oversubscribed ranks run ~10x slower.
-            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-            torch.set_num_threads(max(1, cores // int(os.environ.get("LOCAL_SIZE", "1"))))
-        # DeepSpeed compiles a shared-memory all-reduce op for CPU ranks on its first
-        # init (only its inference all-reduce uses it). The build takes minutes on a
-        # small machine, and a build killed midway leaves a lock file under
-        # ~/.cache/torch_extensions that hangs every later run. Training uses gloo.
+            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_SIZE", "1"))))
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    # A rank that hangs would otherwise keep the others waiting in a collective for
-    # DeepSpeed's default timeout (10 minutes, or $DEEPSPEED_TIMEOUT), and 30 minutes
-    # in the groups DeepSpeed makes later (data-parallel, pipeline), which get torch's
-    # default rather than this one: make this torch's default too. (A rank that dies
-    # is noticed at once: the launcher stops the others.)
+    # A frozen rank fails the job after --dist-timeout, not after 30 minutes, in every group DeepSpeed makes.
     timeout = timedelta(seconds=args.dist_timeout)
     torch.distributed.distributed_c10d.default_pg_timeout = timeout
     torch.distributed.distributed_c10d.default_pg_nccl_timeout = timeout
     deepspeed.init_distributed(timeout=timeout)
 
 
-def load_config(args):
-    """ds_config.json (or --config), with the flags that override it."""
-    with open(args.config) as f:
-        config = json.load(f)
-    section = config.setdefault("data_efficiency", {}).setdefault("data_sampling", {}) \
-        .setdefault("dynamic_batching", {})
-    if args.max_tokens is not None:
-        section["max_tokens"] = args.max_tokens
-    if args.lr_scaling_method is not None:
-        section["lr_scaling_method"] = args.lr_scaling_method
-    return config
-
-
-def make_engine(args, config, dataset):
-    """The DeepSpeed engine (DDP or pipeline) and varbatch's dataloader and LR scheduler."""
-    import deepspeed
-    layers = build_layers(dataset.max_seqlen, dataset.embed_dim, args.seed)
-    if args.pipeline_num_stages:
-        from deepspeed.pipe import PipelineModule
-        model = PipelineModule(layers=pipeline_stages(layers, args.pipeline_num_stages),
-                               num_stages=args.pipeline_num_stages, loss_fn=token_loss,
-                               partition_method="uniform")
-    else:
-        model = nn.Sequential(*layers)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    dataloader, lr_scheduler, _ = varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
-        dataset=dataset, engine=engine, dataloader_collate_fn=collate, sample_padding_fn=pad_to_length,
-        batch_seqlens_fn=batch_seqlens)
-    return engine, dataloader, lr_scheduler
-
-
-def weigh(step_inputs, batch_tokens, num_replicas, gradient_accumulation_steps):
-    """Appends each step input's loss weight to its labels: ``(inputs, (y, lengths, weight))``."""
-    weighted = []
-    for inputs, (targets, lengths) in step_inputs:
-        weight = varbatch.micro_batch_loss_weight(int(lengths.sum()), batch_tokens, num_replicas=num_replicas,
-                                                  gradient_accumulation_steps=gradient_accumulation_steps)
-        weighted.append((inputs, (targets, lengths, torch.tensor(weight))))
-    return weighted
-
-
-def train_ddp_batch(engine, step_inputs):
-    """One batch on the DDP path: forward and backward per step input; the engine steps at the boundary.
-
-    Returns this rank's sum of weighted losses.
-    """
-    loss_sum = 0.0
-    for (x, lengths), (targets, _, weight) in step_inputs:
-        x, lengths = x.to(engine.device), lengths.to(engine.device)
-        loss = token_loss(engine((x, lengths)), (targets.to(engine.device), lengths, weight.to(engine.device)))
-        engine.backward(loss)
-        engine.step()
-        loss_sum += loss.item()
-    return loss_sum
-
-
-def train_pipeline_batch(engine, step_inputs, activation_shape):
-    """One batch on the pipeline path. Returns the batch's loss and the (B, S) the stages now exchange.
-
-    The stages pass B x S x E activations through buffers sized at the first
-    micro-batch after `reset_activation_shape`. varbatch gives every micro-batch
-    of a batch the same B and S, so a reset is needed only when the next batch's
-    shape differs (``PipelineModule(dynamic_shape=True)`` instead sends the shape
-    with every micro-batch).
-    """
-    shapes = {tuple(inputs[0].shape[:2]) for inputs, _ in step_inputs}
-    if len(shapes) != 1:
-        raise RuntimeError(f"the step inputs of one pipeline batch differ in shape: {sorted(shapes)}")
-    shape = shapes.pop()
-    if shape != activation_shape:
-        engine.reset_activation_shape()
-    return engine.train_batch(data_iter=iter(step_inputs)).item(), shape
-
-
 def main(args):
     import deepspeed
     init_distributed(args)
-    deepspeed.utils.logger.setLevel(logging.WARNING)
-    if torch.distributed.get_rank() == 0:
-        logging.basicConfig(format="varbatch: %(message)s")
-        logging.getLogger("varbatch").setLevel(logging.INFO)
     pipeline = args.pipeline_num_stages > 0
-
-    # 1. Data, engine, and varbatch's loader and LR scheduler (installed as engine.lr_scheduler).
+    # 1. The data, the model and the engine (DDP, or two pipeline stages: attention | feed-forward).
+    with open(args.config) as f:
+        config = json.load(f)
+    if args.max_tokens:
+        config["data_efficiency"]["data_sampling"]["dynamic_batching"]["max_tokens"] = args.max_tokens
     dataset = RunningSumSequences(args.num_samples, seed=args.seed)
-    engine, dataloader, lr_scheduler = make_engine(args, load_config(args), dataset)
-    sampler = dataloader.variable_batch_sampler  # plan, set_epoch, state_dict
-    gas = engine.gradient_accumulation_steps()
-    num_replicas = sampler.num_replicas
+    torch.manual_seed(args.seed)
+    layers = [CausalAttention(dataset.embed_dim), FeedForward(dataset.max_seqlen, dataset.embed_dim)]
+    model = deepspeed.pipe.PipelineModule(layers, num_stages=2, loss_fn=token_loss, partition_method="uniform") \
+        if pipeline else nn.Sequential(*layers)
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
 
-    # 2. Resume: DeepSpeed restores the model, optimizer and LR scheduler; varbatch's sampler its position.
-    start_epoch, start_batch = 0, 0
+    # 2. varbatch's loader and LR scheduler (installed as engine.lr_scheduler). The schedule is
+    # sized by the plans' exact number of steps: each epoch's plan has its own.
+    def schedule(sampler):
+        steps = sampler.horizon(args.epochs)
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: warmup_cosine(t, steps))
+    dataloader, lr_scheduler, _ = varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
+        dataset, engine, dataloader_collate_fn=collate, sample_padding_fn=varbatch.pad_sample,
+        batch_seqlens_fn=batch_seqlens, lr_scheduler_fn=schedule)
+    sampler, gas, ranks = dataloader.variable_batch_sampler, engine.gradient_accumulation_steps(), engine.dp_world_size
+
+    # 3. Resume: DeepSpeed restores the model, optimizer and LR scheduler; the sampler its position.
     if args.resume:
         path, client_state = engine.load_checkpoint(args.checkpoint_dir)
         if path is None:
             raise FileNotFoundError(f"--resume: no checkpoint in --checkpoint-dir {args.checkpoint_dir}")
         sampler.load_state_dict(client_state["varbatch_sampler"])
-        start_epoch, start_batch = sampler.epoch, sampler.state_dict()["steps_done"] // gas
-        print0(f"resumed from {path} at step {engine.global_steps}: epoch {start_epoch}, batch {start_batch}")
-    plan = sampler.plan
-    print0(f"plan of epoch {plan.epoch}: {plan.num_batches} batches of {plan.effective_batch_size} micro-batches, "
-           f"{int(plan.batch_sizes.sum())} samples, B per batch {int(plan.batch_sizes.min())}.."
-           f"{int(plan.batch_sizes.max())}, {plan.num_dropped} dropped; "
-           f"{f'pipeline of {args.pipeline_num_stages} stages' if pipeline else 'DDP'}, "
-           f"{num_replicas} data-parallel rank(s), {gas} accumulation step(s), device {engine.device}")
+        print0(f"resumed from {path} at step {engine.global_steps}: epoch {sampler.epoch}, "
+               f"batch {sampler.steps_done // gas}")
+    left = args.epochs - sampler.epoch
+    total_steps = engine.global_steps + (sampler.horizon(left) if left > 0 else 0)
+    total_steps = min(total_steps, args.max_steps or total_steps)
+    print0(f"{total_steps} optimizer steps of {sampler.effective_batch_size} micro-batches: "
+           f"{'pipeline' if pipeline else 'DDP'}, {ranks} data-parallel rank(s), device {engine.device}")
 
-    # 3. Train: each batch is `gas` step inputs per rank, weighted so the loss is the batch's token mean.
-    dropped = {reason: 0 for reason in varbatch.DROP_REASONS}
-    samples_trained = tokens_trained = 0
-    epochs_done, steps_done = float(start_epoch), None  # steps_done: step inputs done in the sampler's epoch
-    activation_shape = None
-    # A progress line about every tenth of the run: steps, tokens/s, ETA (plans of later
-    # epochs may hold a batch more or less; the estimate uses the current one).
-    total_steps = engine.global_steps + sampler.plan.num_batches * (args.epochs - start_epoch) - start_batch
-    if args.max_steps:
-        total_steps = min(total_steps, args.max_steps)
-    progress_every = max(1, (total_steps - engine.global_steps) // 10)
-    first_step = engine.global_steps
-    started = time.perf_counter()
-    for epoch in range(start_epoch, args.epochs):
-        if args.max_steps and engine.global_steps >= args.max_steps:
+    # 4. Train. Each batch is `gas` step inputs per rank, weighted to the batch's token mean.
+    dropped, samples, tokens_trained, shape, trained = {}, 0, 0, None, sampler.steps_done
+    first, every, started = engine.global_steps, max(1, (total_steps - engine.global_steps) // 10), time.perf_counter()
+    for epoch in range(sampler.epoch, args.epochs):
+        if engine.global_steps >= total_steps:
             break
         sampler.set_epoch(epoch)
-        plan = sampler.plan
+        plan, batches = sampler.plan, iter(dataloader)
         for reason, ids in plan.dropped.items():
-            dropped[reason] += len(ids)
-        batches = iter(dataloader)
-        for b in range(start_batch if epoch == start_epoch else 0, plan.num_batches):
-            assert lr_scheduler.steps_in_epoch == b, "the LR scheduler and the loop disagree on the batch"
-            step_inputs = weigh([next(batches) for _ in range(gas)], int(plan.batch_tokens[b]), num_replicas, gas)
-            shapes = [tuple(inputs[0].shape[:2]) for inputs, _ in step_inputs]  # (B, S) of each
-            lr = lr_scheduler.get_last_lr()[0]  # the LR of this batch's optimizer step
-            loss_sum = 0.0
-            if pipeline:
-                loss, activation_shape = train_pipeline_batch(engine, step_inputs, activation_shape)
-            else:
-                loss_sum = train_ddp_batch(engine, step_inputs)
-            # Real tokens, padded slots and weighted losses of the whole batch (all data-parallel ranks).
+            dropped[reason] = dropped.get(reason, 0) + len(ids)
+        for b in range(sampler.steps_done // gas, plan.num_batches):
+            step_inputs = weigh([next(batches) for _ in range(gas)], int(plan.batch_tokens[b]), ranks, gas)
+            shapes, lr = [tuple(inputs[0].shape[:2]) for inputs, _ in step_inputs], lr_scheduler.get_last_lr()[0]
+            if pipeline:  # 4a. one call trains the batch; the stages exchange activations of one shape
+                if shapes[0] != shape:
+                    engine.reset_activation_shape()
+                    shape = shapes[0]
+                loss = engine.train_batch(data_iter=iter(step_inputs)).item()
+            else:  # 4b. forward and backward per step input; the engine steps at the batch boundary
+                loss = 0.0
+                for inputs, labels in step_inputs:
+                    inputs, labels = [[t.to(engine.device) for t in part] for part in (inputs, labels)]
+                    step_loss = token_loss(engine(inputs), labels)
+                    engine.backward(step_loss)
+                    engine.step()
+                    loss += step_loss.item() / (ranks * gas)
             totals = torch.tensor([sum(int(labels[1].sum()) for _, labels in step_inputs),
-                                   sum(n * s for n, s in shapes), loss_sum],
-                                  dtype=torch.float64, device=engine.device)  # NCCL reduces device tensors
-            if num_replicas > 1:
+                                   sum(n * s for n, s in shapes), loss], dtype=torch.float64, device=engine.device)
+            if ranks > 1:  # the whole batch: every data-parallel rank
                 torch.distributed.all_reduce(totals, group=engine.data_parallel_group)
-            tokens, slots = int(totals[0]), totals[1].item()
-            if not pipeline:  # the weighted means sum to (ranks x accumulation steps) x the batch's mean
-                loss = totals[2].item() / (num_replicas * gas)
-            samples_trained += int(plan.batch_sizes[b])
-            tokens_trained += tokens
-            epochs_done, steps_done = epoch + (b + 1) / plan.num_batches, (b + 1) * gas
+            tokens, loss = int(totals[0]), loss if pipeline else totals[2].item()
+            samples, tokens_trained = samples + int(plan.batch_sizes[b]), tokens_trained + tokens
+            trained = (b + 1) * gas  # step inputs of this epoch trained
             print0(f"step {engine.global_steps:4d} | epoch {epoch} | B {','.join(str(n) for n, _ in shapes)} | "
-                   f"S {','.join(str(s) for _, s in shapes)} | tokens {tokens} | "
-                   f"padding {100 * (1 - tokens / slots):.1f}% | lr {lr:.6e} | loss {loss:.6f}")
-            done = engine.global_steps - first_step
-            if done % progress_every == 0:
-                elapsed = time.perf_counter() - started
-                eta = elapsed / done * max(0, total_steps - engine.global_steps)
-                print0(f"progress | step {engine.global_steps}/{total_steps} | "
-                       f"tokens/s {tokens_trained / max(elapsed, 1e-9):.0f} | ETA {eta:.1f} s")
-            if args.max_steps and engine.global_steps >= args.max_steps:
+                   f"S {','.join(str(s) for _, s in shapes)} | tokens {tokens} | padding "
+                   f"{100 * (1 - tokens / totals[1].item()):.1f}% | lr {lr:.6e} | loss {loss:.6f}")
+            elapsed = time.perf_counter() - started
+            if (engine.global_steps - first) % every == 0:
+                eta = elapsed / (engine.global_steps - first) * (total_steps - engine.global_steps)
+                print0(f"progress | step {engine.global_steps}/{total_steps} | tokens/s "
+                       f"{tokens_trained / max(elapsed, 1e-9):.0f} | ETA {eta:.1f} s")
+            if engine.global_steps >= total_steps:
                 break
-    wall = time.perf_counter() - started
 
-    # 4. Save (engine + sampler position) and report.
+    # 5. Save the engine and the sampler's position (the step inputs trained: a loader may read ahead).
+    wall = time.perf_counter() - started
     if args.checkpoint_dir:
         engine.save_checkpoint(args.checkpoint_dir,
-                               client_state={"varbatch_sampler": sampler.state_dict(steps_done=steps_done)})
+                               client_state={"varbatch_sampler": sampler.state_dict(steps_done=trained)})
         print0(f"saved checkpoint at step {engine.global_steps} in {args.checkpoint_dir}")
-    print0(f"summary | epochs {epochs_done:.3g} | steps {engine.global_steps} | samples trained {samples_trained} | "
-           f"dropped {' '.join(f'{reason}={count}' for reason, count in dropped.items())} | "
-           f"wall {wall:.1f} s | tokens/s {tokens_trained / max(wall, 1e-9):.0f}")
-
-
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=os.path.join(HERE, "ds_config.json"),
-                        help="DeepSpeed config with the dynamic_batching section (default: ds_config.json)")
-    parser.add_argument("--pipeline-num-stages", type=int, default=0,
-                        help="0: data parallel (DDP); N >= 2: PipelineModule with N stages (needs N processes)")
-    parser.add_argument("--epochs", type=int, default=10, help="epochs to train (default 10)")
-    parser.add_argument("--num-samples", type=int, default=2000, help="dataset size (default 2000)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the dataset and the model's init")
-    parser.add_argument("--max-tokens", type=int, default=None,
-                        help="token budget of one micro-batch (default: the config's max_tokens)")
-    parser.add_argument("--lr-scaling-method", choices=varbatch.LR_SCALING_METHODS, default=None,
-                        help="how the LR follows the batch size (default: the config's lr_scaling_method)")
-    parser.add_argument("--max-steps", type=int, default=0,
-                        help="stop after this global optimizer step (0: train every epoch)")
-    parser.add_argument("--checkpoint-dir", default=None,
-                        help="save the engine and the varbatch sampler here when the run ends")
-    parser.add_argument("--resume", action="store_true", help="continue from the checkpoint in --checkpoint-dir")
-    parser.add_argument("--dist-timeout", type=float, default=180,
-                        help="seconds a rank waits for the others in a collective before failing (default 180)")
-    parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
-    args = parser.parse_args(argv)
-
-    stages = args.pipeline_num_stages
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if stages == 1 or stages < 0 or stages > 4:
-        parser.error(f"--pipeline-num-stages should be 0 (DDP) or 2..4 (the model has 4 layers), but got {stages}")
-    if stages and world_size % stages:
-        parser.error(f"--pipeline-num-stages {stages} needs a multiple of {stages} processes (one per stage), but "
-                     f"this run has {world_size}. Run: deepspeed --num_gpus {stages} example.py "
-                     f"--pipeline-num-stages {stages} (on a CPU machine each GPU is a process; on a machine with "
-                     f"fewer GPUs run the DDP path: deepspeed example.py)")
-    if args.resume and not args.checkpoint_dir:
-        parser.error("--resume needs --checkpoint-dir, the folder a run with --checkpoint-dir saved into")
-    for name in ("epochs", "num_samples"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} should be >= 1, but got {getattr(args, name)}")
-    return args
+    epochs = sampler.epoch + trained / gas / sampler.plan.num_batches
+    print0(f"summary | epochs {epochs:.3g} | steps {engine.global_steps} | samples trained {samples} | dropped "
+           f"{' '.join(f'{r}={n}' for r, n in dropped.items())} | wall {wall:.1f} s | "
+           f"tokens/s {tokens_trained / max(wall, 1e-9):.0f}")
 
 
 if __name__ == "__main__":
-    main(parse_args())
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "ds_config.json"),
+                        help="DeepSpeed config with the dynamic_batching section (default: ds_config.json)")
+    parser.add_argument("--pipeline-num-stages", type=int, default=0, choices=[0, 2],
+                        help="0: data parallel (DDP); 2: a pipeline of 2 stages (needs a multiple of 2 processes)")
+    parser.add_argument("--epochs", type=int, default=10, help="epochs to train (default 10)")
+    parser.add_argument("--num-samples", type=int, default=2000, help="dataset size (default 2000)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the dataset and the model's initial weights")
+    parser.add_argument("--max-tokens", type=int, help="token budget of one micro-batch (default: the config's)")
+    parser.add_argument("--max-steps", type=int, default=0, help="stop after this global optimizer step (0: never)")
+    parser.add_argument("--checkpoint-dir", help="save the engine and varbatch's sampler here at the end")
+    parser.add_argument("--resume", action="store_true", help="continue from the checkpoint in --checkpoint-dir")
+    parser.add_argument("--dist-timeout", type=float, default=180, help="seconds a rank waits in a collective")
+    parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
+    args = parser.parse_args()
+    if args.pipeline_num_stages and int(os.environ.get("WORLD_SIZE", "1")) % 2:
+        parser.error("--pipeline-num-stages 2 needs a multiple of 2 processes (one per stage). Run: deepspeed "
+                     "--num_gpus 2 example.py --pipeline-num-stages 2 (on a CPU machine each GPU is a process)")
+    if args.resume and not args.checkpoint_dir:
+        parser.error("--resume needs --checkpoint-dir, the folder a run with --checkpoint-dir saved into")
+    main(args)

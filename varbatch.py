@@ -1453,6 +1453,7 @@ def _loader_and_scheduler(dataset, seqlens, settings: _Settings, sample_ids, ran
     rank = _check_int("dataloader_rank", rank, minimum=0, maximum=settings.num_replicas - 1)
     sampler = VariableBatchSampler._of(_Planner(seqlens, settings, ids, fixed), rank, verbose)
     loader = make_dataloader(dataset, sampler, **loader_options)
+    base = base(sampler) if callable(base) and not hasattr(base, "step") else base  # an lr_scheduler_fn
     scheduler = None if base is None else VariableBatchSizeLR(
         base, lr.get("lr_scaling_reference"), sampler, lr_scaling_method=lr.get("lr_scaling_method", "linear"),
         verbose=verbose, lr_scaling_unit=lr.get("lr_scaling_unit", "sequences"), clock=lr.get("lr_clock", "steps"),
@@ -1673,7 +1674,8 @@ def _gather(obj: Any) -> list:
 def get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(dataset, engine, dataset_seqlens=None,
                                                                       dataset_filter_ids=None,
                                                                       dataloader_collate_fn=None,
-                                                                      sample_padding_fn=None, batch_seqlens_fn=None):
+                                                                      sample_padding_fn=None, batch_seqlens_fn=None,
+                                                                      *, lr_scheduler_fn=None):
     """The dataloader and LR scheduler for a DeepSpeed engine, from its config (DeepSpeed's signature).
 
     Reads ``data_efficiency.data_sampling.dynamic_batching`` (see README); takes
@@ -1685,7 +1687,9 @@ def get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(dataset, e
     the LR follows the batch trained also when the engine skips a step (fp16
     overflow). Seqlens: ``dataset_seqlens``; else the cache in ``metrics_path``
     (spot-checked with ``batch_seqlens_fn``); else computed once with
-    ``batch_seqlens_fn``, each rank a shard, and cached there.
+    ``batch_seqlens_fn``, each rank a shard, and cached there. ``lr_scheduler_fn``,
+    if given, makes the schedule to scale from the sampler, so that it can be
+    sized by ``sampler.horizon(epochs)`` (e.g. ``lambda sampler: OneCycleLR(...)``).
 
     Returns:
         ``(dataloader, lr_scheduler, deepspeed_io_kwargs)``; ``lr_scheduler`` is
@@ -1716,7 +1720,7 @@ def get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(dataset, e
     settings = _Settings.of(**plan_options, effective_batch_size=k, micro_batch_size=mbs, num_replicas=dp_size,
                             same_size=pipeline, same_length=pipeline)
     loader, scheduler, io_kwargs = _loader_and_scheduler(
-        dataset, dataset_seqlens, settings, dataset_filter_ids, dp_rank, base, lr_options, other["verbose"],
+        dataset, dataset_seqlens, settings, dataset_filter_ids, dp_rank, lr_scheduler_fn or base, lr_options, other["verbose"],
         collate_fn=dataloader_collate_fn, sample_padding_fn=sample_padding_fn, num_workers=other["num_workers"],
         pin_memory=other["pin_memory"])
     # Every rank (pipeline stages too) must train one plan, else samples are trained twice or
