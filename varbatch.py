@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 __all__ = [  # DeepSpeed's names (deepspeed.runtime.data_pipeline.data_sampling.variable_batch_size_and_lr), then ours
     "batch_by_seqlens", "scale_lr", "dataloader_for_variable_batch_size", "VariableBatchSizeLR",
@@ -957,9 +957,9 @@ class VariableBatchSampler(Sampler[list[int]]):
         self.num_replicas, self.micro_batch_size, self.effective_batch_size = s.num_replicas, s.micro_batch_size, \
             s.effective_batch_size
         self.gradient_accumulation_steps, self.same_length = s.gradient_accumulation_steps, s.same_length
-        self.epoch = self.steps_done = self._start = 0  # _start: the first step input the next iteration yields
+        self.epoch = self.steps_done = self._start = self._pass = self._handed = 0  # _start: where the next pass starts
         self._plans: dict[int, Plan] = {}
-        self._logged: set[int] = set()
+        self._logged, self._lens, self._restored = set(), {}, False
         if self.plan_for_epoch(0).num_batches == 0:  # checked before training: later epochs never raise
             raise ValueError(_empty_plan_message(self._plans[0]))
 
@@ -976,13 +976,35 @@ class VariableBatchSampler(Sampler[list[int]]):
 
     def set_epoch(self, epoch: int) -> None:
         """Sets the epoch of the next iteration (a new order in ``random``/``bucket``)."""
-        if _check_int("epoch", epoch, minimum=0) != self.epoch:
-            self.epoch, self.steps_done, self._start = epoch, 0, 0
+        if _check_int("epoch", epoch) < self.epoch and self._restored:
+            raise ValueError(f"set_epoch({epoch}) after load_state_dict() restored epoch {self.epoch} would replay an "
+                             f"earlier epoch; pass the epoch being trained (HF Accelerate's prepared loader passes its "
+                             f"own count of passes, 0 after a restart, unless you call loader.set_epoch(epoch))")
+        if epoch != self.epoch:
+            self._check_cut(RuntimeError)
+            self.epoch, self.steps_done, self._start, self._pass = epoch, 0, 0, self._pass + 1
 
     def __len__(self) -> int:
         """Step inputs per epoch on this rank (the same on every rank)."""
-        return self.plan.num_batches * self.gradient_accumulation_steps
+        self._lens[self.epoch] = self.plan.num_batches * self.gradient_accumulation_steps
+        return self._lens[self.epoch]
 
+    def _check_cut(self, error: type) -> None:
+        """Raises (or warns) when this epoch's pass stopped at a len() given for another epoch.
+
+        Token-budget epochs differ in length; a trainer that reads len(loader)
+        once (Lightning, unless told to reload the loader) stops every epoch at
+        the first one's and leaves the rest of a longer epoch untrained.
+        """
+        total = self.plan.num_batches * self.gradient_accumulation_steps
+        stale = [e for e, n in self._lens.items() if e != self.epoch and n == self.steps_done]
+        if 0 < self.steps_done < total and stale:
+            message = (f"epoch {self.epoch}'s iteration stopped after {self.steps_done} of its {total} step inputs, the "
+                       f"len(loader) of epoch {stale[0]}: a trainer that reads len(loader) once cut it short and "
+                       f"its other samples were not trained; Lightning: Trainer(reload_dataloaders_every_n_epochs=1)")
+            if error is RuntimeError:
+                raise RuntimeError(message)
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
     def horizon(self, epochs: int = 1, unit: _Clock = "steps") -> int:
         """Optimizer steps (or real tokens, or samples) from the current position to the end of ``epochs`` epochs.
 
@@ -1005,35 +1027,42 @@ class VariableBatchSampler(Sampler[list[int]]):
             return total + (epochs - 1) * amount(self.plan, 0)  # one plan for every epoch: plan it once
         return total + sum(amount(self._planner(e), 0) for e in range(self.epoch + 1, self.epoch + epochs))
 
-    def _keys(self, epoch: int, start: int, rank: int | None) -> Iterator[tuple]:
-        """``(sample ids, seqlens, pad_to)`` of ``rank``'s step inputs of ``epoch`` from its ``start``-th.
+    def _iter_keys(self, every_rank: bool = False) -> Iterator[tuple]:
+        """Keys of this rank's step inputs of the epoch, from the resume position (with ``every_rank``, all ranks').
 
-        The one dealing rule (see above); ``rank=None`` yields all ranks', interleaved.
-        ``pad_to`` is the batch's longest seqlen in same-length mode, else 0.
+        The one dealing rule (see above). A key is ``(sample ids, seqlens,
+        pad_to, tag)``: ``pad_to`` is the batch's longest seqlen in same-length
+        mode, else 0; ``tag`` lets `_Collate` check the dealing. The position
+        follows this rank's keys; after its last one the sampler is at the next
+        epoch, also when the iterator is not exhausted (trainers stop at len()).
         """
-        plan, m, ranks, seqlens = self.plan_for_epoch(epoch), self.micro_batch_size, self.num_replicas, self.seqlens
-        first, stride = (start, 1) if rank is None else (start * ranks + rank, ranks)
-        for g in range(first, plan.num_microbatches // m, stride):
-            ids = plan.sample_ids[plan.microbatch_offsets[g * m]:plan.microbatch_offsets[(g + 1) * m]]
-            yield (tuple(ids.tolist()), None if seqlens is None else tuple(seqlens[ids].tolist()),
-                   int(plan.padded_seqlens[g * m]) if self.same_length else 0)
-
-    def _iter_keys(self) -> Iterator[tuple]:
-        """This rank's keys of one epoch from the resume position; then advances the epoch."""
-        epoch, start, self._start = self.epoch, self._start, 0
+        self._check_cut(RuntimeError)
+        self._pass, self._restored, epoch, start, self._start = self._pass + 1, False, self.epoch, self._start, 0
+        plan, passes, m, ranks, seqlens = self.plan, self._pass, self.micro_batch_size, self.num_replicas, self.seqlens
         if epoch not in self._logged and _on_rank_zero(self.rank):  # once per trained epoch, for the whole job
             self._logged.add(epoch)
-            _log_drops(self.plan_for_epoch(epoch))
+            _log_drops(plan)
             if self.verbose:
-                _logger.info("%s", _format_totals(self.plan_for_epoch(epoch).totals()))
-        for step, key in enumerate(self._keys(epoch, start, self.rank), start):
-            self.steps_done = step + 1
-            yield key
-        if self.epoch == epoch:  # not changed by set_epoch meanwhile
-            self.epoch, self.steps_done = epoch + 1, 0
+                _logger.info("%s", _format_totals(plan.totals()))
+        total = plan.num_microbatches // m // ranks
+        try:
+            for t in range(start, total):
+                for g in range(t * ranks, (t + 1) * ranks) if every_rank else [t * ranks + self.rank]:
+                    if g % ranks == self.rank:
+                        if self._pass != passes:  # set_epoch() or another pass since: this one is stale
+                            return
+                        self.epoch, self.steps_done, self._handed = (epoch + (t + 1 == total),
+                                                                     (t + 1) % total, self._handed + 1)
+                    ids = plan.sample_ids[plan.microbatch_offsets[g * m]:plan.microbatch_offsets[(g + 1) * m]]
+                    yield (tuple(ids.tolist()), None if seqlens is None else tuple(seqlens[ids].tolist()),
+                           int(plan.padded_seqlens[g * m]) if self.same_length else 0, (epoch, passes, start, g))
+        except GeneratorExit:  # the consumer dropped the pass: the last epoch of a run has no next pass to raise in
+            if self._pass == passes:
+                self._check_cut(RuntimeWarning)
+            raise
 
     def __iter__(self) -> Iterator[list[int]]:
-        return (list(ids) for ids, _, _ in self._iter_keys())
+        return (list(key[0]) for key in self._iter_keys())
 
     def _state_settings(self) -> dict:
         """What the plans depend on besides the epoch, as plain data (the data as hashes)."""
@@ -1061,7 +1090,7 @@ class VariableBatchSampler(Sampler[list[int]]):
         total = self.plan_for_epoch(epoch).num_batches * self.gradient_accumulation_steps
         steps = _check_int("steps_done", state_dict["steps_done"], minimum=0, maximum=total)
         self.epoch, self.steps_done = (epoch + 1, 0) if steps == total else (epoch, steps)
-        self._start = self.steps_done
+        self._start, self._pass, self._restored = self.steps_done, self._pass + 1, True
 
 
 def _mismatch(saved: Any, mine: dict) -> str | None:
@@ -1091,15 +1120,38 @@ class _KeyDataset(Dataset):
     def __getitem__(self, key):
         return key
 
+    def __len__(self):  # DeepSpeed's deepspeed_io() takes only datasets that have one
+        raise TypeError("varbatch's key dataset has no length: its items are the keys its sampler yields")
 
-class _StepInputKeys(Sampler[tuple]):
-    """The loader's sampler: a key per step input of this rank (with the state StatefulDataLoader saves)."""
+
+class _GlobalKeys(DistributedSampler):
+    """Every rank's step-input keys: the ``sampler`` launchers see (see `_Loader`).
+
+    A `DistributedSampler` in type only (its ``__init__`` is not called): a
+    launcher that adds one to a loader without one (Lightning) leaves this loader as it is.
+    """
 
     def __init__(self, sampler: VariableBatchSampler):
         self.variable_batch_sampler = sampler
 
     def __iter__(self):
-        return self.variable_batch_sampler._iter_keys()
+        return self.variable_batch_sampler._iter_keys(every_rank=True)
+
+    def __len__(self):
+        return len(self.variable_batch_sampler) * self.variable_batch_sampler.num_replicas
+
+    def set_epoch(self, epoch):
+        self.variable_batch_sampler.set_epoch(epoch)
+
+
+class _LocalKeys(_GlobalKeys):
+    """This rank's step-input keys, ``[key]`` each when ``batched`` (with the state StatefulDataLoader saves)."""
+
+    def __init__(self, sampler: VariableBatchSampler, batched: bool = True):
+        self.variable_batch_sampler, self.batched = sampler, batched
+
+    def __iter__(self):
+        return ([key] if self.batched else key for key in self.variable_batch_sampler._iter_keys())
 
     def __len__(self):
         return len(self.variable_batch_sampler)
@@ -1111,18 +1163,54 @@ class _StepInputKeys(Sampler[tuple]):
         self.variable_batch_sampler.load_state_dict(state_dict)
 
 
+class _Loader(DataLoader):
+    """`make_dataloader`'s loader: launchers see every rank's step inputs, it iterates this rank's.
+
+    NOTE [the loader deals itself]: torch's iterators and ``len()`` read the
+    private ``_index_sampler`` (a property since torch 1.x): here, this rank's
+    step inputs. Launchers read ``batch_sampler``: every rank's step inputs,
+    which HF Accelerate deals as varbatch does (rank r takes r, r + R, ...), and
+    ``sampler``, a `_GlobalKeys` that Lightning leaves in place. `_Collate`
+    checks the dealing, so any other re-dealing fails at the first batch.
+    """
+
+    @property
+    def _index_sampler(self):
+        if "_local" not in self.__dict__:
+            raise RuntimeError("this DataLoader was rebuilt from varbatch's loader and lost its dealing of step "
+                               "inputs to the ranks; use varbatch's loader as it is (Lightning: use_distributed_"
+                               "sampler=False)")
+        return self.__dict__["_local"]
+
+
 class _Collate:
     """Loads the samples of a step-input key, pads them in same-length mode, collates them (runs in workers)."""
 
-    def __init__(self, dataset, collate_fn=None, sample_padding_fn=None):
+    def __init__(self, dataset, collate_fn=None, sample_padding_fn=None, dealing=(1, 0)):
         self.dataset, self.collate_fn, self.sample_padding_fn = dataset, collate_fn, sample_padding_fn
+        self.dealing, self._seen = dealing, (None, 0)  # (num_replicas, rank); (pass, step inputs) collated here
         try:  # a collate_fn with a `seqlens` parameter gets the plan's real lengths
             self.pass_seqlens = collate_fn is not None and "seqlens" in inspect.signature(collate_fn).parameters
         except (TypeError, ValueError):
             self.pass_seqlens = False
 
+    def _check(self, epoch: int, passes: int, start: int, g: int) -> None:
+        """Raises unless step input ``g`` is the one this rank's loader (this worker of it) should collate next."""
+        (ranks, rank), info = self.dealing, torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        count = self._seen[1] + 1 if self._seen[0] == (epoch, passes) else 0
+        self._seen, expected = ((epoch, passes), count), (start + worker + count * workers) * ranks + rank
+        if g != expected:
+            raise RuntimeError(
+                f"rank {rank} got step input {g} of epoch {epoch}, not its {expected}: something re-dealt varbatch's "
+                f"loader, which deals the step inputs itself (rank r trains r, r + {ranks}, ...). HF Accelerate: "
+                f"set dispatch_batches=False and split_batches=False, and count the {ranks} ranks varbatch planned for "
+                f"(its DeepSpeed plugin counts 1 process on a machine without GPUs); Lightning: pass the loader as "
+                f"make_dataloader made it; elsewhere: iterate the loader, not loader.sampler")
+
     def __call__(self, keys):
-        (ids, seqlens, pad_to), = keys
+        (ids, seqlens, pad_to, tag), = keys
+        self._check(*tag)
         samples = [self.dataset[i] for i in ids]
         if pad_to:  # same-length mode: every sample of the batch to the batch's longest
             samples = [self.sample_padding_fn(sample, pad_to) for sample in samples]
@@ -1138,15 +1226,18 @@ class _Collate:
 
 
 def make_dataloader(dataset, batch_sampler: VariableBatchSampler, *, collate_fn=None, sample_padding_fn=None,
-                    num_workers=0, pin_memory=False, **dataloader_kwargs) -> DataLoader:
+                    num_workers=0, pin_memory=False, dataloader_class=None, **dataloader_kwargs) -> DataLoader:
     """A `DataLoader` over ``batch_sampler``'s step inputs: ``collate_fn(samples)`` for each (the list without one).
 
     In same-length mode every sample is first padded with
     ``sample_padding_fn(sample, length)`` to its batch's longest seqlen. A
     ``collate_fn`` with a ``seqlens`` parameter (as `PaddedCollate`) gets the
     plan's real lengths of its samples, also when they arrive padded. Works with
-    workers (also spawned), ``pin_memory`` and ``persistent_workers``; the
-    loader's ``variable_batch_sampler`` is ``batch_sampler``.
+    workers (also spawned), ``pin_memory`` and ``persistent_workers``, under
+    torchrun, DeepSpeed, HF Accelerate's ``prepare`` and Lightning (see README);
+    ``dataloader_class`` (a DataLoader subclass, e.g. torchdata's
+    ``StatefulDataLoader``) replaces torch's. ``loader.variable_batch_sampler``
+    is ``batch_sampler``.
 
     Raises:
         TypeError, ValueError: another sampler, same-length mode without
@@ -1165,10 +1256,12 @@ def make_dataloader(dataset, batch_sampler: VariableBatchSampler, *, collate_fn=
     if batch_sampler.same_length and sample_padding_fn is None:
         raise ValueError("sample_padding_fn is None, but same-length mode pads every sample of a batch to the batch's "
                          "max seqlen; pass sample_padding_fn=varbatch.pad_sample or your own fn(sample, length)")
-    loader = DataLoader(_KeyDataset(), batch_size=1, sampler=_StepInputKeys(batch_sampler), num_workers=num_workers,
-                        collate_fn=_Collate(dataset, collate_fn, sample_padding_fn), pin_memory=pin_memory,
-                        **dataloader_kwargs)
-    loader.variable_batch_sampler = batch_sampler
+    cls = _Loader if dataloader_class is None else type(f"_{dataloader_class.__name__}", (_Loader, dataloader_class), {})
+    loader = cls(_KeyDataset(), batch_size=1, sampler=_GlobalKeys(batch_sampler), num_workers=num_workers,
+                 pin_memory=pin_memory, collate_fn=_Collate(dataset, collate_fn, sample_padding_fn,
+                                                            (batch_sampler.num_replicas, batch_sampler.rank)),
+                 **dataloader_kwargs)
+    loader._local, loader.variable_batch_sampler = _LocalKeys(batch_sampler), batch_sampler
     return loader
 
 
@@ -1266,8 +1359,9 @@ class VariableBatchSizeLR(LRScheduler):
                                      f"train_batch_size); pass the VariableBatchSampler as batch_sizes, not a list")
         # Position: the plan's epoch and batch, what the clock counted, DeepSpeed's skipped steps seen.
         self._epoch, self._batch, self._seen, self._skipped_seen = self._sampler.epoch if self._sampler else 0, 0, 0, 0
-        self._skipped, self._reported = None, -1
+        self._skipped, self._reported, self._optimizer_steps, self._seen_at_step = None, -1, 0, None
         self._unscaled = [group["lr"] for group in optimizer.param_groups]
+        optimizer.register_step_post_hook(self._count_optimizer_step)
         super().__init__(optimizer, last_epoch)  # torch's first step: the LRs of batch 0
         factors, b_ref = self._factors(self._epoch)
         if self.base_batch_size is None and not 0.5 <= factors.mean() <= 2.0 and self._rank_zero():
@@ -1320,6 +1414,13 @@ class VariableBatchSizeLR(LRScheduler):
                                  f"start), but got epoch={epoch!r}; call step() after every optimizer step")
             self._epoch, self._batch = self._sampler.epoch if self._sampler else self._epoch, 0
             return self._write()
+        # Two steps with neither an optimizer step nor a new step input between them: a wrapper steps this
+        # scheduler twice per update (HF Accelerate's prepared scheduler steps once per process).
+        seen = (self._optimizer_steps, self._sampler._handed if self._sampler is not None else self._optimizer_steps)
+        if seen == self._seen_at_step and self._optimizer_steps and self._sampler is not None:
+            raise RuntimeError("VariableBatchSizeLR.step() was called twice for one optimizer step, with no new batch "
+                               "between: call it once per optimizer step (HF Accelerate: keep it out of "
+                               "accelerator.prepare(), whose scheduler wrapper steps once per process)")
         # NOTE [the wrapped scheduler steps first]: torch's step() takes the new LRs from get_lr(),
         # the wrapped schedule's LR times the next batch's factor: so the wrapped scheduler steps,
         # on its own unscaled LRs, before torch's step. If it raises, nothing here has moved.
@@ -1346,12 +1447,15 @@ class VariableBatchSizeLR(LRScheduler):
                     group["lr"] = lr
                 raise
             self._unscaled = [group["lr"] for group in groups]
-        self._seen += size
+        self._seen, self._seen_at_step = self._seen + size, seen
         self._advance(1)
         super().step()
         if self.verbose:
             _logger.info("step %d (epoch %d, batch %d): B=%d, LR factor %.4g, lr %s", self.last_epoch, self._epoch,
                          self._batch, self.batch_size, self.lr_factor, self._last_lr)
+
+    def _count_optimizer_step(self, optimizer, args, kwargs) -> None:
+        self._optimizer_steps += 1
 
     def _follow_skipped_steps(self, skipped: Callable[[], int]) -> None:
         """Makes the LR follow the batch trained when an engine skips steps.
@@ -1459,7 +1563,7 @@ def _loader_and_scheduler(dataset, seqlens, settings: _Settings, sample_ids, ran
         verbose=verbose, lr_scaling_unit=lr.get("lr_scaling_unit", "sequences"), clock=lr.get("lr_clock", "steps"),
         clock_step=lr.get("lr_clock_step", 1))
     return loader, scheduler, dict(dataset=loader.dataset, batch_size=1, pin_memory=loader.pin_memory,
-                                   data_sampler=loader.sampler, collate_fn=loader.collate_fn,
+                                   data_sampler=_LocalKeys(sampler, batched=False), collate_fn=loader.collate_fn,
                                    num_local_io_workers=loader.num_workers)
 
 
@@ -1755,7 +1859,8 @@ examples:
 """
 
 
-def _cli_parser():
+def _cli_parser(prog: str = "python varbatch.py"):
+    """The command's parser, and its ``plan`` subcommand's (plot_plan.py adds its output file to it)."""
     import argparse
 
     class Parser(argparse.ArgumentParser):
@@ -1767,7 +1872,7 @@ def _cli_parser():
             raise argparse.ArgumentTypeError(f"expected a whole number >= {minimum}, got {text!r}")
         return int(text)
 
-    parser = Parser(prog="python varbatch.py", allow_abbrev=False, description="Plan token-budget batches.")
+    parser = Parser(prog=prog, allow_abbrev=False, description="Plan token-budget batches.")
     parser.add_argument("--version", action="version", version=f"varbatch {__version__}")
     p = parser.add_subparsers(dest="command", required=True).add_parser(
         "plan", allow_abbrev=False, epilog=_PLAN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -1789,7 +1894,7 @@ def _cli_parser():
         p.add_argument(flag, type=kind, help=text)
     p.add_argument("--pipeline", action="store_true", help="same-size, same-length micro-batches (a PipelineEngine)")
     p.add_argument("--json", action="store_true", help="print settings, totals, batches and drops as JSON")
-    return parser
+    return parser, p
 
 
 def _read_seqlens(path: str | None) -> tuple[np.ndarray, str]:
@@ -1842,7 +1947,8 @@ def _cli_plan(args) -> tuple[Plan, dict, np.ndarray, str]:
     plan = _pack(seqlens, settings, None, args.epoch or 0)
     if plan.num_batches == 0:
         raise ValueError(_empty_plan_message(plan))
-    factors, b_ref = _lr_factors(plan.batch_tokens if lr["lr_scaling_unit"] == "tokens" else plan.batch_sizes,
+    unit = _check_choice("lr_scaling_unit", lr["lr_scaling_unit"], _LRUnit)
+    factors, b_ref = _lr_factors(plan.batch_tokens if unit == "tokens" else plan.batch_sizes,
                                  _check_reference(lr["lr_scaling_reference"]), _check_lr_method(lr["lr_scaling_method"]), k)
     lr.update(factors=factors, reference_value=b_ref)
     return plan, lr, seqlens, source
@@ -1852,7 +1958,7 @@ def _main(argv=None) -> int:
     """``python varbatch.py plan ...``: prints the plan; returns the exit code (0, or 2 on bad input)."""
     import json
     import sys
-    args = _cli_parser().parse_args(argv)
+    args = _cli_parser()[0].parse_args(argv)
     try:
         plan, lr, seqlens, source = _cli_plan(args)
     except (OSError, ValueError, TypeError) as error:
