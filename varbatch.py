@@ -84,7 +84,8 @@ def _check_int(name: str, value: Any, minimum: int = 0, maximum: int | None = No
 
 
 def _check_real(name: str, value: Any, strict: bool = True) -> float:
-    """A finite number > 0 (>= 0 when not ``strict``)."""
+    """A finite number > 0 (>= 0 when not ``strict``); a one-number tensor counts as its number."""
+    value = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} should be a number, but got {name}={value!r} of type {type(value).__name__}")
     if not math.isfinite(value) or value < 0 or (strict and value == 0):
