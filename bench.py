@@ -17,6 +17,9 @@ a shared machine):
    padded to their longest sample, at the same peak padded tensor size: real
    tokens per second and held-out loss after a fixed number of real tokens.
 4. Peak memory (RSS) of planning 10M sequences, in a subprocess.
+5. The data path: iterating `make_dataloader` with `PaddedCollate` over a plan
+   vs a plain DataLoader over the same list of batches with a pad_sequence
+   collate (issue 10's target: at most 1.2x).
 
 Usage:
     python bench.py                 # full run, markdown tables on stdout (minutes)
@@ -64,7 +67,11 @@ PAD_MIN_SEQLEN, PAD_MAX_SEQLEN = 8, 4096
 # picking order: on the whole 200k-sequence set it would run for days (cubic).
 DS_CHUNK = 2000
 
-SECTIONS = ("speed", "modes", "padding", "training", "memory")
+# varbatch's choices (its Literal types `_Order` and `_Budget`), in the tables' order.
+ORDERS = ("dataloader", "seqlen", "random", "bucket")
+BUDGETS = ("sum", "padded")
+
+SECTIONS = ("speed", "modes", "padding", "training", "memory", "datapath")
 
 
 # =============================================================================
@@ -396,10 +403,10 @@ def _all_modes():
     'same-size' only under the padded budget, so it is listed there only."""
     for k in (1, 8):
         for shape in ("free", "same-size", "pipeline"):
-            for budget in varbatch.BUDGETS:
+            for budget in BUDGETS:
                 if shape == "pipeline" and budget == "sum":
                     continue
-                for order in varbatch.ORDERS:
+                for order in ORDERS:
                     yield k, shape, budget, order
 
 
@@ -636,8 +643,8 @@ def _padding_table(seqlens: np.ndarray, max_tokens: int, k: int, num_chunks: int
                                    f"{_fmt_time(stats['seconds'])} total"))
             if results is not None:
                 results.setdefault("padding", {})[("DeepSpeed", order, "sum", mode)] = stats
-    for order in varbatch.ORDERS:
-        for budget in varbatch.BUDGETS:
+    for order in ORDERS:
+        for budget in BUDGETS:
             for pipeline in (False, True):
                 mode = "pipeline" if pipeline else "DDP"
                 _progress(f"padding [{label}]: varbatch {order} {budget} {mode}")
@@ -996,6 +1003,78 @@ def bench_memory(quick: bool, results: dict) -> str:
 
 
 # =============================================================================
+# 5. Data path
+# =============================================================================
+# Issue 10: iterating the sampler and PaddedCollate over a plan costs at most 1.2x
+# a plain DataLoader over the same list of batches with a pad_sequence collate.
+# Both load the same in-memory token tensors and return the same (B x S tensor,
+# lengths) pairs; only the machinery between them differs. Planning is not timed:
+# set_epoch(0) before each epoch reuses the sampler's plan.
+
+DATA_MAX_TOKENS = 65536  # a "65k-token step"
+DATA_VOCAB = 32000
+
+
+def _pad_collate(samples: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plain side's collate: B x S padded with 0, and the lengths (what PaddedCollate returns)."""
+    return torch.nn.utils.rnn.pad_sequence(samples, batch_first=True), torch.tensor([len(s) for s in samples])
+
+
+def _step_times(loader, sampler: varbatch.VariableBatchSampler) -> np.ndarray:
+    """Seconds of each step of one epoch of ``loader`` (epoch 0 of ``sampler``: the same plan every time)."""
+    sampler.set_epoch(0)
+    times, steps, end = [], iter(loader), object()
+    while True:
+        start = time.perf_counter()
+        if next(steps, end) is end:
+            return np.array(times)
+        times.append(time.perf_counter() - start)
+
+
+def bench_datapath(quick: bool, results: dict) -> str:
+    """varbatch's loader and collate vs a plain DataLoader on the same batches, per step and per 65k tokens."""
+    n, repeats = (4000, 7) if quick else (20_000, 15)
+    seqlens = long_tailed_seqlens(n, seed=6)
+    generator = torch.Generator().manual_seed(6)
+    dataset = [torch.randint(0, DATA_VOCAB, (int(length),), generator=generator) for length in seqlens]
+    rows = []
+    for budget, order in (("padded", "bucket"), ("sum", "dataloader")):
+        sampler = varbatch.VariableBatchSampler(seqlens, DATA_MAX_TOKENS, budget=budget, order=order)
+        batches = list(sampler)  # epoch 0's step inputs, as lists of sample ids
+        ours = varbatch.make_dataloader(dataset, sampler, collate_fn=varbatch.PaddedCollate())
+        plain = torch.utils.data.DataLoader(dataset, batch_sampler=batches, collate_fn=_pad_collate)
+        sampler.set_epoch(0)
+        same = all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(ours, plain, strict=True))
+        _progress(f"data path: {budget} budget, {order} order, {len(batches)} steps, {repeats} epochs per side")
+        # Each step's fastest of the interleaved epochs, summed: a burst of load from
+        # other processes spoils a few steps of one epoch, not the whole epoch.
+        fastest = {"varbatch": np.full(len(batches), np.inf), "plain": np.full(len(batches), np.inf)}
+        for _ in range(repeats):
+            for name, loader in (("varbatch", ours), ("plain", plain)):
+                fastest[name] = np.minimum(fastest[name], _step_times(loader, sampler))
+        best = {name: float(times.sum()) for name, times in fastest.items()}
+        tokens = int(seqlens[np.concatenate(batches)].sum())
+        ratio = best["varbatch"] / best["plain"]
+        per_step = {name: seconds / len(batches) for name, seconds in best.items()}
+        per_65k = {name: seconds / (tokens / 65536) for name, seconds in best.items()}
+        rows.append([budget, order, len(batches), f"{tokens / len(batches):,.0f}",
+                     _fmt_time(per_step["varbatch"]), _fmt_time(per_step["plain"]), _fmt_time(per_65k["varbatch"]),
+                     _fmt_time(per_65k["plain"]), f"{ratio:.2f}x", "yes" if same else "**NO**"])
+        results.setdefault("datapath", {})[(budget, order)] = dict(ratio=ratio, same=same)
+    out = ["## 5. Data path: sampler and collate vs a plain DataLoader", ""]
+    out.append(f"{n:,} in-memory token tensors (int64, item 2's long-tailed lengths), max_tokens={DATA_MAX_TOKENS}, "
+               "one rank. varbatch: `make_dataloader(dataset, VariableBatchSampler(...), "
+               "collate_fn=PaddedCollate())`; plain: `DataLoader(dataset, batch_sampler=<the same step inputs as a "
+               "list>, collate_fn=<pad_sequence + lengths>)`, no workers on either side. Time of an epoch: each "
+               f"step's fastest of {repeats} interleaved epochs per side, summed; planning not included. \"same "
+               "batches\": both sides yield equal tensors and lengths at every step.")
+    out.append("")
+    out.append(_table(["budget", "order", "steps", "real tokens / step", "varbatch per step", "plain per step",
+                       "varbatch per 65k tokens", "plain per 65k tokens", "varbatch / plain", "same batches"], rows))
+    return "\n".join(out)
+
+
+# =============================================================================
 # Targets and main
 # =============================================================================
 
@@ -1051,6 +1130,9 @@ def targets_table(results: dict, quick: bool) -> str:
     if training:
         rows.append([">= 1.5x real tokens/s of the fixed-size baseline (same LR)", f"{training[1]['ratio']:.2f}x",
                      _check(training[1]["ratio"] >= 1.5)])
+    for (budget, order), r in results.get("datapath", {}).items():
+        rows.append([f"data path ({budget} budget, {order} order): varbatch <= 1.2x a plain DataLoader",
+                     f"{r['ratio']:.2f}x" + ("" if r["same"] else " (batches differ!)"), _check(r["ratio"] <= 1.2)])
     for name, r in results.get("memory", {}).items():
         adds = "" if r["adds"] is None else f" (planning adds {r['adds'] / 2**20:,.0f} MiB)"
         rows.append([f"peak RSS planning {_fmt_n(r['n'])} ({name})", f"{r['peak'] / 2**20:,.0f} MiB{adds}", "-"])
@@ -1096,6 +1178,8 @@ def main(argv=None) -> int:
         print(bench_training(args.quick, results) + "\n", flush=True)
     if "memory" in sections:
         print(bench_memory(args.quick, results) + "\n", flush=True)
+    if "datapath" in sections:
+        print(bench_datapath(args.quick, results) + "\n", flush=True)
     print(targets_table(results, args.quick) + "\n")
     if args.plot:
         write_plot(args.plot, results, ds_cap)

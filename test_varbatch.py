@@ -1,11 +1,19 @@
-"""Tests of varbatch: properties of plans, an oracle, DeepSpeed parity, LR formulas, resume, bad input.
+"""Tests of varbatch, in the order of DESIGN.md's contract.
 
-Grouped in the order of varbatch.py's sections. Run: ``python -m pytest test_varbatch.py``.
-The DeepSpeed comparisons import DeepSpeed inside the tests and are skipped where it is not installed.
+Budget, order, shapes (pipeline, same size, same length, step inputs), nothing lost, LR, loss
+weights, seqlens source, resume, bad input (one table per entry point); then the ``plan``
+command, then the runs launched with several processes (marked ``slow``, at the end).
+
+Run: ``python -m pytest -q test_varbatch.py`` (CI's command: everything, a few minutes on two
+cores) or ``python -m pytest -q -m "not slow" test_varbatch.py`` (about a minute). Comparisons
+with DeepSpeed's own module import DeepSpeed inside the tests and skip where it is missing.
 """
 
+import collections
+import contextlib
 import copy
 import functools
+import io
 import json
 import math
 import os
@@ -23,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
@@ -44,16 +52,92 @@ settings.register_profile("varbatch", deadline=None, max_examples=100,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.load_profile("varbatch")
 
+# The choices varbatch accepts (its own lists are private).
+ORDERS = ("dataloader", "seqlen", "random", "bucket")
+BUDGETS = ("sum", "padded")
+DROP_REASONS = ("over_budget", "min_batch_size", "tail", "filtered")
+LR_METHODS = ("linear", "sqrt", "none")
+PUBLIC_NAMES = {
+    # DeepSpeed's names
+    "batch_by_seqlens", "scale_lr", "dataloader_for_variable_batch_size", "VariableBatchSizeLR",
+    "lr_scheduler_for_variable_batch_size", "get_dataloader_and_lr_scheduler_for_variable_batch_size",
+    "get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed",
+    # varbatch's own
+    "Plan", "plan_batches", "VariableBatchSampler", "make_dataloader", "PaddedCollate", "pad_sample",
+    "seqlens_from_padded", "micro_batch_loss_weight",
+}
+_ROOT = os.path.dirname(os.path.abspath(__file__))
+
 
 def _lengths(n, low=1, high=40, seed=0):
     """``n`` reproducible seqlens in ``[low, high]``."""
     return np.random.default_rng(seed).integers(low, high + 1, n).tolist()
 
 
-def _deepspeed_batch_by_seqlens():
-    """DeepSpeed's own ``batch_by_seqlens``."""
-    module = pytest.importorskip("deepspeed.runtime.data_pipeline.data_sampling.variable_batch_size_and_lr")
-    return module.batch_by_seqlens
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _deepspeed_module():
+    """DeepSpeed's own variable_batch_size_and_lr module (skips the test without DeepSpeed)."""
+    return pytest.importorskip("deepspeed.runtime.data_pipeline.data_sampling.variable_batch_size_and_lr")
+
+
+def _optimizer(lr=0.1):
+    return torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=lr)
+
+
+def _id_dataset(seqlens):
+    """Sample i is ``torch.full((seqlens[i],), i + 1)``: every row of a padded batch names its sample (pad 0)."""
+    return [torch.full((n,), i + 1) for i, n in enumerate(seqlens)]
+
+
+def _ids_of(x):
+    """The sample ids of the rows of a batch collated from `_id_dataset`."""
+    return (x[:, 0] - 1).tolist()
+
+
+class _Engine:
+    """What the DeepSpeed glue reads from an engine: its raw config, batch sizes, optimizer, scheduler."""
+
+    def __init__(self, config, optimizer=None, lr_scheduler=None, gradient_accumulation_steps=None):
+        self._config = types.SimpleNamespace(_param_dict=config)
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self._gas = gradient_accumulation_steps
+
+    def train_batch_size(self):
+        return self._config._param_dict["train_batch_size"]
+
+    def train_micro_batch_size_per_gpu(self):
+        return self._config._param_dict.get("train_micro_batch_size_per_gpu", 1)
+
+    def gradient_accumulation_steps(self):
+        return self._gas or self.train_batch_size() // self.train_micro_batch_size_per_gpu()
+
+
+def _glue_config(**section):
+    """A config whose dynamic_batching section holds ``section`` (B_ref "mean": no unit-trap warning)."""
+    dynamic_batching = {"enabled": True, "max_tokens": 16, "lr_scaling_reference": "mean", **section}
+    return {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 1,
+            "data_efficiency": {"data_sampling": {"dynamic_batching": dynamic_batching}}}
+
+
+_GLUE_SEQLENS = [3, 5, 2, 7, 4, 6, 1, 8]
+
+
+def _glue(config, dataset=None, **kwargs):
+    """The DeepSpeed glue on a stand-in engine: ``(engine, (dataloader, lr_scheduler, deepspeed_io_kwargs))``."""
+    engine = _Engine(config, optimizer=torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1))
+    dataset = dataset if dataset is not None else [torch.ones(n) for n in _GLUE_SEQLENS]
+    return engine, varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(dataset, engine, **kwargs)
+
+
+# =============================================================================
+# The module
+# =============================================================================
 
 
 def test_docstring_examples_run():
@@ -64,173 +148,62 @@ def test_docstring_examples_run():
 
 
 def test_import_defines_names_only():
-    """Importing varbatch prints nothing and leaves logging unconfigured; __all__ names exist."""
-    code = ("import logging, varbatch; "
+    """Importing varbatch prints nothing, leaves logging unconfigured, and imports neither DeepSpeed nor matplotlib."""
+    code = ("import logging, sys, varbatch; "
             "assert not logging.getLogger().handlers and not logging.getLogger('varbatch').handlers; "
+            "loaded = [m for m in ('deepspeed', 'matplotlib') if m in sys.modules]; assert not loaded, loaded; "
             "missing = [n for n in varbatch.__all__ if not hasattr(varbatch, n)]; assert not missing, missing")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          cwd=str(Path(varbatch.__file__).parent))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=_ROOT)
     assert done.returncode == 0, done.stderr
     assert done.stdout == ""
 
 
-# =============================================================================
-# Validation
-# =============================================================================
-
-
-@pytest.mark.parametrize("seqlens, error, names", [
-    ([3, -2, 4], ValueError, "seqlens[1]=-2"),
-    ([3, 0], ValueError, "seqlens[1]=0"),
-    ([3, 2.5], ValueError, "seqlens[1]=2.5"),
-    ([3.0, float("nan")], ValueError, "seqlens[1]=nan"),
-    ([[1, 2], [3, 4]], ValueError, "shape (2, 2)"),
-    (["a", "b"], TypeError, "dtype <U1"),
-    ("abc", TypeError, "seqlens='abc'"),
-    ([True, False], TypeError, "dtype bool"),
-])
-def test_bad_seqlens(seqlens, error, names):
-    """Invalid seqlens raise, naming the offending value."""
-    with pytest.raises(error, match=re.escape(names)):
-        plan_batches(seqlens, 10)
-
-
-@pytest.mark.parametrize("max_tokens, error, names", [
-    (0, ValueError, "max_tokens=0"),
-    (-5, ValueError, "max_tokens=-5"),
-    (2.5, TypeError, "max_tokens=2.5"),
-    ("10", TypeError, "max_tokens='10'"),
-    (True, TypeError, "max_tokens=True"),
-])
-def test_bad_max_tokens(max_tokens, error, names):
-    """max_tokens below 1 or not an integer raises, naming the value."""
-    with pytest.raises(error, match=re.escape(names)):
-        plan_batches([1, 2, 3], max_tokens)
-
-
-@pytest.mark.parametrize("effective_batch_size", [0, -1])
-def test_bad_effective_batch_size(effective_batch_size):
-    """effective_batch_size below 1 raises, naming the value."""
-    with pytest.raises(ValueError, match=re.escape(f"effective_batch_size={effective_batch_size}")):
-        plan_batches([1, 2, 3], 10, effective_batch_size=effective_batch_size)
-
-
-@pytest.mark.parametrize("option, value, closest", [
-    ("order", "randm", "random"),
-    ("order", "seqlens", "seqlen"),
-    ("budget", "pad", "padded"),
-    ("on_overlong", "eror", "error"),
-])
-def test_unknown_choice_lists_valid_ones_and_suggests_closest(option, value, closest):
-    """An unknown order, budget or on_overlong names the value, lists the valid ones and the closest."""
-    valid = {"order": varbatch.ORDERS, "budget": varbatch.BUDGETS, "on_overlong": ("skip", "error")}[option]
-    with pytest.raises(ValueError) as info:
-        plan_batches([1, 2, 3], 10, **{option: value})
-    message = str(info.value)
-    assert repr(value) in message
-    assert f"did you mean {closest!r}" in message
-    for choice in valid:
-        assert repr(choice) in message
+def test_public_api_is_the_fifteen_names():
+    """__all__ is exactly the 15 public names, and every other name varbatch defines starts with '_'."""
+    assert sorted(varbatch.__all__) == sorted(PUBLIC_NAMES) and len(varbatch.__all__) == 15
+    own = [name for name, value in vars(varbatch).items()
+           if getattr(value, "__module__", None) == "varbatch" and not name.startswith("_")]
+    assert sorted(own) == sorted(PUBLIC_NAMES), sorted(set(own) - PUBLIC_NAMES)
 
 
 # =============================================================================
-# The planner
+# 1. Budget
 # =============================================================================
-
-
-def _oracle_plan(seqlens, max_tokens, *, effective_batch_size=1, budget="sum", order="dataloader",
-                 min_batch_size=1, max_batch_size=None, sample_ids=None, same_size=False, same_length=False):
-    """The plan, computed slowly and obviously from DESIGN.md's semantics (dataloader and seqlen orders).
-
-    Returns ``(fixed, leftover, dropped)``: the micro-batches whose exact content is specified, the
-    leftover micro-batches (fewer than k) that the planner must re-split into exactly k parts, or
-    None when that is impossible (their samples are then dropped as tail), and reason -> sorted ids.
-    """
-    k = effective_batch_size
-    chosen = list(range(len(seqlens))) if sample_ids is None else [int(i) for i in sample_ids]
-    filtered = sorted(set(range(len(seqlens))) - set(chosen)) if sample_ids is not None else []
-    over_budget = sorted(i for i in chosen if seqlens[i] > max_tokens)
-    todo = [i for i in chosen if seqlens[i] <= max_tokens]
-    if order == "seqlen":
-        todo = sorted(todo, key=lambda i: (seqlens[i], i))  # ties by id, as DeepSpeed's sort of (len, id)
-    cap = max_batch_size or len(todo)
-
-    def cost(ids, longest=None):
-        if budget == "sum":
-            return sum(seqlens[i] for i in ids)
-        return len(ids) * (longest if longest is not None else max(seqlens[i] for i in ids))
-
-    too_small, tail, fixed, leftover = [], [], [], []
-    pos = 0
-    if same_size:
-        # Whole batches: n rows of k consecutive samples, column b is micro-batch b, n as large as fits.
-        def columns(n):
-            chunk = todo[pos:pos + n * k]
-            return [chunk[b::k] for b in range(k)]
-
-        def fits(n):
-            cols = columns(n)
-            if budget == "padded" and same_length:
-                longest = max(seqlens[i] for col in cols for i in col)
-                return all(cost(col, longest) <= max_tokens for col in cols)
-            return all(cost(col) <= max_tokens for col in cols)
-
-        while pos + k <= len(todo):
-            rows_left = (len(todo) - pos) // k
-            n = max([n for n in range(1, min(cap, rows_left) + 1) if fits(n)], default=0)
-            if n >= min_batch_size:
-                fixed += columns(n)
-                pos += n * k
-            elif n + 1 > rows_left:  # stopped by the end of the data
-                break
-            else:  # stopped by the budget short of min_batch_size rows
-                too_small.append(todo[pos])
-                pos += 1
-        tail = todo[pos:]
-    else:
-        greedy = []
-        while pos < len(todo):
-            c = max(c for c in range(1, min(cap, len(todo) - pos) + 1) if cost(todo[pos:pos + c]) <= max_tokens)
-            if c >= min_batch_size:
-                greedy.append(todo[pos:pos + c])
-                pos += c
-            elif pos + c == len(todo):  # stopped by the end of the data
-                tail = todo[pos:]
-                break
-            else:  # stopped by the budget short of min_batch_size samples
-                too_small.append(todo[pos])
-                pos += 1
-        full = len(greedy) - len(greedy) % k
-        fixed, leftover = greedy[:full], greedy[full:]
-        # A micro-batch of s samples splits into at most s // min_batch_size parts of min_batch_size or more.
-        if leftover and sum(len(mb) // min_batch_size for mb in leftover) < k:
-            tail = [i for mb in leftover for i in mb] + tail
-            leftover = None
-    dropped = {"over_budget": over_budget, "min_batch_size": sorted(too_small), "tail": sorted(tail),
-               "filtered": filtered}
-    return fixed, leftover, dropped
 
 
 @st.composite
 def plan_cases(draw, orders=("dataloader", "seqlen"), max_n=40, max_len=20):
-    """Keyword arguments of plan_batches: lengths, budgets, k, shapes, batch-size bounds, subsets."""
+    """Keyword arguments of plan_batches: lengths, budgets, step-input and batch geometry, bounds, subsets."""
     n = draw(st.integers(1, max_n))
     seqlens = draw(st.lists(st.integers(1, max_len), min_size=n, max_size=n))
-    budget = draw(st.sampled_from(varbatch.BUDGETS))
+    budget = draw(st.sampled_from(BUDGETS))
     same_size = draw(st.booleans())
     same_length = draw(st.booleans())
     if budget == "padded" and same_length:
         same_size = True
+    micro_batch_size = draw(st.integers(1, 2))
+    step_inputs = draw(st.integers(1, 3))  # per batch: accumulation steps x ranks
+    num_replicas = draw(st.sampled_from([r for r in (1, 2, 3) if step_inputs % r == 0]))
     min_bs = draw(st.integers(1, 3))
     max_bs = draw(st.one_of(st.none(), st.integers(min_bs, 8)))
     sample_ids = None
     if draw(st.booleans()):
         sample_ids = draw(st.permutations(range(n)).flatmap(lambda p: st.integers(1, n).map(lambda m: p[:m])))
     return dict(seqlens=seqlens, max_tokens=draw(st.integers(1, 3 * max_len)),
-                effective_batch_size=draw(st.integers(1, 4)), budget=budget, order=draw(st.sampled_from(orders)),
+                effective_batch_size=micro_batch_size * step_inputs, micro_batch_size=micro_batch_size,
+                num_replicas=num_replicas, budget=budget, order=draw(st.sampled_from(orders)),
                 min_batch_size=min_bs, max_batch_size=max_bs, sample_ids=sample_ids, same_size=same_size,
                 same_length=same_length, seed=draw(st.integers(0, 3)), epoch=draw(st.integers(0, 3)),
                 bucket_size=draw(st.integers(1, 8)))
+
+
+def _case(seqlens, max_tokens, **options):
+    """A plan case with the defaults of `plan_cases` (for @example)."""
+    case = dict(seqlens=seqlens, max_tokens=max_tokens, effective_batch_size=1, micro_batch_size=1, num_replicas=1,
+                budget="sum", order="dataloader", min_batch_size=1, max_batch_size=None, sample_ids=None,
+                same_size=False, same_length=False, seed=0, epoch=0, bucket_size=4)
+    case.update(options)
+    return case
 
 
 def _plan_or_none(case):
@@ -243,100 +216,185 @@ def _plan_or_none(case):
         raise
 
 
-def _oracle_case(case):
-    """The oracle's keyword arguments from a plan case (the orders it knows)."""
-    return {key: value for key, value in case.items() if key not in ("seed", "epoch", "bucket_size")}
+def _tensor_seqlens(plan, seqlens):
+    """Per micro-batch, the S of the tensor it is collated into, recomputed from DESIGN.md section 1.
 
-
-@given(case=plan_cases(orders=varbatch.ORDERS))
-def test_budget_never_exceeded(case):
-    """No micro-batch costs more than max_tokens, under either budget and every order."""
-    plan = _plan_or_none(case)
-    if plan is None:
-        return
-    lens = np.asarray(case["seqlens"])
-    k = plan.effective_batch_size
-    for j, mb in enumerate(plan.microbatches()):
-        if case["budget"] == "sum":
-            cost = int(lens[mb].sum())
-        elif case["same_length"]:  # every sample is padded to the batch's longest
-            cost = len(mb) * int(plan.batch_max_seqlens[j // k])
-        else:
-            cost = len(mb) * int(lens[mb].max())
-        assert cost <= case["max_tokens"], f"micro-batch {j} costs {cost} > max_tokens={case['max_tokens']}"
-
-
-@given(case=plan_cases(orders=varbatch.ORDERS))
-def test_every_sample_packed_once_or_reported(case):
-    """Packed and dropped ids are disjoint, each appears once, and together they are every sample."""
-    plan = _plan_or_none(case)
-    if plan is None:
-        return
-    packed = plan.sample_ids.tolist()
-    dropped = [i for ids in plan.dropped.values() for i in ids.tolist()]
-    assert len(set(packed)) == len(packed), "a sample is packed twice"
-    assert len(set(dropped)) == len(dropped), "a sample is dropped twice"
-    assert not set(packed) & set(dropped), "a sample is both packed and dropped"
-    assert sorted(packed + dropped) == list(range(len(case["seqlens"])))
-    assert set(plan.dropped) == set(varbatch.DROP_REASONS)
-    assert plan.num_dropped == len(dropped)
-    if case["min_batch_size"] == 1:
-        assert len(plan.dropped["tail"]) < plan.effective_batch_size
-        assert len(plan.dropped["min_batch_size"]) == 0
-
-
-@given(case=plan_cases(orders=varbatch.ORDERS))
-def test_batches_are_whole_and_statistics_match(case):
-    """Every batch holds k micro-batches, and batch_sizes/tokens/max seqlens describe them."""
-    plan = _plan_or_none(case)
-    if plan is None:
-        return
-    lens = np.asarray(case["seqlens"])
-    k = plan.effective_batch_size
+    A step input (``micro_batch_size`` consecutive micro-batches) is one ``B x S`` tensor, S its
+    longest sample; in same-length mode every sample of a batch is padded to the batch's longest.
+    """
+    k, m = plan.effective_batch_size, plan.settings.micro_batch_size
     mbs = plan.microbatches()
-    assert len(mbs) == plan.num_microbatches == k * plan.num_batches
-    assert [len(mb) for mb in mbs] == plan.microbatch_sizes().tolist()
-    for b in range(plan.num_batches):
-        ids = [i for mb in mbs[b * k:(b + 1) * k] for i in mb]
-        assert plan.batch_sizes[b] == len(ids)
-        assert plan.batch_tokens[b] == lens[ids].sum()
-        assert plan.batch_max_seqlens[b] == lens[ids].max()
+    span = k if plan.settings.same_length else m
+    return [max(seqlens[i] for mb in mbs[j // span * span:(j // span + 1) * span] for i in mb)
+            for j in range(len(mbs))]
 
 
-@given(case=plan_cases(orders=varbatch.ORDERS))
+# the audit's padded case: one long sample per step input of 33 samples (issue 9, item 3)
+_ISSUE_PADDED = [1] * 64 + [64] + [1] * 64 + [64]
+
+
+@given(case=plan_cases(orders=ORDERS))
+# a step input of two micro-batches shares one S
+@example(case=_case(_ISSUE_PADDED, 64, effective_batch_size=2, micro_batch_size=2, budget="padded"))
+@example(case=_case(_ISSUE_PADDED, 64, effective_batch_size=4, micro_batch_size=2, budget="padded", order="random"))
+# same length: every micro-batch padded to its batch's longest
+@example(case=_case([1, 1, 1, 8, 1, 1], 8, effective_batch_size=2, budget="padded", same_size=True,
+                    same_length=True))
+def test_budget_never_exceeded(case):
+    """No micro-batch costs more than max_tokens: its seqlens' sum, or n x the S of the tensor it is collated into."""
+    plan = _plan_or_none(case)
+    assume(plan is not None)
+    lens = case["seqlens"]
+    tensor_s = _tensor_seqlens(plan, lens)
+    for j, mb in enumerate(plan.microbatches()):
+        cost = sum(lens[i] for i in mb) if case["budget"] == "sum" else len(mb) * tensor_s[j]
+        assert cost <= case["max_tokens"], f"micro-batch {j} costs {cost} > max_tokens={case['max_tokens']}"
+    assert plan.padded_seqlens.tolist() == tensor_s, "padded_seqlens is not the S of each micro-batch's tensor"
+
+
+@given(seqlens=st.lists(st.integers(1, 30), min_size=4, max_size=60), max_tokens=st.integers(30, 90),
+       micro_batch_size=st.integers(1, 3), gas=st.integers(1, 2), num_replicas=st.integers(1, 2),
+       order=st.sampled_from(ORDERS), pipeline=st.booleans())
+# the audit's case: 65 x 64 slots per step input before, 2 x 64 allowed
+@example(seqlens=_ISSUE_PADDED, max_tokens=64, micro_batch_size=2, gas=1, num_replicas=1, order="dataloader",
+         pipeline=False)
+@settings(max_examples=40)
+def test_padded_budget_bounds_every_step_input_tensor(seqlens, max_tokens, micro_batch_size, gas, num_replicas,
+                                                      order, pipeline):
+    """budget='padded': every tensor a forward pass sees is B x S <= micro_batch_size x max_tokens (item 3)."""
+    options = dict(micro_batch_size=micro_batch_size, gradient_accumulation_steps=gas, num_replicas=num_replicas,
+                   budget="padded", order=order, seed=1, same_size=pipeline, same_length=pipeline)
+    try:
+        samplers = [VariableBatchSampler(seqlens, max_tokens, rank=r, **options) for r in range(num_replicas)]
+    except ValueError as error:
+        assert "not enough samples" in str(error)
+        assume(False)
+    dataset = _id_dataset(seqlens)
+    bound = micro_batch_size * max_tokens
+    for rank, sampler in enumerate(samplers):
+        plan = sampler.plan
+        loader = make_dataloader(dataset, sampler, collate_fn=PaddedCollate(), sample_padding_fn=pad_sample)
+        for t, (x, lens) in enumerate(loader):
+            assert x.shape[0] * x.shape[1] <= bound, \
+                f"rank {rank}, step input {t}: {x.shape[0]} x {x.shape[1]} > {micro_batch_size} x {max_tokens}"
+            g = t * num_replicas + rank  # the step input's index in the plan
+            assert x.shape[1] == plan.padded_seqlens[g * micro_batch_size]
+            assert lens.tolist() == [seqlens[i] for i in _ids_of(x)]
+
+
+@given(case=plan_cases(orders=ORDERS))
+# the audit's padded case: 2 x 64 at most, where it was 65 x 64
+@example(case=_case(_ISSUE_PADDED, 64, effective_batch_size=2, micro_batch_size=2, budget="padded"))
+@settings(max_examples=60)
+def test_totals_report_the_largest_step_input_against_its_bound(case):
+    """Plan.totals()'s largest step input is the largest B x S tensor, bounded by micro_batch_size x max_tokens."""
+    plan = _plan_or_none(case)
+    assume(plan is not None)
+    lens, m = case["seqlens"], case["micro_batch_size"]
+    sizes, tensor_s = plan.microbatch_sizes().tolist(), _tensor_seqlens(plan, lens)
+    step_inputs = [sum(sizes[j] * tensor_s[j] for j in range(g, g + m)) for g in range(0, len(sizes), m)]
+    largest = plan.totals()["largest_step_input"]
+    assert largest["tokens"] == max(step_inputs)
+    assert largest["tokens"] == largest["sequences"] * largest["padded_seqlen"]
+    assert largest["bound"] == m * case["max_tokens"]
+    if case["budget"] == "padded":
+        assert largest["tokens"] <= largest["bound"]
+
+
+@given(case=plan_cases(orders=ORDERS))
 def test_min_and_max_batch_size_respected(case):
     """Every micro-batch holds between min_batch_size and max_batch_size samples."""
     plan = _plan_or_none(case)
-    if plan is None:
-        return
+    assume(plan is not None)
     sizes = plan.microbatch_sizes()
     assert sizes.min() >= case["min_batch_size"]
     if case["max_batch_size"]:
         assert sizes.max() <= case["max_batch_size"]
 
 
-@given(case=plan_cases(orders=varbatch.ORDERS))
-def test_same_size_micro_batches(case):
-    """With same_size, every micro-batch of a batch holds the same number of samples."""
-    case = dict(case, same_size=True)
-    plan = _plan_or_none(case)
-    if plan is None:
-        return
-    sizes = plan.microbatch_sizes().reshape(plan.num_batches, plan.effective_batch_size)
-    assert (sizes == sizes[:, :1]).all(), sizes
+def test_samples_longer_than_max_tokens_are_dropped_or_refused():
+    """Samples longer than max_tokens are over_budget drops, or refused by name with on_overlong='error'."""
+    assert plan_batches([2, 6, 3, 7], 5).dropped["over_budget"].tolist() == [1, 3]
+    with pytest.raises(ValueError, match=re.escape("max_tokens=5 is smaller than 2 samples (ids 1, 3)")):
+        plan_batches([2, 6, 3, 7], 5, on_overlong="error")
+    with pytest.raises(ValueError, match=re.escape("max_tokens=3 (shortest 4)")):
+        plan_batches([5, 4, 9], 3)
 
 
-@given(case=plan_cases(orders=varbatch.ORDERS))
+# -- a sample's len() means nothing: the seqlens are the truth (issue 9, item 1) -------------------
+
+
+def test_dict_samples_train_every_sample():
+    """The audit's example: dict samples (len() = number of keys) are planned by their seqlens, all trained."""
+    lens = [5, 3, 7, 2, 6, 4]
+    data = [{"input_ids": torch.arange(1, n + 1), "labels": torch.arange(n), "id": i} for i, n in enumerate(lens)]
+    loader, _, _ = varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size(
+        data, lens, max_tokens=10, effective_batch_size=1, dataloader_collate_fn=PaddedCollate())
+    batches = list(loader)
+    assert [tuple(b["input_ids"].shape) for b in batches] == [(2, 5), (2, 7), (2, 6)]
+    assert sorted(i for b in batches for i in b["id"].tolist()) == list(range(6))
+    for b in batches:
+        assert b["seqlens"].tolist() == [lens[i] for i in b["id"].tolist()]
+        assert (b["input_ids"] != 0).sum(dim=1).tolist() == b["seqlens"].tolist()
+
+
+def _text_collate(samples):
+    """Tokenizes text in the collate (one token per word): a sample's len() counts characters."""
+    tokens = [torch.tensor([len(word) for word in text.split()]) for text in samples]
+    return torch.nn.utils.rnn.pad_sequence(tokens, batch_first=True)
+
+
+def _bos_eos_collate(samples):
+    """Adds BOS and EOS tokens: the tensor is 2 longer than the planned seqlen."""
+    return PaddedCollate()([torch.cat([torch.tensor([101]), torch.as_tensor(s), torch.tensor([102])])
+                            for s in samples])
+
+
+@pytest.mark.parametrize("kind", ["text tokenized in the collate", "(label, tokens) tuples", "BOS/EOS collate"])
+def test_a_samples_len_means_nothing(kind):
+    """Samples whose len() is not their token count are planned by their seqlens and all trained once."""
+    seqlens = _lengths(30, 1, 9, seed=12)
+    if kind == "text tokenized in the collate":
+        data = [" ".join(["w" * (i % 5 + 1)] * n) for i, n in enumerate(seqlens)]
+        collate = _text_collate
+    elif kind == "(label, tokens) tuples":
+        data = [(i, torch.full((n,), i + 1)) for i, n in enumerate(seqlens)]
+        collate = PaddedCollate()
+    else:
+        data = [list(range(1, n + 1)) for n in seqlens]
+        collate = _bos_eos_collate
+    sampler = VariableBatchSampler(seqlens, 20, order="random", seed=2)
+    planned = [list(step) for step in sampler.plan.microbatches()]
+    batches = list(make_dataloader(data, sampler, collate_fn=collate))
+    assert len(batches) == len(planned)
+    for ids, batch in zip(planned, batches):
+        if kind == "text tokenized in the collate":
+            assert batch.shape == (len(ids), max(seqlens[i] for i in ids))
+        elif kind == "(label, tokens) tuples":
+            labels, tokens, lens = batch
+            assert labels.tolist() == ids and lens.tolist() == [seqlens[i] for i in ids]
+        else:
+            x, lens = batch
+            assert lens.tolist() == [seqlens[i] + 2 for i in ids]
+    assert sorted(i for ids in planned for i in ids) == list(range(30))
+
+
+# =============================================================================
+# 2. Order
+# =============================================================================
+
+
+@given(case=plan_cases(orders=ORDERS))
 def test_identical_inputs_give_identical_plans(case):
     """The plan depends only on its inputs: two calls agree in every field."""
     first, second = _plan_or_none(case), _plan_or_none(copy.deepcopy(case))
-    if first is None:
-        assert second is None
-        return
+    assert (first is None) == (second is None)
+    assume(first is not None)
     assert first.fingerprint() == second.fingerprint()
-    for field in ("sample_ids", "microbatch_offsets", "batch_sizes", "batch_tokens", "batch_max_seqlens"):
+    for field in ("sample_ids", "microbatch_offsets", "padded_seqlens", "batch_sizes", "batch_tokens",
+                  "batch_max_seqlens"):
         np.testing.assert_array_equal(getattr(first, field), getattr(second, field))
-    for reason in varbatch.DROP_REASONS:
+    for reason in DROP_REASONS:
         np.testing.assert_array_equal(first.dropped[reason], second.dropped[reason])
 
 
@@ -358,9 +416,443 @@ def test_no_seed_means_a_fixed_seed():
     assert plans[0].sample_ids.tolist() != sorted(plans[0].sample_ids.tolist())
 
 
+@given(seqlens=st.lists(st.integers(1, 6), min_size=1, max_size=40), data=st.data())
+def test_seqlen_order_is_ascending_with_ties_by_id(seqlens, data):
+    """order='seqlen' picks samples by (seqlen, id), whatever the order of the given sample_ids."""
+    ids = data.draw(st.one_of(st.none(), st.permutations(range(len(seqlens)))))
+    picked = plan_batches(seqlens, 6, order="seqlen", max_batch_size=1, sample_ids=ids).sample_ids.tolist()
+    assert picked == sorted(range(len(seqlens)), key=lambda i: (seqlens[i], i))
+
+
+def test_bucket_order_is_random_with_little_padding():
+    """order='bucket' pads far less than 'random', and still draws new batches in a new order each epoch."""
+    seqlens = np.clip(np.random.default_rng(3).lognormal(3.5, 0.8, 3000), 2, 256).astype(int)
+    options = dict(effective_batch_size=2, budget="padded", seed=4, bucket_size=256)
+    efficiency = {order: plan_batches(seqlens, 512, order=order, **options).totals()["efficiency"]
+                  for order in ("random", "bucket")}
+    assert efficiency["bucket"] > efficiency["random"] + 0.15, efficiency
+    plans = [plan_batches(seqlens, 512, order="bucket", epoch=e, **options) for e in (0, 1)]
+    assert plans[0].sample_ids.tolist() != plans[1].sample_ids.tolist()
+    longest = plans[0].batch_max_seqlens
+    assert (np.diff(longest) < 0).any() and (np.diff(longest) > 0).any(), "bucket batches are not shuffled"
+
+
+def test_both_spellings_of_the_picking_order_are_read():
+    """sentence_picking_order (DeepSpeed's older key) and sequence_picking_order give the same plan."""
+    _, (old, _, _) = _glue(_glue_config(sentence_picking_order="seqlen"), dataset_seqlens=_GLUE_SEQLENS)
+    _, (new, _, _) = _glue(_glue_config(sequence_picking_order="seqlen"), dataset_seqlens=_GLUE_SEQLENS)
+    expected = plan_batches(_GLUE_SEQLENS, 16, effective_batch_size=2, order="seqlen", seed=1234)
+    for loader in (old, new):
+        assert loader.variable_batch_sampler.plan.microbatches() == expected.microbatches()
+    assert expected.microbatches() != plan_batches(_GLUE_SEQLENS, 16, effective_batch_size=2).microbatches()
+
+
+# =============================================================================
+# 3. Shapes: pipeline (same size, same length), step inputs, padding and collate
+# =============================================================================
+
+
+@given(case=plan_cases(orders=ORDERS))
+def test_same_size_micro_batches(case):
+    """With same_size, every micro-batch of a batch holds the same number of samples."""
+    case = dict(case, same_size=True)
+    plan = _plan_or_none(case)
+    assume(plan is not None)
+    sizes = plan.microbatch_sizes().reshape(plan.num_batches, plan.effective_batch_size)
+    assert (sizes == sizes[:, :1]).all(), sizes
+
+
+def test_same_size_falls_back_to_consecutive_micro_batches():
+    """Same size, min_batch_size > 1: consecutive samples are packed where interleaved ones cannot be (item 7)."""
+    options = dict(effective_batch_size=2, min_batch_size=2, same_size=True)
+    plan = plan_batches([1, 9, 1, 9, 1, 1, 1, 1], 10, **options)
+    assert plan.num_dropped == 0, {reason: ids.tolist() for reason, ids in plan.dropped.items()}
+    assert plan.microbatches()[:2] == [[0, 1], [2, 3]]
+    assert plan_batches([1, 9, 1, 9], 10, **options).microbatches() == [[0, 1], [2, 3]]
+
+
+@given(seqlens=st.lists(st.integers(1, 12), min_size=8, max_size=40), num_replicas=st.integers(1, 2),
+       gas=st.integers(1, 2), micro_batch_size=st.integers(1, 2), budget=st.sampled_from(BUDGETS))
+@settings(max_examples=20)
+def test_same_length_step_inputs_have_the_batch_shape(seqlens, num_replicas, gas, micro_batch_size, budget):
+    """Pipeline mode: every step input of a batch has the same count per micro-batch and S = batch max seqlen."""
+    dataset = _id_dataset(seqlens)
+    options = dict(micro_batch_size=micro_batch_size, gradient_accumulation_steps=gas, num_replicas=num_replicas,
+                   budget=budget, same_size=True, same_length=True, order="seqlen")
+    try:
+        samplers = [VariableBatchSampler(seqlens, 24, rank=r, **options) for r in range(num_replicas)]
+    except ValueError as error:
+        assert "not enough samples" in str(error)
+        assume(False)
+    plan = samplers[0].plan
+    runs = [list(make_dataloader(dataset, s, collate_fn=PaddedCollate(), sample_padding_fn=pad_sample))
+            for s in samplers]
+    for b in range(plan.num_batches):
+        per_micro = plan.microbatch_sizes()[b * plan.effective_batch_size]
+        for run in runs:
+            for x, lens in run[b * gas:(b + 1) * gas]:
+                assert x.shape == (per_micro * micro_batch_size, plan.batch_max_seqlens[b])
+                assert lens.tolist() == [seqlens[i] for i in _ids_of(x)]
+
+
+def test_a_collate_with_a_seqlens_parameter_gets_the_real_lengths():
+    """Same-length mode: a collate wrapping PaddedCollate gets the plan's real lengths (issue 9, item 6)."""
+    seqlens, seen = [2, 6, 3, 6], []
+
+    def collate(samples, seqlens=None):  # a pipeline's (inputs, labels) collate around PaddedCollate
+        x, lengths = PaddedCollate()(samples, seqlens=seqlens)
+        seen.append(lengths.tolist())
+        return (x, lengths), x
+
+    sampler = VariableBatchSampler(seqlens, 12, gradient_accumulation_steps=2, budget="padded", same_size=True,
+                                   same_length=True)
+    batches = list(make_dataloader(_id_dataset(seqlens), sampler, collate_fn=collate, sample_padding_fn=pad_sample))
+    assert seen == [[2, 3], [6, 6]]
+    assert [tuple(x.shape) for (x, _), _ in batches] == [(2, 6), (2, 6)]
+
+
+def test_dict_samples_in_pipeline_mode():
+    """Same-length mode pads dict samples field by field (labels with -100) and reports their real lengths."""
+    seqlens = _lengths(24, 1, 10, seed=13)
+    data = [{"input_ids": torch.full((n,), i + 1), "labels": torch.arange(n), "id": i} for i, n in enumerate(seqlens)]
+    padding = functools.partial(pad_sample, pad_value={"labels": -100})
+    sampler = VariableBatchSampler(seqlens, 24, gradient_accumulation_steps=2, budget="padded", same_size=True,
+                                   same_length=True, order="random", seed=1)
+    plan, trained = sampler.plan, []
+    for t, batch in enumerate(make_dataloader(data, sampler, collate_fn=PaddedCollate(), sample_padding_fn=padding)):
+        b = t // 2
+        ids, lens = batch["id"].tolist(), batch["seqlens"].tolist()
+        assert batch["input_ids"].shape[1] == batch["labels"].shape[1] == plan.batch_max_seqlens[b]
+        assert lens == [seqlens[i] for i in ids]
+        for row, n in zip(batch["labels"], lens):
+            assert row[:n].tolist() == list(range(n)) and (row[n:] == -100).all()
+        trained += ids
+    assert sorted(trained) == sorted(plan.sample_ids.tolist())
+
+
+# -- step inputs and ranks -------------------------------------------------------------------------
+
+
+def _dealt_oracle(plan, micro_batch_size, num_replicas, rank):
+    """Rank ``rank``'s step inputs: g = rank, rank + R, ..., step input g = micro-batches g*m .. g*m + m - 1."""
+    mbs, m = plan.microbatches(), micro_batch_size
+    return [[i for mb in mbs[g * m:(g + 1) * m] for i in mb] for g in range(rank, len(mbs) // m, num_replicas)]
+
+
+@given(seqlens=st.lists(st.integers(1, 30), min_size=1, max_size=120), micro_batch_size=st.integers(1, 3),
+       gas=st.integers(1, 3), num_replicas=st.integers(1, 3), order=st.sampled_from(ORDERS),
+       budget=st.sampled_from(BUDGETS), epoch=st.integers(0, 2))
+@settings(max_examples=60)
+def test_step_inputs_are_dealt_by_the_one_rule(seqlens, micro_batch_size, gas, num_replicas, order, budget, epoch):
+    """Rank r trains step inputs r, r + R, ...; step input g is micro-batches g*m .. g*m + m - 1 (issue 9, item 3)."""
+    options = dict(micro_batch_size=micro_batch_size, gradient_accumulation_steps=gas, num_replicas=num_replicas,
+                   order=order, budget=budget, seed=3)
+    try:
+        samplers = [VariableBatchSampler(seqlens, 45, rank=r, **options) for r in range(num_replicas)]
+    except ValueError as error:
+        assert "not enough samples" in str(error)
+        assume(False)
+    for rank, sampler in enumerate(samplers):
+        sampler.set_epoch(epoch)
+        expected = _dealt_oracle(sampler.plan, micro_batch_size, num_replicas, rank)
+        assert len(expected) == len(sampler) == sampler.plan.num_batches * gas
+        assert list(sampler) == expected
+
+
+@pytest.mark.parametrize("num_replicas, gas", [(2, 2), (3, 1), (2, 3)])
+def test_sampler_interleaving_matches_deepspeed(num_replicas, gas):
+    """With one micro-batch per step input, each rank gets DeepSpeed's micro-batches: j to rank j % num_replicas."""
+    module = _deepspeed_module()
+    seqlens = _lengths(120, 1, 30, seed=3)
+    k = num_replicas * gas
+    plan = plan_batches(seqlens, 45, effective_batch_size=k)
+    microbatch_ids = [(j // k, mb) for j, mb in enumerate(plan.microbatches())]
+    for rank in range(num_replicas):
+        loader, _ = module.dataloader_for_variable_batch_size(
+            list(range(len(seqlens))), microbatch_ids, plan.batch_max_seqlens.tolist(), dataloader_rank=rank,
+            dataloader_batch_size=1, dataloader_num_replicas=num_replicas, dataloader_num_workers=0)
+        sampler = VariableBatchSampler(seqlens, 45, gradient_accumulation_steps=gas, num_replicas=num_replicas,
+                                       rank=rank)
+        assert list(sampler) == [list(step) for step in loader]
+
+
+@pytest.mark.parametrize("num_replicas, micro_batch_size, gas", [(1, 1, 1), (2, 1, 3), (3, 2, 1), (2, 2, 2)])
+@pytest.mark.parametrize("order", ["dataloader", "random", "bucket"])
+def test_sampler_ranks_split_the_plan(num_replicas, micro_batch_size, gas, order):
+    """Equal exact len on every rank, and the ranks' step inputs together are the plan's samples, once."""
+    seqlens = _lengths(150, 1, 30, seed=2)
+    samplers = [VariableBatchSampler(seqlens, 50, micro_batch_size=micro_batch_size, gradient_accumulation_steps=gas,
+                                     num_replicas=num_replicas, rank=r, order=order, seed=7, bucket_size=16)
+                for r in range(num_replicas)]
+    plan = samplers[0].plan
+    lengths = [len(s) for s in samplers]
+    runs = [list(s) for s in samplers]
+    assert set(lengths) == {plan.num_batches * gas}
+    assert [len(run) for run in runs] == lengths
+    union = [i for run in runs for step in run for i in step]
+    assert sorted(union) == sorted(plan.sample_ids.tolist())
+    for b in range(plan.num_batches):  # the step inputs of batch b hold exactly batch b's samples
+        ids = [i for run in runs for step in run[b * gas:(b + 1) * gas] for i in step]
+        assert len(ids) == plan.batch_sizes[b]
+
+
+def test_dict_samples_over_ranks():
+    """Data-parallel ranks with dict samples train every planned sample once, with their real lengths."""
+    seqlens = _lengths(60, 1, 12, seed=14)
+    data = [{"input_ids": torch.full((n,), i + 1), "id": i} for i, n in enumerate(seqlens)]
+    trained = []
+    for rank in range(2):
+        sampler = VariableBatchSampler(seqlens, 30, micro_batch_size=2, num_replicas=2, rank=rank, order="bucket",
+                                       budget="padded", seed=5)
+        plan = sampler.plan
+        for batch in make_dataloader(data, sampler, collate_fn=PaddedCollate()):
+            assert batch["seqlens"].tolist() == [seqlens[i] for i in batch["id"].tolist()]
+            assert batch["input_ids"].shape[0] * batch["input_ids"].shape[1] <= 2 * 30
+            trained += batch["id"].tolist()
+    assert sorted(trained) == sorted(plan.sample_ids.tolist())
+
+
+def test_sampler_set_epoch_and_auto_advance():
+    """set_epoch changes the random order; a full iteration advances to the next epoch by itself."""
+    seqlens = _lengths(80, seed=5)
+    sampler = VariableBatchSampler(seqlens, 60, order="random", seed=3)
+    first = list(sampler)
+    assert sampler.epoch == 1
+    second = list(sampler)
+    assert sampler.epoch == 2
+    assert first != second
+    assert second == sampler.plan_for_epoch(1).microbatches()
+    sampler.set_epoch(0)
+    assert list(sampler) == first
+    sampler.set_epoch(5)
+    fifth = list(sampler)
+    assert fifth == sampler.plan_for_epoch(5).microbatches() and fifth not in (first, second)
+
+
+def test_make_dataloader_with_workers():
+    """make_dataloader with two worker processes yields the sampler's step inputs, epoch after epoch."""
+    seqlens = _lengths(40, 1, 10, seed=6)
+    options = dict(micro_batch_size=2, order="random", seed=2)
+    reference = VariableBatchSampler(seqlens, 25, **options)
+    loader = make_dataloader(_id_dataset(seqlens), VariableBatchSampler(seqlens, 25, **options),
+                             collate_fn=PaddedCollate(), num_workers=2)
+    for _ in range(2):
+        expected = list(reference)
+        got = list(loader)
+        assert len(got) == len(expected) == len(loader)
+        for ids, (x, lens) in zip(expected, got):
+            assert _ids_of(x) == ids
+            assert lens.tolist() == [seqlens[i] for i in ids]
+
+
+# -- padding and collate ---------------------------------------------------------------------------
+
+_Pair = collections.namedtuple("_Pair", "tokens label")
+
+
+@pytest.mark.parametrize("sample, length, kwargs, expected", [
+    (torch.tensor([[1, 2], [3, 4]]), 4, dict(pad_value=-1), [[1, 2], [3, 4], [-1, -1], [-1, -1]]),
+    (np.array([5, 6]), 3, {}, [5, 6, 0]),
+    ([5, 6, 7], 3, {}, [5, 6, 7]),
+    ((3, [1, 2, 3]), 5, {}, (3, [1, 2, 3, 0, 0])),
+    ((torch.ones(2, 3), torch.tensor([1, 2])), 3, {}, ([[1.0] * 3, [1.0] * 3, [0.0] * 3], [1, 2, 0])),
+    (_Pair(torch.tensor([1, 2]), 3), 4, {}, _Pair([1, 2, 0, 0], 3)),
+    ({"input_ids": [1, 2], "labels": [3, 4], "label": 7}, 4, dict(pad_value={"labels": -100}),
+     {"input_ids": [1, 2, 0, 0], "labels": [3, 4, -100, -100], "label": 7}),
+    ({"input_ids": [1, 2], "labels": [3, 4]}, 3, dict(fields=["input_ids"]),
+     {"input_ids": [1, 2, 0], "labels": [3, 4]}),
+], ids=["tensor 2-D", "array", "list at length", "tuple with a scalar", "tuple of tensors", "namedtuple",
+        "dict with pad values", "dict, chosen fields"])
+def test_pad_sample_pads_sequence_fields_and_keeps_the_rest(sample, length, kwargs, expected):
+    """pad_sample pads one sequence, the sequence fields of a tuple, namedtuple or dict, and keeps scalars."""
+    def plain(value):
+        if isinstance(value, torch.Tensor):
+            return value.tolist()
+        if isinstance(value, dict):
+            return {key: plain(v) for key, v in value.items()}
+        if isinstance(value, tuple):
+            return type(value)(*map(plain, value)) if hasattr(value, "_fields") else tuple(map(plain, value))
+        return value
+    out = pad_sample(sample, length, **kwargs)
+    assert type(out) is (torch.Tensor if isinstance(sample, (torch.Tensor, np.ndarray, list)) else type(sample))
+    assert plain(out) == expected
+
+
+@given(seqlens=st.lists(st.integers(1, 9), min_size=1, max_size=6), width=st.integers(0, 3))
+@settings(max_examples=30)
+def test_padded_collate_round_trip(seqlens, width):
+    """PaddedCollate pads to B x S x ...; seqlens_from_padded recovers the real lengths."""
+    shape = (lambda n: (n,)) if width == 0 else (lambda n: (n, width))
+    samples = [torch.randint(1, 5, shape(n)) for n in seqlens]
+    padded, lens = PaddedCollate()(samples)
+    assert padded.shape == (len(seqlens), max(seqlens), *shape(1)[1:])
+    assert lens.tolist() == seqlens
+    assert seqlens_from_padded((padded, lens)) == seqlens
+    assert seqlens_from_padded(padded) == seqlens
+    for row, sample, n in zip(padded, samples, seqlens):
+        assert torch.equal(row[:n], sample) and not row[n:].any()
+    tokens, targets, lens = PaddedCollate(pad_value=0)([(s, s.sum(0)) for s in samples])
+    assert tokens.shape[:2] == (len(seqlens), max(seqlens)) and targets.shape[0] == len(seqlens)
+    assert lens.tolist() == seqlens
+
+
+def test_padded_collate_handles_lists_tuples_and_dicts():
+    """Lists of numbers pad; tuples give (*fields, seqlens); dicts give padded fields, text as lists, seqlens_key."""
+    x, lens = PaddedCollate()([[1, 2, 3], [4, 5]])
+    assert x.tolist() == [[1, 2, 3], [4, 5, 0]] and lens.tolist() == [3, 2]
+    label, tokens, lens = PaddedCollate(pad_value=-1)([(1, torch.tensor([7, 8, 9])), (0, torch.tensor([6]))])
+    assert label.tolist() == [1, 0] and tokens.tolist() == [[7, 8, 9], [6, -1, -1]] and lens.tolist() == [3, 1]
+    samples = [{"input_ids": [1, 2, 3], "labels": [1, 1, 1], "text": "abc"},
+               {"input_ids": [4], "labels": [2], "text": "d"}]
+    out = PaddedCollate(pad_value={"labels": -100})(samples)
+    assert out["input_ids"].tolist() == [[1, 2, 3], [4, 0, 0]]
+    assert out["labels"].tolist() == [[1, 1, 1], [2, -100, -100]]
+    assert out["text"] == ["abc", "d"] and out["seqlens"].tolist() == [3, 1]
+    assert set(PaddedCollate(seqlens_key=None)(samples)) == {"input_ids", "labels", "text"}
+    assert PaddedCollate(seqlens_key="lengths")(samples)["lengths"].tolist() == [3, 1]
+    assert PaddedCollate()(samples, seqlens=[2, 1])["seqlens"].tolist() == [2, 1]  # given: the plan's lengths
+
+
+def test_callbacks_are_picklable():
+    """PaddedCollate, pad_sample (and partials of it) and a same-length loader survive pickling (spawned workers)."""
+    samples = [torch.arange(1, n + 1) for n in (3, 1, 2)]
+    collate = pickle.loads(pickle.dumps(PaddedCollate(pad_value=0)))
+    assert collate(samples)[1].tolist() == [3, 1, 2]
+    assert pickle.loads(pickle.dumps(pad_sample))(torch.ones(1), 3).tolist() == [1, 0, 0]
+    padding = pickle.loads(pickle.dumps(functools.partial(pad_sample, pad_value=9)))
+    assert padding(torch.tensor([1]), 2).tolist() == [1, 9]
+    seqlens = [3, 1, 2, 3]
+    sampler = VariableBatchSampler(seqlens, 6, same_size=True, same_length=True, gradient_accumulation_steps=2)
+    loader = make_dataloader(_id_dataset(seqlens), sampler, collate_fn=PaddedCollate(),
+                             sample_padding_fn=functools.partial(pad_sample, pad_value=0))
+    restored = pickle.loads(pickle.dumps(loader))
+    for (x, lens), (y, lens_y) in zip(loader, restored, strict=True):
+        assert torch.equal(x, y) and torch.equal(lens, lens_y)
+
+
+# =============================================================================
+# 4. Nothing lost
+# =============================================================================
+
+
+@given(case=plan_cases(orders=ORDERS))
+def test_every_sample_packed_once_or_reported(case):
+    """Packed and dropped ids are disjoint, each appears once, and together they are every sample."""
+    plan = _plan_or_none(case)
+    assume(plan is not None)
+    packed = plan.sample_ids.tolist()
+    dropped = [i for ids in plan.dropped.values() for i in ids.tolist()]
+    assert len(set(packed)) == len(packed), "a sample is packed twice"
+    assert len(set(dropped)) == len(dropped), "a sample is dropped twice"
+    assert not set(packed) & set(dropped), "a sample is both packed and dropped"
+    assert sorted(packed + dropped) == list(range(len(case["seqlens"])))
+    assert set(plan.dropped) == set(DROP_REASONS)
+    assert plan.num_dropped == len(dropped)
+    if case["min_batch_size"] == 1:
+        assert len(plan.dropped["tail"]) < plan.effective_batch_size
+        assert len(plan.dropped["min_batch_size"]) == 0
+
+
+@given(case=plan_cases(orders=ORDERS))
+def test_batches_are_whole_and_statistics_match(case):
+    """Every batch holds k micro-batches, and batch_sizes/tokens/max seqlens describe them."""
+    plan = _plan_or_none(case)
+    assume(plan is not None)
+    lens = np.asarray(case["seqlens"])
+    k = plan.effective_batch_size
+    mbs = plan.microbatches()
+    assert len(mbs) == plan.num_microbatches == k * plan.num_batches
+    assert [len(mb) for mb in mbs] == plan.microbatch_sizes().tolist()
+    for b in range(plan.num_batches):
+        ids = [i for mb in mbs[b * k:(b + 1) * k] for i in mb]
+        assert plan.batch_sizes[b] == len(ids)
+        assert plan.batch_tokens[b] == lens[ids].sum()
+        assert plan.batch_max_seqlens[b] == lens[ids].max()
+
+
+# -- the planner against a slow, obviously correct oracle ------------------------------------------
+
+
+def _oracle_plan(seqlens, max_tokens, *, effective_batch_size=1, micro_batch_size=1, num_replicas=1, budget="sum",
+                 order="dataloader", min_batch_size=1, max_batch_size=None, sample_ids=None, same_size=False,
+                 same_length=False):
+    """The plan, computed slowly and obviously from DESIGN.md's semantics (dataloader and seqlen orders).
+
+    Samples are packed in blocks of ``width`` micro-batches of ``n`` samples each: whole batches
+    (k micro-batches) with same_size; a step input (m micro-batches sharing one S) under the padded
+    budget; else single micro-batches. A block takes the next ``n x width`` samples: interleaved
+    (micro-batch b is every width-th sample from b) with n as large as fits; where that n is below
+    min_batch_size, consecutive (micro-batch b is samples b*n .. b*n + n - 1) with the largest
+    n >= min_batch_size that fits; where neither fits, the first sample is dropped as min_batch_size.
+
+    Returns ``(fixed, leftover, width, dropped)``: the micro-batches whose content is specified, the
+    leftover micro-batches (fewer than a batch) that the planner must re-split into exactly k parts,
+    or None when that is impossible (their samples are then tail), and reason -> sorted ids.
+    """
+    k, m = effective_batch_size, micro_batch_size
+    width = k if same_size else (m if budget == "padded" else 1)
+    group = (k if same_length else m) if same_size else width  # adjacent micro-batches padded to one S
+    chosen = list(range(len(seqlens))) if sample_ids is None else [int(i) for i in sample_ids]
+    filtered = sorted(set(range(len(seqlens))) - set(chosen)) if sample_ids is not None else []
+    over_budget = sorted(i for i in chosen if seqlens[i] > max_tokens)
+    todo = [i for i in chosen if seqlens[i] <= max_tokens]
+    if order == "seqlen":
+        todo = sorted(todo, key=lambda i: (seqlens[i], i))  # ties by id, as DeepSpeed's sort of (len, id)
+    cap = max_batch_size or len(todo)
+
+    def fits(mbs):
+        if budget == "sum":
+            return all(sum(seqlens[i] for i in mb) <= max_tokens for mb in mbs)
+        for g in range(0, len(mbs), group):
+            longest = max(seqlens[i] for mb in mbs[g:g + group] for i in mb)
+            if any(len(mb) * longest > max_tokens for mb in mbs[g:g + group]):
+                return False
+        return True
+
+    def layout(pos, n, consecutive):
+        chunk = todo[pos:pos + n * width]
+        return [chunk[b * n:(b + 1) * n] for b in range(width)] if consecutive else \
+            [chunk[b::width] for b in range(width)]
+
+    units, too_small, pos = [], [], 0
+    while pos + width <= len(todo):
+        rows_left = min(cap, (len(todo) - pos) // width)
+        n = max([n for n in range(1, rows_left + 1) if fits(layout(pos, n, False))], default=0)
+        consecutive = False
+        if n < min_batch_size <= rows_left:
+            fallback = max([r for r in range(min_batch_size, rows_left + 1) if fits(layout(pos, r, True))], default=0)
+            if fallback:
+                n, consecutive = fallback, True
+        if n >= min_batch_size:
+            units.append(layout(pos, n, consecutive))
+            pos += n * width
+        elif n == rows_left:  # stopped by the end of the data
+            break
+        else:  # stopped by the budget short of min_batch_size rows
+            too_small.append(todo[pos])
+            pos += 1
+    tail = todo[pos:]
+    per_batch = k // width
+    full = len(units) - len(units) % per_batch
+    fixed = [mb for unit in units[:full] for mb in unit]
+    leftover = [mb for unit in units[full:] for mb in unit]
+    # A block of r rows splits into at most r // min_batch_size blocks of min_batch_size rows or more.
+    if leftover and sum(len(unit[0]) // min_batch_size for unit in units[full:]) < per_batch:
+        tail = [i for mb in leftover for i in mb] + tail
+        leftover = None
+    dropped = {"over_budget": over_budget, "min_batch_size": sorted(too_small), "tail": sorted(tail),
+               "filtered": filtered}
+    return fixed, leftover, width, dropped
+
+
+def _oracle_case(case):
+    """The oracle's keyword arguments from a plan case (the orders it knows)."""
+    return {key: value for key, value in case.items() if key not in ("seed", "epoch", "bucket_size")}
+
+
 def _assert_matches_oracle(case):
     """plan_batches(**case) equals the oracle's plan."""
-    fixed, leftover, dropped = _oracle_plan(**_oracle_case(case))
+    fixed, leftover, width, dropped = _oracle_plan(**_oracle_case(case))
     plan = _plan_or_none(case)
     if plan is None:
         assert not fixed and not leftover, "plan_batches refused a case the oracle can pack"
@@ -371,63 +863,63 @@ def _assert_matches_oracle(case):
     if not leftover:
         assert rest == []
     else:
-        # The leftover is re-split into exactly k parts, each a piece of one leftover micro-batch.
+        # The leftover is re-split into exactly k parts (blocks of `width` equal micro-batches),
+        # each a run of one leftover micro-batch, together tiling every leftover micro-batch.
         k = case["effective_batch_size"]
         assert len(rest) == k, f"leftover {leftover} re-split into {rest}, not {k} parts"
-        assert [i for mb in rest for i in mb] == [i for mb in leftover for i in mb]
         assert all(len(mb) >= case["min_batch_size"] for mb in rest)
-        cuts = set(np.cumsum([len(mb) for mb in rest]).tolist())
-        assert set(np.cumsum([len(mb) for mb in leftover]).tolist()) <= cuts, "a part joins two micro-batches"
-    for reason in varbatch.DROP_REASONS:
+        for b in range(0, k, width):
+            assert len({len(mb) for mb in rest[b:b + width]}) == 1, f"a re-split block is not of equal sizes: {rest}"
+        for whole in leftover:
+            pieces = sorted((whole.index(mb[0]), mb) for mb in rest if mb[0] in whole)
+            assert [i for _, mb in pieces for i in mb] == whole, f"{whole} is not tiled by its pieces in {rest}"
+        if width == 1:
+            assert [i for mb in rest for i in mb] == [i for mb in leftover for i in mb]
+    for reason in DROP_REASONS:
         assert plan.dropped[reason].tolist() == dropped[reason], reason
 
 
 @given(case=plan_cases())
 # single sample
-@example(case=dict(seqlens=[5], max_tokens=5, effective_batch_size=1, budget="sum", order="dataloader",
-                   min_batch_size=1, max_batch_size=None, sample_ids=None, same_size=False, same_length=False))
-@example(case=dict(seqlens=[5], max_tokens=4, effective_batch_size=1, budget="padded", order="seqlen",
-                   min_batch_size=1, max_batch_size=None, sample_ids=None, same_size=True, same_length=True))
+@example(case=_case([5], 5))
+@example(case=_case([5], 4, budget="padded", order="seqlen", same_size=True, same_length=True))
 # all equal lengths
-@example(case=dict(seqlens=[3] * 12, max_tokens=9, effective_batch_size=2, budget="sum", order="seqlen",
-                   min_batch_size=1, max_batch_size=None, sample_ids=None, same_size=False, same_length=False))
-@example(case=dict(seqlens=[4] * 10, max_tokens=8, effective_batch_size=3, budget="padded", order="dataloader",
-                   min_batch_size=1, max_batch_size=None, sample_ids=None, same_size=True, same_length=True))
+@example(case=_case([3] * 12, 9, effective_batch_size=2, order="seqlen"))
+@example(case=_case([4] * 10, 8, effective_batch_size=3, budget="padded", same_size=True, same_length=True))
 # sample exactly max_tokens
-@example(case=dict(seqlens=[2, 7, 7, 1, 7], max_tokens=7, effective_batch_size=1, budget="sum", order="dataloader",
-                   min_batch_size=1, max_batch_size=None, sample_ids=None, same_size=False, same_length=False))
-@example(case=dict(seqlens=[3, 6, 1, 2], max_tokens=6, effective_batch_size=2, budget="padded",
-                   order="dataloader", min_batch_size=1, max_batch_size=None, sample_ids=None, same_size=True,
-                   same_length=False))
+@example(case=_case([2, 7, 7, 1, 7], 7))
+@example(case=_case([3, 6, 1, 2], 6, effective_batch_size=2, budget="padded", same_size=True))
 # min_batch_size that cannot be met mid-epoch
-@example(case=dict(seqlens=[2, 2, 9, 2, 2, 2, 2], max_tokens=10, effective_batch_size=1, budget="sum",
-                   order="dataloader", min_batch_size=2, max_batch_size=None, sample_ids=None, same_size=False,
-                   same_length=False))
-@example(case=dict(seqlens=[1, 1, 1, 1, 8, 1, 1, 1, 1, 1], max_tokens=8, effective_batch_size=2, budget="padded",
-                   order="dataloader", min_batch_size=2, max_batch_size=None, sample_ids=None, same_size=True,
-                   same_length=False))
+@example(case=_case([2, 2, 9, 2, 2, 2, 2], 10, min_batch_size=2))
+@example(case=_case([1, 1, 1, 1, 8, 1, 1, 1, 1, 1], 8, effective_batch_size=2, budget="padded", min_batch_size=2,
+                    same_size=True))
+# same size: the consecutive layout where the interleaved one cannot reach min_batch_size (issue 9, item 7)
+@example(case=_case([1, 9, 1, 9, 1, 1, 1, 1], 10, effective_batch_size=2, min_batch_size=2, same_size=True))
+@example(case=_case([1, 9, 1, 9], 10, effective_batch_size=2, min_batch_size=2, same_size=True))
+@example(case=_case([1, 4, 1, 4, 1, 4], 6, effective_batch_size=2, budget="padded", min_batch_size=2,
+                    same_size=True))
 # tail re-split
-@example(case=dict(seqlens=[1] * 6, max_tokens=6, effective_batch_size=3, budget="sum", order="dataloader",
-                   min_batch_size=2, max_batch_size=None, sample_ids=None, same_size=False, same_length=False))
-@example(case=dict(seqlens=[1, 1, 8, 8, 1, 1], max_tokens=10, effective_batch_size=3, budget="sum",
-                   order="dataloader", min_batch_size=2, max_batch_size=None, sample_ids=None, same_size=False,
-                   same_length=False))
-@example(case=dict(seqlens=[1] * 9, max_tokens=20, effective_batch_size=4, budget="sum", order="dataloader",
-                   min_batch_size=1, max_batch_size=None, sample_ids=None, same_size=False, same_length=False))
-@example(case=dict(seqlens=[2, 2, 2, 2, 2, 5, 5], max_tokens=10, effective_batch_size=2, budget="sum",
-                   order="seqlen", min_batch_size=1, max_batch_size=None, sample_ids=None, same_size=False,
-                   same_length=False))
+@example(case=_case([1] * 6, 6, effective_batch_size=3, min_batch_size=2))
+@example(case=_case([1, 1, 8, 8, 1, 1], 10, effective_batch_size=3, min_batch_size=2))
+@example(case=_case([1] * 9, 20, effective_batch_size=4))
+@example(case=_case([2, 2, 2, 2, 2, 5, 5], 10, effective_batch_size=2, order="seqlen"))
+# step inputs of two micro-batches packed as one block under the padded budget (issue 9, item 3)
+@example(case=_case(_ISSUE_PADDED, 64, effective_batch_size=2, micro_batch_size=2, budget="padded"))
+@example(case=_case([2, 2, 2, 2, 2, 2, 2, 2, 2, 9], 12, effective_batch_size=4, micro_batch_size=2,
+                    budget="padded"))
 @settings(max_examples=300)
 def test_plan_matches_oracle(case):
     """plan_batches packs, drops and re-splits exactly as the slow oracle says."""
     _assert_matches_oracle(case)
 
 
+# -- DeepSpeed's packing, and what it loses --------------------------------------------------------
+
+
 def _ds_microbatches(seqlens, max_tokens, **kwargs):
     """DeepSpeed's micro-batches as lists of ids; [] where DeepSpeed packs too little for one batch."""
-    ds_batch_by_seqlens = _deepspeed_batch_by_seqlens()
     try:
-        microbatch_ids, _, _ = ds_batch_by_seqlens(list(seqlens), max_tokens, **kwargs)
+        microbatch_ids, _, _ = _deepspeed_module().batch_by_seqlens(list(seqlens), max_tokens, **kwargs)
     except AssertionError:  # "not enough datapoints to create a single sample per dataloader"
         return []
     return [list(ids) for _, ids in microbatch_ids]
@@ -488,8 +980,7 @@ def test_deepspeed_parity_in_random_order(case, seed, epoch):
     """varbatch's random order packs as DeepSpeed does in dataloader order on the permuted lengths."""
     seqlens = np.asarray(case["seqlens"])
     fits = seqlens <= case["max_tokens"]
-    if not fits.any():
-        return
+    assume(fits.any())
     # The picking order: one sample per micro-batch, so the packed ids are the permutation itself.
     order = plan_batches(seqlens, case["max_tokens"], order="random", seed=seed, epoch=epoch,
                          max_batch_size=1).sample_ids
@@ -531,6 +1022,24 @@ def test_deepspeed_loses_data_where_varbatch_does_not():
     assert plan.microbatches() == [[0, 1, 2, 3], [4, 5, 6, 7], [8], [9]] and plan.num_dropped == 0
 
 
+def test_deepspeed_drops_a_dict_sample_that_varbatch_trains():
+    """The audit's dict example through DeepSpeed's own function: it yields (2,5),(2,7),(1,6) and loses a sample."""
+    module = _deepspeed_module()
+    lens = [5, 3, 7, 2, 6, 4]
+    data = [{"input_ids": torch.arange(1, n + 1)} for n in lens]
+    def collate(samples):
+        return torch.nn.utils.rnn.pad_sequence([s["input_ids"] for s in samples], batch_first=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DeepSpeed's own scheduler's PyTorch warnings
+        theirs, _, _ = module.get_dataloader_and_lr_scheduler_for_variable_batch_size(
+            data, lens, max_tokens=10, effective_batch_size=1, dataloader_collate_fn=collate, dataloader_num_workers=0,
+            lr_scheduler_or_optimizer=_optimizer())
+    ours, _, _ = varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size(
+        data, lens, max_tokens=10, effective_batch_size=1, dataloader_collate_fn=collate)
+    assert [tuple(x.shape) for x in theirs] == [(2, 5), (2, 7), (1, 6)]
+    assert [tuple(x.shape) for x in ours] == [(2, 5), (2, 7), (2, 6)]
+
+
 def test_batch_by_seqlens_returns_deepspeed_shapes():
     """batch_by_seqlens returns (batch_id, ids) per micro-batch, batch sizes and batch max seqlens."""
     seqlens = [3, 5, 2, 6, 4, 1]
@@ -541,403 +1050,111 @@ def test_batch_by_seqlens_returns_deepspeed_shapes():
     assert batch_max_seqlens == plan.batch_max_seqlens.tolist()
 
 
-@pytest.mark.parametrize("sample_ids, names", [([0, 5], "sample_ids[1]=5"), ([-1, 0], "sample_ids[0]=-1")])
-def test_sample_ids_out_of_range(sample_ids, names):
-    """Sample ids outside the dataset raise, naming the id."""
-    with pytest.raises(ValueError, match=re.escape(names)):
-        plan_batches([1, 2, 3], 10, sample_ids=sample_ids)
+# -- later epochs and empty plans ------------------------------------------------------------------
+
+# An order that leaves epochs 1 to 3 without a batch (two micro-batches of two samples each needed).
+_UNLUCKY = dict(seqlens=[9, 1, 9, 5, 4], max_tokens=10, gradient_accumulation_steps=2, order="random", seed=0,
+                min_batch_size=2)
 
 
-def test_sample_ids_duplicated():
-    """A sample id given twice raises, naming it."""
-    with pytest.raises(ValueError, match=re.escape("(ids 1)")):
-        plan_batches([1, 2, 3], 10, sample_ids=[0, 1, 1])
+def test_no_plan_raises_after_the_first_was_accepted():
+    """An unlucky later epoch yields a plan with every sample in its drops; nothing raises; the LR skips it (item 8)."""
+    options = {key: value for key, value in _UNLUCKY.items() if key not in ("seqlens", "max_tokens")}
+    sampler = VariableBatchSampler(_UNLUCKY["seqlens"], _UNLUCKY["max_tokens"], **options)
+    counts = [sampler.plan_for_epoch(e).num_batches for e in range(6)]
+    assert counts[0] > 0 and 0 in counts[1:], f"the data no longer has an unlucky epoch: {counts}"
+    optimizer = _optimizer()
+    scheduler = VariableBatchSizeLR(optimizer, 2.0, sampler)
+    trained = []
+    for epoch in range(6):
+        plan = sampler.plan
+        assert plan.epoch == epoch and plan.num_batches * 2 == len(sampler)
+        if not plan.num_batches:
+            assert sorted(i for ids in plan.dropped.values() for i in ids.tolist()) == list(range(5))
+        for i, _ in enumerate(sampler):
+            if i % 2 == 0:
+                assert scheduler.batch_size == plan.batch_sizes[i // 2], f"epoch {epoch}, batch {i // 2}"
+                trained.append(epoch)
+            else:
+                optimizer.step()
+                scheduler.step()
+        assert sampler.epoch == epoch + 1, f"iterating epoch {epoch} ({plan.num_batches} batches) left the " \
+                                           f"sampler at epoch {sampler.epoch}"
+    assert sorted(set(trained)) == [e for e, count in enumerate(counts) if count]
 
 
-def test_sample_ids_not_integers():
-    """Non-integer sample ids raise a TypeError naming their dtype."""
-    with pytest.raises(TypeError, match="float64"):
-        plan_batches([1, 2, 3], 10, sample_ids=[0.0, 1.0])
+@st.composite
+def small_cases(draw):
+    """Keyword arguments of plan_batches for a few samples and large batches: often too few for one batch."""
+    n = draw(st.integers(1, 6))
+    sample_ids = draw(st.one_of(st.none(), st.permutations(range(n)).flatmap(
+        lambda p: st.integers(1, n).map(lambda m: p[:m]))))
+    return dict(seqlens=draw(st.lists(st.integers(1, 20), min_size=n, max_size=n)),
+                max_tokens=draw(st.integers(4, 30)), effective_batch_size=draw(st.integers(2, 6)),
+                min_batch_size=draw(st.integers(1, 3)), same_size=draw(st.booleans()),
+                order=draw(st.sampled_from(ORDERS)), seed=0, epoch=draw(st.integers(0, 3)), sample_ids=sample_ids)
 
 
-def test_every_sample_longer_than_max_tokens():
-    """A budget that no sample fits raises, naming max_tokens and the shortest sample."""
-    with pytest.raises(ValueError, match=re.escape("max_tokens=3 (shortest 4)")):
-        plan_batches([5, 4, 9], 3)
-
-
-def test_on_overlong_error():
-    """on_overlong='error' refuses samples longer than max_tokens, naming them."""
-    with pytest.raises(ValueError, match=re.escape("max_tokens=5 is smaller than 2 samples (ids 1, 3)")):
-        plan_batches([2, 6, 3, 7], 5, on_overlong="error")
-    assert plan_batches([2, 6, 3, 7], 5).dropped["over_budget"].tolist() == [1, 3]
-
-
-def test_min_batch_size_above_max_batch_size():
-    """min_batch_size > max_batch_size raises, naming both."""
-    with pytest.raises(ValueError, match=re.escape("min_batch_size=3 and max_batch_size=2")):
-        plan_batches([1, 2, 3], 10, min_batch_size=3, max_batch_size=2)
-
-
-def test_not_enough_samples_for_one_batch():
-    """Too few samples for one batch raises, saying how many are needed."""
-    with pytest.raises(ValueError, match=re.escape("3 eligible samples") + ".*" + re.escape("needs at least 4")):
-        plan_batches([1, 1, 1], 10, effective_batch_size=4)
-
-
-def test_padded_same_length_needs_same_size():
-    """budget='padded' with same_length and without same_size raises, naming the fix."""
-    with pytest.raises(ValueError, match=re.escape("set same_size=True")):
-        plan_batches([1, 2, 3], 10, budget="padded", same_length=True)
-
-
-# =============================================================================
-# Learning-rate math
-# =============================================================================
-
-
-def test_worked_example_scale_lr():
-    """DESIGN.md section 5: lr 1e-3 at reference batch 2 becomes 5e-3 at B=10 and 2e-3 at B=4."""
-    assert math.isclose(scale_lr(2, 10, 1e-3), 5e-3, rel_tol=1e-12)
-    assert math.isclose(scale_lr(2, 4, 1e-3), 2e-3, rel_tol=1e-12)
-    assert math.isclose(scale_lr(2, 8, 1e-3, "sqrt"), 2e-3, rel_tol=1e-12)
-    assert scale_lr(2, 10, 1e-3, "none") == 1e-3
-    assert math.isclose(scale_lr(2, 10, 1e-3, lambda r: r ** 2), 2.5e-2, rel_tol=1e-12)
-
-
-@pytest.mark.parametrize("base_batch_size", [0, -2, float("nan")])
-def test_scale_lr_bad_base_batch_size(base_batch_size):
-    """scale_lr with base_batch_size <= 0 raises, naming the value."""
-    with pytest.raises(ValueError, match=re.escape(f"base_batch_size={base_batch_size!r}")):
-        scale_lr(base_batch_size, 4)
-
-
-def test_unknown_lr_scaling_method():
-    """An unknown LR method names the value, lists the valid ones and suggests the closest."""
-    with pytest.raises(ValueError) as info:
-        scale_lr(2, 4, method="lineer")
-    message = str(info.value)
-    assert "'lineer'" in message and "did you mean 'linear'" in message
-    assert all(repr(m) in message for m in varbatch.LR_SCALING_METHODS)
-
-
-def _token_dataset(seqlens, dim=3, seed=0):
-    """Sample i: (inputs L_i x dim, targets L_i), float64."""
-    gen = torch.Generator().manual_seed(seed)
-    return [(torch.randn(n, dim, generator=gen, dtype=torch.float64), torch.randn(n, generator=gen,
-                                                                                  dtype=torch.float64))
-            for n in seqlens]
-
-
-@pytest.mark.parametrize("unit", ["samples", "tokens"])
-def test_loss_weights_give_the_full_batch_gradient(unit):
-    """Weighted step-input losses, averaged over ranks and accumulation steps, give the batch mean's gradient."""
-    num_replicas, gas, mbs = 2, 2, 1
-    seqlens = _lengths(60, 1, 12, seed=4)
-    data = _token_dataset(seqlens)
-    model = torch.nn.Linear(3, 1, dtype=torch.float64)
-    samplers = [VariableBatchSampler(seqlens, 24, micro_batch_size=mbs, gradient_accumulation_steps=gas,
-                                     num_replicas=num_replicas, rank=r, order="random", seed=1)
-                for r in range(num_replicas)]
-    plan = samplers[0].plan
-    steps = [list(s) for s in samplers]
-
-    def token_losses(ids):  # one tensor per sample: per-token squared error
-        return [(model(data[i][0]).squeeze(-1) - data[i][1]) ** 2 for i in ids]
-
-    def step_loss(ids):
-        losses = token_losses(ids)
-        if unit == "samples":
-            return torch.stack([l.mean() for l in losses]).mean(), len(ids)
-        return torch.cat(losses).mean(), int(sum(seqlens[i] for i in ids))
-
-    def gradient(weighted):
-        model.zero_grad()
-        for r in range(num_replicas):
-            for a in range(gas):
-                ids = steps[r][b * gas + a]
-                loss, count = step_loss(ids)
-                batch_count = plan.batch_sizes[b] if unit == "samples" else plan.batch_tokens[b]
-                weight = micro_batch_loss_weight(count, int(batch_count), num_replicas=num_replicas,
-                                                 gradient_accumulation_steps=gas) if weighted else 1.0
-                (loss * weight / gas).backward()  # DeepSpeed divides the loss by gas ...
-        return [p.grad / num_replicas for p in model.parameters()]  # ... and averages over ranks
-
-    unweighted_differs = False
-    for b in range(plan.num_batches):
-        batch_ids = [i for r in range(num_replicas) for a in range(gas) for i in steps[r][b * gas + a]]
-        assert sorted(batch_ids) == sorted(i for j in range(b * 4, b * 4 + 4) for i in plan.microbatch(j))
-        model.zero_grad()
-        full, _ = step_loss(batch_ids)
-        full.backward()
-        expected = [p.grad.clone() for p in model.parameters()]
-        for got, want in zip(gradient(weighted=True), expected):
-            assert torch.allclose(got, want, rtol=1e-10, atol=1e-12), f"batch {b}: {got} != {want}"
-        unweighted_differs |= not all(torch.allclose(g, w) for g, w in zip(gradient(weighted=False), expected))
-    assert unweighted_differs, "the data never has micro-batches of different sizes: the test proves nothing"
-
-
-# =============================================================================
-# Torch adapters: padding, collate, the batch sampler
-# =============================================================================
-
-
-@given(seqlens=st.lists(st.integers(1, 9), min_size=1, max_size=6), width=st.integers(0, 3))
-@settings(max_examples=30)
-def test_padded_collate_round_trip(seqlens, width):
-    """PaddedCollate pads to B x S x ...; seqlens_from_padded recovers the real lengths."""
-    shape = (lambda n: (n,)) if width == 0 else (lambda n: (n, width))
-    samples = [torch.randint(1, 5, shape(n)) for n in seqlens]
-    padded, lens = PaddedCollate()(samples)
-    assert padded.shape == (len(seqlens), max(seqlens), *shape(1)[1:])
-    assert lens.tolist() == seqlens
-    assert seqlens_from_padded((padded, lens)) == seqlens
-    assert seqlens_from_padded(padded) == seqlens
-    for row, sample, n in zip(padded, samples, seqlens):
-        assert torch.equal(row[:n], sample) and not row[n:].any()
-    tokens, targets, lens = PaddedCollate(pad_value=0)([(s, s.sum(0)) for s in samples])
-    assert tokens.shape[:2] == (len(seqlens), max(seqlens)) and targets.shape[0] == len(seqlens)
-    assert lens.tolist() == seqlens
-
-
-def test_pad_sample():
-    """pad_sample pads the first dimension with pad_value and keeps the sample."""
-    out = pad_sample(torch.tensor([[1, 2], [3, 4]]), 4, pad_value=-1)
-    assert out.tolist() == [[1, 2], [3, 4], [-1, -1], [-1, -1]]
-    assert pad_sample([5, 6, 7], 3).tolist() == [5, 6, 7]
-    assert functools.partial(pad_sample, pad_value=9)(torch.tensor([1]), 2).tolist() == [1, 9]
-
-
-def test_pad_sample_shorter_than_sample():
-    """pad_sample to a length below the sample's raises, naming both lengths."""
-    with pytest.raises(ValueError, match=re.escape("seqlen 3 to length=2")):
-        pad_sample(torch.ones(3), 2)
-
-
-def test_callbacks_are_picklable():
-    """PaddedCollate, pad_sample and the internal collate survive pickling (spawned workers)."""
-    samples = [torch.arange(1, n + 1) for n in (3, 1, 2)]
-    collate = pickle.loads(pickle.dumps(PaddedCollate(pad_value=0)))
-    assert collate(samples)[1].tolist() == [3, 1, 2]
-    assert pickle.loads(pickle.dumps(pad_sample))(torch.ones(1), 3).tolist() == [1, 0, 0]
-    inner = varbatch._Collate(samples, PaddedCollate(), pad_sample)
-    restored = pickle.loads(pickle.dumps(inner))
-    x, lens = restored([(0, (0, 2), 3), (0, (1,), 3)])
-    # Padded to the batch's max seqlen, but the lengths reported are the real ones.
-    assert x.shape == (3, 3) and lens.tolist() == [3, 2, 1]
-
-
-@pytest.mark.parametrize("num_replicas, micro_batch_size, gas", [(1, 1, 1), (2, 1, 3), (3, 2, 1), (2, 2, 2)])
-@pytest.mark.parametrize("order", ["dataloader", "random", "bucket"])
-def test_sampler_ranks_split_the_plan(num_replicas, micro_batch_size, gas, order):
-    """Equal exact len on every rank, and the ranks' step inputs together are the plan's samples, once."""
-    seqlens = _lengths(150, 1, 30, seed=2)
-    samplers = [VariableBatchSampler(seqlens, 50, micro_batch_size=micro_batch_size, gradient_accumulation_steps=gas,
-                                     num_replicas=num_replicas, rank=r, order=order, seed=7, bucket_size=16)
-                for r in range(num_replicas)]
-    plan = samplers[0].plan
-    lengths = [len(s) for s in samplers]
-    runs = [list(s) for s in samplers]
-    assert set(lengths) == {plan.num_batches * gas}
-    assert [len(run) for run in runs] == lengths
-    union = [i for run in runs for step in run for i in step]
-    assert sorted(union) == sorted(plan.sample_ids.tolist())
-    for b in range(plan.num_batches):  # the step inputs of batch b hold exactly batch b's samples
-        ids = [i for run in runs for step in run[b * gas:(b + 1) * gas] for i in step]
-        assert len(ids) == plan.batch_sizes[b]
-
-
-@pytest.mark.parametrize("num_replicas, micro_batch_size, gas", [(2, 1, 2), (3, 2, 1), (2, 2, 3)])
-def test_sampler_interleaving_matches_deepspeed(num_replicas, micro_batch_size, gas):
-    """Each rank gets DeepSpeed's micro-batches: micro-batch j to rank j % num_replicas."""
-    pytest.importorskip("deepspeed")
-    from deepspeed.runtime.data_pipeline.data_sampling.variable_batch_size_and_lr import (
-        dataloader_for_variable_batch_size)
-    seqlens = _lengths(120, 1, 30, seed=3)
-    k = num_replicas * micro_batch_size * gas
-    plan = plan_batches(seqlens, 45, effective_batch_size=k)
-    microbatch_ids = [(j // k, mb) for j, mb in enumerate(plan.microbatches())]
-    for rank in range(num_replicas):
-        loader, _ = dataloader_for_variable_batch_size(
-            list(range(len(seqlens))), microbatch_ids, plan.batch_max_seqlens.tolist(), dataloader_rank=rank,
-            dataloader_batch_size=micro_batch_size, dataloader_num_replicas=num_replicas, dataloader_num_workers=0)
-        sampler = VariableBatchSampler(seqlens, 45, micro_batch_size=micro_batch_size,
-                                       gradient_accumulation_steps=gas, num_replicas=num_replicas, rank=rank)
-        assert list(sampler) == [list(step) for step in loader]
-
-
-def test_sampler_set_epoch_and_auto_advance():
-    """set_epoch changes the random order; a full iteration advances to the next epoch by itself."""
-    seqlens = _lengths(80, seed=5)
-    sampler = VariableBatchSampler(seqlens, 60, order="random", seed=3)
-    first = list(sampler)
-    assert sampler.epoch == 1
-    second = list(sampler)
-    assert sampler.epoch == 2
-    assert first != second
-    assert second == [mb for mb in sampler.plan_for_epoch(1).microbatches()]
-    sampler.set_epoch(0)
-    assert list(sampler) == first
-    sampler.set_epoch(5)
-    fifth = list(sampler)
-    assert fifth == sampler.plan_for_epoch(5).microbatches() and fifth not in (first, second)
-
-
-def test_make_dataloader_with_workers():
-    """make_dataloader with two worker processes yields the sampler's step inputs, epoch after epoch."""
-    seqlens = _lengths(40, 1, 10, seed=6)
-    dataset = [torch.full((n,), i + 1) for i, n in enumerate(seqlens)]
-    options = dict(micro_batch_size=2, gradient_accumulation_steps=1, num_replicas=1, order="random", seed=2)
-    reference = VariableBatchSampler(seqlens, 25, **options)
-    loader = make_dataloader(dataset, VariableBatchSampler(seqlens, 25, **options), collate_fn=PaddedCollate(),
-                             num_workers=2)
-    for _ in range(2):
-        expected = list(reference)
-        got = list(loader)
-        assert len(got) == len(expected) == len(loader)
-        for ids, (x, lens) in zip(expected, got):
-            assert (x[:, 0] - 1).tolist() == ids
-            assert lens.tolist() == [seqlens[i] for i in ids]
-
-
-@given(seqlens=st.lists(st.integers(1, 12), min_size=8, max_size=40), num_replicas=st.integers(1, 2),
-       gas=st.integers(1, 2), micro_batch_size=st.integers(1, 2), budget=st.sampled_from(varbatch.BUDGETS))
-@settings(max_examples=20)
-def test_same_length_step_inputs_have_the_batch_shape(seqlens, num_replicas, gas, micro_batch_size, budget):
-    """Pipeline mode: every step input of a batch has the same count per micro-batch and S = batch max seqlen."""
-    dataset = [torch.full((n,), i + 1) for i, n in enumerate(seqlens)]
-    options = dict(micro_batch_size=micro_batch_size, gradient_accumulation_steps=gas, num_replicas=num_replicas,
-                   budget=budget, same_size=True, same_length=True, order="seqlen")
+@given(case=small_cases())
+# the audit's unlucky later epoch (issue 9, item 8)
+@example(case=dict(seqlens=[9, 1, 9, 5, 4], max_tokens=10, effective_batch_size=2, min_batch_size=2,
+                   same_size=False, order="random", seed=0, epoch=1, sample_ids=None))
+def test_an_empty_plan_is_refused_with_counts_that_add_up(case):
+    """plan_batches refuses a plan without a batch; its message's counts add up to the samples considered (item 8)."""
     try:
-        samplers = [VariableBatchSampler(seqlens, 24, rank=r, **options) for r in range(num_replicas)]
+        plan_batches(**case)
     except ValueError as error:
-        assert "not enough samples" in str(error)
-        return
-    plan = samplers[0].plan
-    runs = [list(make_dataloader(dataset, s, collate_fn=PaddedCollate(), sample_padding_fn=pad_sample))
-            for s in samplers]
-    for b in range(plan.num_batches):
-        per_micro = plan.microbatch_sizes()[b * plan.effective_batch_size]
-        for run in runs:
-            for x, _ in run[b * gas:(b + 1) * gas]:
-                assert x.shape == (per_micro * micro_batch_size, plan.batch_max_seqlens[b])
-                assert seqlens_from_padded(x) == [seqlens[int(i) - 1] for i in x[:, 0]]
+        message = str(error)
+    else:
+        assume(False)
+    assume("every sample is longer" not in message)
+    numbers = re.search(r"of (\d+) samples, (\d+) are longer than max_tokens=\d+, (\d+) cannot start .*"
+                        r"the (?:remaining|other) (\d+) cannot fill", message)
+    assert numbers, message
+    total, over, too_small, rest = map(int, numbers.groups())
+    considered = range(len(case["seqlens"])) if case["sample_ids"] is None else case["sample_ids"]
+    assert total == len(considered) == over + too_small + rest, message
+    assert over == sum(case["seqlens"][i] > case["max_tokens"] for i in considered), message
+    assert f"epoch {case['epoch']}" in message
 
 
-def test_make_dataloader_needs_padding_fn_in_same_length_mode():
-    """Same-length mode without sample_padding_fn raises, naming the parameter and the fix."""
-    sampler = VariableBatchSampler([3, 4, 5, 2], 10, same_size=True, same_length=True)
-    with pytest.raises(ValueError, match=re.escape("sample_padding_fn is None")):
-        make_dataloader([torch.ones(n) for n in (3, 4, 5, 2)], sampler)
-    with pytest.raises(ValueError, match=re.escape("sample_padding_fn is None")):
-        varbatch.dataloader_for_variable_batch_size([torch.ones(3)], [(0, [0])], [3],
-                                                    required_microbatches_of_same_seqlen=True)
+# -- drops are logged once per trained epoch -------------------------------------------------------
 
 
-def test_padding_fn_returning_the_wrong_length():
-    """A sample_padding_fn that does not pad to the batch max raises, naming both lengths."""
-    seqlens = [3, 5, 2, 4]
-    sampler = VariableBatchSampler(seqlens, 20, same_size=True, same_length=True)
-    loader = make_dataloader([torch.ones(n) for n in seqlens], sampler, sample_padding_fn=lambda s, n: s)
-    with pytest.raises(ValueError, match=r"sample of length 5, but returned length [234] for sample"):
-        list(loader)
+def _messages(caplog, text):
+    return [r.getMessage() for r in caplog.records if r.name == "varbatch" and text in r.getMessage()]
 
 
-@pytest.mark.parametrize("kwargs, error, names", [
-    (dict(micro_batch_size=0), ValueError, "micro_batch_size=0"),
-    (dict(gradient_accumulation_steps=1.5), TypeError, "gradient_accumulation_steps=1.5"),
-    (dict(num_replicas=2, rank=2), ValueError, "rank=2 with num_replicas=2"),
-    (dict(seed=-1), ValueError, "seed=-1"),
-])
-def test_bad_sampler_arguments(kwargs, error, names):
-    """Invalid sampler arguments raise, naming the value."""
-    with pytest.raises(error, match=re.escape(names)):
-        VariableBatchSampler([1, 2, 3, 4], 10, **kwargs)
+def test_drops_are_logged_once_per_trained_epoch_on_rank_0(caplog):
+    """Drops are logged when an epoch starts training, once, on rank 0; planning ahead logs nothing (item 13)."""
+    seqlens = _lengths(60, 1, 20, seed=15) + [99, 98]  # two samples over budget in every epoch
+    with caplog.at_level("INFO", logger="varbatch"):
+        sampler = VariableBatchSampler(seqlens, 40, order="random", seed=2)
+        other_rank = VariableBatchSampler(seqlens, 40, order="random", seed=2, num_replicas=2, rank=1)
+        sampler.plan_for_epoch(1), sampler.plan_for_epoch(2), len(sampler)
+        assert _messages(caplog, "dropped") == []
+        list(sampler)
+        sampler.set_epoch(0)
+        list(sampler)
+        list(sampler)  # epoch 1
+        list(other_rank), list(other_rank)
+    assert _messages(caplog, "dropped") == ["epoch 0: dropped 2 samples (ids 60, 61) as over_budget",
+                                            "epoch 1: dropped 2 samples (ids 60, 61) as over_budget"]
 
 
-def test_make_dataloader_needs_a_variable_batch_sampler():
-    """make_dataloader refuses another sampler, naming its type."""
-    with pytest.raises(TypeError, match="BatchSampler"):
-        make_dataloader([1, 2], torch.utils.data.BatchSampler(range(2), 1, False))
-
-
-def test_make_dataloader_refuses_seqlens_of_another_dataset_size():
-    """Seqlens for 3 samples with a dataset of 4 is refused before any batch, naming both sizes."""
-    sampler = VariableBatchSampler([2, 2, 2], 4)
-    with pytest.raises(ValueError, match=r"dataset has 4 samples.*3 seqlens"):
-        make_dataloader([torch.ones(2)] * 4, sampler)
-
-
-def test_samples_that_disagree_with_their_seqlens_are_refused():
-    """A sample whose real length differs from the planned seqlen fails loudly, naming the sample."""
-    dataset = [torch.ones(2), torch.ones(5), torch.ones(2)]  # sample 1 is 5 long, planned as 2
-    loader = make_dataloader(dataset, VariableBatchSampler([2, 2, 2], 4), collate_fn=PaddedCollate())
-    with pytest.raises(ValueError, match=r"sample 1 has length 5, but it was planned with seqlen 2"):
-        list(loader)
-
-
-_TWO_RANK_SCRIPT = """
-import datetime, json, os, sys
-import numpy as np, torch, torch.distributed as dist
-import varbatch
-rank = int(sys.argv[1])
-dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=rank, world_size=2,
-                        timeout=datetime.timedelta(seconds=30))
-seqlens = np.random.default_rng(3).integers(1, 50, 101)  # 101 samples: no even split over 2 ranks
-sampler = varbatch.VariableBatchSampler(seqlens, 120, micro_batch_size=2, gradient_accumulation_steps=3,
-                                        order="random", seed=5)
-seen, steps = [], 0
-for epoch in range(2):
-    sampler.set_epoch(epoch)
-    for ids in sampler:
-        signal = torch.tensor([1.0])
-        dist.all_reduce(signal)  # a collective every step: unequal step counts would hang here
-        seen.append(ids)
-        steps += 1
-print(json.dumps({"rank": rank, "steps": steps, "len": len(sampler), "seen": seen}))
-dist.destroy_process_group()
-"""
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_two_ranks_take_equal_steps_on_an_uneven_dataset(tmp_path):
-    """With 2 real gloo ranks and 101 samples, both ranks take the same steps and together train the plan."""
-    script = tmp_path / "two_ranks.py"
-    script.write_text(_TWO_RANK_SCRIPT)
-    port = str(_free_port())
-    env = dict(os.environ, PYTHONPATH=str(Path(varbatch.__file__).parent))
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), port], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env) for r in range(2)]
-    outs = []
-    for proc in procs:
-        out, err = proc.communicate(timeout=180)
-        assert proc.returncode == 0, err[-2000:]
-        outs.append(json.loads(out.strip().splitlines()[-1]))
-    assert outs[0]["steps"] == outs[1]["steps"] > 0
-    seqlens = np.random.default_rng(3).integers(1, 50, 101)
-    for epoch in range(2):
-        plan = plan_batches(seqlens, 120, effective_batch_size=12, order="random", seed=5, epoch=epoch)
-        steps = plan.num_batches * 3
-        both = [ids for out in outs for ids in out["seen"][epoch * steps:(epoch + 1) * steps]]
-        trained = sorted(i for ids in both for i in ids)
-        assert trained == sorted(plan.sample_ids.tolist()), f"epoch {epoch}: the ranks did not split the plan"
-        assert len(trained) + plan.num_dropped == 101
+def test_drop_log_lines_are_bounded(caplog):
+    """A thousand drops are logged as a count and a few ids, never as an unbounded line."""
+    with caplog.at_level("INFO", logger="varbatch"):
+        list(VariableBatchSampler([1] * 10 + [50] * 1000, 10))
+    (line,) = _messages(caplog, "dropped")
+    assert "1000 samples" in line and len(line) < 200, line
 
 
 # =============================================================================
-# The LR scheduler
+# 5. LR
 # =============================================================================
 
 _BASE_LR = 0.1
-
-
-def _optimizer(lr=_BASE_LR):
-    return torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=lr)
 
 
 def _check_lr(t, expected, got):
@@ -998,6 +1215,15 @@ _SCHEDULES = {
         lambda t: (0.5 if t < 3 else 1.0) * 0.95 ** t),
     "constant (optimizer)": (lambda opt: opt, lambda t: 1.0),
 }
+
+
+def test_worked_example_scale_lr():
+    """DESIGN.md section 5: lr 1e-3 at reference batch 2 becomes 5e-3 at B=10 and 2e-3 at B=4."""
+    assert math.isclose(scale_lr(2, 10, 1e-3), 5e-3, rel_tol=1e-12)
+    assert math.isclose(scale_lr(2, 4, 1e-3), 2e-3, rel_tol=1e-12)
+    assert math.isclose(scale_lr(2, 8, 1e-3, "sqrt"), 2e-3, rel_tol=1e-12)
+    assert scale_lr(2, 10, 1e-3, "none") == scale_lr(2, 10, 1e-3, None) == 1e-3
+    assert math.isclose(scale_lr(2, 10, 1e-3, lambda r: r ** 2), 2.5e-2, rel_tol=1e-12)
 
 
 @pytest.mark.parametrize("schedule", list(_SCHEDULES))
@@ -1065,18 +1291,20 @@ def test_step_zero_realigns_without_restarting():
 def test_lr_worked_example_through_scheduler():
     """DESIGN.md section 5 through the scheduler: 1e-3 at B_ref=2 is 5e-3 at B=10, then 2e-3 at B=4."""
     optimizer = _optimizer(lr=1e-3)
-    with pytest.warns(UserWarning, match="mean LR factor"):  # mean factor 3.5: the unit-trap warning
-        scheduler = VariableBatchSizeLR(optimizer, 2, [10, 4])
+    scheduler = varbatch.lr_scheduler_for_variable_batch_size(2, [10, 4], None, optimizer)
     _check_lr(0, 5e-3, scheduler.get_last_lr()[0])
     optimizer.step()
     scheduler.step()
     _check_lr(1, 2e-3, scheduler.get_last_lr()[0])
     _check_lr(1, 2e-3, optimizer.param_groups[0]["lr"])
+    optimizer.step()
+    scheduler.step()  # batch sizes given as a list cycle, as in DeepSpeed
+    _check_lr(2, 5e-3, scheduler.get_last_lr()[0])
 
 
 @pytest.mark.parametrize("schedule", ["LambdaLR warmup", "SequentialLR", "ChainedScheduler", "constant (optimizer)"])
 def test_no_warnings_while_stepping(schedule):
-    """Building and stepping the scheduler emits no warning when the mean LR factor is in [0.5, 2]."""
+    """Building, stepping, realigning and restoring the scheduler emits no warning (PyTorch's included)."""
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         sampler = _sampler()
@@ -1088,20 +1316,34 @@ def test_no_warnings_while_stepping(schedule):
         scheduler.load_state_dict(scheduler.state_dict())
 
 
-def test_warns_once_when_mean_factor_is_far_from_one(caplog):
-    """With DeepSpeed's default reference (micro-batches, not sequences): one warning naming the fix, then each
-    epoch's factors are logged, not warned again."""
+def test_the_unit_trap_is_warned_only_for_the_default_reference(caplog):
+    """The default B_ref far from the mean batch warns, naming the fix; the same B_ref given is logged (item 13)."""
     sampler = _sampler(gradient_accumulation_steps=1)
-    optimizer = _optimizer()
-    assert _mean_size(sampler) > 2 * sampler.effective_batch_size
-    with pytest.warns(UserWarning, match="mean LR factor of epoch 0 .*lr_scaling_reference='mean'"):
+    assert _mean_size(sampler) > 2 * sampler.effective_batch_size  # train_batch_size is far off the mean batch
+    with warnings.catch_warnings(), caplog.at_level("INFO", logger="varbatch"):
+        warnings.simplefilter("error")  # B_ref = train_batch_size set on purpose: no warning
+        optimizer = _optimizer()
         scheduler = VariableBatchSizeLR(optimizer, sampler.effective_batch_size, sampler)
-    with warnings.catch_warnings(record=True) as caught, caplog.at_level("INFO", logger="varbatch"):
-        warnings.simplefilter("always")
-        _train(sampler, scheduler, optimizer, epochs=2)
-    assert [str(w.message) for w in caught] == []
-    logged = [r.getMessage() for r in caplog.records if "LR factor mean" in r.getMessage()]
-    assert [m.split(":")[0] for m in logged] == ["epoch 1", "epoch 2"], logged
+        _train(sampler, scheduler, optimizer, epochs=1)
+    assert [m.split(":")[0] for m in _messages(caplog, "LR factor")] == ["epoch 0"]
+    with pytest.warns(UserWarning, match="lr_scaling_reference"):
+        VariableBatchSizeLR(_optimizer(), None, sampler)
+
+
+def test_lr_factors_are_logged_once_per_trained_epoch(caplog):
+    """Each epoch's LR factors are logged once, when its first batch has been stepped; never for an untrained epoch."""
+    sampler = _sampler()
+    optimizer = _optimizer()
+    with caplog.at_level("INFO", logger="varbatch"):
+        scheduler = VariableBatchSizeLR(optimizer, "mean", sampler)
+        assert _messages(caplog, "LR factor") == []
+        optimizer.step()
+        scheduler.step()
+        assert [m.split(":")[0] for m in _messages(caplog, "LR factor")] == ["epoch 0"]
+        sampler.set_epoch(0)
+        scheduler.step(0)
+        _train(sampler, scheduler, optimizer, epochs=2, realign=True)
+    assert [m.split(":")[0] for m in _messages(caplog, "LR factor")] == ["epoch 0", "epoch 1"]
 
 
 def test_lr_factor_report_only_on_rank_0(caplog):
@@ -1109,8 +1351,9 @@ def test_lr_factor_report_only_on_rank_0(caplog):
     sampler = _sampler(gradient_accumulation_steps=1, num_replicas=2, rank=1)
     with warnings.catch_warnings(record=True) as caught, caplog.at_level("INFO", logger="varbatch"):
         warnings.simplefilter("always")
-        VariableBatchSizeLR(_optimizer(), sampler.effective_batch_size, sampler)
-    assert caught == [] and not [r for r in caplog.records if "LR factor" in r.getMessage()]
+        optimizer = _optimizer()
+        _train(sampler, VariableBatchSizeLR(optimizer, None, sampler), optimizer, epochs=1)
+    assert caught == [] and _messages(caplog, "LR factor") == []
 
 
 class _WrappedOptimizer:
@@ -1155,39 +1398,459 @@ def test_deepspeed_style_optimizer_wrapper(wrap_scheduler):
         _check_lr(t, _BASE_LR * form(t) * sampler.plan_for_epoch(epoch).batch_sizes[b] / reference, lr)
 
 
-def test_scheduler_step_with_an_epoch():
-    """step(5) raises, naming the argument and the fix."""
-    scheduler = VariableBatchSizeLR(_optimizer(), 2, [2, 2])
-    with pytest.raises(ValueError, match=re.escape("epoch=5")):
-        scheduler.step(5)
+def test_deepspeed_glue_installs_the_scheduler_and_does_not_scale_twice():
+    """The scheduler becomes engine.lr_scheduler; calling the glue again scales the original LR, not the scaled one."""
+    engine, (_, first, _) = _glue(_glue_config(), dataset_seqlens=_GLUE_SEQLENS)
+    assert engine.lr_scheduler is first
+    expected = first.get_last_lr()
+    second = varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
+        [torch.ones(n) for n in _GLUE_SEQLENS], engine, dataset_seqlens=_GLUE_SEQLENS)[1]
+    assert engine.lr_scheduler is second
+    assert second.get_last_lr() == pytest.approx(expected), \
+        f"LR is wrong at step 0: expected {expected}, got {second.get_last_lr()}"
 
 
-def test_scheduler_bad_arguments():
-    """Unknown LR method, tokens without a sampler and a bad reference raise, naming the value."""
-    with pytest.raises(ValueError, match=re.escape("'sqr' (did you mean 'sqrt'?)")):
-        VariableBatchSizeLR(_optimizer(), 2, [2, 2], lr_scaling_method="sqr")
-    with pytest.raises(ValueError, match=re.escape("lr_scaling_unit='tokens'")):
-        VariableBatchSizeLR(_optimizer(), 2, [2, 2], lr_scaling_unit="tokens")
-    with pytest.raises(ValueError, match=re.escape("base_batch_size=0")):
-        VariableBatchSizeLR(_optimizer(), 0, [2, 2])
-    with pytest.raises(ValueError, match=re.escape("batch_sizes=[]")):
-        VariableBatchSizeLR(_optimizer(), 2, [])
-    with pytest.raises(TypeError, match="lr_scheduler_or_optimizer is None"):
-        varbatch.lr_scheduler_for_variable_batch_size(2, [2], None, None)
+# -- a failed step changes nothing (issue 9, item 4) -----------------------------------------------
 
 
-# -- resume ------------------------------------------------------------------
+def _fails_once(at):
+    """A schedule function (0.9 ** t) that raises the first time it reaches step ``at``."""
+    failed = []
+
+    def schedule(t):
+        if t == at and not failed:
+            failed.append(t)
+            raise RuntimeError(f"schedule failed at step {t}")
+        return 0.9 ** t
+    return schedule
+
+
+def _scheduler_state(scheduler, optimizer):
+    """Everything a caller can observe of a scheduler, its wrapped scheduler and the optimizer's LRs."""
+    return (copy.deepcopy(scheduler.state_dict()), [group["lr"] for group in optimizer.param_groups],
+            scheduler.get_last_lr(), scheduler.last_epoch, scheduler.steps_in_epoch, scheduler.batch_size,
+            scheduler.lr_factor)
+
+
+@pytest.mark.parametrize("case", ["OneCycleLR past total_steps", "OneCycleLR past total_steps, token clock",
+                                  "a schedule that raises once"])
+def test_a_failed_step_changes_nothing(case):
+    """A step() that raises leaves the scheduler, the wrapped scheduler and the optimizer's LRs as before the call."""
+    sampler = _sampler(gradient_accumulation_steps=1)
+    optimizer = _optimizer()
+    plan = sampler.plan
+    clock = dict(clock="tokens", clock_step=1) if "token clock" in case else {}
+    if case == "a schedule that raises once":
+        base = torch.optim.lr_scheduler.LambdaLR(optimizer, _fails_once(at=3))
+        good_steps = 2
+    elif clock:  # the second step's ticks run past the end half-way through
+        good_steps = 1
+        base = torch.optim.lr_scheduler.OneCycleLR(
+            optimizer, max_lr=1.0, total_steps=int(plan.batch_tokens[0] + plan.batch_tokens[1] // 2))
+    else:
+        good_steps = 3
+        base = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1.0, total_steps=good_steps)
+    scheduler = VariableBatchSizeLR(base, "mean", sampler, **clock)
+    for _ in range(good_steps):
+        optimizer.step()
+        scheduler.step()
+    before = _scheduler_state(scheduler, optimizer)
+    optimizer.step()
+    with pytest.raises((ValueError, RuntimeError)):
+        scheduler.step()
+    after = _scheduler_state(scheduler, optimizer)
+    for name, was, now in zip(("state_dict", "optimizer LRs", "get_last_lr", "last_epoch", "steps_in_epoch",
+                               "batch_size", "lr_factor"), before, after):
+        assert now == was, f"{name} changed by a failed step: {was} -> {now}"
+    if case == "a schedule that raises once":  # and the next call carries on as if nothing had happened
+        scheduler.step()
+        assert scheduler.steps_in_epoch == good_steps + 1
+        _check_lr(3, _BASE_LR * 0.9 ** 3 * plan.batch_sizes[3] / plan.batch_sizes.mean(), scheduler.get_last_lr()[0])
+
+
+# -- fp16 overflow: DeepSpeed skips a step, the data moves on (issue 9, item 2) --------------------
+
+_OVERFLOW_SCRIPT = '''
+import json, logging, os, socket
+import deepspeed, torch
+import varbatch
+
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no JIT build of the CPU comm op
+deepspeed.init_distributed()
+deepspeed.utils.logger.setLevel(logging.WARNING)
+config = json.loads(os.environ["CONFIG"])
+seqlens, overflow_at = json.loads(os.environ["SEQLENS"]), set(json.loads(os.environ["OVERFLOW_AT"]))
+model = torch.nn.Linear(1, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: 0.9 ** t)
+engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule, config=config)
+loader, scheduler, _ = varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
+    [torch.ones(n, 1) for n in seqlens], engine, dataset_seqlens=seqlens,
+    dataloader_collate_fn=varbatch.PaddedCollate())
+applied = []  # the LR of every optimizer step, as the update uses it
+optimizer.register_step_post_hook(lambda opt, args, kwargs: applied.append(opt.param_groups[0]["lr"]))
+starts, batch = [], 0
+gas = engine.gradient_accumulation_steps()
+for epoch in range(2):
+    loader.variable_batch_sampler.set_epoch(epoch)
+    for i, (x, lengths) in enumerate(loader):
+        if i % gas == 0:
+            starts.append([epoch, i // gas, scheduler.steps_in_epoch, scheduler.get_last_lr()[0]])
+        engine.backward(engine(x).sum())
+        if i % gas == gas - 1:
+            engine.optimizer.overflow = batch in overflow_at  # what DeepSpeed's fp16 optimizer sets
+        engine.step()
+        if i % gas == gas - 1:
+            engine.optimizer.overflow = False
+            batch += 1
+print(json.dumps(dict(starts=starts, applied=applied, skipped=engine.skipped_steps,
+                      schedule_steps=schedule.last_epoch)))
+torch.distributed.destroy_process_group()  # torch 2.13 may abort at exit (SIGABRT) with a gloo group left
+'''
+_OVERFLOW_SEQLENS = [5, 3, 7, 2, 6, 4, 1, 8, 3, 3, 2, 6, 5, 1, 7, 2, 4, 4, 6, 3]
+_OVERFLOW_AT = [1, 5, 6]  # global batch indices whose step overflows: two in a row, one across an epoch start
+_OVERFLOW_CONFIG = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 1, "steps_per_print": 10 ** 6,
+                    "data_efficiency": {"seed": 3, "data_sampling": {"dynamic_batching": {
+                        "enabled": True, "max_tokens": 10, "sequence_picking_order": "random",
+                        "lr_scaling_reference": "mean"}}}}
+
+
+@pytest.fixture(scope="module")
+def overflow_run(tmp_path_factory):
+    """A one-process DeepSpeed engine trained 2 epochs with overflows at `_OVERFLOW_AT` (in a subprocess)."""
+    pytest.importorskip("deepspeed")
+    env = dict(os.environ, PYTHONPATH=_ROOT, CONFIG=json.dumps(_OVERFLOW_CONFIG),
+               SEQLENS=json.dumps(_OVERFLOW_SEQLENS), OVERFLOW_AT=json.dumps(_OVERFLOW_AT))
+    done = subprocess.run([sys.executable, "-c", _OVERFLOW_SCRIPT], cwd=tmp_path_factory.mktemp("overflow"), env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    plans = [plan_batches(_OVERFLOW_SEQLENS, 10, effective_batch_size=2, order="random", seed=3, epoch=e)
+             for e in range(2)]
+    batches = [(e, b) for e, plan in enumerate(plans) for b in range(plan.num_batches)]
+    sizes = [int(plans[e].batch_sizes[b]) for e, b in batches]
+    assert all(sizes[j] != sizes[j + 1] for j in _OVERFLOW_AT if j + 1 < len(sizes)), \
+        f"an overflowed batch and the next have one size {sizes}: the test could not fail"
+    expected = []  # schedule(t) x B_b / mean B, t = the steps not skipped before batch b
+    for j, (e, b) in enumerate(batches):
+        t = j - sum(1 for s in _OVERFLOW_AT if s < j)
+        expected.append(_BASE_LR * 0.9 ** t * plans[e].batch_sizes[b] / plans[e].batch_sizes.mean())
+    return out, batches, expected
+
+
+def test_fp16_overflow_lr_follows_the_batch_trained(overflow_run):
+    """After skipped steps, every update's LR is schedule(t) x s(B_b / B_ref) of the batch b it trains; t stays."""
+    out, batches, expected = overflow_run
+    assert len(out["applied"]) == len(batches) and out["skipped"] == len(_OVERFLOW_AT)
+    for j, ((e, b), lr) in enumerate(zip(batches, out["applied"])):
+        _check_lr(j, expected[j], lr)
+    assert out["schedule_steps"] == len(batches) - len(_OVERFLOW_AT), "the wrapped schedule moved on skipped steps"
+
+
+def test_fp16_overflow_scheduler_position_follows_the_batches(overflow_run):
+    """After skipped steps, steps_in_epoch and get_last_lr() at a batch's start are that batch's."""
+    out, batches, expected = overflow_run
+    assert [(e, b) for e, b, _, _ in out["starts"]] == batches
+    for j, (e, b, steps_in_epoch, last_lr) in enumerate(out["starts"]):
+        assert steps_in_epoch == b, f"epoch {e}, batch {b}: steps_in_epoch={steps_in_epoch}"
+        _check_lr(j, expected[j], last_lr)
+
+
+# -- horizons and clocks: schedules over epochs of different lengths (issue 12) --------------------
+
+# 500 lengths whose random-order plans hold 67, 68, 68, 68 and 67 batches in epochs 0..4
+_HORIZON_SEQLENS = np.random.default_rng(4).integers(3, 60, 500)
+_HORIZON_EPOCHS = 5
+
+
+def _horizon_sampler(**kwargs):
+    return VariableBatchSampler(_HORIZON_SEQLENS, 256, order="random", seed=0, min_batch_size=2, **kwargs)
+
+
+def _run_epochs(sampler, scheduler, optimizer, epochs):
+    """One step input per batch over ``epochs`` epochs; returns the epoch of every optimizer step."""
+    steps = []
+    for epoch in range(epochs):
+        for _ in sampler:
+            steps.append(epoch)
+            optimizer.step()
+            scheduler.step()
+    return steps
+
+
+_HORIZON_SCHEDULES = {
+    "OneCycleLR": lambda opt, total: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1.0, total_steps=total),
+    "CosineAnnealingLR": lambda opt, total: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=total,
+                                                                                       eta_min=0.01),
+    "warmup + cosine SequentialLR": lambda opt, total: torch.optim.lr_scheduler.SequentialLR(
+        opt, [torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=total // 10),
+              torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=total - total // 10, eta_min=0.01)],
+        milestones=[total // 10]),
+}
+
+
+@pytest.mark.parametrize("clock, clock_step", [("steps", 1), ("tokens", 64), ("samples", 4)])
+@pytest.mark.parametrize("schedule", list(_HORIZON_SCHEDULES))
+def test_schedules_sized_with_the_horizon_end_exactly(schedule, clock, clock_step):
+    """Sized with sampler.horizon over epochs of different lengths, a schedule steps exactly to its end."""
+    sampler = _horizon_sampler()
+    counts = [sampler.plan_for_epoch(e).num_batches for e in range(_HORIZON_EPOCHS)]
+    assert len(set(counts)) > 1, f"the epochs' plans no longer differ in length: {counts}"
+    total = sampler.horizon(_HORIZON_EPOCHS, clock) // clock_step
+    optimizer = _optimizer(lr=1.0)
+    base = _HORIZON_SCHEDULES[schedule](optimizer, total)
+    scheduler = VariableBatchSizeLR(base, "mean", sampler, clock=clock, clock_step=clock_step)
+    steps = _run_epochs(sampler, scheduler, optimizer, _HORIZON_EPOCHS)
+    assert len(steps) == sum(counts)
+    assert base.last_epoch == total, f"the schedule ended at step {base.last_epoch} of {total}"
+    if "Cosine" in schedule:
+        assert base.get_last_lr()[0] == pytest.approx(0.01, abs=1e-9)
+
+
+def test_len_times_epochs_overruns_a_one_cycle_schedule():
+    """The problem horizons solve: OneCycleLR sized with len(sampler) x epochs runs out in the last epoch."""
+    sampler = _horizon_sampler()
+    total = len(sampler) * _HORIZON_EPOCHS
+    assert sampler.horizon(_HORIZON_EPOCHS) > total
+    optimizer = _optimizer(lr=1.0)
+    scheduler = VariableBatchSizeLR(torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1.0, total_steps=total),
+                                    "mean", sampler)
+    with pytest.raises(ValueError, match="Tried to step"):
+        _run_epochs(sampler, scheduler, optimizer, _HORIZON_EPOCHS)
+    assert sampler.epoch == _HORIZON_EPOCHS - 1
+
+
+def test_horizon_counts_the_plans_from_the_current_position():
+    """horizon(E, unit) sums the steps, tokens or samples of the next E epochs' plans from the current position."""
+    sampler = _horizon_sampler(gradient_accumulation_steps=2)
+    plans = [sampler.plan_for_epoch(e) for e in range(4)]
+    values = {"steps": [np.ones(p.num_batches, int) for p in plans], "tokens": [p.batch_tokens for p in plans],
+              "samples": [p.batch_sizes for p in plans]}
+    for unit, per_plan in values.items():
+        assert sampler.horizon(3, unit) == sum(int(v.sum()) for v in per_plan[:3])
+    assert sampler.horizon() == plans[0].num_batches
+    iterator = iter(sampler)
+    for _ in range(10):  # 5 batches of epoch 0
+        next(iterator)
+    for unit, per_plan in values.items():
+        assert sampler.horizon(2, unit) == int(per_plan[0][5:].sum()) + int(per_plan[1].sum())
+    resumed = _horizon_sampler(gradient_accumulation_steps=2)
+    resumed.load_state_dict(json.loads(json.dumps(sampler.state_dict())))
+    assert [resumed.horizon(3, unit) for unit in values] == [sampler.horizon(3, unit) for unit in values]
+    fixed = VariableBatchSampler(_HORIZON_SEQLENS, 256, order="seqlen")
+    assert fixed.horizon(4, "tokens") == 4 * int(fixed.plan.batch_tokens.sum())
+
+
+@pytest.mark.parametrize("clock, clock_step", [("tokens", 50), ("tokens", 1), ("samples", 3)])
+@pytest.mark.parametrize("schedule", ["LambdaLR warmup", "CosineAnnealingLR"])
+def test_clock_lr_is_the_closed_form(schedule, clock, clock_step):
+    """Token (sample) clock: lr_t = schedule(floor(seen before t / clock_step)) x s(B_t / B_ref) at every step."""
+    sampler = _sampler()
+    total = sampler.horizon(3, clock) // clock_step
+    lr_scheduler = torch.optim.lr_scheduler
+    make = {"LambdaLR warmup": lambda opt: lr_scheduler.LambdaLR(opt, lambda n: min(1.0, 4 * (n + 1) / total)),
+            "CosineAnnealingLR": lambda opt: lr_scheduler.CosineAnnealingLR(opt, T_max=total, eta_min=0.001)}[schedule]
+    twin_optimizer = _optimizer()  # schedule(n): the same torch schedule stepped n times, unscaled
+    twin = make(twin_optimizer)
+    schedule_lr = [twin_optimizer.param_groups[0]["lr"]]
+    for _ in range(total):
+        twin_optimizer.step()
+        twin.step()
+        schedule_lr.append(twin_optimizer.param_groups[0]["lr"])
+    optimizer = _optimizer()
+    reference = _mean_size(sampler)
+    scheduler = VariableBatchSizeLR(make(optimizer), reference, sampler, lr_scaling_method="sqrt", clock=clock,
+                                    clock_step=clock_step)
+    seen_before = 0
+    for t, epoch, b, lr in _train(sampler, scheduler, optimizer, epochs=3):
+        plan = sampler.plan_for_epoch(epoch)
+        _check_lr(t, schedule_lr[seen_before // clock_step] * math.sqrt(plan.batch_sizes[b] / reference), lr)
+        seen_before += int((plan.batch_tokens if clock == "tokens" else plan.batch_sizes)[b])
+    assert seen_before // clock_step == total
+
+
+# =============================================================================
+# 6. Loss weights
+# =============================================================================
+
+
+def _token_dataset(seqlens, dim=3, seed=0):
+    """Sample i: (inputs L_i x dim, targets L_i), float64."""
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(n, dim, generator=gen, dtype=torch.float64),
+             torch.randn(n, generator=gen, dtype=torch.float64)) for n in seqlens]
+
+
+@pytest.mark.parametrize("unit", ["samples", "tokens"])
+def test_loss_weights_give_the_full_batch_gradient(unit):
+    """Weighted step-input losses, averaged over ranks and accumulation steps, give the batch mean's gradient."""
+    num_replicas, gas, mbs = 2, 2, 1
+    seqlens = _lengths(60, 1, 12, seed=4)
+    data = _token_dataset(seqlens)
+    model = torch.nn.Linear(3, 1, dtype=torch.float64)
+    samplers = [VariableBatchSampler(seqlens, 24, micro_batch_size=mbs, gradient_accumulation_steps=gas,
+                                     num_replicas=num_replicas, rank=r, order="random", seed=1)
+                for r in range(num_replicas)]
+    plan = samplers[0].plan
+    steps = [list(s) for s in samplers]
+
+    def token_losses(ids):  # one tensor per sample: per-token squared error
+        return [(model(data[i][0]).squeeze(-1) - data[i][1]) ** 2 for i in ids]
+
+    def step_loss(ids):
+        losses = token_losses(ids)
+        if unit == "samples":
+            return torch.stack([l.mean() for l in losses]).mean(), len(ids)
+        return torch.cat(losses).mean(), int(sum(seqlens[i] for i in ids))
+
+    def gradient(weighted):
+        model.zero_grad()
+        for r in range(num_replicas):
+            for a in range(gas):
+                ids = steps[r][b * gas + a]
+                loss, count = step_loss(ids)
+                batch_count = plan.batch_sizes[b] if unit == "samples" else plan.batch_tokens[b]
+                weight = micro_batch_loss_weight(count, int(batch_count), num_replicas=num_replicas,
+                                                 gradient_accumulation_steps=gas) if weighted else 1.0
+                (loss * weight / gas).backward()  # DeepSpeed divides the loss by gas ...
+        return [p.grad / num_replicas for p in model.parameters()]  # ... and averages over ranks
+
+    unweighted_differs = False
+    for b in range(plan.num_batches):
+        batch_ids = [i for r in range(num_replicas) for a in range(gas) for i in steps[r][b * gas + a]]
+        assert sorted(batch_ids) == sorted(i for j in range(b * 4, b * 4 + 4) for i in plan.microbatch(j))
+        model.zero_grad()
+        full, _ = step_loss(batch_ids)
+        full.backward()
+        expected = [p.grad.clone() for p in model.parameters()]
+        for got, want in zip(gradient(weighted=True), expected):
+            assert torch.allclose(got, want, rtol=1e-10, atol=1e-12), f"batch {b}: {got} != {want}"
+        unweighted_differs |= not all(torch.allclose(g, w) for g, w in zip(gradient(weighted=False), expected))
+    assert unweighted_differs, "the data never has micro-batches of different sizes: the test proves nothing"
+
+
+# =============================================================================
+# 7. Seqlens source
+# =============================================================================
+
+_X = torch.tensor([[5, 6, 0], [7, 0, 0]])  # real lengths [2, 1] when measured
+
+
+@pytest.mark.parametrize("batch, kwargs, expected", [
+    (lambda: PaddedCollate()([torch.tensor([5, 0, 0]), torch.tensor([7])]), {}, [3, 1]),  # recognised, not measured
+    (lambda: PaddedCollate()([{"ids": torch.tensor([5, 0])}, {"ids": torch.tensor([7])}]), {}, [2, 1]),
+    (lambda: {"input_ids": _X, "attention_mask": torch.tensor([[1, 1, 1], [1, 0, 0]])}, {}, [3, 1]),
+    (lambda: {"input_ids": _X, "labels": torch.tensor([3, 9])}, {}, [2, 1]),
+    (lambda: (_X, torch.tensor([3, 9])), {}, [2, 1]),  # the audit's case: 1-D int labels are not lengths
+    (lambda: [_X, torch.tensor([3, 9])], {}, [2, 1]),
+    (lambda: _X, {}, [2, 1]),
+    (lambda: torch.tensor([[[1.0, 0.0], [0.0, 0.0]], [[0.0, 2.0], [3.0, 0.0]]]), {}, [1, 2]),  # B x S x E
+    (lambda: torch.tensor([[5, -1, 6, -1], [-1, -1, -1, -1]]), dict(pad_value=-1), [3, 0]),
+], ids=["PaddedCollate tuple", "PaddedCollate dict", "attention_mask", "dict measured", "(x, labels)",
+        "[x, labels]", "tensor", "B x S x E", "pad_value"])
+def test_seqlens_from_padded_recognises_padded_collate_and_measures_the_rest(batch, kwargs, expected):
+    """PaddedCollate's lengths are recognised by type or key; anything else is measured from its tensor (item 5)."""
+    assert seqlens_from_padded(batch(), **kwargs) == expected
+
+
+def test_deepspeed_glue_computes_seqlens_once_then_reads_the_cache(tmp_path):
+    """batch_seqlens_fn gets collated batches; the cache in metrics_path is read back, and a stale one is redone."""
+    seqlens = _GLUE_SEQLENS * 40
+    dataset = [torch.arange(1, n + 1) for n in seqlens]
+    calls = []
+
+    def batch_seqlens(batch):
+        padded, lengths = batch  # made by dataloader_collate_fn
+        calls.append(len(lengths))
+        return lengths
+
+    config = _glue_config(metrics_path=str(tmp_path))
+    kwargs = dict(dataloader_collate_fn=PaddedCollate(), batch_seqlens_fn=batch_seqlens)
+    _, (loader, _, _) = _glue(config, dataset, **kwargs)
+    assert sum(calls) == len(seqlens)
+    assert np.load(tmp_path / "varbatch_seqlens.npy").tolist() == seqlens
+    expected = plan_batches(seqlens, 16, effective_batch_size=2, seed=1234)
+    assert loader.variable_batch_sampler.plan.microbatches() == expected.microbatches()
+    calls.clear()
+    _glue(config, dataset, **kwargs)  # from the cache: only a spot check is measured
+    assert 0 < sum(calls) < len(seqlens)
+    changed = [torch.arange(1, n + 2) for n in seqlens]  # same size, other lengths: the cache is stale
+    calls.clear()
+    _glue(config, changed, **kwargs)
+    assert sum(calls) > len(seqlens)  # spot check, then every sample
+    assert np.load(tmp_path / "varbatch_seqlens.npy").tolist() == [n + 1 for n in seqlens]
+
+
+@pytest.mark.parametrize("kind", ["tensors", "(label, tokens) tuples", "dicts"])
+def test_deepspeed_glue_measures_seqlens_of_samples_it_collates_itself(kind):
+    """Without a collate function the glue collates with PaddedCollate, so seqlens_from_padded gets real lengths."""
+    seqlens = _GLUE_SEQLENS * 3
+    tokens = [torch.arange(1, n + 1) for n in seqlens]
+    data = {"tensors": tokens, "(label, tokens) tuples": [(i % 2, x) for i, x in enumerate(tokens)],
+            "dicts": [{"input_ids": x, "label": i % 2} for i, x in enumerate(tokens)]}[kind]
+    _, (loader, _, _) = _glue(_glue_config(), data, batch_seqlens_fn=seqlens_from_padded)
+    expected = plan_batches(seqlens, 16, effective_batch_size=2, seed=1234)
+    assert loader.variable_batch_sampler.plan.microbatches() == expected.microbatches()
+
+
+def test_deepspeed_glue_reads_deepspeed_metric_files(tmp_path):
+    """Seqlens written by DeepSpeed's DataAnalyzer (seqlen/seqlen_sample_to_metric.bin/.idx) are used as they are."""
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime.data_pipeline.data_sampling.indexed_dataset import MMapIndexedDatasetBuilder
+    os.makedirs(tmp_path / "seqlen")
+    prefix = str(tmp_path / "seqlen" / "seqlen_sample_to_metric")
+    builder = MMapIndexedDatasetBuilder(prefix + ".bin", dtype=np.int64)
+    for n in _GLUE_SEQLENS:
+        builder.add_item(torch.tensor([n], dtype=torch.int64))
+    builder.finalize(prefix + ".idx")
+    _, (loader, _, _) = _glue(_glue_config(metrics_path=str(tmp_path)), [torch.ones(n) for n in _GLUE_SEQLENS])
+    expected = plan_batches(_GLUE_SEQLENS, 16, effective_batch_size=2, seed=1234)
+    assert loader.variable_batch_sampler.plan.microbatches() == expected.microbatches()
+
+
+class _NoLen:
+    """A map-style dataset without __len__: sample i is ``torch.full((seqlens[i],), i + 1)``."""
+
+    def __init__(self, seqlens):
+        self.seqlens = seqlens
+
+    def __getitem__(self, i):
+        return torch.full((self.seqlens[i],), i + 1)
+
+
+def test_a_dataset_without_len_is_sized_by_its_seqlens():
+    """A dataset without __len__ is accepted: its size is the number of seqlens (issue 9, item 10)."""
+    seqlens = _lengths(30, 1, 9, seed=17)
+    loader, scheduler, _ = varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size(
+        _NoLen(seqlens), seqlens, max_tokens=20, effective_batch_size=2, dataloader_collate_fn=PaddedCollate(),
+        lr_scheduler_or_optimizer=_optimizer(), lr_scaling_reference="mean")
+    plan = loader.variable_batch_sampler.plan
+    trained = [i for x, _ in loader for i in _ids_of(x)]
+    assert sorted(trained) == sorted(plan.sample_ids.tolist()) and len(trained) + plan.num_dropped == 30
+    sampler = VariableBatchSampler(seqlens, 20, order="random")
+    assert sorted(i for x, _ in make_dataloader(_NoLen(seqlens), sampler, collate_fn=PaddedCollate())
+                  for i in _ids_of(x)) == list(range(30))
+
+
+# =============================================================================
+# 8. Determinism and resume
+# =============================================================================
 
 _RESUME_SEQLENS = _lengths(40, 1, 20, seed=9)
 _RESUME_STEPS = 60  # step inputs of the reference run: more than 3 epochs
 
 
 class _Run:
-    """One rank's training loop: sampler, wrapped LR schedule, and what it has trained on."""
+    """One rank's training loop: sampler, wrapped LR schedule (on a steps or token clock), what it trained on."""
 
     GAS = 2
 
-    def __init__(self):
+    def __init__(self, clock="steps", clock_step=1):
+        self.clock = (clock, clock_step)
         self.sampler = VariableBatchSampler(_RESUME_SEQLENS, 30, micro_batch_size=1,
                                             gradient_accumulation_steps=self.GAS, num_replicas=2, rank=1,
                                             order="random", seed=5)
@@ -1195,7 +1858,8 @@ class _Run:
         base = torch.optim.lr_scheduler.SequentialLR(
             self.optimizer, [torch.optim.lr_scheduler.LinearLR(self.optimizer, start_factor=0.5, total_iters=3),
                              torch.optim.lr_scheduler.ExponentialLR(self.optimizer, gamma=0.97)], milestones=[3])
-        self.scheduler = VariableBatchSizeLR(base, 4.0, self.sampler, lr_scaling_method="sqrt")
+        self.scheduler = VariableBatchSizeLR(base, 4.0, self.sampler, lr_scaling_method="sqrt", clock=clock,
+                                             clock_step=clock_step)
         self.done = 0  # step inputs trained on, saved with the checkpoint (as a training loop does)
         self.iterator = iter(self.sampler)
 
@@ -1219,9 +1883,10 @@ class _Run:
         return json.loads(json.dumps({"sampler": self.sampler.state_dict(), "scheduler": self.scheduler.state_dict(),
                                       "done": self.done}))
 
-    @classmethod
-    def resumed(cls, state):
-        run = cls()
+    def resumed(self):
+        """A fresh run restored from this one's checkpoint."""
+        state = self.state()
+        run = _Run(*self.clock)
         run.sampler.load_state_dict(state["sampler"])
         run.scheduler.load_state_dict(state["scheduler"])
         run.done = state["done"]
@@ -1230,53 +1895,57 @@ class _Run:
 
 
 @functools.lru_cache(maxsize=None)
-def _reference_run():
-    run = _Run()
+def _reference_run(clock="steps", clock_step=1):
+    run = _Run(clock, clock_step)
     return tuple(run.next() for _ in range(_RESUME_STEPS))
 
 
-class ResumeMachine(RuleBasedStateMachine):
-    """Stopping anywhere and resuming from state_dict()s into fresh objects changes no step input nor LR."""
+def _resume_machine(clock, clock_step):
+    class ResumeMachine(RuleBasedStateMachine):
+        """Stopping anywhere and resuming from state_dict()s into fresh objects changes no step input nor LR."""
 
-    def __init__(self):
-        super().__init__()
-        self.run = _Run()
-        self.trained = []
+        def __init__(self):
+            super().__init__()
+            self.run = _Run(clock, clock_step)
+            self.trained = []
 
-    @rule(steps=st.integers(1, 9))
-    def train(self, steps):
-        for _ in range(min(steps, _RESUME_STEPS - len(self.trained))):
-            self.trained.append(self.run.next())
+        @rule(steps=st.integers(1, 9))
+        def train(self, steps):
+            for _ in range(min(steps, _RESUME_STEPS - len(self.trained))):
+                self.trained.append(self.run.next())
 
-    @rule()
-    def stop_and_resume(self):
-        self.run = _Run.resumed(self.run.state())
+        @rule()
+        def stop_and_resume(self):
+            self.run = self.run.resumed()
 
-    @invariant()
-    def same_as_uninterrupted(self):
-        reference = _reference_run()
-        assert self.trained == list(reference[:len(self.trained)])
+        @invariant()
+        def same_as_uninterrupted(self):
+            reference = _reference_run(clock, clock_step)
+            assert self.trained == list(reference[:len(self.trained)])
+
+    ResumeMachine.TestCase.settings = settings(max_examples=50, stateful_step_count=25, deadline=None)
+    return ResumeMachine
 
 
-ResumeMachine.TestCase.settings = settings(max_examples=50, stateful_step_count=25, deadline=None)
-TestResume = ResumeMachine.TestCase
+TestResume = _resume_machine("steps", 1).TestCase
+TestResumeWithATokenClock = _resume_machine("tokens", 16).TestCase
 
 
-def test_reference_run_spans_several_epochs():
-    """The resume test's reference run crosses epoch boundaries (else it would prove little)."""
+def test_reference_runs_span_several_epochs_and_the_clock_matters():
+    """The resume tests' reference runs cross epochs and the token clock changes the LRs (else they prove little)."""
     run = _Run()
-    per_epoch = len(run.sampler)
-    assert _RESUME_STEPS > 3 * per_epoch
+    assert _RESUME_STEPS > 3 * len(run.sampler)
     assert run.sampler.plan_for_epoch(0).fingerprint() != run.sampler.plan_for_epoch(1).fingerprint()
+    assert [lr for _, lr in _reference_run()] != [lr for _, lr in _reference_run("tokens", 16)]
 
 
 @pytest.mark.parametrize("owner", ["sampler", "scheduler"])
 def test_load_state_dict_rejects_unknown_keys_and_keeps_its_argument(owner):
     """load_state_dict names an unknown key, and never mutates the dict it is given."""
-    run = _Run()
+    run = _Run("tokens", 16)
     for _ in range(5):
         run.next()
-    target = getattr(_Run(), owner)
+    target = getattr(_Run("tokens", 16), owner)
     state = getattr(run, owner).state_dict()
     before = copy.deepcopy(state)
     target.load_state_dict(state)
@@ -1304,7 +1973,7 @@ def test_sampler_refuses_another_seed_config_or_world_size():
 
 
 def test_scheduler_refuses_another_seed_or_settings():
-    """A scheduler state saved for other batch sizes or LR settings is refused."""
+    """A scheduler state saved for other batch sizes or LR settings (clock included) is refused, naming them."""
     seqlens = _lengths(60, seed=10)
     samplers = [VariableBatchSampler(seqlens, 50, order="random", seed=s) for s in (1, 2)]
     assert samplers[0].plan.batch_sizes.tolist() != samplers[1].plan.batch_sizes.tolist()
@@ -1318,34 +1987,853 @@ def test_scheduler_refuses_another_seed_or_settings():
     with pytest.raises(ValueError, match=re.escape("lr_scaling_method='linear' into one with "
                                                    "lr_scaling_method='sqrt'")):
         VariableBatchSizeLR(_optimizer(), "mean", samplers[0], lr_scaling_method="sqrt").load_state_dict(state)
+    with pytest.raises(ValueError, match=re.escape("clock='steps' into one with clock='tokens'")):
+        VariableBatchSizeLR(_optimizer(), "mean", samplers[0], clock="tokens").load_state_dict(state)
+
+
+def test_plans_samplers_and_loaders_pickle_and_deep_copy():
+    """A Plan, a sampler mid-epoch and its loader survive pickle (as broadcast_object_list sends them) and deepcopy."""
+    seqlens = _lengths(80, 1, 30, seed=16) + [99]
+    sampler = VariableBatchSampler(seqlens, 60, gradient_accumulation_steps=2, order="random", seed=3)
+    loader = make_dataloader(_id_dataset(seqlens), sampler, collate_fn=PaddedCollate())
+    plan = sampler.plan
+    assert plan.dropped["over_budget"].tolist() == [80]
+    for clone in (pickle.loads(pickle.dumps(plan)), copy.deepcopy(plan)):
+        assert clone.fingerprint() == plan.fingerprint() and clone.epoch == plan.epoch
+        assert clone.totals() == plan.totals()
+        for reason in DROP_REASONS:
+            np.testing.assert_array_equal(clone.dropped[reason], plan.dropped[reason])
+    iterator = iter(loader)
+    next(iterator), next(iterator)  # mid-epoch
+    clones = [pickle.loads(pickle.dumps(loader)), copy.deepcopy(loader)]
+    samplers = [pickle.loads(pickle.dumps(sampler)), copy.deepcopy(sampler)]
+    assert all(s.state_dict() == sampler.state_dict() for s in samplers + [c.variable_batch_sampler for c in clones])
+    expected = [list(sampler) for _ in range(2)]
+    for clone in samplers:
+        assert [list(clone) for _ in range(2)] == expected
+    for clone in clones:
+        assert [[_ids_of(x) for x, _ in clone] for _ in range(2)] == expected
+
+
+def test_state_dicts_are_plain_data_also_from_numpy_settings():
+    """Settings given as numpy numbers give JSON-serialisable states that load into plain-int objects (item 15)."""
+    seqlens = np.asarray(_lengths(60, seed=18), dtype=np.int32)
+    numpy_options = dict(micro_batch_size=np.int64(1), gradient_accumulation_steps=np.int32(2), seed=np.int64(3),
+                         min_batch_size=np.int64(1), max_batch_size=np.int64(9), order="random")
+    sampler = VariableBatchSampler(seqlens, np.int64(50), **numpy_options)
+    optimizer = _optimizer()
+    scheduler = VariableBatchSizeLR(optimizer, np.float64(4.0), sampler)
+    _train(sampler, scheduler, optimizer, epochs=1)
+    states = json.loads(json.dumps({"sampler": sampler.state_dict(), "scheduler": scheduler.state_dict()}))
+    plain = VariableBatchSampler(seqlens.tolist(), 50, micro_batch_size=1, gradient_accumulation_steps=2, seed=3,
+                                 min_batch_size=1, max_batch_size=9, order="random")
+    plain.load_state_dict(states["sampler"])
+    VariableBatchSizeLR(_optimizer(), 4.0, plain).load_state_dict(states["scheduler"])
+    assert plain.state_dict() == states["sampler"]
 
 
 # =============================================================================
-# DeepSpeed glue
+# 9. Bad input: one table per entry point
+# =============================================================================
+# Each row: (what is wrong, the call, the exception type, a piece of the message that names the value).
+
+
+def _check_refused(call, error, names):
+    with pytest.raises(error) as info:
+        call()
+    assert names in str(info.value), f"the message does not name {names!r}: {info.value}"
+
+
+def _rows(table):
+    return pytest.mark.parametrize("call, error, names", [row[1:] for row in table], ids=[row[0] for row in table])
+
+
+_BAD_PLAN_BATCHES = [
+    ("seqlens negative", lambda: plan_batches([3, -2, 4], 10), ValueError, "seqlens[1]=-2"),
+    ("seqlens zero", lambda: plan_batches([3, 0], 10), ValueError, "seqlens[1]=0"),
+    ("seqlens fraction", lambda: plan_batches([3, 2.5], 10), ValueError, "seqlens[1]=2.5"),
+    ("seqlens nan", lambda: plan_batches([3.0, float("nan")], 10), ValueError, "seqlens[1]=nan"),
+    ("seqlens 2-D", lambda: plan_batches([[1, 2], [3, 4]], 10), ValueError, "shape (2, 2)"),
+    ("seqlens ragged", lambda: plan_batches([[1, 2], [3]], 10), ValueError, "ragged"),
+    ("seqlens text", lambda: plan_batches(["a", "b"], 10), TypeError, "dtype <U1"),
+    ("seqlens a string", lambda: plan_batches("abc", 10), TypeError, "seqlens='abc'"),
+    ("seqlens bools", lambda: plan_batches([True, False], 10), TypeError, "dtype bool"),
+    ("seqlens uint64 above 2**63", lambda: plan_batches(np.array([2 ** 63 + 5, 3], dtype=np.uint64), 10),
+     ValueError, f"seqlens[0]={2 ** 63 + 5}"),
+    ("max_tokens 0", lambda: plan_batches([1, 2, 3], 0), ValueError, "max_tokens=0"),
+    ("max_tokens negative", lambda: plan_batches([1, 2, 3], -5), ValueError, "max_tokens=-5"),
+    ("max_tokens fraction", lambda: plan_batches([1, 2, 3], 2.5), TypeError, "max_tokens=2.5"),
+    ("max_tokens a string", lambda: plan_batches([1, 2, 3], "10"), TypeError, "max_tokens='10'"),
+    ("max_tokens a bool", lambda: plan_batches([1, 2, 3], True), TypeError, "max_tokens=True"),
+    ("max_tokens 2**62", lambda: plan_batches([1, 2, 3], 2 ** 62), ValueError, f"max_tokens={2 ** 62}"),
+    ("effective_batch_size 0", lambda: plan_batches([1, 2, 3], 10, effective_batch_size=0), ValueError,
+     "effective_batch_size=0"),
+    ("effective_batch_size negative", lambda: plan_batches([1, 2, 3], 10, effective_batch_size=-1), ValueError,
+     "effective_batch_size=-1"),
+    ("effective_batch_size not a multiple of the step input",
+     lambda: plan_batches([1, 2, 3], 10, effective_batch_size=3, micro_batch_size=2), ValueError,
+     "effective_batch_size=3"),
+    ("min_batch_size a float", lambda: plan_batches([1, 2], 5, min_batch_size=0.0), TypeError, "min_batch_size=0.0"),
+    ("max_batch_size a bool", lambda: plan_batches([1, 2], 5, max_batch_size=False), TypeError,
+     "max_batch_size=False"),
+    ("min_batch_size above max_batch_size", lambda: plan_batches([1, 2, 3], 10, min_batch_size=3, max_batch_size=2),
+     ValueError, "min_batch_size=3 and max_batch_size=2"),
+    ("padded same length without same size", lambda: plan_batches([1, 2, 3], 10, budget="padded", same_length=True),
+     ValueError, "set same_size=True"),
+    ("same_size not a bool", lambda: plan_batches([1, 2], 5, same_size="yes"), TypeError, "same_size='yes'"),
+    ("seed negative", lambda: plan_batches([1, 2], 5, seed=-1), ValueError, "seed=-1"),
+    ("bucket_size 0", lambda: plan_batches([1, 2], 5, bucket_size=0), ValueError, "bucket_size=0"),
+    ("epoch negative", lambda: plan_batches([1, 2], 5, epoch=-1), ValueError, "epoch=-1"),
+    ("unknown option", lambda: plan_batches([1, 2], 5, bucketsize=3), TypeError, "did you mean 'bucket_size'"),
+    ("sample_ids out of range", lambda: plan_batches([1, 2, 3], 10, sample_ids=[0, 5]), ValueError,
+     "sample_ids[1]=5"),
+    ("sample_ids negative", lambda: plan_batches([1, 2, 3], 10, sample_ids=[-1, 0]), ValueError, "sample_ids[0]=-1"),
+    ("sample_ids twice", lambda: plan_batches([1, 2, 3], 10, sample_ids=[0, 1, 1]), ValueError, "(ids 1)"),
+    ("sample_ids floats", lambda: plan_batches([1, 2, 3], 10, sample_ids=[0.0, 1.0]), TypeError, "float64"),
+    ("over budget with on_overlong='error'", lambda: plan_batches([2, 6, 3, 7], 5, on_overlong="error"), ValueError,
+     "2 samples (ids 1, 3)"),
+    ("every sample over budget", lambda: plan_batches([5, 4, 9], 3), ValueError, "max_tokens=3 (shortest 4)"),
+    ("too few samples for a batch", lambda: plan_batches([1, 1, 1], 10, effective_batch_size=4), ValueError,
+     "effective_batch_size=4"),
+]
+
+
+@_rows(_BAD_PLAN_BATCHES)
+def test_bad_input_plan_batches(call, error, names):
+    """plan_batches refuses bad input with a TypeError/ValueError naming the value."""
+    _check_refused(call, error, names)
+
+
+@pytest.mark.parametrize("call, value, closest, valid", [
+    (lambda v: plan_batches([1, 2, 3], 10, order=v), "randm", "random", ORDERS),
+    (lambda v: plan_batches([1, 2, 3], 10, order=v), "seqlens", "seqlen", ORDERS),
+    (lambda v: plan_batches([1, 2, 3], 10, budget=v), "pad", "padded", BUDGETS),
+    (lambda v: plan_batches([1, 2, 3], 10, on_overlong=v), "eror", "error", ("skip", "error")),
+    (lambda v: scale_lr(2, 4, method=v), "lineer", "linear", LR_METHODS),
+    (lambda v: VariableBatchSizeLR(_optimizer(), 2, _sampler(), lr_scaling_unit=v), "token", "tokens",
+     ("sequences", "tokens")),
+    (lambda v: VariableBatchSizeLR(_optimizer(), 2, _sampler(), clock=v), "tokns", "tokens",
+     ("steps", "tokens", "samples")),
+    (lambda v: _sampler().horizon(2, v), "sample", "samples", ("steps", "tokens", "samples")),
+], ids=["order randm", "order seqlens", "budget", "on_overlong", "lr_scaling_method", "lr_scaling_unit", "clock",
+        "horizon unit"])
+def test_unknown_choice_lists_valid_ones_and_suggests_closest(call, value, closest, valid):
+    """An unknown choice names the value, lists the valid ones and suggests the closest."""
+    with pytest.raises(ValueError) as info:
+        call(value)
+    message = str(info.value)
+    assert repr(value) in message and f"did you mean {closest!r}" in message, message
+    assert all(repr(choice) in message for choice in valid), message
+
+
+_BAD_SCALE_LR = [
+    ("base_batch_size 0", lambda: scale_lr(0, 4), ValueError, "base_batch_size=0"),
+    ("base_batch_size negative", lambda: scale_lr(-2, 4), ValueError, "base_batch_size=-2"),
+    ("base_batch_size nan", lambda: scale_lr(float("nan"), 4), ValueError, "base_batch_size=nan"),
+    ("base_batch_size a string", lambda: scale_lr("2", 4), TypeError, "base_batch_size='2'"),
+    ("batch_size inf", lambda: scale_lr(2, float("inf")), ValueError, "batch_size=inf"),
+    ("batch_size negative", lambda: scale_lr(2, -1), ValueError, "batch_size=-1"),
+    ("method unknown", lambda: scale_lr(2, 4, method="lineer"), ValueError, "'lineer'"),
+    ("method returns a negative factor", lambda: scale_lr(2, 4, method=lambda r: -r), ValueError, "returned -2"),
+    ("method returns nan", lambda: scale_lr(2, 4, method=lambda r: float("nan")), ValueError, "returned nan"),
+]
+
+
+@_rows(_BAD_SCALE_LR)
+def test_bad_input_scale_lr(call, error, names):
+    """scale_lr refuses bad input with a TypeError/ValueError naming the value (issue 9, item 15)."""
+    _check_refused(call, error, names)
+
+
+_BAD_LOSS_WEIGHT = [
+    ("num_replicas 0", lambda: micro_batch_loss_weight(2, 10, num_replicas=0), ValueError, "num_replicas=0"),
+    ("num_replicas a float", lambda: micro_batch_loss_weight(2, 10, num_replicas=1.5), TypeError,
+     "num_replicas=1.5"),
+    ("gradient_accumulation_steps negative", lambda: micro_batch_loss_weight(2, 10, gradient_accumulation_steps=-1),
+     ValueError, "gradient_accumulation_steps=-1"),
+    ("batch_count a string", lambda: micro_batch_loss_weight(2, "12"), TypeError, "batch_count='12'"),
+    ("batch_count 0", lambda: micro_batch_loss_weight(0, 0), ValueError, "batch_count=0"),
+    ("count negative", lambda: micro_batch_loss_weight(-1, 10), ValueError, "count=-1"),
+    ("count above batch_count", lambda: micro_batch_loss_weight(11, 10), ValueError, "count=11"),
+]
+
+
+@_rows(_BAD_LOSS_WEIGHT)
+def test_bad_input_micro_batch_loss_weight(call, error, names):
+    """micro_batch_loss_weight refuses bad input with a TypeError/ValueError naming the value (issue 9, item 15)."""
+    _check_refused(call, error, names)
+
+
+def _resumed_state(**changes):
+    state = VariableBatchSampler([1, 2, 3, 4], 10).state_dict()
+    return dict(state, **changes)
+
+
+_BAD_SAMPLER = [
+    ("micro_batch_size 0", lambda: VariableBatchSampler([1, 2, 3, 4], 10, micro_batch_size=0), ValueError,
+     "micro_batch_size=0"),
+    ("gradient_accumulation_steps a float",
+     lambda: VariableBatchSampler([1, 2, 3, 4], 10, gradient_accumulation_steps=1.5), TypeError,
+     "gradient_accumulation_steps=1.5"),
+    ("num_replicas 0", lambda: VariableBatchSampler([1, 2, 3, 4], 10, num_replicas=0), ValueError, "num_replicas=0"),
+    ("rank out of range", lambda: VariableBatchSampler([1, 2, 3, 4], 10, num_replicas=2, rank=2), ValueError,
+     "rank=2 with num_replicas=2"),
+    ("rank negative", lambda: VariableBatchSampler([1, 2, 3, 4], 10, rank=-1), ValueError, "rank=-1"),
+    ("seed negative", lambda: VariableBatchSampler([1, 2, 3, 4], 10, seed=-1), ValueError, "seed=-1"),
+    ("unknown option", lambda: VariableBatchSampler([1, 2, 3, 4], 10, ordre="random"), TypeError,
+     "did you mean 'order'"),
+    ("too few samples for a batch",
+     lambda: VariableBatchSampler([1, 1, 1], 10, gradient_accumulation_steps=4), ValueError, "effective_batch_size=4"),
+    ("set_epoch negative", lambda: VariableBatchSampler([1, 2], 10).set_epoch(-1), ValueError, "epoch=-1"),
+    ("horizon of 0 epochs", lambda: VariableBatchSampler([1, 2], 10).horizon(0), ValueError, "epochs=0"),
+    ("horizon of -1 epochs", lambda: VariableBatchSampler([1, 2], 10).horizon(-1), ValueError, "epochs=-1"),
+    ("horizon unit unknown", lambda: VariableBatchSampler([1, 2], 10).horizon(1, "tokns"), ValueError,
+     "unit='tokns'"),
+    ("state_dict steps_done negative", lambda: VariableBatchSampler([1, 2], 10).state_dict(steps_done=-1),
+     ValueError, "steps_done=-1"),
+    ("load_state_dict not a dict", lambda: VariableBatchSampler([1, 2], 10).load_state_dict("state"), TypeError,
+     "str"),
+    ("load_state_dict past the epoch's end",
+     lambda: VariableBatchSampler([1, 2, 3, 4], 10).load_state_dict(_resumed_state(steps_done=999)), ValueError,
+     "steps_done=999"),
+]
+
+
+@_rows(_BAD_SAMPLER)
+def test_bad_input_VariableBatchSampler(call, error, names):
+    """VariableBatchSampler and its methods refuse bad input with a TypeError/ValueError naming the value."""
+    _check_refused(call, error, names)
+
+
+def _loader_of(seqlens, padding, **options):
+    loader = make_dataloader([torch.ones(n) for n in seqlens], VariableBatchSampler(seqlens, 20, **options),
+                             sample_padding_fn=padding)
+    return list(loader)
+
+
+_BAD_MAKE_DATALOADER = [
+    ("another sampler", lambda: make_dataloader([1, 2], torch.utils.data.BatchSampler(range(2), 1, False)),
+     TypeError, "BatchSampler"),
+    ("a batch size", lambda: make_dataloader([torch.ones(2)] * 3, VariableBatchSampler([2, 2, 2], 4), batch_size=2),
+     TypeError, "batch_size"),
+    ("shuffle", lambda: make_dataloader([torch.ones(2)] * 3, VariableBatchSampler([2, 2, 2], 4), shuffle=True),
+     TypeError, "shuffle"),
+    ("seqlens of another dataset size",
+     lambda: make_dataloader([torch.ones(2)] * 4, VariableBatchSampler([2, 2, 2], 4)), ValueError,
+     "dataset has 4 samples but the sampler was given 3 seqlens"),
+    ("same length without sample_padding_fn",
+     lambda: make_dataloader([torch.ones(n) for n in (3, 4, 5, 2)],
+                             VariableBatchSampler([3, 4, 5, 2], 10, same_size=True, same_length=True)),
+     ValueError, "sample_padding_fn is None"),
+    ("sample_padding_fn that does not pad", lambda: _loader_of([3, 5, 2, 4], lambda s, n: s, same_size=True,
+                                                                 same_length=True),
+     ValueError, "sample of length 5, but returned length"),
+]
+
+
+@_rows(_BAD_MAKE_DATALOADER)
+def test_bad_input_make_dataloader(call, error, names):
+    """make_dataloader refuses bad input, before the first batch where it can, naming the value."""
+    _check_refused(call, error, names)
+
+
+_BAD_PADDING = [
+    ("pad_sample shorter than the sample", lambda: pad_sample(torch.ones(3), 2), ValueError, "seqlen 3 to length=2"),
+    ("pad_sample a scalar field named", lambda: pad_sample({"a": 3}, 4, fields=["a"]), ValueError, "field 'a'"),
+    ("pad_sample an unknown sample type", lambda: pad_sample(object(), 3), (TypeError, ValueError), "object"),
+    ("pad_sample a number", lambda: pad_sample(5, 3), (TypeError, ValueError), "int"),
+    ("pad_sample length negative", lambda: pad_sample([1], -1), ValueError, "length=-1"),
+    ("pad_sample length a string", lambda: pad_sample([1], "3"), TypeError, "length='3'"),
+    ("PaddedCollate no samples", lambda: PaddedCollate()([]), ValueError, "empty"),
+    ("PaddedCollate no sequence field", lambda: PaddedCollate()([{"a": 1}, {"a": 2}]), ValueError,
+     "no field with a sequence dimension"),
+    ("PaddedCollate seqlens of another count", lambda: PaddedCollate()([torch.ones(2), torch.ones(1)], seqlens=[2]),
+     ValueError, "1 seqlens for 2 samples"),
+    ("seqlens_from_padded a 1-D tensor", lambda: seqlens_from_padded(torch.tensor([1, 2])), ValueError,
+     "shape (2,)"),
+    ("seqlens_from_padded uncollated samples", lambda: seqlens_from_padded([torch.tensor([5, 6]), torch.tensor([7])]),
+     ValueError, "collate the samples first"),
+]
+
+
+@_rows(_BAD_PADDING)
+def test_bad_input_padding_and_collate(call, error, names):
+    """pad_sample, PaddedCollate and seqlens_from_padded refuse what they cannot handle, naming it."""
+    _check_refused(call, error, names)
+
+
+_BAD_SCHEDULER = [
+    ("ReduceLROnPlateau", lambda: VariableBatchSizeLR(
+        torch.optim.lr_scheduler.ReduceLROnPlateau(_optimizer()), 2, [2, 2]), TypeError, "ReduceLROnPlateau"),
+    ("not an optimizer", lambda: VariableBatchSizeLR(5, 2, [2, 2]), TypeError, "Optimizer"),
+    ("lr_scaling_method unknown", lambda: VariableBatchSizeLR(_optimizer(), 2, [2, 2], lr_scaling_method="sqr"),
+     ValueError, "'sqr' (did you mean 'sqrt'?)"),
+    ("tokens unit without a sampler", lambda: VariableBatchSizeLR(_optimizer(), 2, [2, 2], lr_scaling_unit="tokens"),
+     ValueError, "lr_scaling_unit='tokens'"),
+    ("token clock without a sampler", lambda: VariableBatchSizeLR(_optimizer(), 2, [2, 2], clock="tokens"),
+     ValueError, "clock='tokens'"),
+    ("default reference without a sampler", lambda: VariableBatchSizeLR(_optimizer(), None, [2, 2]), ValueError,
+     "base_batch_size=None"),
+    ("base_batch_size 0", lambda: VariableBatchSizeLR(_optimizer(), 0, [2, 2]), ValueError, "base_batch_size=0"),
+    ("base_batch_size a string", lambda: VariableBatchSizeLR(_optimizer(), "avg", [2, 2]), TypeError,
+     "base_batch_size='avg'"),
+    ("batch_sizes empty", lambda: VariableBatchSizeLR(_optimizer(), 2, []), ValueError, "batch_sizes=[]"),
+    ("batch_sizes zero", lambda: VariableBatchSizeLR(_optimizer(), 2, [2, 0]), ValueError, "batch_sizes[1]=0"),
+    ("clock unknown", lambda: VariableBatchSizeLR(_optimizer(), 2, _sampler(), clock="tokns"), ValueError,
+     "clock='tokns'"),
+    ("clock_step 0", lambda: VariableBatchSizeLR(_optimizer(), 2, _sampler(), clock="tokens", clock_step=0),
+     ValueError, "clock_step=0"),
+    ("clock_step negative", lambda: VariableBatchSizeLR(_optimizer(), 2, _sampler(), clock="tokens", clock_step=-1),
+     ValueError, "clock_step=-1"),
+    ("step with an epoch", lambda: VariableBatchSizeLR(_optimizer(), 2, [2, 2]).step(5), ValueError, "epoch=5"),
+    ("no scheduler nor optimizer", lambda: varbatch.lr_scheduler_for_variable_batch_size(2, [2], None, None),
+     TypeError, "lr_scheduler_or_optimizer is None"),
+]
+
+
+@_rows(_BAD_SCHEDULER)
+def test_bad_input_VariableBatchSizeLR(call, error, names):
+    """VariableBatchSizeLR refuses what it cannot scale (ReduceLROnPlateau: item 4) and bad values, naming them."""
+    _check_refused(call, error, names)
+
+
+_BAD_DEEPSPEED_FUNCTIONS = [
+    ("dataloader_for_variable_batch_size: unequal batches",
+     lambda: varbatch.dataloader_for_variable_batch_size([torch.ones(1)] * 3, [(0, [0]), (0, [1]), (1, [2])], [1, 1]),
+     ValueError, "microbatch_ids"),
+    ("dataloader_for_variable_batch_size: rank out of range",
+     lambda: varbatch.dataloader_for_variable_batch_size([torch.ones(1)] * 2, [(0, [0]), (1, [1])], [1, 1],
+                                                         dataloader_rank=2, dataloader_num_replicas=1),
+     ValueError, "dataloader_rank=2"),
+    ("dataloader_for_variable_batch_size: same length without sample_padding_fn",
+     lambda: varbatch.dataloader_for_variable_batch_size([torch.ones(3)], [(0, [0])], [3],
+                                                         required_microbatches_of_same_seqlen=True),
+     ValueError, "sample_padding_fn is None"),
+    ("get_dataloader...: seqlens of another dataset size",
+     lambda: varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size([torch.ones(2)] * 4, [2, 2, 2], 4, 1),
+     ValueError, "dataset has 4 samples"),
+    ("get_dataloader...: rank out of range",
+     lambda: varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size([torch.ones(2)] * 3, [2, 2, 2], 4, 1,
+                                                                              dataloader_rank=1),
+     ValueError, "dataloader_rank=1"),
+    ("get_dataloader...: batch geometry",
+     lambda: varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size([torch.ones(2)] * 3, [2, 2, 2], 4, 3,
+                                                                              dataloader_num_replicas=2),
+     ValueError, "effective_batch_size=3"),
+    ("get_dataloader...: unknown option",
+     lambda: varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size([torch.ones(2)] * 3, [2, 2, 2], 4, 1,
+                                                                              budgett="padded"),
+     TypeError, "did you mean 'budget'"),
+    ("get_dataloader...: lr_clock_step 0",
+     lambda: varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size(
+         [torch.ones(2)] * 3, [2, 2, 2], 4, 1, lr_scheduler_or_optimizer=_optimizer(), lr_scaling_reference=2,
+         lr_clock="tokens", lr_clock_step=0),
+     ValueError, "clock_step=0"),
+    ("get_dataloader...: filter ids out of range",
+     lambda: varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size([torch.ones(2)] * 3, [2, 2, 2], 4, 1,
+                                                                              dataset_filter_ids=[0, 5]),
+     ValueError, "[1]=5"),
+    ("batch_by_seqlens: bad seqlens", lambda: varbatch.batch_by_seqlens([3, 0], 10), ValueError, "seqlens[1]=0"),
+]
+
+
+@_rows(_BAD_DEEPSPEED_FUNCTIONS)
+def test_bad_input_deepspeed_compatible_functions(call, error, names):
+    """DeepSpeed's function names refuse bad input with a TypeError/ValueError naming the value."""
+    _check_refused(call, error, names)
+
+
+def _section_config(section):
+    return {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 1,
+            "data_efficiency": {"data_sampling": {"dynamic_batching": section}}}
+
+
+_SECTION = "data_efficiency.data_sampling.dynamic_batching"
+_BAD_CONFIGS = [
+    # malformed sections (issue 9, item 11): a ValueError naming the key path, no AttributeError
+    ("data_efficiency a list", {"train_batch_size": 2, "data_efficiency": [1]}, ValueError, "data_efficiency"),
+    ("data_sampling a number", {"train_batch_size": 2, "data_efficiency": {"data_sampling": 5}}, ValueError,
+     "data_efficiency.data_sampling"),
+    ("dynamic_batching a number", _section_config(5), ValueError, _SECTION),
+    ("no dynamic_batching section", {"train_batch_size": 2, "data_efficiency": {}}, ValueError, "dynamic_batching"),
+    ("enabled false", _section_config({"enabled": False, "max_tokens": 16}), ValueError, f"{_SECTION}.enabled"),
+    ("max_tokens missing", _section_config({"enabled": True}), ValueError, f"{_SECTION}.max_tokens"),
+    ("unknown key", _section_config({"enabled": True, "max_token": 16}), ValueError,
+     "'max_token' in data_efficiency.data_sampling.dynamic_batching; did you mean 'max_tokens'?"),
+    ("unknown key near the old spelling", _section_config({"enabled": True, "max_tokens": 16,
+                                                           "sentence_picking_ordre": "seqlen"}),
+     ValueError, "did you mean 'sentence_picking_order'?"),
+    ("both spellings, two orders", _section_config({"enabled": True, "max_tokens": 16,
+                                                    "sequence_picking_order": "seqlen",
+                                                    "sentence_picking_order": "random"}),
+     ValueError, "sentence_picking_order"),
+    ("budget unknown", _section_config({"enabled": True, "max_tokens": 16, "budget": "pad"}), ValueError,
+     f"in {_SECTION}: budget should be"),
+    ("max_tokens a string", _section_config({"enabled": True, "max_tokens": "16"}), TypeError,
+     f"in {_SECTION}: max_tokens should be an integer"),
+    ("lr_clock unknown", _section_config({"enabled": True, "max_tokens": 16, "lr_clock": "tokns"}), ValueError,
+     "lr_clock='tokns'"),
+    ("lr_clock_step 0", _section_config({"enabled": True, "max_tokens": 16, "lr_clock_step": 0}), ValueError,
+     "lr_clock_step=0"),
+    ("lr_scaling_reference negative", _section_config({"enabled": True, "max_tokens": 16, "lr_scaling_reference": -1}),
+     ValueError, "lr_scaling_reference=-1"),
+    ("verbose not a bool", _section_config({"enabled": True, "max_tokens": 16, "verbose": "yes"}), TypeError,
+     "verbose='yes'"),
+    ("num_workers negative", _section_config({"enabled": True, "max_tokens": 16, "num_workers": -1}), ValueError,
+     "num_workers=-1"),
+    ("on_overlong error with a sample over budget",
+     _section_config({"enabled": True, "max_tokens": 7, "on_overlong": "error"}), ValueError, "(ids 7)"),
+]
+
+
+@pytest.mark.parametrize("config, error, names", [row[1:] for row in _BAD_CONFIGS],
+                         ids=[row[0] for row in _BAD_CONFIGS])
+def test_bad_input_deepspeed_glue_config(config, error, names):
+    """The DeepSpeed glue refuses a bad dynamic_batching section before any data is read, naming the key path."""
+    engine = _Engine(config, optimizer=_optimizer())
+    _check_refused(lambda: varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
+        [torch.ones(n) for n in _GLUE_SEQLENS], engine, dataset_seqlens=_GLUE_SEQLENS), error, names)
+
+
+@pytest.mark.parametrize("key, value", [("num_workers", -1), ("pin_memory", "yes")])
+def test_bad_input_deepspeed_glue_config_in_data_sampling_is_placed_there(key, value):
+    """A bad data_sampling key the section falls back to is named at its own path, not dynamic_batching's."""
+    config = _section_config({"enabled": True, "max_tokens": 16})
+    config["data_efficiency"]["data_sampling"][key] = value
+    with pytest.raises((TypeError, ValueError)) as info:
+        _glue(config, dataset_seqlens=_GLUE_SEQLENS)
+    message = str(info.value)
+    assert f"{key}={value!r}" in message and "data_efficiency.data_sampling" in message, message
+    assert "dynamic_batching" not in message, f"the message blames the dynamic_batching section: {message}"
+
+
+_BAD_GLUE = [
+    ("not an engine", lambda: varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
+        [torch.ones(2)], object(), dataset_seqlens=[2]), TypeError, "expected a DeepSpeed engine"),
+    ("batch sizes that do not multiply",
+     lambda: varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
+         [torch.ones(2)] * 4, _Engine(_glue_config(), gradient_accumulation_steps=3), dataset_seqlens=[2] * 4),
+     ValueError, "train_batch_size=2 should be train_micro_batch_size_per_gpu x gradient_accumulation_steps x "
+                 "data-parallel size = 1 x 3 x 1"),
+    ("no source of seqlens", lambda: _glue(_glue_config(), [torch.ones(2)] * 4), ValueError, "batch_seqlens_fn"),
+    ("batch_seqlens_fn returns another count", lambda: _glue(_glue_config(), [torch.ones(2)] * 4,
+                                                             batch_seqlens_fn=lambda batch: [2]),
+     ValueError, "returned 1 lengths for a batch of 4 samples"),
+]
+
+
+@_rows(_BAD_GLUE)
+def test_bad_input_deepspeed_glue(call, error, names):
+    """The DeepSpeed glue refuses a wrong engine, batch sizes or seqlens source, naming what to fix."""
+    _check_refused(call, error, names)
+
+
+def test_values_once_mangled_are_handled():
+    """Inputs the audit found mangled are handled: bfloat16, uint64, huge lengths, list and tuple samples (item 15)."""
+    ints = plan_batches([3, 4, 5, 2], 8).microbatches()
+    assert plan_batches(torch.tensor([3, 4, 5, 2], dtype=torch.bfloat16), 8).microbatches() == ints
+    assert plan_batches(np.array([3, 4, 5, 2], dtype=np.uint64), 8).microbatches() == ints
+    huge = plan_batches(np.array([2 ** 62, 3, 2 ** 62, 4]), 2 ** 31, same_size=True)
+    assert huge.dropped["over_budget"].tolist() == [0, 2] and huge.batch_tokens.tolist() == [7]
+    assert PaddedCollate()([[1, 2, 3], [4, 5]])[0].tolist() == [[1, 2, 3], [4, 5, 0]]
+    x, y = pad_sample((torch.ones(2, 3), torch.tensor([1, 2])), 4)
+    assert x.shape == (4, 3) and y.tolist() == [1, 2, 0, 0]
+
+
+# =============================================================================
+# 10. The plan command: python varbatch.py plan ...
 # =============================================================================
 
+VARBATCH = str(Path(varbatch.__file__).resolve())
+# A small dataset whose plans have several batches, padding and a tail.
+LENGTHS = [3, 5, 2, 6, 4, 1, 7, 7, 2, 3, 8, 1, 1, 4, 6, 2, 5, 3, 3, 9, 2, 4]
 
-def test_dynamic_batching_config_unknown_key():
-    """An unknown key in the dynamic_batching section is named, with the closest valid key."""
-    config = {"data_efficiency": {"data_sampling": {"dynamic_batching": {"enabled": True, "max_token": 10}}}}
-    with pytest.raises(ValueError, match=re.escape("unknown key 'max_token'") + ".*"
-                       + re.escape("did you mean 'max_tokens'?")):
-        varbatch._read_dynamic_batching(config)
+
+def _run_cli(*args, stdin=None):
+    """``python varbatch.py ARGS`` in a fresh interpreter: (exit code, stdout, stderr)."""
+    done = subprocess.run([sys.executable, VARBATCH, *args], input=stdin, capture_output=True, text=True,
+                          timeout=120)
+    return done.returncode, done.stdout, done.stderr
+
+
+def _cli(capsys, *args):
+    """``varbatch._main(ARGS)`` in this process: (exit code, stdout, stderr); argparse's exits included."""
+    try:
+        code = varbatch._main(list(args))
+    except SystemExit as stop:
+        code = stop.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture
+def npy_file(tmp_path):
+    path = tmp_path / "lengths.npy"
+    np.save(path, np.array(LENGTHS))
+    return str(path)
+
+
+@pytest.fixture
+def text_file(tmp_path):
+    path = tmp_path / "lengths.txt"
+    path.write_text("\n".join(str(x) for x in LENGTHS) + "\n")
+    return str(path)
+
+
+def _cell_values(cell, k):
+    """A table cell of per-micro-batch values: one value stands for k equal ones."""
+    values = [int(x) for x in cell.split(",")]
+    return values * k if len(values) == 1 else values
+
+
+def _table_rows(stdout):
+    """The rows of the printed per-batch table, as lists of cells."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.split()[:2] == ["batch", "B"])
+    rows = []
+    for line in lines[start + 1:]:
+        if not line.strip() or not line.split()[0].isdigit():
+            break
+        rows.append(line.split())
+    return rows
+
+
+def _write_config(tmp_path, section=None, **batch_keys):
+    config = dict(batch_keys)
+    config["data_efficiency"] = {"data_sampling": {"dynamic_batching": section or {
+        "enabled": True, "max_tokens": 12, "lr_scaling_method": "sqrt", "lr_scaling_reference": 4}}}
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+# -- the table and the totals ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_table_and_totals_match_plan_batches(capsys, npy_file, pipeline):
+    """Every batch of the table and every total equals what plan_batches and a slow recount give."""
+    flags = ["--pipeline"] if pipeline else []
+    code, out, err = _cli(capsys, "plan", "--seqlens", npy_file, "--max-tokens", "10", "--world-size", "2",
+                          "--batches", "0", *flags)
+    assert code == 0, err
+    plan = plan_batches(LENGTHS, 10, effective_batch_size=2, num_replicas=2, same_size=pipeline, same_length=pipeline)
+    sizes, tensor_s = plan.microbatch_sizes().tolist(), _tensor_seqlens(plan, LENGTHS)
+    padded = [n * s for n, s in zip(sizes, tensor_s)]
+    rows = _table_rows(out)
+    assert len(rows) == plan.num_batches
+    for b, row in enumerate(rows):
+        batch, sequences, microbatches, mb_sizes, pad_s, real, padding, factor = row
+        assert (int(batch), int(sequences), int(microbatches)) == (b, plan.batch_sizes[b], 2)
+        assert _cell_values(mb_sizes, 2) == sizes[2 * b:2 * b + 2]
+        assert _cell_values(pad_s, 2) == tensor_s[2 * b:2 * b + 2]
+        assert int(real) == plan.batch_tokens[b]
+        slots = padded[2 * b] + padded[2 * b + 1]
+        assert float(padding) == pytest.approx(100 * (1 - plan.batch_tokens[b] / slots), abs=0.051)
+        # Default reference: train_batch_size = 2 micro-batches, linear rule.
+        assert float(factor) == pytest.approx(plan.batch_sizes[b] / 2, rel=1e-3)
+    assert f"epoch 0: {plan.num_batches} batches of 2 micro-batches" in out
+    assert f"tokens: {sum(LENGTHS[i] for i in plan.sample_ids)} real / {sum(padded)} padded" in out
+    assert f"samples: {plan.batch_sizes.sum()} trained, {plan.num_dropped} dropped" in out
+    assert all(line in out.splitlines() for line in varbatch._format_totals(plan.totals()).splitlines())
+
+
+def test_json_matches_plan_batches(capsys, npy_file):
+    """--json holds the settings, totals, rows and dropped ids of the same plan."""
+    code, out, err = _cli(capsys, "plan", "--seqlens", npy_file, "--max-tokens", "10", "--effective-batch-size",
+                          "3", "--order", "random", "--seed", "5", "--epoch", "2", "--batches", "0", "--json",
+                          "--lr-scaling-method", "sqrt", "--lr-scaling-reference", "mean")
+    assert code == 0, err
+    data = json.loads(out)
+    plan = plan_batches(LENGTHS, 10, effective_batch_size=3, order="random", seed=5, epoch=2)
+    totals = data["totals"]
+    assert totals["batches"] == plan.num_batches == len(data["batches"])
+    assert totals["samples"] + totals["num_dropped"] == len(LENGTHS)
+    assert totals["dropped"] == {reason: len(ids) for reason, ids in plan.dropped.items()}
+    assert data["dropped_ids"] == {reason: ids.tolist() for reason, ids in plan.dropped.items()}
+    assert totals["real_tokens"] == int(plan.batch_tokens.sum())
+    assert totals["padded_tokens"] == sum(n * s for n, s in zip(plan.microbatch_sizes(),
+                                                                  _tensor_seqlens(plan, LENGTHS)))
+    assert totals["efficiency"] == pytest.approx(totals["real_tokens"] / totals["padded_tokens"])
+    sizes = plan.microbatch_sizes().tolist()
+    mean = plan.batch_sizes.mean()
+    for b, row in enumerate(data["batches"]):
+        assert row["microbatch_sizes"] == sizes[3 * b:3 * b + 3]
+        assert row["real_tokens"] == plan.batch_tokens[b]
+        assert row["lr_factor"] == pytest.approx(scale_lr(mean, int(plan.batch_sizes[b]), 1.0, "sqrt"))
+    assert totals["lr_factor"]["mean"] == pytest.approx(np.mean([r["lr_factor"] for r in data["batches"]]))
+    assert data["settings"]["seed"] == 5 and data["settings"]["epoch"] == 2
+
+
+def test_the_plan_command_reports_the_largest_step_input(capsys, tmp_path):
+    """The audit's padded case: the largest step input is 2 x 64, within micro_batch_size x max_tokens (item 3)."""
+    lengths = tmp_path / "lengths.npy"
+    np.save(lengths, np.array(_ISSUE_PADDED))
+    config = _write_config(tmp_path, {"enabled": True, "max_tokens": 64, "budget": "padded"}, train_batch_size=2,
+                           train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=1)
+    code, out, err = _cli(capsys, "plan", "--config", config, "--seqlens", str(lengths), "--json")
+    assert code == 0, err
+    largest = json.loads(out)["totals"]["largest_step_input"]
+    assert largest["tokens"] == 128 <= largest["bound"] == 128
+    code, out, err = _cli(capsys, "plan", "--config", config, "--seqlens", str(lengths))
+    assert "largest step input: 2 x 64 = 128 tokens = 1.00 x 2 x max_tokens=64" in out
+
+
+def test_synthetic_default_runs_alone(capsys):
+    """`python varbatch.py plan` without files plans 2000 synthetic lengths, always the same ones."""
+    runs = [_cli(capsys, "plan", "--json") for _ in range(2)]
+    assert runs[0] == runs[1] and runs[0][0] == 0, runs[0][2]
+    data = json.loads(runs[0][1])
+    assert data["settings"]["num_samples"] == 2000 and data["settings"]["max_tokens"] == 4096
+    totals = data["totals"]
+    assert totals["samples"] + totals["num_dropped"] == 2000
+    assert 150 * 2000 < totals["real_tokens"] < 500 * 2000  # median about 240 tokens
+
+
+def test_lr_unit_trap_is_flagged(capsys, npy_file):
+    """The totals warn when the default B_ref puts the mean LR factor far from 1, and not when B_ref is the mean."""
+    _, trap, _ = _cli(capsys, "plan", "--seqlens", npy_file, "--max-tokens", "20")
+    _, fixed, _ = _cli(capsys, "plan", "--seqlens", npy_file, "--max-tokens", "20", "--lr-scaling-reference", "mean")
+    assert "warning: the configured LR is multiplied by" in trap and "lr_scaling_reference" in trap
+    assert "warning" not in fixed
+
+
+# -- inputs: .npy, text, stdin, a DeepSpeed config -------------------------------------------------
+
+
+def test_npy_text_and_stdin_give_the_same_plan(capsys, npy_file, text_file):
+    """The three ways to pass lengths give the same JSON (but for the source's name)."""
+    outs = []
+    for source in (npy_file, text_file):
+        code, out, err = _cli(capsys, "plan", "--seqlens", source, "--max-tokens", "10", "--json")
+        assert code == 0, err
+        outs.append(json.loads(out))
+    code, out, err = _run_cli("plan", "--seqlens", "-", "--max-tokens", "10", "--json",
+                              stdin="\n".join(map(str, LENGTHS)) + "\n\n")
+    assert code == 0, err
+    outs.append(json.loads(out))
+    for data in outs:
+        data["settings"].pop("seqlens")
+    assert outs[0] == outs[1] == outs[2]
+
+
+@pytest.mark.parametrize("batch_keys, world_size, expected", [
+    # (k, micro batch per GPU, accumulation, ranks), resolved as DeepSpeed does
+    (dict(train_batch_size=8, train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2), None, (8, 2, 2, 2)),
+    (dict(train_batch_size=8, train_micro_batch_size_per_gpu=1), "4", (8, 1, 2, 4)),
+    (dict(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=3), "2", (12, 2, 3, 2)),
+    (dict(train_batch_size=6), None, (6, 6, 1, 1)),
+    (dict(train_batch_size=6, gradient_accumulation_steps=3), "2", (6, 1, 3, 2)),
+])
+def test_config_batch_geometry(capsys, tmp_path, npy_file, batch_keys, world_size, expected):
+    """train_batch_size = micro batch per GPU x accumulation x world size, any one of them derived."""
+    config = _write_config(tmp_path, **batch_keys)
+    flags = ["--world-size", world_size] if world_size else []
+    code, out, err = _cli(capsys, "plan", "--config", config, "--seqlens", npy_file, "--json", *flags)
+    assert code == 0, err
+    data = json.loads(out)
+    t = data["totals"]
+    assert (t["effective_batch_size"], t["micro_batch_size"], t["gradient_accumulation_steps"],
+            t["num_replicas"]) == expected
+    assert t["max_tokens"] == 12 and t["lr_factor"]["method"] == "sqrt"
+    assert t["lr_factor"]["reference_value"] == 4
+
+
+def test_config_world_size_that_contradicts_it_is_an_error(capsys, tmp_path, npy_file):
+    """A --world-size the config's batch sizes contradict exits 2, naming both."""
+    config = _write_config(tmp_path, train_batch_size=4, train_micro_batch_size_per_gpu=1,
+                           gradient_accumulation_steps=2)
+    code, out, err = _cli(capsys, "plan", "--config", config, "--seqlens", npy_file, "--world-size", "3")
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and "train_batch_size=4" in err and "world size 3" in err
+
+
+_CLI_SEQLENS = _lengths(60, 1, 30, seed=19) + [45]
+
+
+@st.composite
+def config_sections(draw):
+    """A dynamic_batching section: max_tokens, and any subset of the keys training reads, with valid values."""
+    section = {"enabled": True, "max_tokens": draw(st.integers(12, 60))}
+    optional = {"budget": st.sampled_from(BUDGETS), "sequence_picking_order": st.sampled_from(ORDERS),
+                "seed": st.integers(0, 5), "min_batch_size": st.integers(1, 3),
+                "max_batch_size": st.one_of(st.none(), st.integers(3, 8)), "bucket_size": st.integers(1, 16),
+                "on_overlong": st.sampled_from(["skip", "error"]), "lr_scaling_method": st.sampled_from(LR_METHODS),
+                "lr_scaling_unit": st.sampled_from(["sequences", "tokens"]),
+                "lr_scaling_reference": st.one_of(st.none(), st.just("mean"), st.integers(1, 50))}
+    for key, strategy in optional.items():
+        if draw(st.booleans()):
+            section[key] = draw(strategy)
+    if "sequence_picking_order" in section and draw(st.booleans()):
+        section["sentence_picking_order"] = section.pop("sequence_picking_order")  # DeepSpeed's older key
+    return section
+
+
+@given(section=config_sections(), seed=st.one_of(st.none(), st.integers(0, 9)))
+# on_overlong "error" with a sample over budget: training refuses, so must the command (issue 9, item 12)
+@example(section={"enabled": True, "max_tokens": 40, "on_overlong": "error"}, seed=None)
+@settings(max_examples=40)
+def test_the_plan_command_plans_what_training_plans(tmp_path_factory, section, seed):
+    """For any dynamic_batching section, `plan` shows training's plan and LR factors, or refuses as training does."""
+    config = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+              "data_efficiency": {"data_sampling": {"dynamic_batching": section}}}
+    if seed is not None:
+        config["data_efficiency"]["seed"] = seed
+    folder = tmp_path_factory.mktemp("cli")
+    (folder / "ds_config.json").write_text(json.dumps(config))
+    np.save(folder / "lengths.npy", np.array(_CLI_SEQLENS))
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = varbatch._main(["plan", "--config", str(folder / "ds_config.json"), "--seqlens",
+                                   str(folder / "lengths.npy"), "--json", "--batches", "0"])
+        except SystemExit as stop:
+            code = stop.code
+    optimizer = _optimizer()
+    engine = _Engine(config, optimizer=optimizer, gradient_accumulation_steps=2)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the unit-trap warning of some sections
+            loader, scheduler, _ = varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
+                [torch.ones(n) for n in _CLI_SEQLENS], engine, dataset_seqlens=_CLI_SEQLENS)
+    except (TypeError, ValueError) as error:
+        assert code == 2, f"training refuses ({error}) but the command exits {code}"
+        assert out.getvalue() == "" and err.getvalue().count("\n") == 1, err.getvalue()
+    else:
+        assert code == 0, f"training accepts the section but the command exits {code}: {err.getvalue()}"
+        shown, plan, factors = json.loads(out.getvalue()), loader.variable_batch_sampler.plan, []
+        for _ in range(plan.num_batches):
+            factors.append(scheduler.lr_factor)
+            optimizer.step()
+            scheduler.step()
+        assert [n for row in shown["batches"] for n in row["microbatch_sizes"]] == plan.microbatch_sizes().tolist()
+        assert shown["dropped_ids"] == {reason: ids.tolist() for reason, ids in plan.dropped.items()}
+        assert [row["lr_factor"] for row in shown["batches"]] == pytest.approx(factors)
+
+
+def test_the_plan_command_refuses_what_training_refuses(capsys, tmp_path):
+    """on_overlong 'error' in the config: training refuses the lengths, and so does `plan`, in one line (item 12)."""
+    section = {"enabled": True, "max_tokens": 50, "on_overlong": "error"}
+    config = _write_config(tmp_path, section, train_batch_size=1)
+    (tmp_path / "lengths.txt").write_text("10\n20\n60\n5\n")
+    code, out, err = _cli(capsys, "plan", "--config", config, "--seqlens", str(tmp_path / "lengths.txt"))
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and "(ids 2)" in err and "on_overlong" in err
+    with pytest.raises(ValueError, match=re.escape("(ids 2)")):
+        _glue(_section_config(section) | {"train_batch_size": 1}, [torch.ones(n) for n in (10, 20, 60, 5)],
+              dataset_seqlens=[10, 20, 60, 5])
+
+
+# -- errors: one line, exit code 2 -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("content, names", [
+    ('[1]', "JSON object"),
+    ('{"data_efficiency": [1]}', "data_efficiency"),
+    ('{"data_efficiency": {"data_sampling": 5}}', "data_efficiency.data_sampling"),
+    ('{"data_efficiency": {"data_sampling": {"dynamic_batching": 5}}}', _SECTION),
+    ('{"data_efficiency": {"data_sampling": {"dynamic_batching": '
+     '{"enabled": true, "max_tokens": 9, "budget": "pad"}}}}', "budget='pad'"),
+    ('{"train_batch_size": ', "not valid JSON"),
+    ('{"data_efficiency": {}}', "dynamic_batching"),
+    ('{"data_efficiency": {"data_sampling": {"dynamic_batching": {"enabled": true, "max_tokenz": 5}}}}',
+     "max_tokens"),
+], ids=["a list", "data_efficiency a list", "data_sampling a number", "dynamic_batching a number", "a bad value",
+        "not JSON", "no section", "unknown key"])
+def test_bad_config_exits_2_with_one_line(capsys, tmp_path, content, names):
+    """A malformed or wrong config gives one line naming the problem and exit code 2, no traceback (item 11)."""
+    path = tmp_path / "ds_config.json"
+    path.write_text(content)
+    code, out, err = _cli(capsys, "plan", "--config", str(path))
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("varbatch: error:") and names in err, err
+
+
+def test_bad_flag_exits_2_with_one_line():
+    """An unknown flag exits 2 with one line naming it (in a fresh interpreter)."""
+    code, out, err = _run_cli("plan", "--max-tokenz", "5")
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("varbatch: error:") and "--max-tokenz" in err
+
+
+@pytest.mark.parametrize("args, names", [
+    (["plan", "--budget", "sideways"], "sideways"),
+    (["plan", "--max-tokens", "0"], "'0'"),
+    (["plan", "--lr-scaling-reference", "-1"], "-1"),
+    (["plan", "--order", "randm"], "did you mean 'random'"),
+    ([], "command"),
+])
+def test_bad_flag_values_exit_2_with_one_line(capsys, args, names):
+    """A bad flag value (or no command) exits 2 with one line naming it."""
+    code, out, err = _cli(capsys, *args)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("varbatch: error:") and names in err, err
+
+
+def test_missing_file_exits_2_with_one_line(tmp_path):
+    """A missing lengths file: one line with its name and the system's reason, exit code 2."""
+    missing = str(tmp_path / "nope.npy")
+    code, out, err = _run_cli("plan", "--seqlens", missing)
+    assert code == 2 and out == ""
+    assert err == f"varbatch: error: {missing}: No such file or directory\n"
+
+
+@pytest.mark.parametrize("content, names", [
+    ("3\n4\nfour\n", "line 3"),
+    ("3\n0\n", "seqlens[1]=0"),
+    ("\n\n", "no lengths"),
+])
+def test_bad_text_file_exits_2_naming_the_problem(capsys, tmp_path, content, names):
+    """A lengths file with a bad line, a bad length or none at all: one line naming it, exit code 2."""
+    path = tmp_path / "lengths.txt"
+    path.write_text(content)
+    code, out, err = _cli(capsys, "plan", "--seqlens", str(path))
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and names in err and str(path) in err, err
+
+
+def test_corrupt_npy_exits_2(capsys, tmp_path):
+    """A corrupt .npy file: one line naming it, exit code 2."""
+    path = tmp_path / "lengths.npy"
+    path.write_bytes(b"")
+    code, _, err = _cli(capsys, "plan", "--seqlens", str(path))
+    assert code == 2 and err.count("\n") == 1 and str(path) in err
+
+
+def test_help_explains_every_flag():
+    """`plan --help` describes every flag it lists, the batch arithmetic and the synthetic default."""
+    code, out, _ = _run_cli("plan", "--help")
+    assert code == 0
+    usage, _, options = out.partition("\n\n")
+    flags = re.findall(r"\[(--[\w-]+)", usage)
+    assert len(flags) >= 12, usage
+    for flag in flags:
+        block = re.search(rf"^  {re.escape(flag)}\b(.*?)(?=^  -|\Z)", options, re.S | re.M)
+        assert block, f"{flag} is not described"
+        words = block[1].split()
+        assert len([w for w in words if not w.isupper()]) >= 2, f"flag {flag} has no help: {block[0]!r}"
+    assert "train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps" in out
+    assert "synthetic" in out
+
+
+def test_the_plan_command_draws_nothing(capsys, npy_file, tmp_path):
+    """The vendored file holds no drawing: `plan --plot` is not a flag, and varbatch.py never imports matplotlib."""
+    picture = tmp_path / "plan.png"
+    code, out, err = _cli(capsys, "plan", "--seqlens", npy_file, "--plot", str(picture))
+    assert code == 2 and out == "" and "--plot" in err and not picture.exists()
+    assert "matplotlib" not in Path(VARBATCH).read_text()
 
 
 # =============================================================================
-# DeepSpeed glue and the example (integration)
+# 11. Launched runs (slow): several processes, the DeepSpeed launcher, the README's commands
 # =============================================================================
-# The glue's config reading, seqlen cache and plan check run against a stand-in
-# engine (what the glue reads from DeepSpeed's: the raw config, the batch
-# sizes, the optimizer and scheduler). The example runs under the DeepSpeed
-# launcher with 2 CPU ranks (gloo), DDP and pipeline; its rank-0 step lines
-# are compared with a plan computed here from the dataset's real seqlens.
+# The example runs under the DeepSpeed launcher with 2 CPU ranks (gloo), DDP and pipeline; its
+# rank-0 step lines are compared with plans computed here from the dataset's real seqlens.
 
-_ROOT = os.path.dirname(os.path.abspath(__file__))
 _STEP_LINE = re.compile(r"^step +(\d+) \| epoch (\d+) \| B ([\d,]+) \| S ([\d,]+) \| tokens (\d+) \| "
                         r"padding ([\d.]+)% \| lr (\S+) \| loss (\S+)$", re.M)
-_SUMMARY_LINE = re.compile(r"^summary \| .*\| samples trained (\d+) \| dropped (.*?) \|", re.M)
+_SUMMARY_LINE = re.compile(r"^summary \| epochs (\S+) \| .*\| samples trained (\d+) \| dropped (.*?) \|", re.M)
+_DROP_LINE = re.compile(r"epoch (\d+): dropped (\d+) samples? \(ids [^)]*\) as (\w+)")
 # Small runs: a few seconds of training each; the launcher's start-up dominates.
 _NUM_SAMPLES, _EPOCHS = 800, 5
 _SMALL_RUN = ["--num-samples", str(_NUM_SAMPLES), "--epochs", str(_EPOCHS)]
@@ -1378,6 +2866,107 @@ def _check_ok(result):
                                     f"\n--- stderr ---\n{result.stderr[-4000:]}")
 
 
+def _two_processes(script, tmp_path, timeout=180):
+    """Runs ``script RANK PORT`` as two gloo ranks; returns each one's (exit code, stdout, stderr)."""
+    path = tmp_path / "script.py"
+    path.write_text(script)
+    port = str(_free_port())
+    env = dict(os.environ, PYTHONPATH=_ROOT)
+    procs = [subprocess.Popen([sys.executable, str(path), str(r), port], cwd=tmp_path, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for r in range(2)]
+    outs = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=timeout)
+            outs.append((proc.returncode, out, err))
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            proc.kill()
+        pytest.fail("the ranks hung")
+    return outs
+
+
+_TWO_RANK_SCRIPT = """
+import datetime, json, sys
+import numpy as np, torch, torch.distributed as dist
+import varbatch
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=30))
+seqlens = np.random.default_rng(3).integers(1, 50, 101)  # 101 samples: no even split over 2 ranks
+sampler = varbatch.VariableBatchSampler(seqlens, 120, micro_batch_size=2, gradient_accumulation_steps=3,
+                                        order="random", seed=5)
+sent = [sampler.plan if rank == 0 else None]  # a plan travels as broadcast_object_list sends it
+dist.broadcast_object_list(sent, src=0)
+same_plan = sent[0].fingerprint() == sampler.plan.fingerprint() and sent[0].totals() == sampler.plan.totals()
+seen, steps = [], 0
+for epoch in range(2):
+    sampler.set_epoch(epoch)
+    for ids in sampler:
+        signal = torch.tensor([1.0])
+        dist.all_reduce(signal)  # a collective every step: unequal step counts would hang here
+        seen.append(ids)
+        steps += 1
+print(json.dumps({"rank": rank, "steps": steps, "len": len(sampler), "seen": seen, "same_plan": same_plan}))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_two_ranks_take_equal_steps_on_an_uneven_dataset(tmp_path):
+    """2 real gloo ranks, 101 samples: equal steps, the plan trained once together, and a plan broadcast intact."""
+    outs = []
+    for code, out, err in _two_processes(_TWO_RANK_SCRIPT, tmp_path):
+        assert code == 0, err[-2000:]
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    assert outs[0]["steps"] == outs[1]["steps"] > 0
+    assert outs[1]["same_plan"], "the plan broadcast from rank 0 differs from rank 1's own"
+    seqlens = np.random.default_rng(3).integers(1, 50, 101)
+    for epoch in range(2):
+        plan = plan_batches(seqlens, 120, effective_batch_size=12, micro_batch_size=2, num_replicas=2,
+                            order="random", seed=5, epoch=epoch)
+        steps = plan.num_batches * 3
+        both = [ids for out in outs for ids in out["seen"][epoch * steps:(epoch + 1) * steps]]
+        trained = sorted(i for ids in both for i in ids)
+        assert trained == sorted(plan.sample_ids.tolist()), f"epoch {epoch}: the ranks did not split the plan"
+        assert len(trained) + plan.num_dropped == 101
+
+
+_RANKS_DISAGREE_SCRIPT = '''
+import sys, types
+import torch
+import varbatch
+torch.distributed.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=int(sys.argv[1]),
+                                     world_size=2)
+rank = torch.distributed.get_rank()
+config = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 1,
+          "data_efficiency": {"data_sampling": {"dynamic_batching": {"enabled": True, "max_tokens": 16}}}}
+engine = types.SimpleNamespace(_config=types.SimpleNamespace(_param_dict=config), optimizer=None,
+                               lr_scheduler=None, data_parallel_group=None, train_batch_size=lambda: 2,
+                               train_micro_batch_size_per_gpu=lambda: 1, gradient_accumulation_steps=lambda: 1)
+seqlens = [3, 5, 2, 7, 4, 6, 1, 8] if rank == 0 else [8] * 8  # rank 1 sees other lengths
+try:
+    varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
+        [torch.ones(n) for n in seqlens], engine, dataset_seqlens=seqlens)
+except RuntimeError as error:
+    print(f"rank {rank}: {error}", flush=True)
+    torch.distributed.destroy_process_group()
+    sys.exit(3)
+'''
+
+
+@pytest.mark.slow
+def test_deepspeed_glue_fails_on_every_rank_when_the_ranks_plan_differently(tmp_path):
+    """Ranks with different seqlens get a clear error at the start, on every rank, instead of a hang."""
+    for code, out, err in _two_processes(_RANKS_DISAGREE_SCRIPT, tmp_path, timeout=120):
+        assert code == 3, f"{out}\n{err}"
+        assert "planned a different epoch than rank 0" in out
+        assert "give every rank the same dataset" in out
+
+
+# -- the example under the DeepSpeed launcher ------------------------------------------------------
+
+
 def _steps(stdout):
     """The rank-0 step lines as dicts, in order."""
     return [dict(step=int(m[1]), epoch=int(m[2]), B=[int(x) for x in m[3].split(",")],
@@ -1390,27 +2979,58 @@ def _example_config(path=None):
         return json.load(f)
 
 
-def _example_plan(config, epoch, pipeline, num_samples=_NUM_SAMPLES, seed=0):
-    """The plan the example should train, computed here from the dataset's real seqlens."""
+def _example_plans(config, pipeline, num_samples=_NUM_SAMPLES, seed=0, epochs=_EPOCHS):
+    """The plans the example should train (2 ranks), from the dataset's real seqlens and the config's one reader."""
     import example
     seqlens = example.RunningSumSequences(num_samples, seed=seed).seqlens.numpy()
-    section = config["data_efficiency"]["data_sampling"]["dynamic_batching"]
-    plan = varbatch.plan_batches(
-        seqlens, section["max_tokens"], effective_batch_size=config["train_batch_size"], budget=section["budget"],
-        order=section["sequence_picking_order"], min_batch_size=section.get("min_batch_size", 1),
-        seed=config["data_efficiency"]["seed"], epoch=epoch, same_size=pipeline, same_length=pipeline)
-    return plan, seqlens
+    options, lr_options, _ = varbatch._read_config(config)
+    micro = config.get("train_micro_batch_size_per_gpu", 1)
+    num_replicas = 1 if pipeline else 2  # 2 ranks: 2 stages x 1, or 2 data-parallel ranks
+    plans = [plan_batches(seqlens, **options, effective_batch_size=config["train_batch_size"], epoch=epoch,
+                          micro_batch_size=micro, num_replicas=num_replicas, same_size=pipeline, same_length=pipeline)
+             for epoch in range(epochs)]
+    return plans, seqlens, lr_options, num_replicas
 
 
-def _rank0_shapes(plan, seqlens, b, num_replicas, same_length):
-    """(B, S) of rank 0's step inputs of batch ``b``: micro-batch j goes to rank j % num_replicas."""
-    k = plan.effective_batch_size
-    shapes = []
-    for j in range(b * k, (b + 1) * k, num_replicas):
-        ids = plan.microbatch(j)
-        seqlen = int(plan.batch_max_seqlens[b]) if same_length else int(seqlens[ids].max())
-        shapes.append((len(ids), seqlen))
-    return shapes
+def _schedule_lrs(config, count, horizon):
+    """schedule(n), n = 0..count: the config's DeepSpeed scheduler, else the example's own sized by the horizon."""
+    base_lr = config["optimizer"]["params"]["lr"]
+    if "scheduler" not in config:
+        import example
+        return [base_lr * example.warmup_cosine(n, horizon) for n in range(count + 1)]
+    from deepspeed.runtime import lr_schedules
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=base_lr)
+    scheduler = getattr(lr_schedules, config["scheduler"]["type"])(optimizer, **config["scheduler"]["params"])
+    lrs = [optimizer.param_groups[0]["lr"]]
+    for _ in range(count):
+        scheduler.step()
+        lrs.append(optimizer.param_groups[0]["lr"])
+    return lrs
+
+
+def _expected_steps(config, pipeline):
+    """Per optimizer step: (epoch, rank 0's (B, S) per step input, real tokens, LR), and the run's totals."""
+    plans, seqlens, lr, num_replicas = _example_plans(config, pipeline)
+    micro = config.get("train_micro_batch_size_per_gpu", 1)
+    sizes_of = (lambda p: p.batch_tokens) if lr["lr_scaling_unit"] == "tokens" else (lambda p: p.batch_sizes)
+    clock_of = {"steps": lambda p, b: 1, "tokens": lambda p, b: int(p.batch_tokens[b]),
+                "samples": lambda p, b: int(p.batch_sizes[b])}[lr["lr_clock"]]
+    schedule = _schedule_lrs(config, sum(int(clock_of(p, b)) for p in plans for b in range(p.num_batches)),
+                             horizon=sum(p.num_batches for p in plans))
+    steps, seen = [], 0
+    for plan in plans:
+        k, sizes, tensor_s = plan.effective_batch_size, plan.microbatch_sizes(), _tensor_seqlens(plan, seqlens)
+        unit = sizes_of(plan)
+        reference = {None: config["train_batch_size"], "mean": float(unit.mean())}.get(lr["lr_scaling_reference"],
+                                                                                       lr["lr_scaling_reference"])
+        for b in range(plan.num_batches):
+            shapes = [(int(sizes[g * micro:(g + 1) * micro].sum()), tensor_s[g * micro])
+                      for g in range(b * k // micro, (b + 1) * k // micro) if g % num_replicas == 0]
+            factor = scale_lr(reference, float(unit[b]), 1.0, lr["lr_scaling_method"])
+            steps.append((plan.epoch, shapes, int(plan.batch_tokens[b]),
+                          schedule[seen // lr["lr_clock_step"]] * factor))
+            seen += clock_of(plan, b)
+    return steps, plans
 
 
 _PATHS = {"ddp": [], "pipeline": ["--pipeline-num-stages", "2"]}
@@ -1428,59 +3048,54 @@ def example_runs():
     return get
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", ["ddp", "pipeline"])
 def test_example_trains_the_plan_and_the_loss_goes_down(example_runs, path):
-    """2 ranks: every step's B, S, real tokens and LR are the plan's; the loss goes down; drops are reported."""
+    """2 ranks: every step's B, S, real tokens and LR are the plan's; the loss goes down; drops are reported once."""
     result = example_runs(path)
     _check_ok(result)
     steps = _steps(result.stdout)
     config = _example_config()
-    pipeline = path == "pipeline"
-    num_replicas = 1 if pipeline else 2  # 2 ranks: 2 stages x 1, or 2 data-parallel ranks
-    section = config["data_efficiency"]["data_sampling"]["dynamic_batching"]
-    max_lr = config["scheduler"]["params"]["warmup_max_lr"]
-    warmup = config["scheduler"]["params"]["warmup_num_steps"]
-    expected_steps, samples, drops = [], 0, {reason: 0 for reason in varbatch.DROP_REASONS}
-    for epoch in range(_EPOCHS):
-        plan, seqlens = _example_plan(config, epoch, pipeline)
-        samples += int(plan.batch_sizes.sum())
-        for reason, ids in plan.dropped.items():
-            drops[reason] += len(ids)
-        for b in range(plan.num_batches):
-            expected_steps.append((epoch, _rank0_shapes(plan, seqlens, b, num_replicas, pipeline),
-                                   int(plan.batch_tokens[b]), int(plan.batch_sizes[b]) / plan.batch_sizes.mean()))
-    assert [s["step"] for s in steps] == list(range(1, len(expected_steps) + 1)), \
-        f"expected steps 1..{len(expected_steps)}, got {[s['step'] for s in steps]}"
-    for s, (epoch, shapes, tokens, factor) in zip(steps, expected_steps):
+    expected, plans = _expected_steps(config, path == "pipeline")
+    max_tokens = config["data_efficiency"]["data_sampling"]["dynamic_batching"]["max_tokens"]
+    micro = config.get("train_micro_batch_size_per_gpu", 1)
+    assert [s["step"] for s in steps] == list(range(1, len(expected) + 1)), \
+        f"expected steps 1..{len(expected)}, got {[s['step'] for s in steps]}"
+    for s, (epoch, shapes, tokens, lr) in zip(steps, expected):
         assert s["epoch"] == epoch, f"step {s['step']}: epoch {s['epoch']}, expected {epoch}"
         assert list(zip(s["B"], s["S"])) == shapes, f"step {s['step']}: B x S {list(zip(s['B'], s['S']))}, " \
                                                     f"expected {shapes}"
-        assert all(n * seqlen <= section["max_tokens"] for n, seqlen in shapes)  # budget="padded"
+        assert all(n * seqlen <= micro * max_tokens for n, seqlen in shapes)  # budget="padded"
         assert s["tokens"] == tokens, f"step {s['step']}: {s['tokens']} real tokens, expected {tokens}"
-        if s["step"] > warmup + 1:  # after the warmup, LR = max_lr x B_t / mean B (lr_scaling_reference "mean")
-            assert math.isclose(float(s["lr"]), max_lr * factor, rel_tol=1e-5), \
-                f"LR is wrong at step {s['step']}: expected {max_lr * factor}, got {s['lr']}"
+        assert math.isclose(float(s["lr"]), lr, rel_tol=1e-5), \
+            f"LR is wrong at step {s['step']}: expected {lr}, got {s['lr']}"
     losses = [s["loss"] for s in steps]
     assert np.mean(losses[-5:]) < 0.5 * np.mean(losses[:5]), f"the loss did not go down: {losses}"
     summary = _SUMMARY_LINE.search(result.stdout)
     assert summary, result.stdout[-2000:]
-    assert int(summary[1]) == samples
-    assert summary[2] == " ".join(f"{reason}={count}" for reason, count in drops.items())
+    assert float(summary[1]) == _EPOCHS, f"the summary counts {summary[1]} epochs of {_EPOCHS}"
+    assert int(summary[2]) == sum(int(p.batch_sizes.sum()) for p in plans)
+    drops = {reason: sum(len(p.dropped[reason]) for p in plans) for reason in DROP_REASONS}
+    assert summary[3] == " ".join(f"{reason}={count}" for reason, count in drops.items())
+    # Drops are logged once per trained epoch, by one rank (issue 9, item 13).
+    logged = sorted((int(e), reason, int(n)) for e, n, reason in _DROP_LINE.findall(result.stdout + result.stderr))
+    assert logged == sorted((p.epoch, reason, len(p.dropped[reason])) for p in plans
+                            for reason in ("over_budget", "min_batch_size", "tail") if len(p.dropped[reason]))
     progress = re.findall(r"^progress \| step (\d+)/(\d+) \| tokens/s (\d+) \| ETA ([\d.]+) s$", result.stdout, re.M)
     assert 5 <= len(progress) <= 15, f"expected a progress line about every tenth of the run, got {progress}"
-    # The last one comes within a tenth of the end; the total is estimated from the first epoch's plan.
-    assert len(expected_steps) - int(progress[-1][0]) <= len(expected_steps) // 10
-    assert abs(int(progress[-1][1]) - len(expected_steps)) <= _EPOCHS
+    assert len(expected) - int(progress[-1][0]) <= len(expected) // 10
+    assert abs(int(progress[-1][1]) - len(expected)) <= _EPOCHS
     assert all(int(tokens_per_s) > 0 for _, _, tokens_per_s, _ in progress)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", ["ddp", "pipeline"])
 def test_example_stop_and_resume_reproduces_the_uninterrupted_run(example_runs, path, tmp_path):
     """Stopped mid-epoch and resumed, the run trains the same batches with the same LRs and losses."""
     full = example_runs(path)
     _check_ok(full)
-    plan, _ = _example_plan(_example_config(), 0, path == "pipeline")
-    stop = plan.num_batches + 2  # batch 2 of epoch 1: mid-epoch, after an epoch boundary
+    plans, _, _, _ = _example_plans(_example_config(), path == "pipeline", epochs=1)
+    stop = plans[0].num_batches + 2  # batch 2 of epoch 1: mid-epoch, after an epoch boundary
     checkpoint = str(tmp_path / "ckpt")
     first = _launch("example.py", _PATHS[path] + _SMALL_RUN + ["--max-steps", str(stop),
                                                                "--checkpoint-dir", checkpoint])
@@ -1498,6 +3113,7 @@ def test_example_stop_and_resume_reproduces_the_uninterrupted_run(example_runs, 
             f"loss is wrong at step {a['step']}: expected {b['loss']}, got {a['loss']}"
 
 
+@pytest.mark.slow
 def test_example_pipeline_on_one_process_fails_at_once_with_the_command_that_works():
     """One process cannot hold 2 stages: the example says which command works, and never hangs."""
     fix = "deepspeed --num_gpus 2 example.py --pipeline-num-stages 2"
@@ -1510,14 +3126,15 @@ def test_example_pipeline_on_one_process_fails_at_once_with_the_command_that_wor
         assert "needs a multiple of 2 processes" in result.stderr + result.stdout
 
 
+@pytest.mark.slow
 def test_example_a_stalled_rank_makes_the_job_fail_within_the_timeout():
     """Rank 1 frozen mid-training: rank 0 fails at its next collective after --dist-timeout, no 30-minute hang."""
     psutil = pytest.importorskip("psutil")  # a DeepSpeed dependency
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(_free_port()),
-           "example.py", "--dist-timeout", "10", "--num-samples", "4000", "--epochs", "50"]
+           "example.py", "--dist-timeout", "10", "--num-samples", "800", "--epochs", "200"]
     proc = subprocess.Popen(cmd, cwd=_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    frozen = []
+    frozen, waited = [], None
     try:
         for line in proc.stdout:  # wait until training runs
             if _STEP_LINE.match(line.strip()):
@@ -1529,9 +3146,14 @@ def test_example_a_stalled_rank_makes_the_job_fail_within_the_timeout():
             p.suspend()
             frozen.append(p)
         started = time.monotonic()
+        for line in proc.stdout:
+            if re.search(r"Timed out|sigkill_handler|Traceback", line):  # rank 0 gave up, or the launcher saw it
+                waited = time.monotonic() - started
+                break
+        for p in frozen:  # a frozen process takes the launcher's SIGTERM only once it runs again
+            p.resume()
         proc.stdout.read()
         proc.wait(timeout=240)
-        waited = time.monotonic() - started
     finally:
         for p in frozen:
             try:
@@ -1542,8 +3164,8 @@ def test_example_a_stalled_rank_makes_the_job_fail_within_the_timeout():
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     assert proc.returncode != 0, "the job went on with a frozen rank"
-    assert waited < 180, f"the job took {waited:.0f} s to fail with --dist-timeout 10"
-    print(f"the job failed {waited:.1f} s after rank 1 froze")
+    assert waited is not None and waited < 120, f"rank 0 took {waited} s to fail with --dist-timeout 10"
+    print(f"rank 0 failed {waited:.1f} s after rank 1 froze")
 
 
 # A training script written against DeepSpeed's module, in the style of DeepSpeed's
@@ -1670,29 +3292,31 @@ for epoch in range(2):
 if torch.distributed.get_rank() == 0:
     print("optimizer", type(engine.optimizer).__name__, flush=True)
     print("lrs", lrs, flush=True)
+torch.distributed.destroy_process_group()  # torch 2.13 may abort at exit (SIGABRT) with a gloo group left
 '''
 
 
+@pytest.mark.slow
 def test_deepspeed_style_script_runs_unchanged_on_varbatch_with_zero_stage_1(tmp_path):
-    """A script for DeepSpeed's module runs on varbatch (import line swapped): DDP, then pipeline, ZeRO-1.
-
-    DeepSpeed 0.19.8's own function fails on this script (its DataAnalyzer
-    crashes on CPU, and it rejects ZeRO's optimizer wrapper). The first run
-    computes the seqlens with ``batch_seqlens_fn`` (progress bar) and caches
-    them in ``metrics_path``; the second reads the cache. The LR in ZeRO's
-    optimizer is varbatch's: base LR x B_t / train_batch_size.
-    """
+    """A script for DeepSpeed's module runs on varbatch (import line swapped): DDP, then pipeline, ZeRO-1."""
+    # DeepSpeed 0.19.8's own function fails on this script (its DataAnalyzer crashes on CPU, and it
+    # rejects ZeRO's optimizer wrapper). The first run computes the seqlens with batch_seqlens_fn and
+    # caches them in metrics_path; the second reads the cache (and leaves it as it is). The LR in
+    # ZeRO's optimizer is varbatch's: base LR x B_t / train_batch_size.
     script = _DEEPSPEED_STYLE_SCRIPT.replace(
         "from deepspeed.runtime.data_pipeline.data_sampling.variable_batch_size_and_lr import", "from varbatch import")
     assert script != _DEEPSPEED_STYLE_SCRIPT
     (tmp_path / "train.py").write_text(script)
     (tmp_path / "varbatch.py").write_text(open(os.path.join(_ROOT, "varbatch.py")).read())
     metrics = str(tmp_path / "metrics")
-    for mode, computes in (([], True), (["--pipeline"], False)):
+    cache, written = os.path.join(metrics, "varbatch_seqlens.npy"), None
+    for mode in ([], ["--pipeline"]):
         result = _launch("train.py", ["--metrics-path", metrics, *mode], cwd=str(tmp_path))
         _check_ok(result)
-        assert ("varbatch: seqlens" in result.stderr) == computes, f"{mode}: seqlens computed={not computes}"
-        assert os.path.exists(os.path.join(metrics, "varbatch_seqlens.npy"))
+        assert os.path.exists(cache), f"{mode}: no seqlen cache in metrics_path"
+        stat = os.stat(cache)
+        assert written is None or (stat.st_ino, stat.st_mtime_ns) == written, f"{mode}: the cache was not read"
+        written = (stat.st_ino, stat.st_mtime_ns)
         assert "optimizer DeepSpeedZeroOptimizer" in result.stdout
         lrs = eval(re.search(r"^lrs (.*)$", result.stdout, re.M)[1])
         assert all(math.isclose(engine_lr, scheduler_lr) for engine_lr, scheduler_lr in lrs), lrs
@@ -1701,539 +3325,21 @@ def test_deepspeed_style_script_runs_unchanged_on_varbatch_with_zero_stage_1(tmp
         assert len({round(b) for b in batch_sizes}) > 1, "the LR never followed the batch size"
 
 
-# -- the glue against a stand-in engine ---------------------------------------
-
-
-class _Engine:
-    """What the glue reads from a DeepSpeed engine: its raw config, batch sizes, optimizer, scheduler."""
-
-    def __init__(self, config, optimizer=None, lr_scheduler=None, gradient_accumulation_steps=None):
-        self._config = types.SimpleNamespace(_param_dict=config)
-        self.optimizer = optimizer
-        self.lr_scheduler = lr_scheduler
-        self._gas = gradient_accumulation_steps
-
-    def train_batch_size(self):
-        return self._config._param_dict["train_batch_size"]
-
-    def train_micro_batch_size_per_gpu(self):
-        return self._config._param_dict.get("train_micro_batch_size_per_gpu", 1)
-
-    def gradient_accumulation_steps(self):
-        return self._gas or self.train_batch_size() // self.train_micro_batch_size_per_gpu()
-
-
-def _glue_config(**section):
-    # B_ref "mean" keeps the LR factors near 1, so these tests do not trip the unit-trap warning.
-    dynamic_batching = {"enabled": True, "max_tokens": 16, "lr_scaling_reference": "mean", **section}
-    return {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 1,
-            "data_efficiency": {"data_sampling": {"dynamic_batching": dynamic_batching}}}
-
-
-def _glue(config, dataset=None, **kwargs):
-    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
-    engine = _Engine(config, optimizer=optimizer)
-    dataset = dataset if dataset is not None else [torch.ones(n) for n in [3, 5, 2, 7, 4, 6, 1, 8]]
-    out = varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(dataset, engine, **kwargs)
-    return engine, out
-
-
-def _microbatch_ids(loader):
-    """The sample ids of every step input of a one-rank loader, in order (its VariableBatchSampler's)."""
-    return [list(ids) for ids in loader.sampler.batch_sampler]
-
-
-def test_deepspeed_glue_rejects_an_unknown_key_naming_the_closest_one():
-    with pytest.raises(ValueError, match=r"'max_token'.*did you mean 'max_tokens'"):
-        _glue(_glue_config(max_token=16), dataset_seqlens=[3, 5, 2, 7, 4, 6, 1, 8])
-    with pytest.raises(ValueError, match=r"'sentence_picking_ordre'.*'sentence_picking_order'"):
-        _glue(_glue_config(sentence_picking_ordre="seqlen"), dataset_seqlens=[3, 5, 2, 7, 4, 6, 1, 8])
-
-
-def test_deepspeed_glue_reads_both_spellings_of_the_picking_order():
-    """``sentence_picking_order`` (DeepSpeed's older key) and ``sequence_picking_order`` give the same plan."""
-    seqlens = [3, 5, 2, 7, 4, 6, 1, 8]
-    _, (old, _, _) = _glue(_glue_config(sentence_picking_order="seqlen"), dataset_seqlens=seqlens)
-    _, (new, _, _) = _glue(_glue_config(sequence_picking_order="seqlen"), dataset_seqlens=seqlens)
-    expected = varbatch.plan_batches(seqlens, 16, effective_batch_size=2, order="seqlen", seed=1234)
-    for loader in (old, new):
-        assert _microbatch_ids(loader) == expected.microbatches()
-
-
-def test_deepspeed_glue_rejects_batch_sizes_that_do_not_multiply():
-    engine = _Engine(_glue_config(), optimizer=None, gradient_accumulation_steps=3)
-    with pytest.raises(ValueError, match=r"train_batch_size=2 should be .* 1 x 3 x 1"):
-        varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed([torch.ones(2)] * 4, engine,
-                                                                                   dataset_seqlens=[2] * 4)
-
-
-def test_deepspeed_glue_installs_the_scheduler_and_does_not_scale_twice():
-    """The scheduler becomes engine.lr_scheduler; calling the glue again scales the original LR, not the scaled one."""
-    seqlens = [3, 5, 2, 7, 4, 6, 1, 8]
-    engine, (_, first, _) = _glue(_glue_config(), dataset_seqlens=seqlens)
-    assert engine.lr_scheduler is first
-    expected = first.get_last_lr()
-    second = varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
-        [torch.ones(n) for n in seqlens], engine, dataset_seqlens=seqlens)[1]
-    assert engine.lr_scheduler is second
-    assert second.get_last_lr() == pytest.approx(expected), \
-        f"LR is wrong at step 0: expected {expected}, got {second.get_last_lr()}"
-
-
-def test_deepspeed_glue_computes_seqlens_once_then_reads_the_cache(tmp_path):
-    """batch_seqlens_fn gets collated batches; the cache in metrics_path is read back, and a stale one is redone."""
-    seqlens = [3, 5, 2, 7, 4, 6, 1, 8] * 40
-    dataset = [torch.arange(1, n + 1) for n in seqlens]
-    calls = []
-
-    def batch_seqlens(batch):
-        padded, lengths = batch  # made by dataloader_collate_fn
-        calls.append(len(lengths))
-        return lengths
-
-    config = _glue_config(metrics_path=str(tmp_path))
-    kwargs = dict(dataloader_collate_fn=varbatch.PaddedCollate(), batch_seqlens_fn=batch_seqlens)
-    _, (loader, _, _) = _glue(config, dataset, **kwargs)
-    assert sum(calls) == len(seqlens)
-    assert np.load(tmp_path / "varbatch_seqlens.npy").tolist() == seqlens
-    expected = varbatch.plan_batches(seqlens, 16, effective_batch_size=2, seed=1234)
-    assert _microbatch_ids(loader) == expected.microbatches()
-    calls.clear()
-    _glue(config, dataset, **kwargs)  # from the cache: only a spot check is measured
-    assert 0 < sum(calls) < len(seqlens)
-    changed = [torch.arange(1, n + 2) for n in seqlens]  # same size, other lengths: the cache is stale
-    calls.clear()
-    _glue(config, changed, **kwargs)
-    assert sum(calls) > len(seqlens)  # spot check, then every sample
-    assert np.load(tmp_path / "varbatch_seqlens.npy").tolist() == [n + 1 for n in seqlens]
-
-
-def test_deepspeed_glue_reads_deepspeed_metric_files(tmp_path):
-    """Seqlens written by DeepSpeed's DataAnalyzer (seqlen/seqlen_sample_to_metric.bin/.idx) are used as they are."""
-    from deepspeed.runtime.data_pipeline.data_sampling.indexed_dataset import MMapIndexedDatasetBuilder
-    seqlens = [3, 5, 2, 7, 4, 6, 1, 8]
-    os.makedirs(tmp_path / "seqlen")
-    prefix = str(tmp_path / "seqlen" / "seqlen_sample_to_metric")
-    builder = MMapIndexedDatasetBuilder(prefix + ".bin", dtype=np.int64)
-    for n in seqlens:
-        builder.add_item(torch.tensor([n], dtype=torch.int64))
-    builder.finalize(prefix + ".idx")
-    _, (loader, _, _) = _glue(_glue_config(metrics_path=str(tmp_path)), [torch.ones(n) for n in seqlens])
-    expected = varbatch.plan_batches(seqlens, 16, effective_batch_size=2, seed=1234)
-    assert _microbatch_ids(loader) == expected.microbatches()
-
-
-def test_deepspeed_glue_without_any_seqlens_source_says_what_to_pass():
-    with pytest.raises(ValueError, match="batch_seqlens_fn"):
-        _glue(_glue_config(), [torch.ones(2)] * 4)
-
-
-_RANKS_DISAGREE_SCRIPT = '''
-import os, sys, types
-import torch
-import varbatch
-torch.distributed.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=2)
-rank = torch.distributed.get_rank()
-config = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 1,
-          "data_efficiency": {"data_sampling": {"dynamic_batching": {"enabled": True, "max_tokens": 16}}}}
-engine = types.SimpleNamespace(_config=types.SimpleNamespace(_param_dict=config), optimizer=None,
-                               lr_scheduler=None, data_parallel_group=None, train_batch_size=lambda: 2,
-                               train_micro_batch_size_per_gpu=lambda: 1, gradient_accumulation_steps=lambda: 1)
-seqlens = [3, 5, 2, 7, 4, 6, 1, 8] if rank == 0 else [8] * 8  # rank 1 sees other lengths
-try:
-    varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
-        [torch.ones(n) for n in seqlens], engine, dataset_seqlens=seqlens)
-except RuntimeError as error:
-    print(f"rank {rank}: {error}", flush=True)
-    torch.distributed.destroy_process_group()
-    sys.exit(3)
-'''
-
-
-def test_deepspeed_glue_fails_on_every_rank_when_the_ranks_plan_differently(tmp_path):
-    """Ranks with different seqlens get a clear error at the start, on every rank, instead of a hang."""
-    (tmp_path / "disagree.py").write_text(_RANKS_DISAGREE_SCRIPT)
-    port = str(_free_port())
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, PYTHONPATH=_ROOT)
-    procs = [subprocess.Popen([sys.executable, "disagree.py"], cwd=tmp_path, env=dict(env, RANK=str(r)),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
-    outs = []
-    for proc in procs:
-        try:
-            outs.append(proc.communicate(timeout=120))
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            pytest.fail("the ranks hung instead of failing")
-    for proc, (out, err) in zip(procs, outs):
-        assert proc.returncode == 3, f"{out}\n{err}"
-        assert "planned a different epoch than rank 0" in out
-        assert "give every rank the same dataset" in out
-
-
-# =============================================================================
-# Command line: python varbatch.py plan ...
-# =============================================================================
-
-
-VARBATCH = str(Path(varbatch.__file__).resolve())
-
-# A small dataset whose plans have several batches, padding and a tail.
-LENGTHS = [3, 5, 2, 6, 4, 1, 7, 7, 2, 3, 8, 1, 1, 4, 6, 2, 5, 3, 3, 9, 2, 4]
-
-
-def _run_cli(*args, stdin=None):
-    """``python varbatch.py ARGS`` in a fresh interpreter: (exit code, stdout, stderr)."""
-    done = subprocess.run([sys.executable, VARBATCH, *args], input=stdin, capture_output=True, text=True,
-                          timeout=120)
-    return done.returncode, done.stdout, done.stderr
-
-
-def _main(capsys, *args):
-    """``varbatch._main(ARGS)`` in this process: (exit code, stdout, stderr)."""
-    code = varbatch._main(list(args))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-@pytest.fixture
-def npy_file(tmp_path):
-    path = tmp_path / "lengths.npy"
-    np.save(path, np.array(LENGTHS))
-    return str(path)
-
-
-@pytest.fixture
-def text_file(tmp_path):
-    path = tmp_path / "lengths.txt"
-    path.write_text("\n".join(str(x) for x in LENGTHS) + "\n")
-    return str(path)
-
-
-def _padded_tokens_oracle(plan, seqlens, same_length=False):
-    """Padded n x S of every micro-batch, one micro-batch at a time (micro_batch_size 1)."""
-    k = plan.effective_batch_size
-    out = []
-    for j, ids in enumerate(plan.microbatches()):
-        s = int(plan.batch_max_seqlens[j // k]) if same_length else max(seqlens[i] for i in ids)
-        out.append(len(ids) * s)
-    return out
-
-
-def _cell_values(cell, k):
-    """A table cell of per-micro-batch values: one value stands for k equal ones."""
-    values = [int(x) for x in cell.split(",")]
-    return values * k if len(values) == 1 else values
-
-
-def _table_rows(stdout):
-    """The rows of the printed per-batch table, as lists of cells."""
-    lines = stdout.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.split()[:2] == ["batch", "B"])
-    rows = []
-    for line in lines[start + 1:]:
-        if not line.strip() or not line.split()[0].isdigit():
-            break
-        rows.append(line.split())
-    return rows
-
-
-# =============================================================================
-# The table and the totals
-# =============================================================================
-
-
-@pytest.mark.parametrize("pipeline", [False, True])
-def test_table_and_totals_match_plan_batches(capsys, npy_file, pipeline):
-    """Every batch of the table and every total equals what plan_batches and a slow recount give."""
-    flags = ["--pipeline"] if pipeline else []
-    code, out, err = _main(capsys, "plan", "--seqlens", npy_file, "--max-tokens", "10", "--world-size", "2",
-                           "--batches", "0", *flags)
-    assert code == 0, err
-    plan = plan_batches(LENGTHS, 10, effective_batch_size=2, same_size=pipeline, same_length=pipeline)
-    padded = _padded_tokens_oracle(plan, LENGTHS, same_length=pipeline)
-    rows = _table_rows(out)
-    assert len(rows) == plan.num_batches
-    for b, row in enumerate(rows):
-        batch, sequences, microbatches, sizes, _, real, padding, factor = row
-        mb = [len(ids) for ids in plan.microbatches()[2 * b:2 * b + 2]]
-        assert (int(batch), int(sequences), int(microbatches)) == (b, plan.batch_sizes[b], 2)
-        assert _cell_values(sizes, 2) == mb
-        assert int(real) == plan.batch_tokens[b]
-        slots = padded[2 * b] + padded[2 * b + 1]
-        assert float(padding) == pytest.approx(100 * (1 - plan.batch_tokens[b] / slots), abs=0.051)
-        # Default reference: train_batch_size = 2 micro-batches, linear rule.
-        assert float(factor) == pytest.approx(plan.batch_sizes[b] / 2, rel=1e-3)
-    assert f"epoch 0: {plan.num_batches} batches of 2 micro-batches" in out
-    assert f"tokens: {sum(LENGTHS[i] for i in plan.sample_ids)} real / {sum(padded)} padded" in out
-    assert f"samples: {plan.batch_sizes.sum()} trained, {plan.num_dropped} dropped" in out
-
-
-def test_json_matches_plan_batches(capsys, npy_file):
-    """--json holds the settings, totals, rows and dropped ids of the same plan."""
-    code, out, err = _main(capsys, "plan", "--seqlens", npy_file, "--max-tokens", "10", "--effective-batch-size",
-                           "3", "--order", "random", "--seed", "5", "--epoch", "2", "--batches", "0", "--json",
-                           "--lr-scaling-method", "sqrt", "--lr-scaling-reference", "mean")
-    assert code == 0, err
-    data = json.loads(out)
-    plan = plan_batches(LENGTHS, 10, effective_batch_size=3, order="random", seed=5, epoch=2)
-    totals = data["totals"]
-    assert totals["batches"] == plan.num_batches == len(data["batches"])
-    assert totals["samples"] + totals["num_dropped"] == len(LENGTHS)
-    assert totals["dropped"] == {reason: len(ids) for reason, ids in plan.dropped.items()}
-    assert data["dropped_ids"] == {reason: ids.tolist() for reason, ids in plan.dropped.items()}
-    assert totals["real_tokens"] == int(plan.batch_tokens.sum())
-    assert totals["padded_tokens"] == sum(_padded_tokens_oracle(plan, LENGTHS))
-    assert totals["efficiency"] == pytest.approx(totals["real_tokens"] / totals["padded_tokens"])
-    sizes = plan.microbatch_sizes().tolist()
-    mean = plan.batch_sizes.mean()
-    for b, row in enumerate(data["batches"]):
-        assert row["microbatch_sizes"] == sizes[3 * b:3 * b + 3]
-        assert row["real_tokens"] == plan.batch_tokens[b]
-        assert row["lr_factor"] == pytest.approx(varbatch.scale_lr(mean, int(plan.batch_sizes[b]), 1.0, "sqrt"))
-    assert totals["lr_factor"]["mean"] == pytest.approx(np.mean([r["lr_factor"] for r in data["batches"]]))
-    assert data["settings"]["seed"] == 5 and data["settings"]["epoch"] == 2
-
-
-def test_totals_largest_padded_microbatch_is_the_largest(capsys, npy_file):
-    """The largest padded micro-batch is the max over micro-batches of n x S, compared with max_tokens."""
-    code, out, _ = _main(capsys, "plan", "--seqlens", npy_file, "--max-tokens", "10", "--json")
-    assert code == 0
-    largest = json.loads(out)["totals"]["largest_padded_microbatch"]
-    plan = plan_batches(LENGTHS, 10)
-    assert largest["tokens"] == max(_padded_tokens_oracle(plan, LENGTHS))
-    assert largest["over_max_tokens"] == pytest.approx(largest["tokens"] / 10)
-    assert largest["tokens"] == largest["sequences"] * largest["padded_seqlen"]
-
-
-def test_synthetic_default_runs_alone(capsys):
-    """`python varbatch.py plan` without files plans the documented 2000 synthetic lengths."""
-    code, out, err = _main(capsys, "plan", "--json")
-    assert code == 0, err
-    data = json.loads(out)
-    assert data["settings"]["num_samples"] == 2000 and data["settings"]["max_tokens"] == 4096
-    assert data["totals"]["samples"] + data["totals"]["num_dropped"] == 2000
-    assert data["totals"]["real_tokens"] == int(varbatch._synthetic_seqlens().sum())
-
-
-def test_lr_unit_trap_is_flagged(capsys, npy_file):
-    """The totals warn when the mean LR factor is far from 1, and not when B_ref is the mean."""
-    _, trap, _ = _main(capsys, "plan", "--seqlens", npy_file, "--max-tokens", "20")
-    _, fixed, _ = _main(capsys, "plan", "--seqlens", npy_file, "--max-tokens", "20", "--lr-scaling-reference",
-                        "mean")
-    assert "warning: the configured LR is multiplied by" in trap and "lr_scaling_reference" in trap
-    assert "warning" not in fixed
-
-
-# =============================================================================
-# Inputs: .npy, text, stdin, a DeepSpeed config
-# =============================================================================
-
-
-def test_npy_text_and_stdin_give_the_same_plan(capsys, npy_file, text_file):
-    """The three ways to pass lengths give the same JSON (but for the source's name)."""
-    outs = []
-    for source in (npy_file, text_file):
-        code, out, err = _main(capsys, "plan", "--seqlens", source, "--max-tokens", "10", "--json")
-        assert code == 0, err
-        outs.append(json.loads(out))
-    code, out, err = _run_cli("plan", "--seqlens", "-", "--max-tokens", "10", "--json",
-                              stdin="\n".join(map(str, LENGTHS)) + "\n\n")
-    assert code == 0, err
-    outs.append(json.loads(out))
-    for data in outs:
-        data["settings"].pop("seqlens")
-    assert outs[0] == outs[1] == outs[2]
-
-
-def _write_config(tmp_path, **batch_keys):
-    config = dict(batch_keys)
-    config["data_efficiency"] = {"data_sampling": {"dynamic_batching": {
-        "enabled": True, "max_tokens": 12, "lr_scaling_method": "sqrt", "lr_scaling_reference": 4}}}
-    path = tmp_path / "ds_config.json"
-    path.write_text(json.dumps(config))
-    return str(path)
-
-
-@pytest.mark.parametrize("batch_keys, world_size, expected", [
-    # (k, micro batch per GPU, accumulation, ranks), resolved as DeepSpeed does
-    (dict(train_batch_size=8, train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2), None, (8, 2, 2, 2)),
-    (dict(train_batch_size=8, train_micro_batch_size_per_gpu=1), "4", (8, 1, 2, 4)),
-    (dict(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=3), "2", (12, 2, 3, 2)),
-    (dict(train_batch_size=6), None, (6, 6, 1, 1)),
-    (dict(train_batch_size=6, gradient_accumulation_steps=3), "2", (6, 1, 3, 2)),
-])
-def test_config_batch_geometry(capsys, tmp_path, npy_file, batch_keys, world_size, expected):
-    """train_batch_size = micro batch per GPU x accumulation x world size, any one of them derived."""
-    config = _write_config(tmp_path, **batch_keys)
-    flags = ["--world-size", world_size] if world_size else []
-    code, out, err = _main(capsys, "plan", "--config", config, "--seqlens", npy_file, "--json", *flags)
-    assert code == 0, err
-    data = json.loads(out)
-    s = data["settings"]
-    assert (s["effective_batch_size"], s["micro_batch_size"], s["gradient_accumulation_steps"],
-            s["world_size"]) == expected
-    assert s["max_tokens"] == 12 and data["totals"]["lr_factor"]["method"] == "sqrt"
-    assert data["totals"]["lr_factor"]["reference_value"] == 4
-
-
-def test_config_world_size_that_contradicts_it_is_an_error(capsys, tmp_path, npy_file):
-    config = _write_config(tmp_path, train_batch_size=4, train_micro_batch_size_per_gpu=1,
-                           gradient_accumulation_steps=2)
-    code, out, err = _main(capsys, "plan", "--config", config, "--seqlens", npy_file, "--world-size", "3")
-    assert code == 2 and out == ""
-    assert err.count("\n") == 1 and "train_batch_size=4" in err and "world size 3" in err
-
-
-def test_step_input_padding_follows_the_sampler():
-    """With micro_batch_size > 1 a micro-batch is padded to the longest sample of its rank's step input."""
-    seqlens = np.array(LENGTHS * 3)
-    for micro, accumulation, replicas in [(2, 1, 1), (2, 2, 2), (3, 1, 2)]:
-        sampler = VariableBatchSampler(seqlens, 10, micro_batch_size=micro, gradient_accumulation_steps=accumulation,
-                                       num_replicas=replicas, rank=0)
-        plan = sampler.plan
-        padded = varbatch._padded_seqlens(plan, seqlens, micro_batch_size=micro, num_replicas=replicas)
-        s_of_sample = {i: int(padded[j]) for j, ids in enumerate(plan.microbatches()) for i in ids}
-        for rank in range(replicas):
-            for step in VariableBatchSampler(seqlens, 10, micro_batch_size=micro, num_replicas=replicas, rank=rank,
-                                             gradient_accumulation_steps=accumulation):
-                longest = int(seqlens[step].max())
-                assert [s_of_sample[i] for i in step] == [longest] * len(step), (micro, accumulation, replicas)
-
-
-@settings(max_examples=40, deadline=None)
-@given(lengths=st.lists(st.integers(1, 30), min_size=4, max_size=80), max_tokens=st.integers(30, 90),
-       k=st.integers(1, 4), pipeline=st.booleans(), budget=st.sampled_from(varbatch.BUDGETS))
-def test_plan_totals_properties(lengths, max_tokens, k, pipeline, budget):
-    """Totals count every sample once, padding never below the real tokens, padded budget never exceeded."""
-    plan = plan_batches(lengths, max_tokens, effective_batch_size=k, budget=budget, same_size=pipeline,
-                        same_length=pipeline)
-    totals = varbatch._plan_totals(plan, lengths, same_length=pipeline)
-    assert totals["samples"] + totals["num_dropped"] == len(lengths)
-    assert totals["real_tokens"] <= totals["padded_tokens"] == sum(_padded_tokens_oracle(plan, lengths, pipeline))
-    assert 0 < totals["efficiency"] <= 1
-    if budget == "padded":
-        assert totals["largest_padded_microbatch"]["tokens"] <= max_tokens
-    text = varbatch._format_plan_totals(totals)
-    assert f"{totals['padded_tokens']} padded" in text and "LR factor" not in text
-
-
-# =============================================================================
-# Errors: one line, exit code 2
-# =============================================================================
-
-
-def test_bad_flag_exits_2_with_one_line():
-    code, out, err = _run_cli("plan", "--max-tokenz", "5")
-    assert code == 2 and out == ""
-    assert err.count("\n") == 1 and err.startswith("varbatch: error:") and "--max-tokenz" in err
-
-
-@pytest.mark.parametrize("args", [["plan", "--budget", "sideways"], ["plan", "--max-tokens", "0"],
-                                  ["plan", "--lr-scaling-reference", "-1"], []])
-def test_bad_flag_values_exit_2_with_one_line(capsys, args):
-    with pytest.raises(SystemExit) as exit_info:
-        varbatch._main(args)
-    _, err = capsys.readouterr()
-    assert exit_info.value.code == 2
-    assert err.count("\n") == 1 and err.startswith("varbatch: error:")
-
-
-def test_missing_file_exits_2_with_one_line(tmp_path):
-    missing = str(tmp_path / "nope.npy")
-    code, out, err = _run_cli("plan", "--seqlens", missing)
-    assert code == 2 and out == ""
-    assert err == f"varbatch: error: {missing}: No such file or directory\n"
-
-
-@pytest.mark.parametrize("content, names", [
-    ("3\n4\nfour\n", "line 3"),
-    ("3\n0\n", "seqlens[1]=0"),
-    ("\n\n", "no lengths"),
-])
-def test_bad_text_file_exits_2_naming_the_problem(capsys, tmp_path, content, names):
-    path = tmp_path / "lengths.txt"
-    path.write_text(content)
-    code, out, err = _main(capsys, "plan", "--seqlens", str(path))
-    assert code == 2 and out == ""
-    assert err.count("\n") == 1 and names in err and str(path) in err
-
-
-@pytest.mark.parametrize("content, names", [
-    ('{"train_batch_size": ', "not valid JSON"),
-    ('{"data_efficiency": {}}', "dynamic_batching"),
-    ('{"data_efficiency": {"data_sampling": {"dynamic_batching": {"enabled": true, "max_tokenz": 5}}}}',
-     "max_tokens"),
-])
-def test_bad_config_exits_2_naming_the_problem(capsys, tmp_path, content, names):
-    path = tmp_path / "ds_config.json"
-    path.write_text(content)
-    code, out, err = _main(capsys, "plan", "--config", str(path))
-    assert code == 2 and out == ""
-    assert err.count("\n") == 1 and names in err
-
-
-def test_corrupt_npy_exits_2(capsys, tmp_path):
-    path = tmp_path / "lengths.npy"
-    path.write_bytes(b"")
-    code, _, err = _main(capsys, "plan", "--seqlens", str(path))
-    assert code == 2 and err.count("\n") == 1 and str(path) in err
-
-
-def test_help_explains_every_flag():
-    code, out, _ = _run_cli("plan", "--help")
-    assert code == 0
-    parser = varbatch._make_parser()
-    plan_parser = parser._subparsers._group_actions[0].choices["plan"]
-    for action in plan_parser._actions:
-        assert action.help, f"flag {action.option_strings} has no help"
-        for flag in action.option_strings:
-            assert flag in out
-    assert "train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps" in out
-    assert "synthetic" in out
-
-
-# =============================================================================
-# The picture
-# =============================================================================
-
-
-def test_plot_writes_a_png(capsys, tmp_path, npy_file):
-    pytest.importorskip("matplotlib")
-    path = tmp_path / "plan.png"
-    code, out, err = _main(capsys, "plan", "--seqlens", npy_file, "--max-tokens", "10", "--world-size", "2",
-                           "--plot", str(path))
-    assert code == 0, err
-    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
-    assert f"wrote {path}" in err and "epoch 0:" in out
-
-
-def test_plot_without_matplotlib_says_how_to_get_it(capsys, monkeypatch, tmp_path, npy_file):
-    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
-    path = tmp_path / "plan.png"
-    code, out, err = _main(capsys, "plan", "--seqlens", npy_file, "--plot", str(path))
-    assert code == 2 and out == "" and not path.exists()
-    assert err.count("\n") == 1 and "pip install matplotlib" in err
-
-
-def test_plan_without_plot_works_without_matplotlib(capsys, monkeypatch, npy_file):
-    monkeypatch.setitem(sys.modules, "matplotlib", None)
-    code, out, _ = _main(capsys, "plan", "--seqlens", npy_file, "--max-tokens", "10")
-    assert code == 0 and "epoch 0:" in out
-
-
-# =============================================================================
-# README: every command and program in it runs, with the output it shows
-# =============================================================================
+# -- README: every command and program in it runs, with the output it shows ------------------------
 # ```bash blocks hold commands: each line runs (installation aside: `pip install
 # X && cmd` runs cmd). Plain ``` blocks whose lines start with `$ ` show a command
-# and its exact output. ```python blocks are complete programs and run; ```py
-# blocks are fragments of a larger script and are not run. The benchmark's
-# commands run with --quick added: the same code on smaller sizes, since a full
-# benchmark takes minutes and its numbers are not what a test checks.
+# and its exact output. ```python blocks are complete programs and run (one whose
+# first line is `# run: CMD` is saved as the script CMD names, and CMD runs it,
+# e.g. under torchrun); ```py blocks are fragments of a larger script and are not
+# run. Launchers get a free master port, so runs never collide. The benchmark's
+# commands run with --quick added, and the example's (those without shown output)
+# with `_README_SMALL_EXAMPLE`: the same code on smaller sizes, since full runs
+# take minutes and their numbers are not what a test checks (the launched tests
+# above check the example's numbers).
 
 _README = Path(varbatch.__file__).with_name("README.md")
 _README_TEST_COMMAND = "python -m pytest -q test_varbatch.py"
+_README_SMALL_EXAMPLE = ["--num-samples", "600", "--epochs", "3"]  # 24 steps: `--max-steps 20` stops in epoch 2
 
 
 def _readme_steps():
@@ -2251,7 +3357,9 @@ def _readme_steps():
                     line = line.split("&&", 1)[1].strip()
                 steps.append(("command", line, None))
         elif lang == "python":
-            steps.append(("program", body, None))
+            first, _, rest = body.partition("\n")
+            run = re.match(r"#\s*run:\s*(.+)$", first.strip())
+            steps.append(("launched", (run[1].strip(), rest), None) if run else ("program", body, None))
         elif lang == "" and body.startswith("$ "):
             for chunk in re.split(r"^\$ ", body, flags=re.M)[1:]:
                 command, _, output = chunk.partition("\n")
@@ -2270,19 +3378,30 @@ def test_readme_test_command_is_what_ci_runs():
     assert re.search(rf"^{re.escape(_README_TEST_COMMAND)}$", ci, re.M), "CI does not run the README's command"
 
 
+@pytest.mark.slow
 def test_readme_commands_run_and_print_what_it_shows(tmp_path):
     """Every README command exits 0 (or 2 where it shows an error) and prints exactly the output shown."""
     root = _README.parent
-    for name in ("varbatch.py", "example.py", "ds_config.json", "bench.py"):
-        (tmp_path / name).write_bytes((root / name).read_bytes())
+    for path in [*root.glob("*.py"), *root.glob("*.json")]:  # the project's scripts and configs
+        if path.name != Path(__file__).name:
+            (tmp_path / path.name).write_bytes(path.read_bytes())
     steps = _readme_steps()
     assert sum(kind == "command" for kind, _, _ in steps) >= 10, "the README lost its commands"
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(tmp_path))
     seen = set()
     for kind, text, expected in steps:
+        if kind == "launched":  # the program, saved as the script its `# run:` command names
+            text, program = text
+            (tmp_path / next(word for word in text.split() if word.endswith(".py"))).write_text(program)
+        if kind != "program":  # a free port for each launch (the launchers' default one may be taken)
+            text = re.sub(r"^(deepspeed|torchrun)\b(?!.*--master)", rf"\1 --master_port {_free_port()}", text)
         if text.startswith("python bench.py") and "--quick" not in text:
             text = text.replace("python bench.py", "python bench.py --quick", 1)
-        key = (kind, re.sub(r"\s+#.*$", "", text) if kind == "command" else text, expected)
+        if kind == "command" and expected is None and re.search(r"\bexample\.py\b", text) and \
+                not {"--num-samples", "--epochs"} & set(text.split()):
+            command, hash_, comment = text.partition(" #")
+            text = " ".join([command.rstrip(), *_README_SMALL_EXAMPLE]) + (f"  #{comment}" if hash_ else "")
+        key = (kind, re.sub(r"\s+#.*$|--master_port \d+ ", "", text) if kind == "command" else text, expected)
         if text == _README_TEST_COMMAND or key in seen:
             continue  # this suite itself; a command shown twice runs once
         seen.add(key)
@@ -2292,8 +3411,13 @@ def test_readme_commands_run_and_print_what_it_shows(tmp_path):
                               start_new_session=True)
         print(f"{time.perf_counter() - started:6.1f} s  {text[:100]!r}")
         shows_error = expected is not None and expected.startswith("varbatch: error:")
-        assert done.returncode == (2 if shows_error else 0), f"{text!r} exited {done.returncode}:\n{done.stderr[-3000:]}"
+        assert done.returncode == (2 if shows_error else 0), \
+            f"{text!r} exited {done.returncode}:\n{done.stderr[-3000:]}"
         if expected is not None:
             got = (done.stderr if shows_error else done.stdout).rstrip("\n").splitlines()
             assert [line.rstrip() for line in got] == [line.rstrip() for line in expected.rstrip("\n").splitlines()], \
                 f"README output of {text!r} differs:\n{done.stdout}{done.stderr}"
+
+
+# -- launchers: HF Accelerate and Lightning (issue 11) ---------------------------------------------
+# The launcher tests (2 real CPU ranks each, marked slow) follow here.

@@ -34,7 +34,8 @@ import math
 import numbers
 import typing
 import warnings
-from typing import Any, Callable, Iterator, Literal, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, Callable, Iterator, Literal
 
 import numpy as np
 import torch
@@ -353,19 +354,22 @@ def _pack_greedy(lens: list[int], s: _Settings) -> tuple[list[tuple[int, int]], 
     Returns ``(start, n)`` per micro-batch, the positions dropped as
     ``min_batch_size`` (no micro-batch of that many starts there), and where the tail starts.
     """
-    padded, cap, max_bs = s.budget == "padded", s.max_tokens, s.max_batch_size or len(lens)
-    blocks, too_small, start = [], [], 0
-    while start < len(lens):
-        count = total = longest = 0  # invariant: lens[start:start + count] fits the budget and max_bs
-        while start + count < len(lens) and count < max_bs:
-            length = lens[start + count]
-            if ((count + 1) * max(longest, length) if padded else total + length) > cap:
+    padded, cap, end = s.budget == "padded", s.max_tokens, len(lens)
+    max_bs, blocks, too_small, start = s.max_batch_size or end, [], [], 0
+    while start < end:  # the hot loop of the default mode: plain ints, no calls
+        i, total, longest = start, 0, 0  # invariant: lens[start:i] fits the budget and max_bs
+        while i < end and i - start < max_bs:
+            length = lens[i]
+            if length > longest:
+                longest = length
+            if (i - start + 1) * longest > cap if padded else total + length > cap:
                 break
-            count, total, longest = count + 1, total + length, max(longest, length)
+            total, i = total + length, i + 1
+        count = i - start
         if count >= s.min_batch_size:
             blocks.append((start, count))
-            start += count
-        elif start + count == len(lens):  # ran out of samples, not of budget
+            start = i
+        elif i == end:  # ran out of samples, not of budget
             break
         else:
             too_small.append(start)
@@ -468,12 +472,14 @@ def _pack(seqlens: np.ndarray, s: _Settings, sample_ids: np.ndarray | None, epoc
     picked = _picking_order(seqlens, ids[seqlens[ids] <= s.max_tokens], s, rng)
     blocks, too_small, end = _pack_rows(seqlens[picked], s) if width > 1 else \
         _pack_greedy(seqlens[picked].tolist(), s)
-    starts, rows, consecutive = (np.asarray([b[i] if i < len(b) else 1 for b in blocks], np.int64) for i in range(3))
+    columns = np.array(blocks, dtype=np.int64).reshape(-1, 3 if width > 1 else 2)  # (start, n[, consecutive])
+    starts, rows, consecutive = columns[:, 0], columns[:, 1], columns[:, -1]
     per_block = rows * width
-    block = np.repeat(np.arange(len(rows)), per_block)
-    local = np.arange(int(per_block.sum())) - np.repeat(np.cumsum(per_block) - per_block, per_block)  # b*n + r
-    positions = starts[block] + np.where(consecutive[block] == 1, local, local % rows[block] * width
-                                         + local // rows[block])
+    positions = np.arange(int(per_block.sum())) + np.repeat(starts - np.cumsum(per_block) + per_block, per_block)
+    if width > 1:  # positions run start + b*n + r; interleaved, row r of micro-batch b is start + r*width + b
+        first, n = np.repeat(starts, per_block), np.repeat(rows, per_block)
+        local = positions - first
+        positions = np.where(np.repeat(consecutive, per_block) == 1, positions, first + local % n * width + local // n)
     sizes, tail = np.repeat(rows, width), list(range(end, len(picked)))
     # 3. Batches of k micro-batches. Blocks that cannot fill a last batch are cut into exactly
     # k / width blocks where they can be (see `_resplit`); else they are the tail.
@@ -804,9 +810,12 @@ class PaddedCollate:
     def __call__(self, samples, seqlens=None):
         if len(samples) == 0:
             raise ValueError("PaddedCollate got an empty list of samples")
-        columns, out = [(key, [_fields(s)[i][1] for s in samples]) for i, (key, _) in enumerate(_fields(samples[0]))], []
+        one_tensor = isinstance(samples[0], torch.Tensor)  # the common case, kept cheap: no look at every sample
+        columns = [(None, samples)] if one_tensor else \
+            [(key, [_fields(s)[i][1] for s in samples]) for i, (key, _) in enumerate(_fields(samples[0]))]
+        out = []
         for key, values in columns:
-            tensors = [_as_tensor(value) for value in values]
+            tensors = values if one_tensor else [_as_tensor(value) for value in values]
             value = self.pad_value.get(key, 0) if isinstance(self.pad_value, Mapping) else self.pad_value
             out.append(values if any(t is None for t in tensors) else torch.stack(tensors) if not tensors[0].dim()
                        else torch.nn.utils.rnn.pad_sequence(tensors, batch_first=True, padding_value=value))  # B x S x ...
@@ -958,7 +967,10 @@ class VariableBatchSampler(Sampler[list[int]]):
         self.num_replicas, self.micro_batch_size, self.effective_batch_size = s.num_replicas, s.micro_batch_size, \
             s.effective_batch_size
         self.gradient_accumulation_steps, self.same_length = s.gradient_accumulation_steps, s.same_length
-        self.epoch = self.steps_done = self._start = self._pass = self._handed = 0  # _start: where the next pass starts
+        # The position: step inputs handed out (`steps_done`) in the epoch of the last pass (`_epoch`), and
+        # whether it handed out all of them (`_finished`); a pass starts at `_start` (set by load_state_dict).
+        self._epoch = self.steps_done = self._start = self._pass = self._handed = 0
+        self._finished = False
         self._plans: dict[int, Plan] = {}
         self._logged, self._lens, self._restored = set(), {}, False
         if self.plan_for_epoch(0).num_batches == 0:  # checked before training: later epochs never raise
@@ -973,7 +985,14 @@ class VariableBatchSampler(Sampler[list[int]]):
             self._plans[epoch] = self._planner(epoch)
         return self._plans[epoch]
 
-    plan = property(lambda self: self.plan_for_epoch(self.epoch), doc="The plan of the current epoch.")
+    def _steps(self, epoch: int) -> int:
+        """This rank's step inputs in ``epoch`` (the same on every rank)."""
+        return self.plan_for_epoch(epoch).num_batches * self.gradient_accumulation_steps
+
+    epoch = property(lambda self: self._epoch + self._finished, doc="The epoch the next iteration yields: the last "
+                     "one's, or the next once all its step inputs were handed out (also with its iterator not exhausted).")
+
+    plan = property(lambda self: self.plan_for_epoch(self.epoch), doc="The plan of the epoch the next iteration yields.")
 
     def set_epoch(self, epoch: int) -> None:
         """Sets the epoch of the next iteration (a new order in ``random``/``bucket``)."""
@@ -981,13 +1000,13 @@ class VariableBatchSampler(Sampler[list[int]]):
             raise ValueError(f"set_epoch({epoch}) after load_state_dict() restored epoch {self.epoch} would replay an "
                              f"earlier epoch; pass the epoch being trained (HF Accelerate's prepared loader passes its "
                              f"own count of passes, 0 after a restart, unless you call loader.set_epoch(epoch))")
-        if epoch != self.epoch:
+        if epoch != self._epoch or self._finished:  # else: the epoch of the last pass, left or restored mid-way
             self._check_cut(RuntimeError)
-            self.epoch, self.steps_done, self._start, self._pass = epoch, 0, 0, self._pass + 1
+            self._epoch, self.steps_done, self._start, self._pass, self._finished = epoch, 0, 0, self._pass + 1, False
 
     def __len__(self) -> int:
-        """Step inputs per epoch on this rank (the same on every rank)."""
-        self._lens[self.epoch] = self.plan.num_batches * self.gradient_accumulation_steps
+        """Step inputs per epoch on this rank (the same on every rank), of the epoch the next iteration yields."""
+        self._lens[self.epoch] = self._steps(self.epoch)
         return self._lens[self.epoch]
 
     def _check_cut(self, error: type) -> None:
@@ -997,15 +1016,16 @@ class VariableBatchSampler(Sampler[list[int]]):
         once (Lightning, unless told to reload the loader) stops every epoch at
         the first one's and leaves the rest of a longer epoch untrained.
         """
-        total = self.plan.num_batches * self.gradient_accumulation_steps
-        stale = [e for e, n in self._lens.items() if e != self.epoch and n == self.steps_done]
+        total = self._steps(self._epoch)
+        stale = [e for e, n in self._lens.items() if e != self._epoch and n == self.steps_done]
         if 0 < self.steps_done < total and stale:
-            message = (f"epoch {self.epoch}'s iteration stopped after {self.steps_done} of its {total} step inputs, the "
+            message = (f"epoch {self._epoch}'s iteration stopped after {self.steps_done} of its {total} step inputs, the "
                        f"len(loader) of epoch {stale[0]}: a trainer that reads len(loader) once cut it short and "
                        f"its other samples were not trained; Lightning: Trainer(reload_dataloaders_every_n_epochs=1)")
             if error is RuntimeError:
                 raise RuntimeError(message)
             warnings.warn(message, RuntimeWarning, stacklevel=3)
+
     def horizon(self, epochs: int = 1, unit: _Clock = "steps") -> int:
         """Optimizer steps (or real tokens, or samples) from the current position to the end of ``epochs`` epochs.
 
@@ -1023,7 +1043,8 @@ class VariableBatchSampler(Sampler[list[int]]):
             values = plan.batch_tokens if unit == "tokens" else plan.batch_sizes if unit == "samples" else \
                 np.ones(plan.num_batches, np.int64)
             return int(values[skip:].sum())
-        total = amount(self.plan, self.steps_done // self.gradient_accumulation_steps)
+        done = 0 if self._finished else self.steps_done
+        total = amount(self.plan, done // self.gradient_accumulation_steps)
         if self.settings.order in ("dataloader", "seqlen") or self._planner.fixed is not None:
             return total + (epochs - 1) * amount(self.plan, 0)  # one plan for every epoch: plan it once
         return total + sum(amount(self._planner(e), 0) for e in range(self.epoch + 1, self.epoch + epochs))
@@ -1038,8 +1059,11 @@ class VariableBatchSampler(Sampler[list[int]]):
         epoch, also when the iterator is not exhausted (trainers stop at len()).
         """
         self._check_cut(RuntimeError)
-        self._pass, self._restored, epoch, start, self._start = self._pass + 1, False, self.epoch, self._start, 0
-        plan, passes, m, ranks, seqlens = self.plan, self._pass, self.micro_batch_size, self.num_replicas, self.seqlens
+        epoch, start = self.epoch, 0 if self._finished else self._start
+        self._pass, self._restored, self._epoch, self.steps_done, self._start = self._pass + 1, False, epoch, start, 0
+        self._finished = start >= self._steps(epoch)  # an empty epoch is done at once
+        plan, passes, m, ranks = self.plan_for_epoch(epoch), self._pass, self.micro_batch_size, self.num_replicas
+        seqlens = self.seqlens
         if epoch not in self._logged and _on_rank_zero(self.rank):  # once per trained epoch, for the whole job
             self._logged.add(epoch)
             _log_drops(plan)
@@ -1052,8 +1076,7 @@ class VariableBatchSampler(Sampler[list[int]]):
                     if g % ranks == self.rank:
                         if self._pass != passes:  # set_epoch() or another pass since: this one is stale
                             return
-                        self.epoch, self.steps_done, self._handed = (epoch + (t + 1 == total),
-                                                                     (t + 1) % total, self._handed + 1)
+                        self.steps_done, self._handed, self._finished = t + 1, self._handed + 1, t + 1 == total
                     ids = plan.sample_ids[plan.microbatch_offsets[g * m]:plan.microbatch_offsets[(g + 1) * m]]
                     yield (tuple(ids.tolist()), None if seqlens is None else tuple(seqlens[ids].tolist()),
                            int(plan.padded_seqlens[g * m]) if self.same_length else 0, (epoch, passes, start, g))
@@ -1067,9 +1090,11 @@ class VariableBatchSampler(Sampler[list[int]]):
 
     def _state_settings(self) -> dict:
         """What the plans depend on besides the epoch, as plain data (the data as hashes)."""
-        fixed = self._planner.fixed
-        return {**dataclasses.asdict(self.settings), "seqlens": _digest(self.seqlens),
-                "sample_ids": _digest(self._planner.sample_ids), "fixed_plan": fixed and fixed.fingerprint()}
+        if "_data" not in self.__dict__:  # hashed once: StatefulDataLoader asks for the state at every batch
+            fixed = self._planner.fixed
+            self._data = {"seqlens": _digest(self.seqlens), "sample_ids": _digest(self._planner.sample_ids),
+                          "fixed_plan": fixed and fixed.fingerprint()}
+        return {**dataclasses.asdict(self.settings), **self._data}
 
     def state_dict(self, steps_done: int | None = None) -> dict:
         """The position to resume from (epoch, step inputs done in it) and the settings, as plain data.
@@ -1078,7 +1103,7 @@ class VariableBatchSampler(Sampler[list[int]]):
         processes; with workers the loader prefetches: pass what your loop trained.
         """
         done = self.steps_done if steps_done is None else _check_int("steps_done", steps_done, minimum=0)
-        return {"epoch": self.epoch, "steps_done": done, "rank": self.rank, "settings": self._state_settings()}
+        return {"epoch": self._epoch, "steps_done": done, "rank": self.rank, "settings": self._state_settings()}
 
     def load_state_dict(self, state_dict: Mapping) -> None:
         """Restores a `state_dict`: the next iteration continues where it stopped."""
@@ -1090,8 +1115,8 @@ class VariableBatchSampler(Sampler[list[int]]):
         epoch = _check_int("epoch", state_dict["epoch"], minimum=0)
         total = self.plan_for_epoch(epoch).num_batches * self.gradient_accumulation_steps
         steps = _check_int("steps_done", state_dict["steps_done"], minimum=0, maximum=total)
-        self.epoch, self.steps_done = (epoch + 1, 0) if steps == total else (epoch, steps)
-        self._start, self._pass, self._restored = self.steps_done, self._pass + 1, True
+        self._epoch, self.steps_done, self._start, self._finished = epoch, steps, steps, steps == total
+        self._pass, self._restored = self._pass + 1, True
 
 
 def _mismatch(saved: Any, mine: dict) -> str | None:
@@ -1381,11 +1406,27 @@ class VariableBatchSizeLR(LRScheduler):
     def _rank_zero(self) -> bool:
         return _on_rank_zero(self._sampler.rank if self._sampler is not None else 0)
 
-    batch_size = property(lambda self: int(self._sizes(self._epoch)[self._batch % len(self._sizes(self._epoch))]),
-                          doc="``B_t``: the size of the batch trained at the current step, in ``lr_scaling_unit``.")
-    lr_factor = property(lambda self: float(self._factors(self._epoch, self._batch % len(self._sizes(self._epoch)))[0][0]),
-                         doc="``s(B_t / B_ref)`` at the current step.")
-    steps_in_epoch = property(lambda self: self._batch, doc="Batches of the current epoch trained (stepped or skipped).")
+    @property
+    def batch_size(self) -> int:
+        """``B_t``: the size of the batch trained at the current step, in ``lr_scaling_unit``."""
+        self._sync()
+        return int(self._sizes(self._epoch)[self._batch % len(self._sizes(self._epoch))])
+
+    @property
+    def lr_factor(self) -> float:
+        """``s(B_t / B_ref)`` at the current step."""
+        self._sync()
+        return float(self._factors(self._epoch, self._batch % len(self._sizes(self._epoch)))[0][0])
+
+    @property
+    def steps_in_epoch(self) -> int:
+        """Batches of the current epoch trained (stepped, or skipped by the engine)."""
+        self._sync()
+        return self._batch
+
+    def get_last_lr(self):
+        self._sync()
+        return super().get_last_lr()
 
     def get_lr(self):
         return [lr * self.lr_factor for lr in self._unscaled]
@@ -1409,6 +1450,7 @@ class VariableBatchSizeLR(LRScheduler):
         """Advances to the next batch (``step()``), or points at batch 0 of the sampler's epoch (``step(0)``)."""
         if self._step_count == 0:  # torch's initial step, from __init__
             return super().step()
+        self._sync()
         if epoch is not None:
             if isinstance(epoch, bool) or not isinstance(epoch, numbers.Integral) or epoch != 0:
                 raise ValueError(f"VariableBatchSizeLR.step takes no argument (the next batch) or 0 (realign at an epoch "
@@ -1464,13 +1506,15 @@ class VariableBatchSizeLR(LRScheduler):
         On an fp16 overflow DeepSpeed skips the optimizer step *and* this
         scheduler's step, but the data moves on: before each optimizer step the
         batch index moves on by the steps skipped since (``skipped()`` counts
-        them); the wrapped schedule stays where DeepSpeed left it.
+        them; the position reads it whenever it is asked for); the wrapped
+        schedule stays where DeepSpeed left it.
         """
         self._skipped, self._skipped_seen = skipped, skipped()
-        self.optimizer.register_step_pre_hook(self._before_optimizer_step)
+        self.optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: self._sync())
 
-    def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
-        skipped = self._skipped()
+    def _sync(self) -> None:
+        """Moves the batch index on by the steps the engine skipped since the last look (see above)."""
+        skipped = self._skipped_seen if self._skipped is None else self._skipped()
         if skipped != self._skipped_seen:
             self._advance(skipped - self._skipped_seen)
             self._skipped_seen = skipped
@@ -1682,16 +1726,19 @@ def _read_config(config: Any) -> tuple[dict, dict, dict]:
     other = {"metrics_path": section.get("metrics_path"), "verbose": section.get("verbose", False),
              "num_workers": section.get("num_workers", data_sampling.get("num_workers", 0)),
              "pin_memory": section.get("pin_memory", data_sampling.get("pin_memory", False))}
-    try:  # validate now, before any engine or data is touched
+    try:  # every value now, before any engine or data is touched
         _Settings.of(**plan)
         _check_lr_method(lr["lr_scaling_method"]), _check_reference(lr["lr_scaling_reference"])
         _check_choice("lr_scaling_unit", lr["lr_scaling_unit"], _LRUnit), _check_choice("lr_clock", lr["lr_clock"], _Clock)
-        _check_int("lr_clock_step", lr["lr_clock_step"], minimum=1), _check_int("num_workers", other["num_workers"], minimum=0)
-        for key in ("verbose", "pin_memory"):
-            if not isinstance(other[key], bool):
-                raise TypeError(f"{key} should be true or false, but got {key}={other[key]!r}")
+        _check_int("lr_clock_step", lr["lr_clock_step"], 1)
     except (TypeError, ValueError) as error:
         raise type(error)(f"in {path}: {error}") from None
+    for key, value in ((key, other[key]) for key in ("num_workers", "pin_memory", "verbose")):
+        where = path if key in section else ".".join(_SECTION[:2])  # num_workers, pin_memory: data_sampling's
+        whole = not isinstance(value, bool) and isinstance(value, numbers.Integral)
+        if (key == "num_workers" and not (whole and value >= 0)) or (key != "num_workers" and not isinstance(value, bool)):
+            expected = "an integer >= 0" if key == "num_workers" else "true or false"
+            raise (ValueError if whole else TypeError)(f"in {where}: {key} should be {expected}, but got {key}={value!r}")
     return plan, lr, other
 
 
@@ -1866,7 +1913,7 @@ def _cli_parser(prog: str = "python varbatch.py"):
 
     class Parser(argparse.ArgumentParser):
         def error(self, message):  # one line, like every error of this command
-            self.exit(2, f"varbatch: error: {message} (see {self.prog} --help)\n")
+            self.exit(2, f"{prog.split()[-1].removesuffix('.py')}: error: {message} (see {self.prog} --help)\n")
 
     def whole(text, minimum=1):
         if not text.isdigit() or int(text) < minimum:
@@ -1904,19 +1951,30 @@ def _read_seqlens(path: str | None) -> tuple[np.ndarray, str]:
     if path is None:
         return np.clip(np.random.default_rng(0).lognormal(5.5, 0.9, 2000), 8, 4096).astype(np.int64), "synthetic lengths"
     name = "stdin" if path == "-" else path
+    if path.endswith(".npy"):
+        try:
+            array = np.load(path, allow_pickle=False)
+        except (ValueError, EOFError) as error:  # a corrupt or non-array file
+            raise ValueError(f"cannot read {path} as a .npy array of lengths ({error})") from None
+    else:
+        lines = [line.strip() for line in (sys.stdin.read() if path == "-" else open(path).read()).splitlines()]
+        bad = next((n for n, line in enumerate(lines, 1) if line and not line.isdigit()), None)
+        if bad is not None:
+            raise ValueError(f"line {bad} of {name} is {lines[bad - 1][:40]!r}, not a whole number; give one length per line")
+        array = [int(line) for line in lines if line]
+        if not array:
+            raise ValueError(f"{name} holds no lengths; give one length per line")
     try:
-        if path.endswith(".npy"):
-            return _as_counts(np.load(path, allow_pickle=False)), name
-        lines = sys.stdin.read() if path == "-" else open(path).read()
-        return _as_counts([int(line) for line in lines.split()] or None), name
-    except OSError:
-        raise
-    except Exception as error:  # a corrupt .npy, a line that is not a number, bad lengths
-        raise ValueError(f"{name}: {error}; give one whole length per sample") from None
+        return _as_counts(array), name
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"{name}: {error}") from None
 
 
-def _cli_plan(args) -> tuple[Plan, dict, np.ndarray, str]:
-    """The plan, LR options, lengths and their source a parsed ``plan`` command asks for (also for plot_plan.py)."""
+def _cli_plan(args, lengths: tuple[np.ndarray, str] | None = None) -> tuple[Plan, dict, np.ndarray, str]:
+    """The plan, LR options, lengths and their source a parsed ``plan`` command asks for (also for plot_plan.py).
+
+    ``lengths``: ``(seqlens, source)`` already read (else read from ``args.seqlens``).
+    """
     import json
     config = {}
     if args.config:
@@ -1944,7 +2002,7 @@ def _cli_plan(args) -> tuple[Plan, dict, np.ndarray, str]:
                          f"={gas} x world size {world}; fix the config, --world-size or --effective-batch-size")
     settings = _Settings.of(**options, effective_batch_size=k, micro_batch_size=micro, num_replicas=world,
                             same_size=args.pipeline, same_length=args.pipeline)
-    seqlens, source = _read_seqlens(args.seqlens)
+    seqlens, source = lengths or _read_seqlens(args.seqlens)
     plan = _pack(seqlens, settings, None, args.epoch or 0)
     if plan.num_batches == 0:
         raise ValueError(_empty_plan_message(plan))
