@@ -701,8 +701,9 @@ def _format_totals(t: Mapping) -> str:
         f"({', '.join(f'{count} {reason}' for reason, count in t['dropped'].items())})",
         f"tokens: {t['real_tokens']} real / {t['padded_tokens']} padded = {t['efficiency']:.1%} efficiency",
         f"largest step input: {big['sequences']} x {big['padded_seqlen']} = {big['tokens']} tokens = "
-        f"{big['tokens'] / big['bound']:.2f} x {t['micro_batch_size']} x max_tokens={t['max_tokens']} (budget "
-        f"{t['budget']}{', same length' if t['same_length'] else ''}{'' if t['budget'] == 'padded' else ': not a bound'})",
+        f"{big['tokens'] / big['bound']:.2f} x (micro_batch_size {t['micro_batch_size']} x max_tokens {t['max_tokens']})"
+        f" (budget {t['budget']}{', same length' if t['same_length'] else ''}"
+        f"{'' if t['budget'] == 'padded' else ': not a bound'})",
         f"B (sequences per batch): {dist(t['batch_size'])}", f"sequences per micro-batch: {dist(t['microbatch_size'])}",
         f"S (padded seqlen per micro-batch): {dist(t['padded_seqlen'])}"]
     if lr is not None:
