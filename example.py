@@ -1,23 +1,18 @@
 """varbatch with DeepSpeed: token-budget batches and batch-size-aware LR, data parallel and pipeline.
 
-A causal attention head (per-sample masks from the real lengths) and a
-fixed-size feed-forward (input padded to the dataset's longest sample) learn a
-running sum over variable-length sequences. Each batch has its own number of
-sequences B and padded length S; the LR follows the batch's real tokens.
+A causal attention head and a fixed-size feed-forward learn a running sum over
+variable-length sequences; each batch has its own B and S, and the LR follows
+its real tokens. Settings: ds_config.json. On a CPU machine each "GPU" is a process.
 
     deepspeed --num_gpus 2 example.py --pipeline-num-stages 2   # pipeline: attention | feed-forward
     deepspeed --num_gpus 2 example.py                           # data parallel (DDP)
     python example.py                                           # one process, no launcher
     deepspeed --num_gpus 2 example.py --max-steps 20 --checkpoint-dir ckpt   # stop, then resume exactly:
     deepspeed --num_gpus 2 example.py --checkpoint-dir ckpt --resume
-
-On a CPU machine each "GPU" is a process talking gloo. Rank 0 prints a line per
-optimizer step (B and S of its step inputs, the batch's real tokens, padding,
-LR, loss), a progress line about every tenth of the run, and a summary.
-Settings: ds_config.json (the dynamic_batching section).
 """
 
 import argparse
+import collections
 import json
 import math
 import os
@@ -33,7 +28,7 @@ from torch import nn
 import varbatch
 
 
-def print0(*args):
+def print0(*args):  # on rank 0 only
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         print(*args, flush=True)
 
@@ -41,7 +36,7 @@ def print0(*args):
 # -- 1. Data and the two callbacks --------------------------------------------
 
 
-class RunningSumSequences(torch.utils.data.Dataset):
+class RunningSumSequences(list):
     """Samples ``(x, y)``: ``x`` is L x E noise, ``y_t = sum_{s<=t} w.x_s / sqrt(t+1)``; L log-normal in [4, 64]."""
 
     def __init__(self, num_samples, max_seqlen=64, embed_dim=16, seed=0):
@@ -51,21 +46,12 @@ class RunningSumSequences(torch.utils.data.Dataset):
         self.max_seqlen, self.embed_dim = max_seqlen, embed_dim
         w = torch.randn(embed_dim, generator=gen)
         xs = [torch.randn(n, embed_dim, generator=gen) for n in self.seqlens.tolist()]  # L x E
-        self.samples = [(x, torch.cumsum(x @ (w / w.norm()), 0) / torch.arange(1, len(x) + 1).sqrt()) for x in xs]
-
-    def __len__(self):
-        return len(self.samples)
-
-    def __getitem__(self, i):
-        return self.samples[i]
+        super().__init__((x, torch.cumsum(x @ (w / w.norm()), 0) / torch.arange(1, len(x) + 1).sqrt()) for x in xs)
 
 
 def collate(samples, seqlens=None):
-    """``((x B x S x E, lengths), (y B x S, lengths))``, the (inputs, labels) a pipeline wants.
-
-    varbatch passes the real lengths as ``seqlens`` (also when a pipeline batch
-    arrives padded to its longest sample); computing them, it calls without.
-    """
+    """``((x B x S x E, lengths), (y B x S, lengths))``, a pipeline's (inputs, labels); ``seqlens``: varbatch's
+    real lengths (also of samples padded for a pipeline batch), None when it computes them with the next one."""
     x, y, lengths = varbatch.PaddedCollate()(samples, seqlens=seqlens)
     return (x, lengths), (y, lengths)
 
@@ -87,9 +73,9 @@ class CausalAttention(nn.Module):
         x, lengths = inputs                                                       # B x S x E, B
         q, k, v = self.qkv(x).chunk(3, dim=-1)
         pos = torch.arange(x.shape[1], device=x.device)
-        mask = (pos[:, None] >= pos[None, :]) & (pos[None, None, :] < lengths[:, None, None])  # B x S x S
-        weights = ((q @ k.transpose(1, 2)) / math.sqrt(x.shape[2])).masked_fill(~mask, float("-inf")).softmax(-1)
-        return self.out(weights @ v) * (pos[None, :, None] < lengths[:, None, None]), lengths
+        mask = (pos[:, None] >= pos[None, :]) & (pos[None, None, :] < lengths[:, None, None])  # B x S x S: causal, real
+        h = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # memory-efficient kernels store no S x S scores
+        return self.out(h) * (pos[None, :, None] < lengths[:, None, None]), lengths
 
 
 class FeedForward(nn.Module):
@@ -141,16 +127,14 @@ def init_distributed(args):
             os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                               MASTER_PORT=str(s.getsockname()[1]))
     if deepspeed.get_accelerator().device_name() == "cpu":
-        # Each CPU rank gets its share of the cores (oversubscribed ranks run ~10x slower), and
-        # DeepSpeed's shared-memory all-reduce op is not compiled (minutes; a killed build leaves
-        # a lock file that hangs later runs; training uses gloo).
+        # Each CPU rank gets its share of the cores (oversubscribed ranks run ~10x slower); DeepSpeed's shared-
+        # memory all-reduce op is not compiled (minutes; a killed build leaves a lock that hangs later runs).
         if "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_SIZE", "1"))))
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     # A frozen rank fails the job after --dist-timeout, not after 30 minutes, in every group DeepSpeed makes.
-    timeout = timedelta(seconds=args.dist_timeout)
-    torch.distributed.distributed_c10d.default_pg_timeout = timeout
-    torch.distributed.distributed_c10d.default_pg_nccl_timeout = timeout
+    c10d, timeout = torch.distributed.distributed_c10d, timedelta(seconds=args.dist_timeout)
+    c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = timeout
     deepspeed.init_distributed(timeout=timeout)
 
 
@@ -189,21 +173,20 @@ def main(args):
         print0(f"resumed from {path} at step {engine.global_steps}: epoch {sampler.epoch}, "
                f"batch {sampler.steps_done // gas}")
     left = args.epochs - sampler.epoch
-    total_steps = engine.global_steps + (sampler.horizon(left) if left > 0 else 0)
-    total_steps = min(total_steps, args.max_steps or total_steps)
+    total_steps = min(engine.global_steps + (sampler.horizon(left) if left > 0 else 0), args.max_steps or 10 ** 9)
     print0(f"{total_steps} optimizer steps of {sampler.effective_batch_size} micro-batches: "
            f"{'pipeline' if pipeline else 'DDP'}, {ranks} data-parallel rank(s), device {engine.device}")
 
     # 4. Train. Each batch is `gas` step inputs per rank, weighted to the batch's token mean.
-    dropped, samples, tokens_trained, shape, trained, epochs_done = {}, 0, 0, None, sampler.steps_done, sampler.epoch
+    dropped, samples, tokens_trained, shape = collections.Counter(), 0, 0, None
+    trained, epochs_done = sampler.steps_done, sampler.epoch  # step inputs of the epoch trained, epochs done
     first, every, started = engine.global_steps, max(1, (total_steps - engine.global_steps) // 10), time.perf_counter()
     for epoch in range(sampler.epoch, args.epochs):
         if engine.global_steps >= total_steps:
             break
         sampler.set_epoch(epoch)
         plan, batches = sampler.plan, iter(dataloader)
-        for reason, ids in plan.dropped.items():
-            dropped[reason] = dropped.get(reason, 0) + len(ids)
+        dropped.update({reason: len(ids) for reason, ids in plan.dropped.items()})
         for b in range(sampler.steps_done // gas, plan.num_batches):
             step_inputs = weigh([next(batches) for _ in range(gas)], int(plan.batch_tokens[b]), ranks, gas)
             shapes, lr = [tuple(inputs[0].shape[:2]) for inputs, _ in step_inputs], lr_scheduler.get_last_lr()[0]
@@ -226,15 +209,15 @@ def main(args):
                 torch.distributed.all_reduce(totals, group=engine.data_parallel_group)
             tokens, loss = int(totals[0]), loss if pipeline else totals[2].item()
             samples, tokens_trained = samples + int(plan.batch_sizes[b]), tokens_trained + tokens
-            trained, epochs_done = (b + 1) * gas, epoch + (b + 1) / plan.num_batches  # step inputs of this epoch trained
+            trained, epochs_done = (b + 1) * gas, epoch + (b + 1) / plan.num_batches  # step inputs of the epoch
             print0(f"step {engine.global_steps:4d} | epoch {epoch} | B {','.join(str(n) for n, _ in shapes)} | "
                    f"S {','.join(str(s) for _, s in shapes)} | tokens {tokens} | padding "
                    f"{100 * (1 - tokens / totals[1].item()):.1f}% | lr {lr:.6e} | loss {loss:.6f}")
-            elapsed = time.perf_counter() - started
             if (engine.global_steps - first) % every == 0:
+                elapsed = time.perf_counter() - started
                 eta = elapsed / (engine.global_steps - first) * (total_steps - engine.global_steps)
-                print0(f"progress | step {engine.global_steps}/{total_steps} | tokens/s "
-                       f"{tokens_trained / max(elapsed, 1e-9):.0f} | ETA {eta:.1f} s")
+                print0(f"progress | step {engine.global_steps}/{total_steps} | tokens/s {tokens_trained / elapsed:.0f} "
+                       f"| ETA {eta:.1f} s")
             if engine.global_steps >= total_steps:
                 break
 
