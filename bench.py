@@ -148,7 +148,8 @@ def _deepspeed_version() -> str | None:
         return None
 
 
-def machine_description() -> str:
+def machine_description(threads: int | None = None) -> str:
+    """The machine, its load and the versions, as a markdown table (study.py uses it too)."""
     cpus = os.cpu_count()
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cpus
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
@@ -160,7 +161,7 @@ def machine_description() -> str:
         ["CPU", f"{_cpu_model()}, {cpus} logical CPUs ({usable} usable){memory}"],
         ["load average at start (1, 5, 15 min)", load],
         ["python", platform.python_version()],
-        ["numpy / torch", f"{np.__version__} / {torch.__version__} ({torch.get_num_threads()} threads)"],
+        ["numpy / torch", f"{np.__version__} / {torch.__version__} ({threads or torch.get_num_threads()} threads)"],
         ["deepspeed", _deepspeed_version() or "not installed"],
         ["varbatch", varbatch.__version__],
     ]

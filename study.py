@@ -53,7 +53,6 @@ import importlib.util
 import json
 import math
 import os
-import platform
 import sys
 import sysconfig
 import textwrap
@@ -65,6 +64,7 @@ import torch
 import torch.nn.functional as F
 
 import varbatch
+from bench import _table, machine_description  # the benchmark's report helpers
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _START = time.perf_counter()
@@ -128,13 +128,6 @@ def _progress(message: str) -> None:
     print(f"[study {time.perf_counter() - _START:6.1f} s] {message}", file=sys.stderr, flush=True)
 
 
-def _table(headers: list[str], rows: list[list]) -> str:
-    """A markdown table; every cell is written with str()."""
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join(" --- " for _ in headers) + "|"]
-    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
 def _median(values) -> float:
     """The median, with inf (not reached) ordered last; nan for no values."""
     values = [v for v in values if not math.isnan(v)]
@@ -151,17 +144,6 @@ def _spread(values, fmt: str = "{:.3g}", unit: str = "") -> str:
     return f"{one(_median(values))} [{one(min(values))}, {one(max(values))}]"
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _deepspeed_module():
     """DeepSpeed's variable-batch module, or None when DeepSpeed is not installed.
 
@@ -170,29 +152,9 @@ def _deepspeed_module():
     """
     if importlib.util.find_spec("deepspeed") is None:
         return None
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # only pure-Python code is used; no warning on stdout
     from deepspeed.runtime.data_pipeline.data_sampling import variable_batch_size_and_lr
     return variable_batch_size_and_lr
-
-
-def machine_description(threads: int) -> str:
-    cpus = os.cpu_count()
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cpus
-    load = ", ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
-    try:
-        from importlib.metadata import version
-        deepspeed_version = version("deepspeed")
-    except Exception:
-        deepspeed_version = "not installed"
-    rows = [
-        ["platform", platform.platform()],
-        ["CPU", f"{_cpu_model()}, {cpus} logical CPUs ({usable} usable)"],
-        ["load average at start (1, 5, 15 min)", load],
-        ["python", platform.python_version()],
-        ["numpy / torch", f"{np.__version__} / {torch.__version__} ({threads} threads)"],
-        ["deepspeed", deepspeed_version],
-        ["varbatch", varbatch.__version__],
-    ]
-    return _table(["machine", ""], rows)
 
 
 # =============================================================================
@@ -937,7 +899,7 @@ def report_dataset(result: dict, setup: Setup) -> tuple[str, dict]:
                       [[f"{g['lr']:g}" + (" (kept)" if g["lr"] == result["lr"] else ""), f"{g['final_loss']:.3f}",
                         g["steps"]] for g in result["grid"]]))
     if result["lr"] in (setup.lr_grid[0], setup.lr_grid[-1]):
-        out.append(f"\nThe best LR is at the edge of the grid: the tuned baseline may be better still.")
+        out.append("\nThe best LR is at the edge of the grid: the tuned baseline may be better still.")
     out.append("")
     out.append(f"### Time to reach (a)'s final loss (LR {result['lr']:g} for all; median [min, max] over "
                f"{result['seeds']} seeds)")

@@ -348,33 +348,17 @@ def _picking_order(seqlens: np.ndarray, ids: np.ndarray, s: _Settings, rng: np.r
     return shuffled
 
 
-def _pack_greedy(lens: list[int], s: _Settings) -> tuple[list[tuple[int, int]], list[int], int]:
-    """Micro-batches of as many consecutive samples as fit (DeepSpeed's greedy rule, in one pass).
-
-    Returns ``(start, n)`` per micro-batch, the positions dropped as
-    ``min_batch_size`` (no micro-batch of that many starts there), and where the tail starts.
-    """
-    padded, cap, end = s.budget == "padded", s.max_tokens, len(lens)
-    max_bs, blocks, too_small, start = s.max_batch_size or end, [], [], 0
-    while start < end:  # the hot loop of the default mode: plain ints, no calls
-        i, total, longest = start, 0, 0  # invariant: lens[start:i] fits the budget and max_bs
-        while i < end and i - start < max_bs:
-            length = lens[i]
-            if length > longest:
-                longest = length
-            if (i - start + 1) * longest > cap if padded else total + length > cap:
-                break
-            total, i = total + length, i + 1
-        count = i - start
-        if count >= s.min_batch_size:
-            blocks.append((start, count))
-            start = i
-        elif i == end:  # ran out of samples, not of budget
+def _greedy_rows(lens: list[int], start: int, rows_left: int, s: _Settings) -> int:
+    """How many samples from ``start`` fit one micro-batch (DeepSpeed's greedy rule): plain ints, the hot loop."""
+    padded, cap, total, longest, i, end = s.budget == "padded", s.max_tokens, 0, 0, start, start + rows_left
+    while i < end:  # invariant: lens[start:i] fits the budget
+        length = lens[i]
+        if length > longest:
+            longest = length
+        if (i - start + 1) * longest > cap if padded else total + length > cap:
             break
-        else:
-            too_small.append(start)
-            start += 1
-    return blocks, too_small, start
+        total, i = total + length, i + 1
+    return i - start
 
 
 def _fits(lens: np.ndarray, s: _Settings, group: int, n: int | None = None) -> Any:
@@ -395,9 +379,10 @@ def _fits(lens: np.ndarray, s: _Settings, group: int, n: int | None = None) -> A
 
 
 def _pack_rows(lens: np.ndarray, s: _Settings) -> tuple[list[tuple[int, int, bool]], list[int], int]:
-    """Blocks of ``width`` micro-batches of ``n`` samples each, ``n`` as large as fits.
+    """Blocks of ``width`` micro-batches of ``n`` samples each from consecutive samples, ``n`` as large as fits.
 
-    A block takes the next ``n * width`` samples as ``n`` rows; micro-batch b
+    With ``width`` 1 a block is one micro-batch (DeepSpeed's greedy rule, see
+    `_greedy_rows`). Else a block takes the next ``n * width`` samples as ``n`` rows; micro-batch b
     is column b, every width-th sample from b (DeepSpeed's interleaving, which
     balances lengths in seqlen order). Rows are checked in numpy blocks whose
     height starts at the last ``n`` and doubles while all fit: linear work.
@@ -409,17 +394,18 @@ def _pack_rows(lens: np.ndarray, s: _Settings) -> tuple[list[tuple[int, int, boo
     width, blocks, too_small, start, total = s.unit_width, [], [], 0, len(lens)
     group = width if s.same_length or not s.same_size else s.micro_batch_size  # micro-batches padded to one S
     guess = max(1, int(s.max_tokens // max(1.0, float(lens.mean())))) + 1 if total else 1
+    values = lens.tolist() if width == 1 else None  # single micro-batches: a loop over plain ints is faster
     while start + width <= total:
-        rows_left = min((total - start) // width, s.max_batch_size or total)
-        rows = min(guess, rows_left)
-        while True:
+        rows_left, consecutive = min((total - start) // width, s.max_batch_size or total), False
+        rows = n = _greedy_rows(values, start, rows_left, s) if width == 1 else min(guess, rows_left)
+        while width > 1:
             fits = _fits(lens[start:start + rows * width].reshape(rows, width), s, group)
             n = rows if fits.all() else int(fits.argmin())
             if n < rows or rows == rows_left:
                 break
             rows = min(2 * rows, rows_left)
-        guess, consecutive = n + 1, False
-        if n < s.min_batch_size <= rows_left:
+        guess = n + 1
+        if width > 1 and n < s.min_batch_size <= rows_left:
             first = lens[start:start + rows_left]
             first = np.cumsum(first) if s.budget == "sum" else np.arange(1, rows_left + 1) * np.maximum.accumulate(first)
             n = next((m for m in range(int((first <= s.max_tokens).sum()), s.min_batch_size - 1, -1)
@@ -470,10 +456,8 @@ def _pack(seqlens: np.ndarray, s: _Settings, sample_ids: np.ndarray | None, epoc
     # then the positions of each block's samples, micro-batch after micro-batch (row r of b).
     rng = np.random.default_rng((s.seed, epoch))
     picked = _picking_order(seqlens, ids[seqlens[ids] <= s.max_tokens], s, rng)
-    blocks, too_small, end = _pack_rows(seqlens[picked], s) if width > 1 else \
-        _pack_greedy(seqlens[picked].tolist(), s)
-    columns = np.array(blocks, dtype=np.int64).reshape(-1, 3 if width > 1 else 2)  # (start, n[, consecutive])
-    starts, rows, consecutive = columns[:, 0], columns[:, 1], columns[:, -1]
+    blocks, too_small, end = _pack_rows(seqlens[picked], s)
+    starts, rows, consecutive = np.array(blocks, dtype=np.int64).reshape(-1, 3).T  # (start, n, consecutive)
     per_block = rows * width
     positions = np.arange(int(per_block.sum())) + np.repeat(starts - np.cumsum(per_block) + per_block, per_block)
     if width > 1:  # positions run start + b*n + r; interleaved, row r of micro-batch b is start + r*width + b
@@ -896,6 +880,27 @@ def _log_drops(plan: Plan) -> None:
             _logger.warning("epoch %d: dropped %s as %s", plan.epoch, _format_ids(plan.dropped[reason]), reason)
 
 
+def _mismatch(saved: Any, mine: dict) -> str | None:
+    """``"seed=1 into a sampler with seed=2"`` for the first setting that differs (likeliest causes first)."""
+    if not isinstance(saved, Mapping) or set(saved) != set(mine):
+        return "settings that are not this version's (pass a dict made by state_dict())"
+    for key in sorted(mine, key=lambda key: (key not in ("num_replicas", "seqlens", "sample_ids"), key)):
+        if saved[key] != mine[key]:
+            return f"other {key} (another dataset?) than this one's" if key in ("seqlens", "sample_ids", "fixed_plan") \
+                else f"{key}={saved[key]!r} into a sampler with {key}={mine[key]!r}"
+    return None
+
+
+def _check_state(owner: str, state_dict: Any, expected: set) -> None:
+    """A state dict has exactly the keys ``owner.state_dict()`` makes."""
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"{owner}.load_state_dict expects a dict, but got {type(state_dict).__name__}")
+    unknown, missing = sorted(set(state_dict) - expected), sorted(expected - set(state_dict))
+    if unknown or missing:
+        raise ValueError(f"{owner}.load_state_dict got unknown keys {unknown} and is missing keys {missing}; pass a "
+                         f"dict made by {owner}.state_dict()")
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Planner:
     """epoch -> `Plan` of one dataset and settings, or always one ``fixed`` plan (DeepSpeed's micro-batch lists)."""
@@ -1118,27 +1123,6 @@ class VariableBatchSampler(Sampler[list[int]]):
         steps = _check_int("steps_done", state_dict["steps_done"], minimum=0, maximum=total)
         self._epoch, self.steps_done, self._start, self._finished = epoch, steps, steps, steps == total
         self._pass, self._restored = self._pass + 1, True
-
-
-def _mismatch(saved: Any, mine: dict) -> str | None:
-    """``"seed=1 into a sampler with seed=2"`` for the first setting that differs (likeliest causes first)."""
-    if not isinstance(saved, Mapping) or set(saved) != set(mine):
-        return "settings that are not this version's (pass a dict made by state_dict())"
-    for key in sorted(mine, key=lambda key: (key not in ("num_replicas", "seqlens", "sample_ids"), key)):
-        if saved[key] != mine[key]:
-            return f"other {key} (another dataset?) than this one's" if key in ("seqlens", "sample_ids", "fixed_plan") \
-                else f"{key}={saved[key]!r} into a sampler with {key}={mine[key]!r}"
-    return None
-
-
-def _check_state(owner: str, state_dict: Any, expected: set) -> None:
-    """A state dict has exactly the keys ``owner.state_dict()`` makes."""
-    if not isinstance(state_dict, Mapping):
-        raise TypeError(f"{owner}.load_state_dict expects a dict, but got {type(state_dict).__name__}")
-    unknown, missing = sorted(set(state_dict) - expected), sorted(expected - set(state_dict))
-    if unknown or missing:
-        raise ValueError(f"{owner}.load_state_dict got unknown keys {unknown} and is missing keys {missing}; pass a "
-                         f"dict made by {owner}.state_dict()")
 
 
 class _KeyDataset(Dataset):
@@ -1743,6 +1727,15 @@ def _read_config(config: Any) -> tuple[dict, dict, dict]:
     return plan, lr, other
 
 
+def _gather(obj: Any) -> list:
+    """``obj`` of every rank (a list of one without torch.distributed)."""
+    if _world()[1] == 1:
+        return [obj]
+    out = [None] * _world()[1]
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
 def _seqlens_of(dataset, ids: np.ndarray, batch_seqlens_fn: Callable, collate_fn: Callable | None) -> np.ndarray:
     """``batch_seqlens_fn(collate_fn(samples))`` over the samples ``ids``, 256 at a time.
 
@@ -1813,15 +1806,6 @@ def _dataset_seqlens(dataset, metrics_path: str | None, batch_seqlens_fn, collat
     if world_size > 1:
         torch.distributed.barrier()
     return seqlens
-
-
-def _gather(obj: Any) -> list:
-    """``obj`` of every rank (a list of one without torch.distributed)."""
-    if _world()[1] == 1:
-        return [obj]
-    out = [None] * _world()[1]
-    torch.distributed.all_gather_object(out, obj)
-    return out
 
 
 def get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(dataset, engine, dataset_seqlens=None,
