@@ -3183,6 +3183,7 @@ def test_example_a_stalled_rank_makes_the_job_fail_within_the_timeout():
 # example for the feature: its import line is the only thing varbatch changes.
 _DEEPSPEED_STYLE_SCRIPT = '''
 import argparse
+import json
 import random
 
 import deepspeed
@@ -3302,7 +3303,8 @@ for epoch in range(2):
         print(f"epoch {epoch} loss {loss.item():.4f} LRs {lr_scheduler.get_lr()}", flush=True)
 if torch.distributed.get_rank() == 0:
     print("optimizer", type(engine.optimizer).__name__, flush=True)
-    print("lrs", lrs, flush=True)
+    with open("lrs.json", "w") as file:  # a file, not stdout: the launcher's output can split long lines
+        json.dump(lrs, file)
 torch.distributed.destroy_process_group()  # torch 2.13 may abort at exit (SIGABRT) with a gloo group left
 '''
 
@@ -3329,7 +3331,7 @@ def test_deepspeed_style_script_runs_unchanged_on_varbatch_with_zero_stage_1(tmp
         assert written is None or (stat.st_ino, stat.st_mtime_ns) == written, f"{mode}: the cache was not read"
         written = (stat.st_ino, stat.st_mtime_ns)
         assert "optimizer DeepSpeedZeroOptimizer" in result.stdout
-        lrs = eval(re.search(r"^lrs (.*)$", result.stdout, re.M)[1])
+        lrs = json.loads((tmp_path / "lrs.json").read_text())
         assert all(math.isclose(engine_lr, scheduler_lr) for engine_lr, scheduler_lr in lrs), lrs
         batch_sizes = [lr / 1e-3 * 4 for lr, _ in lrs]  # B_t = lr / base_lr x train_batch_size
         assert all(abs(b - round(b)) < 1e-6 and b >= 4 for b in batch_sizes), batch_sizes
@@ -3398,7 +3400,9 @@ def test_readme_commands_run_and_print_what_it_shows(tmp_path):
             (tmp_path / path.name).write_bytes(path.read_bytes())
     steps = _readme_steps()
     assert sum(kind == "command" for kind, _, _ in steps) >= 10, "the README lost its commands"
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(tmp_path))
+    # `python`, `deepspeed`, `torchrun` as the README writes them: those of the interpreter running the tests
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(tmp_path),
+               PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
     seen = set()
     for kind, text, expected in steps:
         if kind == "launched":  # the program, saved as the script its `# run:` command names
@@ -3779,3 +3783,25 @@ def test_stateful_dataloader_resumes_exactly(tmp_path, stop_after, workers):
     rc, output, records, _ = _launch_ranks(tmp_path, STATEFUL, dict(opts, resume=True, append=True, stop_after=None))
     assert rc == 0, output[-3000:]
     _check_against_plan(records, mbs=1, gas=2, epochs=2)
+
+
+@pytest.mark.parametrize("stop, workers", [(7, 2), (10, 2), (11, 3)])
+def test_stateful_dataloader_resumes_at_any_position_with_workers(stop, workers):
+    """Restored mid-epoch at a position that is not a multiple of the workers: the same batches, none twice."""
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+    lengths = torch.randint(5, 61, (300,), generator=torch.Generator().manual_seed(stop)).tolist()
+    dataset = [torch.full((n, 2), float(i)) for i, n in enumerate(lengths)]
+
+    def loader():
+        sampler = varbatch.VariableBatchSampler(lengths, max_tokens=256, budget="padded", order="bucket")
+        return varbatch.make_dataloader(dataset, sampler, collate_fn=varbatch.PaddedCollate(), num_workers=workers,
+                                        dataloader_class=stateful.StatefulDataLoader)
+
+    def ids(batch):
+        return batch[0][:, 0, 0].long().tolist()
+
+    first, resumed = loader(), loader()
+    batches = iter(first)
+    head = [ids(next(batches)) for _ in range(stop)]
+    resumed.load_state_dict(first.state_dict())
+    assert head + [ids(batch) for batch in resumed] == [ids(batch) for batch in loader()]

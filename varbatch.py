@@ -1199,25 +1199,26 @@ class _Collate:
 
     def __init__(self, dataset, collate_fn=None, sample_padding_fn=None, dealing=(1, 0)):
         self.dataset, self.collate_fn, self.sample_padding_fn = dataset, collate_fn, sample_padding_fn
-        self.dealing, self._seen = dealing, (None, 0)  # (num_replicas, rank); (pass, step inputs) collated here
+        self.dealing, self._seen = dealing, (None, -1)  # (num_replicas, rank); (pass, last step input here)
         try:  # a collate_fn with a `seqlens` parameter gets the plan's real lengths
             self.pass_seqlens = collate_fn is not None and "seqlens" in inspect.signature(collate_fn).parameters
         except (TypeError, ValueError):
             self.pass_seqlens = False
 
     def _check(self, epoch: int, passes: int, start: int, g: int) -> None:
-        """Raises unless step input ``g`` is the one this rank's loader (this worker of it) should collate next."""
+        """Raises unless step input ``g`` is one this rank's loader (this worker of it) should collate next."""
         (ranks, rank), info = self.dealing, torch.utils.data.get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        count = self._seen[1] + 1 if self._seen[0] == (epoch, passes) else 0
-        self._seen, expected = ((epoch, passes), count), (start + worker + count * workers) * ranks + rank
-        if g != expected:
+        workers = info.num_workers if info is not None else 1
+        last = self._seen[1] if self._seen[0] == (epoch, passes) else None
+        expected = f"{last + ranks * workers}" if last is not None else f"one of {start * ranks + rank}, +{ranks}, ..."
+        self._seen = ((epoch, passes), g)
+        if g % ranks != rank or g < start * ranks or (last is not None and g != last + ranks * workers):
             raise RuntimeError(
-                f"rank {rank} got step input {g} of epoch {epoch}, not its {expected}: something re-dealt varbatch's "
+                f"rank {rank} got step input {g} of epoch {epoch}, not {expected}: something re-dealt varbatch's "
                 f"loader, which deals the step inputs itself (rank r trains r, r + {ranks}, ...). HF Accelerate: "
-                f"set dispatch_batches=False and split_batches=False, and count the {ranks} ranks varbatch planned for "
-                f"(its DeepSpeed plugin counts 1 process on a machine without GPUs); Lightning: pass the loader as "
-                f"make_dataloader made it; elsewhere: iterate the loader, not loader.sampler")
+                f"set dispatch_batches=False and split_batches=False, and give varbatch the world size the launcher "
+                f"runs (its DeepSpeed plugin counts 1 process on a machine without GPUs); Lightning: pass the "
+                f"loader as make_dataloader made it; elsewhere: iterate the loader, not loader.sampler")
 
     def __call__(self, keys):
         (ids, seqlens, pad_to, tag), = keys
