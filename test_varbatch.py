@@ -2825,6 +2825,30 @@ def test_the_plan_command_draws_nothing(capsys, npy_file, tmp_path):
     assert "matplotlib" not in Path(VARBATCH).read_text()
 
 
+def test_plot_plan_draws_a_fixed_number_of_artists_per_micro_batch(tmp_path):
+    """plot_plan.py's drawing grows with the micro-batches drawn, not with the tokens (item 14)."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+    sys.path.insert(0, _ROOT)
+    try:
+        import plot_plan
+    finally:
+        sys.path.remove(_ROOT)
+    rng = np.random.default_rng(14)
+
+    def artists(scale):
+        seqlens = rng.integers(8, 49, 20_000) * scale
+        plan = varbatch.plan_batches(seqlens, 16_384 * scale, effective_batch_size=8, num_replicas=8)
+        shown = sum(len(m) for m in plot_plan._shown(plan, 2))
+        ax = Figure().add_subplot()
+        plot_plan._draw_plan(ax, plan, seqlens, np.ones(plan.num_batches), 2, 4000.0, 1.0, 48 * scale)
+        return len(ax.get_children()), shown
+
+    small, large = artists(1), artists(64)
+    assert small[1] == large[1] == 12, (small, large)  # 2 batches x the first 6 of 8 micro-batches
+    assert small[0] == large[0] <= 3 * 12 + 20, (small, large)  # a box, a row outline and a label each
+
+
 # =============================================================================
 # 11. Launched runs (slow): several processes, the DeepSpeed launcher, the README's commands
 # =============================================================================
