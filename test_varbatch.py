@@ -1084,6 +1084,27 @@ def test_no_plan_raises_after_the_first_was_accepted():
     assert sorted(set(trained)) == [e for e, count in enumerate(counts) if count]
 
 
+@pytest.mark.parametrize("via", ["sampler", "loader"])
+def test_a_scheduler_made_or_realigned_at_an_empty_epoch_follows_the_next_batch(via):
+    """A sampler at an epoch without a batch (its len() is 0) is still found; the LR is the next trained batch's."""
+    options = {key: value for key, value in _UNLUCKY.items() if key not in ("seqlens", "max_tokens")}
+    sampler = VariableBatchSampler(_UNLUCKY["seqlens"], _UNLUCKY["max_tokens"], **options)
+    counts = [sampler.plan_for_epoch(e).num_batches for e in range(8)]
+    empty = counts.index(0, 1)
+    after = next(e for e in range(empty, 8) if counts[e])
+    expected = int(sampler.plan_for_epoch(after).batch_sizes[0])
+    source = sampler if via == "sampler" else make_dataloader([torch.ones(n) for n in _UNLUCKY["seqlens"]], sampler)
+    sampler.set_epoch(empty)
+    assert len(sampler) == 0
+    made = VariableBatchSizeLR(_optimizer(), 2.0, source)
+    assert made.batch_size == expected and math.isclose(made.get_last_lr()[0], 0.1 * expected / 2.0)
+    sampler.set_epoch(0)
+    realigned = VariableBatchSizeLR(_optimizer(), 2.0, source)
+    sampler.set_epoch(empty)
+    realigned.step(0)
+    assert realigned.batch_size == expected and math.isclose(realigned.get_last_lr()[0], 0.1 * expected / 2.0)
+
+
 @st.composite
 def small_cases(draw):
     """Keyword arguments of plan_batches for a few samples and large batches: often too few for one batch."""

@@ -1353,7 +1353,9 @@ class VariableBatchSizeLR(LRScheduler):
             not hasattr(lr_scheduler, "param_groups")
         self._base = lr_scheduler if wraps else None
         optimizer = _torch_optimizer(lr_scheduler.optimizer if wraps else lr_scheduler)
-        self._sampler = _find_sampler(batch_sizes) or _find_sampler(dataloader)
+        # (`is None`, never truthiness: a sampler whose epoch is empty has len() 0)
+        found = _find_sampler(batch_sizes)
+        self._sampler = found if found is not None else _find_sampler(dataloader)
         self.lr_scaling_unit = _check_choice("lr_scaling_unit", lr_scaling_unit, _LRUnit)
         self.lr_scaling_method = _check_lr_method(lr_scaling_method)
         self.base_batch_size = _check_reference(base_batch_size, "base_batch_size")
@@ -1370,8 +1372,9 @@ class VariableBatchSizeLR(LRScheduler):
                     raise ValueError(f"{name}={getattr(self, name)!r} needs the plans (their tokens and "
                                      f"train_batch_size); pass the VariableBatchSampler as batch_sizes, not a list")
         # Position: the plan's epoch and batch, what the clock counted, DeepSpeed's skipped steps seen.
-        self._epoch, self._batch, self._seen, self._skipped_seen = self._sampler.epoch if self._sampler else 0, 0, 0, 0
+        self._epoch, self._batch, self._seen, self._skipped_seen = 0, 0, 0, 0
         self._skipped, self._reported, self._optimizer_steps, self._seen_at_step = None, -1, 0, None
+        self._realign()
         self._unscaled = [group["lr"] for group in optimizer.param_groups]
         optimizer.register_step_post_hook(self._count_optimizer_step)
         super().__init__(optimizer, last_epoch)  # torch's first step: the LRs of batch 0
@@ -1432,6 +1435,11 @@ class VariableBatchSizeLR(LRScheduler):
             self._epoch, self._batch = self._epoch + 1, self._batch - len(self._sizes(self._epoch))
         raise RuntimeError("a thousand epochs in a row have no batch; use more data or a smaller min_batch_size")
 
+    def _realign(self) -> None:
+        """Points at batch 0 of the sampler's epoch, or of the next one with a batch if that one has none."""
+        self._epoch, self._batch = self._sampler.epoch if self._sampler is not None else self._epoch, 0
+        self._advance(0)
+
     def step(self, epoch=None):
         """Advances to the next batch (``step()``), or points at batch 0 of the sampler's epoch (``step(0)``)."""
         if self._step_count == 0:  # torch's initial step, from __init__
@@ -1441,7 +1449,7 @@ class VariableBatchSizeLR(LRScheduler):
             if isinstance(epoch, bool) or not isinstance(epoch, numbers.Integral) or epoch != 0:
                 raise ValueError(f"VariableBatchSizeLR.step takes no argument (the next batch) or 0 (realign at an epoch "
                                  f"start), but got epoch={epoch!r}; call step() after every optimizer step")
-            self._epoch, self._batch = self._sampler.epoch if self._sampler else self._epoch, 0
+            self._realign()
             return self._write()
         # Two steps with neither an optimizer step nor a new step input between them: a wrapper steps this
         # scheduler twice per update (HF Accelerate's prepared scheduler steps once per process).
