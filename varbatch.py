@@ -24,14 +24,18 @@ Tests: ``python -m pytest test_varbatch.py``.
 
 from __future__ import annotations
 
+import argparse
 import copy
 import dataclasses
 import difflib
 import hashlib
 import inspect
+import json
 import logging
 import math
 import numbers
+import os
+import sys
 import typing
 import warnings
 from collections.abc import Mapping, Sequence
@@ -240,6 +244,12 @@ class _Settings:
 # =============================================================================
 
 
+def _distribution(values: np.ndarray) -> dict | None:
+    """``{min, median, mean, max}`` of ``values`` as plain numbers (None when empty): what the reports print."""
+    return {"min": values.min().item(), "median": float(np.median(values)), "mean": float(values.mean()),
+            "max": values.max().item()} if len(values) else None
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Plan:
     """The packing of one epoch: micro-batches grouped into batches, and the drops.
@@ -305,10 +315,6 @@ class Plan:
         s, sizes = self.settings, self.microbatch_sizes()
         steps = (sizes * self.padded_seqlens).reshape(-1, s.micro_batch_size).sum(axis=1)  # tokens per tensor
         big, real, padded = int(np.argmax(steps)) if len(steps) else 0, int(self.batch_tokens.sum()), int(steps.sum())
-
-        def distribution(v):
-            return {"min": v.min().item(), "median": float(np.median(v)), "mean": float(v.mean()),
-                    "max": v.max().item()} if len(v) else None
         return {"epoch": self.epoch, **{key: getattr(s, key) for key in (
                     "max_tokens", "budget", "same_length", "effective_batch_size", "micro_batch_size",
                     "gradient_accumulation_steps", "num_replicas")},
@@ -320,8 +326,8 @@ class Plan:
                     "sequences": int(sizes.reshape(-1, s.micro_batch_size)[big].sum()) if len(steps) else 0,
                     "padded_seqlen": int(self.padded_seqlens[big * s.micro_batch_size]) if len(steps) else 0,
                     "tokens": int(steps[big]) if len(steps) else 0, "bound": s.micro_batch_size * s.max_tokens},
-                "batch_size": distribution(self.batch_sizes), "batch_tokens": distribution(self.batch_tokens),
-                "microbatch_size": distribution(sizes), "padded_seqlen": distribution(self.padded_seqlens)}
+                "batch_size": _distribution(self.batch_sizes), "batch_tokens": _distribution(self.batch_tokens),
+                "microbatch_size": _distribution(sizes), "padded_seqlen": _distribution(self.padded_seqlens)}
 
 
 def _stable_argsort(values: np.ndarray) -> np.ndarray:
@@ -849,12 +855,10 @@ def seqlens_from_padded(batch, pad_value=0):
     return [int(x) for x in (real * torch.arange(1, tensor.shape[1] + 1)).max(dim=1).values]
 
 
-
-
 # =============================================================================
 # The batch sampler and its DataLoader
 # =============================================================================
-# The dealing rule, written once (`VariableBatchSampler._keys`): step input g of an
+# The dealing rule, written once (`VariableBatchSampler._iter_keys`): step input g of an
 # epoch is micro-batches g*m .. g*m + m - 1 of the plan (m = micro_batch_size), and
 # rank r trains step inputs r, r + R, r + 2R, ... (R ranks), its t-th being g = t*R + r.
 # So every rank trains gradient_accumulation_steps step inputs of every batch; with
@@ -873,11 +877,14 @@ def _on_rank_zero(rank: int) -> bool:
     return (_world()[0] if _world()[1] > 1 else rank) == 0
 
 
-def _log_drops(plan: Plan) -> None:
-    """One warning per reason, with a count and the first ids: never an unbounded line."""
+def _log_plan(plan: Plan, verbose: bool) -> None:
+    """The drops, one warning per reason with a count and the first ids (never an unbounded line); with
+    ``verbose`` the plan's totals."""
     for reason in ("over_budget", "min_batch_size", "tail"):
         if len(plan.dropped[reason]):
             _logger.warning("epoch %d: dropped %s as %s", plan.epoch, _format_ids(plan.dropped[reason]), reason)
+    if verbose:
+        _logger.info("%s", _format_totals(plan.totals()))
 
 
 def _mismatch(saved: Any, mine: dict) -> str | None:
@@ -1072,9 +1079,7 @@ class VariableBatchSampler(Sampler[list[int]]):
         seqlens = self.seqlens
         if epoch not in self._logged and _on_rank_zero(self.rank):  # once per trained epoch, for the whole job
             self._logged.add(epoch)
-            _log_drops(plan)
-            if self.verbose:
-                _logger.info("%s", _format_totals(plan.totals()))
+            _log_plan(plan, self.verbose)
         total = plan.num_microbatches // m // ranks
         try:
             for t in range(start, total):
@@ -1119,7 +1124,7 @@ class VariableBatchSampler(Sampler[list[int]]):
             raise ValueError(f"cannot load a sampler state saved with {mismatch}; resume with the same dataset, config "
                              f"and world size")
         epoch = _check_int("epoch", state_dict["epoch"], minimum=0)
-        total = self.plan_for_epoch(epoch).num_batches * self.gradient_accumulation_steps
+        total = self._steps(epoch)
         steps = _check_int("steps_done", state_dict["steps_done"], minimum=0, maximum=total)
         self._epoch, self.steps_done, self._start, self._finished = epoch, steps, steps, steps == total
         self._pass, self._restored = self._pass + 1, True
@@ -1580,9 +1585,7 @@ def batch_by_seqlens(seqlens, max_tokens, sequence_ids_per_mb=None, min_batch_si
                         order=sequence_picking_order, same_size=bool(required_microbatches_of_same_size),
                         same_length=bool(required_microbatches_of_same_seqlen), seed=seed, **options)
     if _on_rank_zero(0):
-        _log_drops(plan)
-        if verbose:
-            _logger.info("%s", _format_totals(plan.totals()))
+        _log_plan(plan, verbose)
     k = plan.effective_batch_size
     return ([(j // k, ids) for j, ids in enumerate(plan.microbatches())], plan.batch_sizes.tolist(),
             plan.batch_max_seqlens.tolist())
@@ -1664,8 +1667,6 @@ def get_dataloader_and_lr_scheduler_for_variable_batch_size(
                                  lr_scheduler_or_optimizer, lr, verbose, collate_fn=dataloader_collate_fn,
                                  sample_padding_fn=sample_padding_fn, num_workers=dataloader_num_workers,
                                  pin_memory=dataloader_pin_memory)
-
-
 
 
 # =============================================================================
@@ -1765,7 +1766,6 @@ def _seqlens_of(dataset, ids: np.ndarray, batch_seqlens_fn: Callable, collate_fn
 
 def _cached_seqlens(metrics_path: str, num_samples: int) -> np.ndarray | None:
     """Seqlens cached in ``metrics_path`` (varbatch's .npy or DeepSpeed's metric files) for this many samples."""
-    import os
     ours, theirs = os.path.join(metrics_path, _SEQLEN_CACHE), os.path.join(metrics_path, "seqlen", "seqlen_sample_to_metric")
     if os.path.exists(ours):
         seqlens = np.load(ours)
@@ -1784,7 +1784,6 @@ def _cached_seqlens(metrics_path: str, num_samples: int) -> np.ndarray | None:
 
 def _dataset_seqlens(dataset, metrics_path: str | None, batch_seqlens_fn, collate_fn) -> np.ndarray:
     """Seqlens from the cache in ``metrics_path`` (spot-checked), else computed once, sharded over ranks, cached."""
-    import os
     if not hasattr(dataset, "__len__"):
         raise ValueError("the dataset has no __len__, so its seqlens cannot be computed; pass dataset_seqlens")
     num_samples = len(dataset)
@@ -1903,8 +1902,6 @@ examples:
 
 def _cli_parser(prog: str = "python varbatch.py"):
     """The command's parser, and its ``plan`` subcommand's (plot_plan.py adds its output file to it)."""
-    import argparse
-
     class Parser(argparse.ArgumentParser):
         def error(self, message):  # one line, like every error of this command
             self.exit(2, f"{prog.split()[-1].removesuffix('.py')}: error: {message} (see {self.prog} --help)\n")
@@ -1941,7 +1938,6 @@ def _cli_parser(prog: str = "python varbatch.py"):
 
 def _read_seqlens(path: str | None) -> tuple[np.ndarray, str]:
     """Lengths from a .npy file, a text file of one length per line, or ``-`` (stdin); synthetic without a path."""
-    import sys
     if path is None:
         return np.clip(np.random.default_rng(0).lognormal(5.5, 0.9, 2000), 8, 4096).astype(np.int64), "synthetic lengths"
     name = "stdin" if path == "-" else path
@@ -1969,7 +1965,6 @@ def _cli_plan(args, lengths: tuple[np.ndarray, str] | None = None) -> tuple[Plan
 
     ``lengths``: ``(seqlens, source)`` already read (else read from ``args.seqlens``).
     """
-    import json
     config = {}
     if args.config:
         with open(args.config) as f:
@@ -2009,8 +2004,6 @@ def _cli_plan(args, lengths: tuple[np.ndarray, str] | None = None) -> tuple[Plan
 
 def _main(argv=None) -> int:
     """``python varbatch.py plan ...``: prints the plan; returns the exit code (0, or 2 on bad input)."""
-    import json
-    import sys
     args = _cli_parser()[0].parse_args(argv)
     try:
         plan, lr, seqlens, source = _cli_plan(args)
@@ -2020,8 +2013,7 @@ def _main(argv=None) -> int:
         return 2
     s, factors, k = plan.settings, lr["factors"], plan.effective_batch_size
     totals = plan.totals()
-    totals["lr_factor"] = {"min": float(factors.min()), "median": float(np.median(factors)),
-                           "mean": float(factors.mean()), "max": float(factors.max()), "unit": lr["lr_scaling_unit"],
+    totals["lr_factor"] = {**_distribution(factors), "unit": lr["lr_scaling_unit"],
                            "method": str(lr["lr_scaling_method"]), "reference_value": lr["reference_value"],
                            "reference": "train_batch_size" if lr["lr_scaling_reference"] is None else lr["lr_scaling_reference"]}
     sizes, rows = plan.microbatch_sizes(), []
@@ -2059,6 +2051,5 @@ if __name__ == "__main__":
     try:
         raise SystemExit(_main())
     except BrokenPipeError:  # stdout closed early (`| head`): not an error of ours
-        import os
         os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
         raise SystemExit(1)
