@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import functools
 import hashlib
 import importlib.util
 import json
@@ -598,18 +599,27 @@ def steps_per_epoch(spec: ArmSpec, data: Data, setup: Setup) -> int:
     return len(data.ds_plan[1])
 
 
+def _arm_median(runs: dict, key: str, field: str) -> float:
+    """The median of ``field`` over the seeds of arm ``key``."""
+    return _median([m[field] for m in runs[key]])
+
+
+def _ranked_c(runs: dict) -> list[str]:
+    """The varbatch arms, fastest first: least median time to the target, then lowest median final loss."""
+    keys = [k for k in runs if k.startswith("c-")]
+    return sorted(keys, key=lambda k: (_arm_median(runs, k, "time_to_target"), _arm_median(runs, k, "final_loss")))
+
+
 def best_c(runs: dict) -> str:
     """The varbatch arm with the least median time to the target (then the lowest median final loss)."""
-    keys = [k for k in runs if k.startswith("c-")]
-    return min(keys, key=lambda k: (_median([m["time_to_target"] for m in runs[k]]),
-                                    _median([m["final_loss"] for m in runs[k]])))
+    return _ranked_c(runs)[0]
 
 
 def results_table(runs: dict, specs: list[ArmSpec], data: Data, setup: Setup, budget: float) -> str:
     """Outcomes per arm, median [min, max] over seeds."""
     seeds = len(runs["a"])
     a_time = budget
-    b_time = _median([m["time_to_target"] for m in runs["b"]])
+    b_time = _arm_median(runs, "b", "time_to_target")
     rows = []
     for spec in specs:
         ms = runs[spec.key]
@@ -653,9 +663,7 @@ def cost_table(runs: dict, specs: list[ArmSpec]) -> str:
 
 def rule_unit_table(runs: dict) -> str:
     """The varbatch arms side by side: each LR rule in sequences and in tokens, medians over seeds."""
-    def med(key, field):
-        return _median([m[field] for m in runs[key]])
-
+    med = functools.partial(_arm_median, runs)
     def time(key):
         value = med(key, "time_to_target")
         return f"{value:.2f} s" if math.isfinite(value) else "-"
@@ -673,9 +681,7 @@ def rule_unit_table(runs: dict) -> str:
 
 def findings(runs: dict, budget: float) -> tuple[list[str], dict]:
     """Plain-language findings and the target checks of one data set."""
-    def med(key, field):
-        return _median([m[field] for m in runs[key]])
-
+    med = functools.partial(_arm_median, runs)
     lines = []
     best = best_c(runs)
     label = runs[best][0]["label"]
@@ -768,7 +774,7 @@ def write_figure(path: str, study: dict) -> None:
     for row, name in zip(axes, names):
         result = study["datasets"][name]
         budget = result["budget_seconds"]
-        target = _median([m["target"] for m in result["runs"]["a"]])
+        target = _arm_median(result["runs"], "a", "target")
         finite = []
         for key, ms in result["runs"].items():
             curves = [m["curve"] for m in ms]
@@ -949,13 +955,12 @@ def defaults_table(results: dict) -> str:
     cells = {k: [] for k in keys}
     for result in results.values():
         runs = result["runs"]
-        order = sorted(keys, key=lambda k: (_median([m["time_to_target"] for m in runs[k]]),
-                                            _median([m["final_loss"] for m in runs[k]])))
+        order = _ranked_c(runs)
         for k in keys:
             ranks[k].append(order.index(k) + 1)
-            t = _median([m["time_to_target"] for m in runs[k]])
+            t = _arm_median(runs, k, "time_to_target")
             cells[k].append(f"{t / result['budget_seconds']:.2f}" if math.isfinite(t) else "-")
-            cells[k][-1] += f" / {_median([m['final_loss'] for m in runs[k]]):.3f}"
+            cells[k][-1] += f" / {_arm_median(runs, k, 'final_loss'):.3f}"
     labels = {k: next(iter(results.values()))["runs"][k][0]["label"].replace("(c) varbatch, ", "") for k in keys}
     rows = [[labels[k], *cells[k], " ".join(map(str, ranks[k])), f"{np.mean(ranks[k]):.1f}"]
             for k in sorted(keys, key=lambda k: np.mean(ranks[k]))]
