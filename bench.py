@@ -45,6 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import typing
 
 import numpy as np
 import torch
@@ -67,9 +68,9 @@ PAD_MIN_SEQLEN, PAD_MAX_SEQLEN = 8, 4096
 # picking order: on the whole 200k-sequence set it would run for days (cubic).
 DS_CHUNK = 2000
 
-# varbatch's choices (its Literal types `_Order` and `_Budget`), in the tables' order.
-ORDERS = ("dataloader", "seqlen", "random", "bucket")
-BUDGETS = ("sum", "padded")
+# varbatch's choices, read from its Literal types `_Order` and `_Budget` (in the tables' order).
+ORDERS = typing.get_args(varbatch._Order)
+BUDGETS = typing.get_args(varbatch._Budget)
 
 SECTIONS = ("speed", "modes", "padding", "training", "memory", "datapath")
 
