@@ -34,8 +34,6 @@ def print0(*args):  # on rank 0 only
 
 
 # -- 1. Data and the two callbacks --------------------------------------------
-
-
 class RunningSumSequences(list):
     """Samples ``(x, y)``: ``x`` is L x E noise, ``y_t = sum_{s<=t} w.x_s / sqrt(t+1)``; L log-normal in [4, 64]."""
 
@@ -50,8 +48,7 @@ class RunningSumSequences(list):
 
 
 def collate(samples, seqlens=None):
-    """``((x B x S x E, lengths), (y B x S, lengths))``, a pipeline's (inputs, labels); ``seqlens``: varbatch's
-    real lengths (also of samples padded for a pipeline batch), None when it computes them with the next one."""
+    """``((x B x S x E, lengths), (y B x S, lengths))``: (inputs, labels); ``seqlens``: varbatch's real lengths."""
     x, y, lengths = varbatch.PaddedCollate()(samples, seqlens=seqlens)
     return (x, lengths), (y, lengths)
 
@@ -62,8 +59,6 @@ def batch_seqlens(batch):
 
 
 # -- 2. The model: layers map (h, lengths) to the next, as nn.Sequential or pipeline stages
-
-
 class CausalAttention(nn.Module):
     def __init__(self, dim):
         super().__init__()
@@ -110,14 +105,11 @@ def weigh(step_inputs, batch_tokens, num_replicas, accumulation):
 
 def warmup_cosine(t, steps, warmup=10, floor=0.1):
     """The schedule: linear warmup over ``warmup`` steps, then a cosine down to ``floor`` at step ``steps``."""
-    if t < warmup:
-        return (t + 1) / warmup
-    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, (t - warmup) / max(1, steps - warmup))))
+    progress = min(1.0, max(0, t - warmup) / max(1, steps - warmup))
+    return (t + 1) / warmup if t < warmup else floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 # -- 3. Training -----------------------------------------------------------------
-
-
 def init_distributed(args):
     """torch.distributed through DeepSpeed, also for a plain ``python example.py``; CPU runs made robust."""
     import deepspeed
@@ -154,8 +146,7 @@ def main(args):
         if pipeline else nn.Sequential(*layers)
     engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
 
-    # 2. varbatch's loader and LR scheduler (installed as engine.lr_scheduler). The schedule is
-    # sized by the plans' exact number of steps: each epoch's plan has its own.
+    # 2. varbatch's loader and LR scheduler (as engine.lr_scheduler), sized by the plans' exact number of steps.
     def schedule(sampler):
         steps = sampler.horizon(args.epochs)
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: warmup_cosine(t, steps))
@@ -255,7 +246,5 @@ if __name__ == "__main__":
     if args.resume and not args.checkpoint_dir:
         parser.error("--resume needs --checkpoint-dir, the folder a run with --checkpoint-dir saved into")
     main(args)
-    # The gloo groups DeepSpeed keeps in module globals can abort the interpreter's teardown (SIGABRT after the
-    # work is done and saved, seen about once in 20 CPU runs with a checkpoint): leave without that teardown.
     sys.stdout.flush()
-    os._exit(0)
+    os._exit(0)  # skips teardown: gloo groups in DeepSpeed's globals can abort it (SIGABRT) after the work is saved
