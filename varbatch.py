@@ -887,25 +887,37 @@ def _log_plan(plan: Plan, verbose: bool) -> None:
         _logger.info("%s", _format_totals(plan.totals()))
 
 
-def _mismatch(saved: Any, mine: dict) -> str | None:
-    """``"seed=1 into a sampler with seed=2"`` for the first setting that differs (likeliest causes first)."""
+def _mismatch(saved: Any, mine: dict, one: str) -> str | None:
+    """``"saved with seed=1 into a sampler with seed=2"`` for the first setting that differs (likeliest causes
+    first); settings nested under a key (a scheduler's sampler) as ``"whose sampler was saved with ..."``."""
     if not isinstance(saved, Mapping) or set(saved) != set(mine):
-        return "settings that are not this version's (pass a dict made by state_dict())"
+        return "saved with settings that are not this version's (pass a dict made by state_dict())"
     for key in sorted(mine, key=lambda key: (key not in ("num_replicas", "seqlens", "sample_ids"), key)):
-        if saved[key] != mine[key]:
-            return f"other {key} (another dataset?) than this one's" if key in ("seqlens", "sample_ids", "fixed_plan") \
-                else f"{key}={saved[key]!r} into a sampler with {key}={mine[key]!r}"
+        if isinstance(saved[key], Mapping) and isinstance(mine[key], Mapping):
+            inner = _mismatch(saved[key], mine[key], f"a {key}")
+            if inner:
+                return f"whose {key} was {inner}"
+        elif saved[key] != mine[key]:
+            return f"saved with other {key.replace('_', ' ')} (another dataset?) than this one's" if key in (
+                "seqlens", "sample_ids", "fixed_plan", "batch_sizes", "sampler") else \
+                f"saved with {key}={saved[key]!r} into {one} with {key}={mine[key]!r}"
     return None
 
 
-def _check_state(owner: str, state_dict: Any, expected: set) -> None:
-    """A state dict has exactly the keys ``owner.state_dict()`` makes."""
+def _check_state(owner: Any, state_dict: Any, expected: set) -> None:
+    """A state dict has exactly the keys ``owner.state_dict()`` makes, and ``owner``'s settings."""
+    name = type(owner).__name__
     if not isinstance(state_dict, Mapping):
-        raise TypeError(f"{owner}.load_state_dict expects a dict, but got {type(state_dict).__name__}")
+        raise TypeError(f"{name}.load_state_dict expects a dict, but got {type(state_dict).__name__}")
     unknown, missing = sorted(set(state_dict) - expected), sorted(expected - set(state_dict))
     if unknown or missing:
-        raise ValueError(f"{owner}.load_state_dict got unknown keys {unknown} and is missing keys {missing}; pass a "
-                         f"dict made by {owner}.state_dict()")
+        raise ValueError(f"{name}.load_state_dict got unknown keys {unknown} and is missing keys {missing}; pass a "
+                         f"dict made by {name}.state_dict()")
+    kind = "sampler" if isinstance(owner, Sampler) else "scheduler"
+    mismatch = _mismatch(state_dict["settings"], owner._state_settings(), "a sampler" if kind == "sampler" else "one")
+    if mismatch:
+        raise ValueError(f"cannot load a {kind} state {mismatch}; resume with the same dataset, config, world size "
+                         f"and LR settings")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -1118,11 +1130,7 @@ class VariableBatchSampler(Sampler[list[int]]):
 
     def load_state_dict(self, state_dict: Mapping) -> None:
         """Restores a `state_dict`: the next iteration continues where it stopped."""
-        _check_state(type(self).__name__, state_dict, {"epoch", "steps_done", "rank", "settings"})
-        mismatch = _mismatch(state_dict["settings"], self._state_settings())
-        if mismatch:
-            raise ValueError(f"cannot load a sampler state saved with {mismatch}; resume with the same dataset, config "
-                             f"and world size")
+        _check_state(self, state_dict, {"epoch", "steps_done", "rank", "settings"})
         epoch = _check_int("epoch", state_dict["epoch"], minimum=0)
         total = self._steps(epoch)
         steps = _check_int("steps_done", state_dict["steps_done"], minimum=0, maximum=total)
@@ -1533,20 +1541,7 @@ class VariableBatchSizeLR(LRScheduler):
 
     def load_state_dict(self, state_dict):
         """Restores a `state_dict` (never mutating it): the next `step` continues exactly where it stopped."""
-        _check_state(type(self).__name__, state_dict, {*self._STATE, "settings", "base_lr_scheduler"})
-        saved, mine = state_dict["settings"], self._state_settings()
-        if not isinstance(saved, Mapping) or set(saved) != set(mine):
-            raise ValueError("the state's settings are not this version's; pass a dict made by state_dict()")
-        for key in ("base_batch_size", "lr_scaling_method", "lr_scaling_unit", "clock", "clock_step"):
-            if saved[key] != mine[key]:
-                raise ValueError(f"cannot load a scheduler state saved with {key}={saved[key]!r} into one with "
-                                 f"{key}={mine[key]!r}; resume with the same LR settings")
-        if (saved["sampler"] is None) != (mine["sampler"] is None) or saved["batch_sizes"] != mine["batch_sizes"]:
-            raise ValueError("cannot load a scheduler state saved for other batch sizes; resume with the same data")
-        mismatch = mine["sampler"] is not None and _mismatch(saved["sampler"], mine["sampler"])
-        if mismatch:
-            raise ValueError(f"cannot load a scheduler state whose sampler was saved with {mismatch}; resume with the "
-                             f"same dataset, config and world size")
+        _check_state(self, state_dict, {*self._STATE, "settings", "base_lr_scheduler"})
         if (state_dict["base_lr_scheduler"] is None) != (self._base is None) or \
                 len(state_dict["_unscaled"]) != len(self.optimizer.param_groups):
             raise ValueError("the state wraps another kind of schedule or optimizer; resume with the same ones")
