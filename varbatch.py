@@ -1679,6 +1679,13 @@ _OTHER_KEYS = ("enabled", "metrics_path", "verbose", "num_workers", "pin_memory"
 _SEQLEN_CACHE = "varbatch_seqlens.npy"
 
 
+def _check_batch_geometry(k: int, micro: int, gas: int, world: int, fix: str) -> None:
+    """DeepSpeed's batch relation: train_batch_size = micro-batches per rank's step x accumulation steps x ranks."""
+    if k != micro * gas * world:
+        raise ValueError(f"train_batch_size={k} should be train_micro_batch_size_per_gpu x gradient_accumulation_steps"
+                         f" x data-parallel size = {micro} x {gas} x {world}; {fix}")
+
+
 def _read_config(config: Any) -> tuple[dict, dict, dict]:
     """``(plan options, LR options, loader settings)`` from a DeepSpeed config's dynamic_batching section.
 
@@ -1846,9 +1853,7 @@ def get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(dataset, e
     dp_rank, dp_size = (int(grid.data_parallel_id), int(grid.data_parallel_size)) if grid is not None else \
         _world(getattr(engine, "data_parallel_group", None))
     k, mbs, gas = engine.train_batch_size(), engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
-    if k != mbs * gas * dp_size:
-        raise ValueError(f"train_batch_size={k} should be train_micro_batch_size_per_gpu x gradient_accumulation_steps"
-                         f" x data-parallel size = {mbs} x {gas} x {dp_size}; fix the batch sizes in the config")
+    _check_batch_geometry(k, mbs, gas, dp_size, "fix the batch sizes in the config")
     if dataset_seqlens is None:
         dataset_seqlens = _dataset_seqlens(dataset, other["metrics_path"], batch_seqlens_fn, dataloader_collate_fn)
     pipeline = grid is not None and hasattr(engine, "train_batch")
@@ -1981,9 +1986,9 @@ def _cli_plan(args, lengths: tuple[np.ndarray, str] | None = None) -> tuple[Plan
     world = args.world_size or (train // (micro * gas) if None not in (train, micro, gas) else 1)
     micro = micro or (train // ((gas or 1) * world) if train else 1)
     k = train or micro * (gas or 1) * world
-    if gas is not None and k != micro * gas * world:
-        raise ValueError(f"train_batch_size={k} != train_micro_batch_size_per_gpu={micro} x gradient_accumulation_steps"
-                         f"={gas} x world size {world}; fix the config, --world-size or --effective-batch-size")
+    if gas is not None:
+        _check_batch_geometry(k, micro, gas, world, f"fix the config, --effective-batch-size or --world-size (world "
+                                                    f"size {world} here)")
     settings = _Settings.of(**options, effective_batch_size=k, micro_batch_size=micro, num_replicas=world,
                             same_size=args.pipeline, same_length=args.pipeline)
     seqlens, source = lengths or _read_seqlens(args.seqlens)
