@@ -117,8 +117,9 @@ def _format_ids(ids: np.ndarray) -> str:
 def _as_counts(values: Any, name: str = "seqlens", minimum: int = 1,
                fix: str = "pass one whole token count per sample") -> np.ndarray:
     """Whole numbers (seqlens, batch sizes, ids) as a read-only int64 array, or raises naming the first bad one."""
-    if values is None or isinstance(values, (str, bytes, Mapping)):
-        raise TypeError(f"{name} should be a sequence of whole numbers, but got {name}={values!r}; {fix}")
+    if isinstance(values, (str, bytes, Mapping)) or not (hasattr(values, "__len__") and hasattr(values, "__getitem__")):
+        raise TypeError(f"{name} should be a sequence of whole numbers (a list, array or tensor), but got {name}="
+                        f"{values!r:.60} of type {type(values).__name__}; {fix}")
     if isinstance(values, torch.Tensor):  # bfloat16 and other torch-only dtypes: through float64
         values = values.detach().cpu()
         values = (values.double() if values.is_floating_point() else values).numpy()
@@ -145,7 +146,7 @@ def _as_counts(values: Any, name: str = "seqlens", minimum: int = 1,
 
 def _as_sample_ids(sample_ids: Any, num_samples: int) -> np.ndarray:
     """A subset of sample ids (curriculum filtering): integers, each in the dataset, each once."""
-    if len(sample_ids) and np.asarray(sample_ids).dtype.kind not in "iu":
+    if hasattr(sample_ids, "__len__") and len(sample_ids) and np.asarray(sample_ids).dtype.kind not in "iu":
         raise TypeError(f"sample_ids should be integer ids, but got dtype {np.asarray(sample_ids).dtype}")
     ids = _as_counts(sample_ids, "sample_ids", minimum=0, fix="pass the ids of the samples to use")
     unique, counts = np.unique(ids, return_counts=True)
@@ -614,6 +615,8 @@ def scale_lr(base_batch_size, batch_size, base_lr=1, method="linear"):
         (0.005, 0.002, 2.0)
     """
     ratio = _check_real("batch_size", batch_size, strict=False) / _check_real("base_batch_size", base_batch_size)
+    if isinstance(base_lr, bool) or not isinstance(base_lr, (numbers.Real, torch.Tensor)):
+        raise TypeError(f"base_lr should be a number (or a tensor), but got base_lr={base_lr!r}")
     return base_lr * _lr_factor(ratio, _check_lr_method(method))
 
 
@@ -761,11 +764,15 @@ def pad_sample(sample, length, pad_value=0, fields=None):
         >>> pad_sample(torch.ones(2, 3), 4).shape, pad_sample({"ids": [5, 6], "label": 1}, 3)
         (torch.Size([4, 3]), {'ids': tensor([5, 6, 0]), 'label': 1})
     """
-    length, padded = _check_int("length", length), []
+    length, padded, chosen = _check_int("length", length), [], []
     for key, value in _fields(sample):
         tensor = _as_tensor(value)
-        chosen = key is None or (tensor is not None and tensor.dim() > 0 if fields is None else key in fields)
-        padded.append(_pad_field(value, length, pad_value, key) if chosen else value)
+        chosen.append(key is None or (tensor is not None and tensor.dim() > 0 if fields is None else key in fields))
+        padded.append(_pad_field(value, length, pad_value, key) if chosen[-1] else value)
+    if not any(chosen):
+        raise ValueError(f"pad_sample found no field to pad in a {type(sample).__name__} sample (fields="
+                         f"{fields!r}): it pads numeric fields with a sequence dimension; name them with fields=..., "
+                         f"or pass your own sample_padding_fn (e.g. one that pads text)")
     if isinstance(sample, Mapping):
         return dict(zip(sample, padded))
     if _fields(sample)[0][0] is None:
@@ -802,8 +809,15 @@ class PaddedCollate:
         if len(samples) == 0:
             raise ValueError("PaddedCollate got an empty list of samples")
         one_tensor = isinstance(samples[0], torch.Tensor)  # the common case, kept cheap: no look at every sample
-        columns = [(None, samples)] if one_tensor else \
-            [(key, [_fields(s)[i][1] for s in samples]) for i, (key, _) in enumerate(_fields(samples[0]))]
+        if one_tensor:
+            columns = [(None, samples)]
+        else:  # fields by key (dicts list theirs in any order), the same fields in every sample
+            rows = [dict(_fields(sample)) for sample in samples]
+            odd = next((i for i, row in enumerate(rows) if row.keys() != rows[0].keys()), None)
+            if odd is not None:
+                raise ValueError(f"PaddedCollate needs samples with the same fields, but sample 0 has fields "
+                                 f"{list(rows[0])} and sample {odd} has {list(rows[odd])}")
+            columns = [(key, [row[key] for row in rows]) for key in rows[0]]
         out = []
         for key, values in columns:
             tensors = values if one_tensor else [_as_tensor(value) for value in values]
@@ -966,6 +980,9 @@ class VariableBatchSampler(Sampler[list[int]]):
 
     def __init__(self, seqlens, max_tokens, *, micro_batch_size=1, gradient_accumulation_steps=1, num_replicas=None,
                  rank=None, sample_ids=None, verbose=False, **options):
+        if "effective_batch_size" in options:
+            raise TypeError(f"VariableBatchSampler got effective_batch_size={options['effective_batch_size']!r}, which "
+                            f"it computes as micro_batch_size x gradient_accumulation_steps x num_replicas; pass those")
         world_rank, world_size = _world()
         num_replicas = _check_int("num_replicas", world_size if num_replicas is None else num_replicas, 1)
         rank = _check_int("rank", world_rank if rank is None else rank)
@@ -1063,6 +1080,8 @@ class VariableBatchSampler(Sampler[list[int]]):
             12
         """
         epochs, unit = _check_int("epochs", epochs, minimum=1), _check_choice("unit", unit, _Clock)
+        if unit == "tokens":
+            self._check_tokens_known("horizon(unit='tokens')")
 
         def amount(plan, skip):
             values = plan.batch_tokens if unit == "tokens" else plan.batch_sizes if unit == "samples" else \
@@ -1073,6 +1092,13 @@ class VariableBatchSampler(Sampler[list[int]]):
         if self.settings.order in ("dataloader", "seqlen") or self._planner.fixed is not None:
             return total + (epochs - 1) * amount(self.plan, 0)  # one plan for every epoch: plan it once
         return total + sum(amount(self._planner(e), 0) for e in range(self.epoch + 1, self.epoch + epochs))
+
+    def _check_tokens_known(self, what: str) -> None:
+        """Raises when the plans have no token counts: given micro-batches come without their seqlens."""
+        if self._planner.fixed is not None:
+            raise ValueError(f"{what} counts tokens, but a loader over given micro-batches (dataloader_for_variable_"
+                             f"batch_size) has no seqlens; count sequences, or plan with get_dataloader_and_lr_"
+                             f"scheduler_for_variable_batch_size or make_dataloader, which have them")
 
     def _iter_keys(self, every_rank: bool = False) -> Iterator[tuple]:
         """Keys of this rank's step inputs of the epoch, from the resume position (with ``every_rank``, all ranks').
@@ -1125,7 +1151,8 @@ class VariableBatchSampler(Sampler[list[int]]):
         ``steps_done`` defaults to ``self.steps_done``, exact without worker
         processes; with workers the loader prefetches: pass what your loop trained.
         """
-        done = self.steps_done if steps_done is None else _check_int("steps_done", steps_done, minimum=0)
+        done = self.steps_done if steps_done is None else _check_int("steps_done", steps_done, 0, self._steps(self._epoch),
+                                                                     "the step inputs of the epoch trained")
         return {"epoch": self._epoch, "steps_done": done, "rank": self.rank, "settings": self._state_settings()}
 
     def load_state_dict(self, state_dict: Mapping) -> None:
@@ -1271,6 +1298,9 @@ def make_dataloader(dataset, batch_sampler: VariableBatchSampler, *, collate_fn=
     """
     if not isinstance(batch_sampler, VariableBatchSampler):
         raise TypeError(f"batch_sampler should be a VariableBatchSampler, but got {type(batch_sampler).__name__}")
+    for name, fn in (("collate_fn", collate_fn), ("sample_padding_fn", sample_padding_fn)):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{name} should be a function or None, but got {name}={fn!r}")
     taken = sorted({"batch_size", "shuffle", "sampler", "batch_sampler", "drop_last"} & set(dataloader_kwargs))
     if taken:
         raise TypeError(f"make_dataloader got {taken}, which the VariableBatchSampler decides; leave them out")
@@ -1384,6 +1414,9 @@ class VariableBatchSizeLR(LRScheduler):
                 if value:
                     raise ValueError(f"{name}={getattr(self, name)!r} needs the plans (their tokens and "
                                      f"train_batch_size); pass the VariableBatchSampler as batch_sizes, not a list")
+        for name, value in (("lr_scaling_unit", self.lr_scaling_unit), ("clock", self.clock)):
+            if value == "tokens" and self._sampler is not None:
+                self._sampler._check_tokens_known(f"{name}='tokens'")
         # Position: the plan's epoch and batch, what the clock counted, DeepSpeed's skipped steps seen.
         self._epoch, self._batch, self._seen, self._skipped_seen = 0, 0, 0, 0
         self._skipped, self._reported, self._optimizer_steps, self._seen_at_step = None, -1, 0, None
@@ -1718,7 +1751,8 @@ def _read_config(config: Any) -> tuple[dict, dict, dict]:
         raise ValueError(f"{path} sets sequence_picking_order and its older spelling sentence_picking_order to "
                          f"different values {sorted(map(str, orders))}; keep one")
     plan = {option: section[key] for key, option in _PLAN_KEYS.items() if key in section}
-    plan.setdefault("seed", data_efficiency.get("seed", 1234))
+    if plan.get("seed") is None:  # absent or null: the data_efficiency seed, as DeepSpeed's data sampling uses
+        plan["seed"] = data_efficiency.get("seed", 1234)
     lr = {key: section.get(key, default) for key, default in _LR_DEFAULTS.items()}
     other = {"metrics_path": section.get("metrics_path"), "verbose": section.get("verbose", False),
              "num_workers": section.get("num_workers", data_sampling.get("num_workers", 0)),
@@ -1911,6 +1945,12 @@ def _cli_parser(prog: str = "python varbatch.py"):
             raise argparse.ArgumentTypeError(f"expected a whole number >= {minimum}, got {text!r}")
         return int(text)
 
+    def reference(text):
+        try:
+            return text if text == "mean" else _check_real("--lr-scaling-reference", float(text))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number > 0 or mean, got {text!r}") from None
+
     parser = Parser(prog=prog, allow_abbrev=False, description="Plan token-budget batches.")
     parser.add_argument("--version", action="version", version=f"varbatch {__version__}")
     p = parser.add_subparsers(dest="command", required=True).add_parser(
@@ -1928,7 +1968,7 @@ def _cli_parser(prog: str = "python varbatch.py"):
             ("--seed", lambda t: whole(t, 0), "seed of the random and bucket orders (default: the config's)"),
             ("--lr-scaling-method", str, "linear, sqrt or none (default: the config's, else linear)"),
             ("--lr-scaling-unit", str, "sequences or tokens (default: the config's, else sequences)"),
-            ("--lr-scaling-reference", str, "B_ref: a number or mean (default: the config's, else train_batch_size)"),
+            ("--lr-scaling-reference", reference, "B_ref: a number or mean (default: the config's, else train_batch_size)"),
             ("--batches", lambda t: whole(t, 0), "batches listed, 0 for all (default 10)")):
         p.add_argument(flag, type=kind, help=text)
     p.add_argument("--pipeline", action="store_true", help="same-size, same-length micro-batches (a PipelineEngine)")
@@ -1975,9 +2015,8 @@ def _cli_plan(args, lengths: tuple[np.ndarray, str] | None = None) -> tuple[Plan
     options, lr, _ = _read_config(config) if args.config else ({"max_tokens": 4096}, dict(_LR_DEFAULTS), {})
     flags = {"max_tokens": args.max_tokens, "budget": args.budget, "order": args.order, "seed": args.seed}
     options.update({key: value for key, value in flags.items() if value is not None})
-    for key in ("lr_scaling_method", "lr_scaling_unit", "lr_scaling_reference"):
-        value = getattr(args, key)
-        lr[key] = lr[key] if value is None else float(value) if key.endswith("reference") and value != "mean" else value
+    lr.update({key: getattr(args, key) for key in ("lr_scaling_method", "lr_scaling_unit", "lr_scaling_reference")
+               if getattr(args, key) is not None})
     counts = [None if config.get(key) is None else _check_int(key, config[key], minimum=1)
               for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")]
     train, micro, gas = counts
