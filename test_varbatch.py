@@ -448,6 +448,22 @@ def test_both_spellings_of_the_picking_order_are_read():
     assert expected.microbatches() != plan_batches(_GLUE_SEQLENS, 16, effective_batch_size=2).microbatches()
 
 
+@pytest.mark.parametrize("data_efficiency_seed, expected_seed", [(None, 1234), (7, 7)],
+                         ids=["no data_efficiency seed", "data_efficiency seed 7"])
+def test_a_null_config_seed_is_read_as_an_absent_one(data_efficiency_seed, expected_seed):
+    """"seed": null in the section plans with data_efficiency.seed (else 1234), as without the key; not with 0."""
+    def planned(**seed):
+        config = _glue_config(sequence_picking_order="random", **seed)
+        if data_efficiency_seed is not None:
+            config["data_efficiency"]["seed"] = data_efficiency_seed
+        _, (loader, _, _) = _glue(config, dataset_seqlens=_GLUE_SEQLENS)
+        return loader.variable_batch_sampler.plan.microbatches()
+
+    expected = plan_batches(_GLUE_SEQLENS, 16, effective_batch_size=2, order="random", seed=expected_seed)
+    assert planned(seed=None) == planned() == expected.microbatches()
+    assert planned(seed=0) != expected.microbatches(), "seed 0 plans as the expected seed: the case shows nothing"
+
+
 # =============================================================================
 # 3. Shapes: pipeline (same size, same length), step inputs, padding and collate
 # =============================================================================
@@ -712,6 +728,37 @@ def test_padded_collate_handles_lists_tuples_and_dicts():
     assert set(PaddedCollate(seqlens_key=None)(samples)) == {"input_ids", "labels", "text"}
     assert PaddedCollate(seqlens_key="lengths")(samples)["lengths"].tolist() == [3, 1]
     assert PaddedCollate()(samples, seqlens=[2, 1])["seqlens"].tolist() == [2, 1]  # given: the plan's lengths
+
+
+@st.composite
+def dict_samples(draw):
+    """Dict samples with the same fields, each listing its keys in its own order: token fields of the sample's
+    length whose values name the field, sample and position, and maybe a scalar label naming the sample."""
+    names = draw(st.lists(st.sampled_from(["input_ids", "labels", "attention_mask"]), min_size=1, max_size=3,
+                          unique=True)) + (["label"] if draw(st.booleans()) else [])
+    samples = []
+    for i, n in enumerate(draw(st.lists(st.integers(1, 6), min_size=1, max_size=6))):
+        fields = {name: 1000 + i if name == "label" else [100 * (f + 1) + 10 * i + j for j in range(n)]
+                  for f, name in enumerate(names)}
+        samples.append({name: fields[name] for name in draw(st.permutations(names))})
+    return samples
+
+
+@given(samples=dict_samples())
+# the audit's case: the second sample lists its keys the other way round (its fields were swapped)
+@example(samples=[{"input_ids": [1, 2, 3], "labels": [7, 8, 9]}, {"labels": [5], "input_ids": [4]}])
+@settings(max_examples=50)
+def test_padded_collate_collates_dict_fields_by_key(samples):
+    """Dicts listing their keys in any order: every row of every output field is its own sample's field, padded."""
+    out = PaddedCollate()(samples)
+    lengths = [len(next(v for v in sample.values() if isinstance(v, list))) for sample in samples]
+    longest = max(lengths)
+    assert set(out) == set(samples[0]) | {"seqlens"} and out["seqlens"].tolist() == lengths
+    for key, value in samples[0].items():
+        if isinstance(value, list):
+            assert [row.tolist() for row in out[key]] == [s[key] + [0] * (longest - len(s[key])) for s in samples], key
+        else:
+            assert out[key].tolist() == [s[key] for s in samples], key
 
 
 def test_callbacks_are_picklable():
@@ -2079,6 +2126,8 @@ _BAD_PLAN_BATCHES = [
     ("seqlens ragged", lambda: plan_batches([[1, 2], [3]], 10), ValueError, "ragged"),
     ("seqlens text", lambda: plan_batches(["a", "b"], 10), TypeError, "dtype <U1"),
     ("seqlens a string", lambda: plan_batches("abc", 10), TypeError, "seqlens='abc'"),
+    ("seqlens a generator", lambda: plan_batches((n for n in [3, 2]), 10), TypeError, "seqlens=<generator"),
+    ("seqlens a set", lambda: plan_batches({3, 2}, 10), TypeError, "seqlens={2, 3} of type set"),
     ("seqlens bools", lambda: plan_batches([True, False], 10), TypeError, "dtype bool"),
     ("seqlens uint64 above 2**63", lambda: plan_batches(np.array([2 ** 63 + 5, 3], dtype=np.uint64), 10),
      ValueError, f"seqlens[0]={2 ** 63 + 5}"),
@@ -2112,6 +2161,8 @@ _BAD_PLAN_BATCHES = [
     ("sample_ids negative", lambda: plan_batches([1, 2, 3], 10, sample_ids=[-1, 0]), ValueError, "sample_ids[0]=-1"),
     ("sample_ids twice", lambda: plan_batches([1, 2, 3], 10, sample_ids=[0, 1, 1]), ValueError, "(ids 1)"),
     ("sample_ids floats", lambda: plan_batches([1, 2, 3], 10, sample_ids=[0.0, 1.0]), TypeError, "float64"),
+    ("sample_ids a generator", lambda: plan_batches([1, 2, 3], 10, sample_ids=(i for i in [0, 1])), TypeError,
+     "sample_ids=<generator"),
     ("over budget with on_overlong='error'", lambda: plan_batches([2, 6, 3, 7], 5, on_overlong="error"), ValueError,
      "2 samples (ids 1, 3)"),
     ("every sample over budget", lambda: plan_batches([5, 4, 9], 3), ValueError, "max_tokens=3 (shortest 4)"),
@@ -2155,6 +2206,7 @@ _BAD_SCALE_LR = [
     ("base_batch_size a string", lambda: scale_lr("2", 4), TypeError, "base_batch_size='2'"),
     ("batch_size inf", lambda: scale_lr(2, float("inf")), ValueError, "batch_size=inf"),
     ("batch_size negative", lambda: scale_lr(2, -1), ValueError, "batch_size=-1"),
+    ("base_lr a string", lambda: scale_lr(2, 4, "x"), TypeError, "base_lr='x'"),
     ("method unknown", lambda: scale_lr(2, 4, method="lineer"), ValueError, "'lineer'"),
     ("method returns a negative factor", lambda: scale_lr(2, 4, method=lambda r: -r), ValueError, "returned -2"),
     ("method returns nan", lambda: scale_lr(2, 4, method=lambda r: float("nan")), ValueError, "returned nan"),
@@ -2191,6 +2243,14 @@ def _resumed_state(**changes):
     return dict(state, **changes)
 
 
+def _given_microbatches_loader():
+    """A loader over given micro-batches (dataloader_for_variable_batch_size): its fixed plan has no seqlens."""
+    microbatch_ids, _, batch_max_seqlens = varbatch.batch_by_seqlens(_GLUE_SEQLENS, 10)
+    loader, _ = varbatch.dataloader_for_variable_batch_size([torch.ones(n) for n in _GLUE_SEQLENS], microbatch_ids,
+                                                            batch_max_seqlens, dataloader_num_workers=0)
+    return loader
+
+
 _BAD_SAMPLER = [
     ("micro_batch_size 0", lambda: VariableBatchSampler([1, 2, 3, 4], 10, micro_batch_size=0), ValueError,
      "micro_batch_size=0"),
@@ -2206,13 +2266,20 @@ _BAD_SAMPLER = [
      "did you mean 'order'"),
     ("too few samples for a batch",
      lambda: VariableBatchSampler([1, 1, 1], 10, gradient_accumulation_steps=4), ValueError, "effective_batch_size=4"),
+    ("effective_batch_size given", lambda: VariableBatchSampler([1, 2, 3, 4], 8, effective_batch_size=4), TypeError,
+     "effective_batch_size=4, which it computes as micro_batch_size x gradient_accumulation_steps x num_replicas"),
     ("set_epoch negative", lambda: VariableBatchSampler([1, 2], 10).set_epoch(-1), ValueError, "epoch=-1"),
     ("horizon of 0 epochs", lambda: VariableBatchSampler([1, 2], 10).horizon(0), ValueError, "epochs=0"),
     ("horizon of -1 epochs", lambda: VariableBatchSampler([1, 2], 10).horizon(-1), ValueError, "epochs=-1"),
     ("horizon unit unknown", lambda: VariableBatchSampler([1, 2], 10).horizon(1, "tokns"), ValueError,
      "unit='tokns'"),
+    ("horizon in tokens over given micro-batches",
+     lambda: _given_microbatches_loader().variable_batch_sampler.horizon(2, "tokens"), ValueError,
+     "horizon(unit='tokens')"),
     ("state_dict steps_done negative", lambda: VariableBatchSampler([1, 2], 10).state_dict(steps_done=-1),
      ValueError, "steps_done=-1"),
+    ("state_dict steps_done past the epoch's end", lambda: VariableBatchSampler([1, 2], 10).state_dict(steps_done=2),
+     ValueError, "steps_done=2"),
     ("load_state_dict not a dict", lambda: VariableBatchSampler([1, 2], 10).load_state_dict("state"), TypeError,
      "str"),
     ("load_state_dict past the epoch's end",

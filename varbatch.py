@@ -38,6 +38,7 @@ import os
 import sys
 import typing
 import warnings
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any, Callable, Iterator, Literal
 
@@ -1012,6 +1013,7 @@ class VariableBatchSampler(Sampler[list[int]]):
         # The position: step inputs handed out (`steps_done`) in the epoch of the last pass (`_epoch`), and
         # whether it handed out all of them (`_finished`); a pass starts at `_start` (set by load_state_dict).
         self._epoch = self.steps_done = self._start = self._pass = self._handed = 0
+        self._followers: list = []  # weak references to the LR schedulers that follow this sampler's passes
         self._finished = False
         self._plans: dict[int, Plan] = {}
         self._logged, self._lens, self._restored = set(), {}, False
@@ -1026,6 +1028,17 @@ class VariableBatchSampler(Sampler[list[int]]):
                 del self._plans[min(self._plans)]
             self._plans[epoch] = self._planner(epoch)
         return self._plans[epoch]
+
+    def _new_pass(self, epoch: int, start: int) -> None:
+        """A pass over ``epoch`` from step input ``start`` begins (an older iterator goes stale); the schedulers
+        following this sampler point their LR at its first batch, whatever epoch the loop numbers it."""
+        self._pass += 1
+        for realign in [ref() for ref in self._followers]:
+            if realign is not None:
+                realign(epoch, start)
+
+    def __getstate__(self) -> dict:  # a copy has no followers (they follow this sampler; see VariableBatchSizeLR)
+        return {**self.__dict__, "_followers": []}
 
     def _steps(self, epoch: int) -> int:
         """This rank's step inputs in ``epoch`` (the same on every rank)."""
@@ -1044,7 +1057,8 @@ class VariableBatchSampler(Sampler[list[int]]):
                              f"own count of passes, 0 after a restart, unless you call loader.set_epoch(epoch))")
         if epoch != self._epoch or self._finished:  # else: the epoch of the last pass, left or restored mid-way
             self._check_cut(RuntimeError)
-            self._epoch, self.steps_done, self._start, self._pass, self._finished = epoch, 0, 0, self._pass + 1, False
+            self._epoch, self.steps_done, self._start, self._finished = epoch, 0, 0, False
+            self._new_pass(epoch, 0)
 
     def __len__(self) -> int:
         """Step inputs per epoch on this rank (the same on every rank), of the epoch the next iteration yields."""
@@ -1111,7 +1125,8 @@ class VariableBatchSampler(Sampler[list[int]]):
         """
         self._check_cut(RuntimeError)
         epoch, start = self.epoch, 0 if self._finished else self._start
-        self._pass, self._restored, self._epoch, self.steps_done, self._start = self._pass + 1, False, epoch, start, 0
+        self._restored, self._epoch, self.steps_done, self._start = False, epoch, start, 0
+        self._new_pass(epoch, start)
         self._finished = start >= self._steps(epoch)  # an empty epoch is done at once
         plan, passes, m, ranks = self.plan_for_epoch(epoch), self._pass, self.micro_batch_size, self.num_replicas
         seqlens = self.seqlens
@@ -1162,7 +1177,8 @@ class VariableBatchSampler(Sampler[list[int]]):
         total = self._steps(epoch)
         steps = _check_int("steps_done", state_dict["steps_done"], minimum=0, maximum=total)
         self._epoch, self.steps_done, self._start, self._finished = epoch, steps, steps, steps == total
-        self._pass, self._restored = self._pass + 1, True
+        self._restored = True
+        self._new_pass(epoch, steps)
 
 
 class _KeyDataset(Dataset):
@@ -1353,7 +1369,9 @@ class VariableBatchSizeLR(LRScheduler):
     rule (`scale_lr`); ``B_t``: the batch trained at step ``t``, in sequences or
     real tokens; ``B_ref``: the batch size the schedule was tuned for. Call
     `step` after every optimizer step (DeepSpeed's engine does); the schedule is
-    never restarted (``step(0)`` at an epoch start only realigns the batch index).
+    never restarted. The batch index follows the sampler: each pass it starts
+    (of any epoch, from a restored position) points the LR at its first batch,
+    as ``step(0)`` at an epoch start does; an engine's skipped steps count too.
 
     NOTE [the unit trap]: DeepSpeed's ``B_ref`` is ``train_batch_size``, a count
     of micro-batches, against ``B_t`` in sequences: the LR comes out about
@@ -1420,7 +1438,18 @@ class VariableBatchSizeLR(LRScheduler):
         # Position: the plan's epoch and batch, what the clock counted, DeepSpeed's skipped steps seen.
         self._epoch, self._batch, self._seen, self._skipped_seen = 0, 0, 0, 0
         self._skipped, self._reported, self._optimizer_steps, self._seen_at_step = None, -1, 0, None
+        # Training between two step() calls: optimizer steps, step inputs handed out, backward passes (a gradient
+        # accumulated into one parameter; an AMP-skipped update has no optimizer step, and near an epoch's end a
+        # prefetching loader hands out nothing new).
+        self._backwards = 0
+        param = next((p for group in optimizer.param_groups for p in group["params"] if p.requires_grad and p.is_leaf),
+                     None)
+        if param is not None:
+            count = weakref.WeakMethod(self._count_backward)  # the hook does not keep this scheduler alive
+            param.register_post_accumulate_grad_hook(lambda _: count() is not None and count()())
+        self._step_count = 0
         self._realign()
+        self._follow()
         self._unscaled = [group["lr"] for group in optimizer.param_groups]
         optimizer.register_step_post_hook(self._count_optimizer_step)
         super().__init__(optimizer, last_epoch)  # torch's first step: the LRs of batch 0
@@ -1481,10 +1510,19 @@ class VariableBatchSizeLR(LRScheduler):
             self._epoch, self._batch = self._epoch + 1, self._batch - len(self._sizes(self._epoch))
         raise RuntimeError("a thousand epochs in a row have no batch; use more data or a smaller min_batch_size")
 
-    def _realign(self) -> None:
-        """Points at batch 0 of the sampler's epoch, or of the next one with a batch if that one has none."""
-        self._epoch, self._batch = self._sampler.epoch if self._sampler is not None else self._epoch, 0
+    def _realign(self, epoch: int | None = None, start: int = 0) -> None:
+        """Points at the batch of step input ``start`` of ``epoch`` (default: where the sampler's next pass starts),
+        in the next epoch with a batch if that one has none; the sampler calls it when a pass starts."""
+        sampler = self._sampler
+        if sampler is not None and epoch is None:
+            epoch, start = sampler.epoch, 0 if sampler._finished else sampler._start
+        self._epoch = self._epoch if sampler is None else epoch
+        self._batch = 0 if sampler is None else start // sampler.gradient_accumulation_steps
         self._advance(0)
+        if self._skipped is not None:  # skips reported so far belong to batches before this one
+            self._skipped_seen = self._skipped()
+        if self._step_count:
+            self._write()
 
     def step(self, epoch=None):
         """Advances to the next batch (``step()``), or points at batch 0 of the sampler's epoch (``step(0)``)."""
@@ -1495,11 +1533,10 @@ class VariableBatchSizeLR(LRScheduler):
             if isinstance(epoch, bool) or not isinstance(epoch, numbers.Integral) or epoch != 0:
                 raise ValueError(f"VariableBatchSizeLR.step takes no argument (the next batch) or 0 (realign at an epoch "
                                  f"start), but got epoch={epoch!r}; call step() after every optimizer step")
-            self._realign()
-            return self._write()
+            return self._realign()
         # Two steps with neither an optimizer step nor a new step input between them: a wrapper steps this
         # scheduler twice per update (HF Accelerate's prepared scheduler steps once per process).
-        seen = (self._optimizer_steps, self._sampler._handed if self._sampler is not None else self._optimizer_steps)
+        seen = (self._optimizer_steps, self._sampler._handed if self._sampler is not None else 0, self._backwards)
         if seen == self._seen_at_step and self._optimizer_steps and self._sampler is not None:
             raise RuntimeError("VariableBatchSizeLR.step() was called twice for one optimizer step, with no new batch "
                                "between: call it once per optimizer step (HF Accelerate: keep it out of "
@@ -1537,8 +1574,21 @@ class VariableBatchSizeLR(LRScheduler):
             _logger.info("step %d (epoch %d, batch %d): B=%d, LR factor %.4g, lr %s", self.last_epoch, self._epoch,
                          self._batch, self.batch_size, self.lr_factor, self._last_lr)
 
+    def _follow(self) -> None:
+        """Follows the sampler's passes: a pass of any epoch, from any position, sets the batch index (see `_realign`)."""
+        if self._sampler is not None:
+            followers = [ref for ref in self._sampler._followers if ref() is not None]
+            self._sampler._followers = [*followers, weakref.WeakMethod(self._realign)]
+
+    def __setstate__(self, state: dict) -> None:  # a copy follows its own copy of the sampler
+        self.__dict__.update(state)
+        self._follow()
+
     def _count_optimizer_step(self, optimizer, args, kwargs) -> None:
         self._optimizer_steps += 1
+
+    def _count_backward(self) -> None:
+        self._backwards += 1
 
     def _follow_skipped_steps(self, skipped: Callable[[], int]) -> None:
         """Makes the LR follow the batch trained when an engine skips steps.
