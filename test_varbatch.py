@@ -2163,6 +2163,7 @@ _BAD_PLAN_BATCHES = [
     ("sample_ids floats", lambda: plan_batches([1, 2, 3], 10, sample_ids=[0.0, 1.0]), TypeError, "float64"),
     ("sample_ids a generator", lambda: plan_batches([1, 2, 3], 10, sample_ids=(i for i in [0, 1])), TypeError,
      "sample_ids=<generator"),
+    ("sample_ids a set", lambda: plan_batches([1, 2, 3], 10, sample_ids={0, 1}), TypeError, "sample_ids={0, 1} of type set"),
     ("over budget with on_overlong='error'", lambda: plan_batches([2, 6, 3, 7], 5, on_overlong="error"), ValueError,
      "2 samples (ids 1, 3)"),
     ("every sample over budget", lambda: plan_batches([5, 4, 9], 3), ValueError, "max_tokens=3 (shortest 4)"),
@@ -2317,6 +2318,12 @@ _BAD_MAKE_DATALOADER = [
     ("sample_padding_fn that does not pad", lambda: _loader_of([3, 5, 2, 4], lambda s, n: s, same_size=True,
                                                                  same_length=True),
      ValueError, "sample of length 5, but returned length"),
+    ("collate_fn not callable",
+     lambda: make_dataloader([torch.ones(2)] * 3, VariableBatchSampler([2, 2, 2], 4), collate_fn=3), TypeError,
+     "collate_fn=3"),
+    ("sample_padding_fn not callable",
+     lambda: make_dataloader([torch.ones(2)] * 3, VariableBatchSampler([2, 2, 2], 4), sample_padding_fn=3),
+     TypeError, "sample_padding_fn=3"),
 ]
 
 
@@ -2333,9 +2340,24 @@ _BAD_PADDING = [
     ("pad_sample a number", lambda: pad_sample(5, 3), (TypeError, ValueError), "int"),
     ("pad_sample length negative", lambda: pad_sample([1], -1), ValueError, "length=-1"),
     ("pad_sample length a string", lambda: pad_sample([1], "3"), TypeError, "length='3'"),
+    ("pad_sample a list of strings", lambda: pad_sample(["a", "b"], 4), ValueError, "no field to pad in a list sample"),
+    ("pad_sample a tuple of strings", lambda: pad_sample(("a", "b"), 4), ValueError,
+     "no field to pad in a tuple sample"),
+    ("pad_sample a dict of scalars", lambda: pad_sample({"label": 1, "id": 2}, 4), ValueError,
+     "no field to pad in a dict sample"),
+    ("pad_sample fields naming no key", lambda: pad_sample({"input_ids": [1, 2]}, 4, fields=["ids"]), ValueError,
+     "(fields=['ids'])"),
     ("PaddedCollate no samples", lambda: PaddedCollate()([]), ValueError, "empty"),
     ("PaddedCollate no sequence field", lambda: PaddedCollate()([{"a": 1}, {"a": 2}]), ValueError,
      "no field with a sequence dimension"),
+    ("PaddedCollate a sample missing a key",
+     lambda: PaddedCollate()([{"input_ids": [1, 2], "labels": [3, 4]}, {"input_ids": [5]}]), ValueError,
+     "sample 0 has fields ['input_ids', 'labels'] and sample 1 has ['input_ids']"),
+    ("PaddedCollate a sample with an extra key",
+     lambda: PaddedCollate()([{"input_ids": [1, 2]}, {"labels": [4], "input_ids": [3]}]), ValueError,
+     "sample 0 has fields ['input_ids'] and sample 1 has ['labels', 'input_ids']"),
+    ("PaddedCollate tuples of different lengths", lambda: PaddedCollate()([([1, 2],), ([3], [4])]), ValueError,
+     "sample 0 has fields [0] and sample 1 has [0, 1]"),
     ("PaddedCollate seqlens of another count", lambda: PaddedCollate()([torch.ones(2), torch.ones(1)], seqlens=[2]),
      ValueError, "1 seqlens for 2 samples"),
     ("seqlens_from_padded a 1-D tensor", lambda: seqlens_from_padded(torch.tensor([1, 2])), ValueError,
@@ -2361,6 +2383,12 @@ _BAD_SCHEDULER = [
      ValueError, "lr_scaling_unit='tokens'"),
     ("token clock without a sampler", lambda: VariableBatchSizeLR(_optimizer(), 2, [2, 2], clock="tokens"),
      ValueError, "clock='tokens'"),
+    ("tokens unit over given micro-batches",
+     lambda: VariableBatchSizeLR(_optimizer(), 2, _given_microbatches_loader(), lr_scaling_unit="tokens"),
+     ValueError, "lr_scaling_unit='tokens'"),
+    ("token clock over given micro-batches",
+     lambda: VariableBatchSizeLR(_optimizer(), "mean", _given_microbatches_loader(), clock="tokens"), ValueError,
+     "clock='tokens'"),
     ("default reference without a sampler", lambda: VariableBatchSizeLR(_optimizer(), None, [2, 2]), ValueError,
      "base_batch_size=None"),
     ("base_batch_size 0", lambda: VariableBatchSizeLR(_optimizer(), 0, [2, 2]), ValueError, "base_batch_size=0"),
@@ -2423,6 +2451,14 @@ _BAD_DEEPSPEED_FUNCTIONS = [
                                                                               dataset_filter_ids=[0, 5]),
      ValueError, "[1]=5"),
     ("batch_by_seqlens: bad seqlens", lambda: varbatch.batch_by_seqlens([3, 0], 10), ValueError, "seqlens[1]=0"),
+    ("lr_scheduler_for_variable_batch_size: tokens unit over given micro-batches",
+     lambda: varbatch.lr_scheduler_for_variable_batch_size(2, _given_microbatches_loader(), None, _optimizer(),
+                                                           lr_scaling_unit="tokens"),
+     ValueError, "lr_scaling_unit='tokens'"),
+    ("lr_scheduler_for_variable_batch_size: token clock over given micro-batches",
+     lambda: varbatch.lr_scheduler_for_variable_batch_size(2, _given_microbatches_loader(), None, _optimizer(),
+                                                           clock="tokens"),
+     ValueError, "clock='tokens'"),
 ]
 
 
@@ -2737,6 +2773,20 @@ def test_config_world_size_that_contradicts_it_is_an_error(capsys, tmp_path, npy
     assert err.count("\n") == 1 and "train_batch_size=4" in err and "world size 3" in err
 
 
+def test_a_null_config_seed_plans_as_an_absent_one(capsys, tmp_path, npy_file):
+    """`plan --config` with "seed": null plans as without the key (data_efficiency.seed, else 1234), not as seed 0."""
+    shown = {}
+    for label, seed in (("null", {"seed": None}), ("absent", {}), ("zero", {"seed": 0})):
+        config = _write_config(tmp_path, {"enabled": True, "max_tokens": 12, **seed}, train_batch_size=2,
+                               train_micro_batch_size_per_gpu=1)
+        code, out, err = _cli(capsys, "plan", "--config", config, "--seqlens", npy_file, "--order", "random",
+                              "--json", "--batches", "0")
+        assert code == 0, err
+        shown[label] = json.loads(out)
+    assert shown["null"] == shown["absent"] and shown["null"]["settings"]["seed"] == 1234
+    assert shown["null"]["batches"] != shown["zero"]["batches"], "seed 0 plans as 1234: the case shows nothing"
+
+
 _CLI_SEQLENS = _lengths(60, 1, 30, seed=19) + [45]
 
 
@@ -2849,6 +2899,7 @@ def test_bad_flag_exits_2_with_one_line():
     (["plan", "--budget", "sideways"], "sideways"),
     (["plan", "--max-tokens", "0"], "'0'"),
     (["plan", "--lr-scaling-reference", "-1"], "-1"),
+    (["plan", "--lr-scaling-reference", "abc"], "argument --lr-scaling-reference: expected a number > 0 or mean"),
     (["plan", "--order", "randm"], "did you mean 'random'"),
     ([], "command"),
 ])

@@ -147,7 +147,7 @@ def _as_counts(values: Any, name: str = "seqlens", minimum: int = 1,
 
 def _as_sample_ids(sample_ids: Any, num_samples: int) -> np.ndarray:
     """A subset of sample ids (curriculum filtering): integers, each in the dataset, each once."""
-    if hasattr(sample_ids, "__len__") and len(sample_ids) and np.asarray(sample_ids).dtype.kind not in "iu":
+    if hasattr(sample_ids, "__getitem__") and len(sample_ids) and np.asarray(sample_ids).dtype.kind not in "iu":
         raise TypeError(f"sample_ids should be integer ids, but got dtype {np.asarray(sample_ids).dtype}")
     ids = _as_counts(sample_ids, "sample_ids", minimum=0, fix="pass the ids of the samples to use")
     unique, counts = np.unique(ids, return_counts=True)
@@ -887,6 +887,15 @@ def _world(group: Any = None) -> tuple[int, int]:
     return 0, 1
 
 
+def _gather(obj: Any) -> list:
+    """``obj`` of every rank (a list of one without torch.distributed)."""
+    if _world()[1] == 1:
+        return [obj]
+    out = [None] * _world()[1]
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
 def _on_rank_zero(rank: int) -> bool:
     """Whether this process reports for the job: global rank 0, or ``rank`` 0 without torch.distributed."""
     return (_world()[0] if _world()[1] > 1 else rank) == 0
@@ -985,6 +994,7 @@ class VariableBatchSampler(Sampler[list[int]]):
             raise TypeError(f"VariableBatchSampler got effective_batch_size={options['effective_batch_size']!r}, which "
                             f"it computes as micro_batch_size x gradient_accumulation_steps x num_replicas; pass those")
         world_rank, world_size = _world()
+        alone = num_replicas is None and world_size == 1  # 1 rank by default: torch.distributed not (yet) up
         num_replicas = _check_int("num_replicas", world_size if num_replicas is None else num_replicas, 1)
         rank = _check_int("rank", world_rank if rank is None else rank)
         if rank >= num_replicas:
@@ -996,6 +1006,7 @@ class VariableBatchSampler(Sampler[list[int]]):
                                 num_replicas=num_replicas, **options)
         ids = None if sample_ids is None else _as_sample_ids(sample_ids, len(lengths))
         self._setup(_Planner(lengths, settings, ids), rank, verbose)
+        self._alone = alone
 
     @classmethod
     def _of(cls, planner: _Planner, rank: int, verbose: bool = False) -> VariableBatchSampler:
@@ -1016,7 +1027,7 @@ class VariableBatchSampler(Sampler[list[int]]):
         self._followers: list = []  # weak references to the LR schedulers that follow this sampler's passes
         self._finished = False
         self._plans: dict[int, Plan] = {}
-        self._logged, self._lens, self._restored = set(), {}, False
+        self._logged, self._lens, self._restored, self._alone = set(), {}, False, False
         if self.plan_for_epoch(0).num_batches == 0:  # checked before training: later epochs never raise
             raise ValueError(_empty_plan_message(self._plans[0]))
 
@@ -1124,6 +1135,10 @@ class VariableBatchSampler(Sampler[list[int]]):
         epoch, also when the iterator is not exhausted (trainers stop at len()).
         """
         self._check_cut(RuntimeError)
+        if self._alone and _world()[1] > 1:
+            raise RuntimeError(f"this VariableBatchSampler was made before torch.distributed was initialized, so it "
+                               f"deals to 1 rank, but the job now has {_world()[1]}: every rank would train every "
+                               f"sample; make it after init_process_group, or pass num_replicas and rank")
         epoch, start = self.epoch, 0 if self._finished else self._start
         self._restored, self._epoch, self.steps_done, self._start = False, epoch, start, 0
         self._new_pass(epoch, start)
@@ -1293,6 +1308,25 @@ class _Collate:
         return self.collate_fn(samples)
 
 
+def _check_ranks_agree(sampler: VariableBatchSampler) -> None:
+    """Raises unless every process planned the same epoch and the ranks 0 .. R-1 each appear alike.
+
+    A collective: every process calls it. Ranks that planned differently train
+    samples twice or never and disagree on the number of steps (a hang at the
+    first collective that one rank never reaches).
+    """
+    everyone = _gather((sampler.plan.fingerprint(), sampler.num_replicas, sampler.rank))
+    differ = [r for r, (fingerprint, replicas, _) in enumerate(everyone) if (fingerprint, replicas) != everyone[0][:2]]
+    if differ:
+        raise RuntimeError(f"rank {differ[0]} planned a different epoch than rank 0 ({len(differ)} rank(s) differ): the "
+                           f"ranks see different seqlens, sample_ids or settings; give every rank the same dataset, "
+                           f"seqlens and config (delete a seqlen cache in metrics_path that is not shared)")
+    dealt = [rank for _, _, rank in everyone]
+    if sorted(set(dealt)) != list(range(sampler.num_replicas)) or len({dealt.count(r) for r in set(dealt)}) > 1:
+        raise RuntimeError(f"the processes deal to ranks {dealt}, not to each of 0 .. {sampler.num_replicas - 1} "
+                           f"alike: pass every process its own data-parallel rank")
+
+
 def make_dataloader(dataset, batch_sampler: VariableBatchSampler, *, collate_fn=None, sample_padding_fn=None,
                     num_workers=0, pin_memory=False, dataloader_class=None, **dataloader_kwargs) -> DataLoader:
     """A `DataLoader` over ``batch_sampler``'s step inputs: ``collate_fn(samples)`` for each (the list without one).
@@ -1333,6 +1367,8 @@ def make_dataloader(dataset, batch_sampler: VariableBatchSampler, *, collate_fn=
                                                             (batch_sampler.num_replicas, batch_sampler.rank)),
                  **dataloader_kwargs)
     loader._local, loader.variable_batch_sampler = _LocalKeys(batch_sampler), batch_sampler
+    if batch_sampler.num_replicas > 1 and _world()[1] > 1:  # one plan dealt over ranks: every process planned it?
+        _check_ranks_agree(batch_sampler)
     return loader
 
 
@@ -1823,15 +1859,6 @@ def _read_config(config: Any) -> tuple[dict, dict, dict]:
     return plan, lr, other
 
 
-def _gather(obj: Any) -> list:
-    """``obj`` of every rank (a list of one without torch.distributed)."""
-    if _world()[1] == 1:
-        return [obj]
-    out = [None] * _world()[1]
-    torch.distributed.all_gather_object(out, obj)
-    return out
-
-
 def _seqlens_of(dataset, ids: np.ndarray, batch_seqlens_fn: Callable, collate_fn: Callable | None) -> np.ndarray:
     """``batch_seqlens_fn(collate_fn(samples))`` over the samples ``ids``, 256 at a time.
 
@@ -1952,14 +1979,8 @@ def get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(dataset, e
         dataset, dataset_seqlens, settings, dataset_filter_ids, dp_rank, lr_scheduler_fn or base, lr_options, other["verbose"],
         collate_fn=dataloader_collate_fn, sample_padding_fn=sample_padding_fn, num_workers=other["num_workers"],
         pin_memory=other["pin_memory"])
-    # Every rank (pipeline stages too) must train one plan, else samples are trained twice or
-    # never and the ranks disagree on the number of steps (a hang at the first collective).
-    fingerprints = _gather(loader.variable_batch_sampler.plan.fingerprint())
-    differ = [r for r, fingerprint in enumerate(fingerprints) if fingerprint != fingerprints[0]]
-    if differ:
-        raise RuntimeError(f"rank {differ[0]} planned a different epoch than rank 0 ({len(differ)} rank(s) differ): the "
-                           f"ranks see different seqlens, dataset_filter_ids or configs; give every rank the same "
-                           f"dataset, seqlens and config (delete a seqlen cache in metrics_path that is not shared)")
+    if dp_size == 1 and _world()[1] > 1:  # pipeline stages of one data-parallel rank (make_dataloader checks more)
+        _check_ranks_agree(loader.variable_batch_sampler)
     if scheduler is not None:
         engine.lr_scheduler = scheduler
         scheduler._follow_skipped_steps(lambda: int(getattr(engine, "skipped_steps", 0)))
