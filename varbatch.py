@@ -1339,12 +1339,15 @@ def make_dataloader(dataset, batch_sampler: VariableBatchSampler, *, collate_fn=
     torchrun, DeepSpeed, HF Accelerate's ``prepare`` and Lightning (see README);
     ``dataloader_class`` (a DataLoader subclass, e.g. torchdata's
     ``StatefulDataLoader``) replaces torch's. ``loader.variable_batch_sampler``
-    is ``batch_sampler``.
+    is ``batch_sampler``. Under torch.distributed with ``num_replicas > 1`` it is
+    a collective: every process calls it, and the processes check that they
+    planned the same epoch (see `_check_ranks_agree`).
 
     Raises:
         TypeError, ValueError: another sampler, same-length mode without
         ``sample_padding_fn``, a dataset of another size than the seqlens, or a
-        DataLoader option the sampler decides (batch size, shuffling).
+        DataLoader option the sampler decides (batch size, shuffling);
+        RuntimeError: the processes planned differently.
     """
     if not isinstance(batch_sampler, VariableBatchSampler):
         raise TypeError(f"batch_sampler should be a VariableBatchSampler, but got {type(batch_sampler).__name__}")
@@ -1480,9 +1483,12 @@ class VariableBatchSizeLR(LRScheduler):
         self._backwards = 0
         param = next((p for group in optimizer.param_groups for p in group["params"] if p.requires_grad and p.is_leaf),
                      None)
-        if param is not None:
-            count = weakref.WeakMethod(self._count_backward)  # the hook does not keep this scheduler alive
-            param.register_post_accumulate_grad_hook(lambda _: count() is not None and count()())
+        count = weakref.WeakMethod(self._count_backward)  # the hook does not keep this scheduler alive
+        try:
+            if param is not None:
+                param.register_post_accumulate_grad_hook(lambda _: count() and count()())
+        except RuntimeError:  # a tensor subclass without such hooks: optimizer steps and step inputs count alone
+            pass
         self._step_count = 0
         self._realign()
         self._follow()
