@@ -1357,6 +1357,72 @@ def test_step_zero_realigns_without_restarting():
     assert base.last_epoch == scheduler.last_epoch == len(runs[-1])
 
 
+# -- the LR follows the sampler's passes, however the loop numbers its epochs ----------------------
+
+_PASS_SEQLENS = _lengths(48, 1, 30, seed=23)  # 10 to 21 batches an epoch, a new plan each epoch
+
+
+@st.composite
+def pass_schedules(draw):
+    """The passes a loop trains: (the epoch it sets, or None to set none; the batches it trains, or None for all)."""
+    count = draw(st.integers(1, 4))
+    if draw(st.booleans()):  # increasing epoch numbers from any first one, some maybe skipped
+        epochs = [draw(st.integers(0, 2))]
+        for gap in draw(st.lists(st.integers(1, 3), min_size=count - 1, max_size=count - 1)):
+            epochs.append(epochs[-1] + gap)
+    else:  # any epoch numbers, repeated or going back, or the sampler's own next epoch
+        epochs = draw(st.lists(st.one_of(st.none(), st.integers(0, 6)), min_size=count, max_size=count))
+    cuts = draw(st.lists(st.one_of(st.none(), st.integers(1, 8)), min_size=count, max_size=count))
+    return list(zip(epochs, cuts))
+
+
+@given(passes=pass_schedules(), order=st.sampled_from(["random", "bucket"]), gas=st.sampled_from([1, 2]),
+       method=st.sampled_from(["linear", "sqrt"]), unit=st.sampled_from(["sequences", "tokens"]),
+       reference=st.one_of(st.just("mean"), st.floats(1, 200)))
+# the audit's case: a loop numbering its epochs from 1, the scheduler made before it
+@example(passes=[(1, None), (2, None)], order="random", gas=1, method="linear", unit="sequences", reference="mean")
+# an epoch cut short, then the next one
+@example(passes=[(0, 3), (1, None)], order="bucket", gas=2, method="sqrt", unit="tokens", reference=60.0)
+# epoch numbers skipped
+@example(passes=[(0, None), (3, None), (5, 2)], order="random", gas=1, method="linear", unit="sequences",
+         reference=3.0)
+@settings(max_examples=60)
+def test_lr_follows_the_batch_trained_however_the_loop_numbers_its_epochs(passes, order, gas, method, unit,
+                                                                          reference):
+    """At every optimizer step lr = base_lr x s(B_b / B_ref), b the batch just trained, whatever epochs the loop sets."""
+    sampler = VariableBatchSampler(_PASS_SEQLENS, 40, gradient_accumulation_steps=gas, num_replicas=1, order=order,
+                                   seed=3)
+    loader = make_dataloader(_id_dataset(_PASS_SEQLENS), sampler)
+    param = torch.nn.Parameter(torch.zeros(2))
+    optimizer = torch.optim.SGD([param], lr=_BASE_LR)
+    scheduler = VariableBatchSizeLR(optimizer, reference, sampler, lr_scaling_method=method, lr_scaling_unit=unit)
+    scale = (lambda r: r) if method == "linear" else math.sqrt
+    t = 0
+    for epoch, cut in passes:
+        if epoch is not None:
+            sampler.set_epoch(epoch)
+        plan = sampler.plan  # of the epoch this pass iterates
+        sizes = plan.batch_tokens if unit == "tokens" else plan.batch_sizes
+        b_ref = float(sizes.mean()) if reference == "mean" else reference
+        batch_of = {i: b for b in range(plan.num_batches) for j in range(b * gas, (b + 1) * gas)
+                    for i in plan.microbatch(j).tolist()}
+        batches = set()  # the batches of the step inputs trained since the last optimizer step
+        for i, samples in enumerate(loader):
+            ids = [int(sample[0]) - 1 for sample in samples]
+            batches |= {batch_of[k] for k in ids}
+            (param.sum() * len(ids)).backward()
+            if i % gas == gas - 1:
+                assert len(batches) == 1, f"step {t}: the step inputs of one optimizer step are of batches {batches}"
+                b = batches.pop()
+                _check_lr(t, _BASE_LR * scale(sizes[b] / b_ref), optimizer.param_groups[0]["lr"])
+                optimizer.step()
+                optimizer.zero_grad()
+                scheduler.step()
+                t += 1
+                if cut is not None and i // gas + 1 == cut:
+                    break
+
+
 def test_lr_worked_example_through_scheduler():
     """DESIGN.md section 5 through the scheduler: 1e-3 at B_ref=2 is 5e-3 at B=10, then 2e-3 at B=4."""
     optimizer = _optimizer(lr=1e-3)
@@ -1627,6 +1693,43 @@ def test_fp16_overflow_scheduler_position_follows_the_batches(overflow_run):
     for j, (e, b, steps_in_epoch, last_lr) in enumerate(out["starts"]):
         assert steps_in_epoch == b, f"epoch {e}, batch {b}: steps_in_epoch={steps_in_epoch}"
         _check_lr(j, expected[j], last_lr)
+
+
+# -- AMP: torch's GradScaler skips an update, the loader has read ahead -----------------------------
+
+
+@pytest.mark.parametrize("from_end", [1, 2], ids=["last batch", "second-last batch"])
+def test_an_amp_skipped_update_near_an_epochs_end_is_not_a_double_step(from_end):
+    """GradScaler skips an inf loss's update near epoch 0's end (2 workers read ahead): the LR follows the next batch;
+    two step() calls with no backward pass and no optimizer step between still raise."""
+    seqlens = _lengths(60, 5, 40, seed=29)
+    dataset = [torch.randn(n, 4, generator=torch.Generator().manual_seed(i)) for i, n in enumerate(seqlens)]
+    sampler = VariableBatchSampler(seqlens, 128, order="bucket", seed=2)
+    loader = make_dataloader(dataset, sampler, collate_fn=PaddedCollate(), num_workers=2)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=_BASE_LR)
+    updates = []
+    optimizer.register_step_post_hook(lambda opt, args, kwargs: updates.append(opt.param_groups[0]["lr"]))
+    scheduler = VariableBatchSizeLR(optimizer, "mean", sampler)
+    scaler = torch.amp.GradScaler("cpu")
+    skipped = (0, sampler.plan_for_epoch(0).num_batches - from_end)
+    t = 0
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        sizes = sampler.plan.batch_sizes
+        for b, (x, lengths) in enumerate(loader):
+            assert len(lengths) == sizes[b]
+            _check_lr(t, _BASE_LR * sizes[b] / sizes.mean(), optimizer.param_groups[0]["lr"])
+            loss = model(x).pow(2).mean() * (float("inf") if (epoch, b) == skipped else 1.0)
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+            scheduler.step()
+            t += 1
+    assert len(updates) == t - 1, f"{t} batches, {len(updates)} updates: GradScaler skipped no update"
+    with pytest.raises(RuntimeError, match=re.escape("VariableBatchSizeLR.step() was called twice")):
+        scheduler.step()
 
 
 # -- horizons and clocks: schedules over epochs of different lengths (issue 12) --------------------
@@ -2006,6 +2109,41 @@ def test_reference_runs_span_several_epochs_and_the_clock_matters():
     assert _RESUME_STEPS > 3 * len(run.sampler)
     assert run.sampler.plan_for_epoch(0).fingerprint() != run.sampler.plan_for_epoch(1).fingerprint()
     assert [lr for _, lr in _reference_run()] != [lr for _, lr in _reference_run("tokens", 16)]
+
+
+def test_a_scheduler_made_before_the_sampler_is_restored_follows_the_restored_batch():
+    """Sampler restored mid-epoch after the scheduler was made: the first step trains the restored batch, at its LR."""
+    def make():
+        sampler = VariableBatchSampler(_PASS_SEQLENS, 40, gradient_accumulation_steps=2, num_replicas=1,
+                                       order="random", seed=3)
+        return sampler, make_dataloader(_id_dataset(_PASS_SEQLENS), sampler)
+
+    stopped, loader = make()
+    stopped.set_epoch(2)
+    for _ in zip(range(10), loader):  # 5 batches of epoch 2
+        pass
+    state = json.loads(json.dumps(stopped.state_dict()))
+    sampler, loader = make()
+    param = torch.nn.Parameter(torch.zeros(2))
+    optimizer = torch.optim.SGD([param], lr=_BASE_LR)
+    scheduler = VariableBatchSizeLR(optimizer, "mean", sampler)
+    sampler.load_state_dict(state)
+    plan, first = sampler.plan_for_epoch(2), state["steps_done"] // 2
+    assert first == 5 and plan.batch_sizes[first] != sampler.plan_for_epoch(0).batch_sizes[0], \
+        "the restored batch has batch 0's size: the case could not fail"
+    trained, t = [], 0
+    for i, samples in enumerate(loader):  # the rest of epoch 2
+        trained += [int(sample[0]) - 1 for sample in samples]
+        (param.sum() * len(samples)).backward()
+        if i % 2 == 1:
+            b = first + t
+            assert sorted(trained) == sorted(plan.microbatch(2 * b).tolist() + plan.microbatch(2 * b + 1).tolist())
+            _check_lr(t, _BASE_LR * plan.batch_sizes[b] / plan.batch_sizes.mean(), optimizer.param_groups[0]["lr"])
+            optimizer.step()
+            optimizer.zero_grad()
+            scheduler.step()
+            trained, t = [], t + 1
+    assert first + t == plan.num_batches
 
 
 @pytest.mark.parametrize("owner", ["sampler", "scheduler"])
@@ -3136,6 +3274,48 @@ def test_deepspeed_glue_fails_on_every_rank_when_the_ranks_plan_differently(tmp_
         assert code == 3, f"{out}\n{err}"
         assert "planned a different epoch than rank 0" in out
         assert "give every rank the same dataset" in out
+
+
+_MISMATCHED_RANKS_SCRIPT = '''
+import datetime, sys
+import torch
+import varbatch
+CASE = {case!r}
+rank, seqlens = int(sys.argv[1]), [10] * 100
+if CASE == "made before init_process_group":
+    sampler = varbatch.VariableBatchSampler(seqlens, 64)  # 1 rank by default: torch.distributed is not up
+torch.distributed.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=rank, world_size=2,
+                                     timeout=datetime.timedelta(seconds=30))
+if CASE == "different seqlens":
+    seqlens = [10] * 100 if rank == 0 else [5] * 100  # e.g. each rank tokenized its own way
+    sampler = varbatch.VariableBatchSampler(seqlens, 64, order="bucket")
+elif CASE == "one rank twice":
+    sampler = varbatch.VariableBatchSampler(seqlens, 64, num_replicas=2, rank=0)
+try:
+    loader = varbatch.make_dataloader([torch.ones(n) for n in seqlens], sampler, collate_fn=varbatch.PaddedCollate())
+    trained = sum(1 for _ in loader)
+except RuntimeError as error:
+    print(f"rank {{rank}}: {{error}}", flush=True)
+    torch.distributed.destroy_process_group()
+    sys.exit(3)
+print(f"rank {{rank}}: trained {{trained}} step inputs of {{sampler.plan.num_batches}} batches, no error", flush=True)
+torch.distributed.destroy_process_group()
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case, names", [
+    ("different seqlens", ["rank 1 planned a different epoch than rank 0", "give every rank the same dataset"]),
+    ("one rank twice", ["the processes deal to ranks [0, 0]", "pass every process its own data-parallel rank"]),
+    ("made before init_process_group", ["made before torch.distributed was initialized", "the job now has 2",
+                                        "make it after init_process_group"]),
+])
+def test_processes_that_deal_one_plan_differently_fail_at_once_on_every_rank(tmp_path, case, names):
+    """2 gloo processes that planned apart, deal to one rank twice or made the sampler too early: RuntimeError on both."""
+    for code, out, err in _two_processes(_MISMATCHED_RANKS_SCRIPT.format(case=case), tmp_path, timeout=60):
+        assert code == 3, f"exit code {code}\n{out}\n{err[-2000:]}"
+        for name in names:
+            assert name in out, f"{name!r} not in {out!r}"
 
 
 # -- the example under the DeepSpeed launcher ------------------------------------------------------

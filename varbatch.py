@@ -1567,7 +1567,7 @@ class VariableBatchSizeLR(LRScheduler):
             self._write()
 
     def step(self, epoch=None):
-        """Advances to the next batch (``step()``), or points at batch 0 of the sampler's epoch (``step(0)``)."""
+        """Advances to the next batch (``step()``), or points at the batch the sampler's next pass starts with (``step(0)``)."""
         if self._step_count == 0:  # torch's initial step, from __init__
             return super().step()
         self._sync()
@@ -1576,7 +1576,7 @@ class VariableBatchSizeLR(LRScheduler):
                 raise ValueError(f"VariableBatchSizeLR.step takes no argument (the next batch) or 0 (realign at an epoch "
                                  f"start), but got epoch={epoch!r}; call step() after every optimizer step")
             return self._realign()
-        # Two steps with neither an optimizer step nor a new step input between them: a wrapper steps this
+        # Two steps with no optimizer step, new step input or backward pass between them: a wrapper steps this
         # scheduler twice per update (HF Accelerate's prepared scheduler steps once per process).
         seen = (self._optimizer_steps, self._sampler._handed if self._sampler is not None else 0, self._backwards)
         if seen == self._seen_at_step and self._optimizer_steps and self._sampler is not None:
