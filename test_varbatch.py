@@ -1922,8 +1922,10 @@ _X = torch.tensor([[5, 6, 0], [7, 0, 0]])  # real lengths [2, 1] when measured
     (lambda: _X, {}, [2, 1]),
     (lambda: torch.tensor([[[1.0, 0.0], [0.0, 0.0]], [[0.0, 2.0], [3.0, 0.0]]]), {}, [1, 2]),  # B x S x E
     (lambda: torch.tensor([[5, -1, 6, -1], [-1, -1, -1, -1]]), dict(pad_value=-1), [3, 0]),
+    (lambda: PaddedCollate(seqlens_key="n")([{"ids": torch.tensor([5, 0])}, {"ids": torch.tensor([7])}]),
+     dict(seqlens_key="n"), [2, 1]),  # a dict with PaddedCollate's own key: recognised, not measured
 ], ids=["PaddedCollate tuple", "PaddedCollate dict", "attention_mask", "dict measured", "(x, labels)",
-        "[x, labels]", "tensor", "B x S x E", "pad_value"])
+        "[x, labels]", "tensor", "B x S x E", "pad_value", "PaddedCollate dict, own key"])
 def test_seqlens_from_padded_recognises_padded_collate_and_measures_the_rest(batch, kwargs, expected):
     """PaddedCollate's lengths are recognised by type or key; anything else is measured from its tensor (item 5)."""
     assert seqlens_from_padded(batch(), **kwargs) == expected

@@ -842,11 +842,12 @@ class PaddedCollate:
         return f"PaddedCollate(pad_value={self.pad_value!r}, seqlens_key={self.seqlens_key!r})"
 
 
-def seqlens_from_padded(batch, pad_value=0):
+def seqlens_from_padded(batch, pad_value=0, seqlens_key="seqlens"):
     """The real length of every sample of a collated batch (a ``batch_seqlens_fn``).
 
     `PaddedCollate`'s lengths are recognised by its output's type (tuples) or
-    the ``"seqlens"`` key (dicts); a dict's ``attention_mask`` gives its row
+    the ``seqlens_key`` key (dicts: pass PaddedCollate's own, e.g. with
+    ``functools.partial``); a dict's ``attention_mask`` gives its row
     sums. Anything else is measured on its first tensor (a tuple's first item,
     a dict's first field), ``B x S x ...``: a sample runs to its last position
     holding a value other than ``pad_value``.
@@ -855,9 +856,9 @@ def seqlens_from_padded(batch, pad_value=0):
         >>> seqlens_from_padded(torch.tensor([[5, 6, 0], [7, 0, 0]]))
         [2, 1]
     """
-    if isinstance(batch, _PaddedBatch) or isinstance(batch, Mapping) and ("seqlens" in batch or
+    if isinstance(batch, _PaddedBatch) or isinstance(batch, Mapping) and (seqlens_key in batch or
                                                                           "attention_mask" in batch):
-        lengths = batch[-1] if isinstance(batch, _PaddedBatch) else batch.get("seqlens")
+        lengths = batch[-1] if isinstance(batch, _PaddedBatch) else batch.get(seqlens_key)
         return [int(x) for x in (torch.as_tensor(batch["attention_mask"]).sum(dim=1) if lengths is None else lengths)]
     batch = next(iter(batch.values())) if isinstance(batch, Mapping) else batch
     while isinstance(batch, (tuple, list)) and len(batch) and not _is_one_sequence(batch):
