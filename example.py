@@ -161,8 +161,7 @@ def main(args):
         if path is None:
             raise FileNotFoundError(f"--resume: no checkpoint in --checkpoint-dir {args.checkpoint_dir}")
         sampler.load_state_dict(client_state["varbatch_sampler"])
-        print0(f"resumed from {path} at step {engine.global_steps}: epoch {sampler.epoch}, "
-               f"batch {sampler.steps_done // gas}")
+        print0(f"resumed from {path} at step {engine.global_steps}; the sampler goes on in epoch {sampler.epoch}")
     left = args.epochs - sampler.epoch
     total_steps = min(engine.global_steps + (sampler.horizon(left) if left > 0 else 0), args.max_steps or 10 ** 9)
     print0(f"{total_steps} optimizer steps of {sampler.effective_batch_size} micro-batches: "
@@ -176,9 +175,9 @@ def main(args):
         if engine.global_steps >= total_steps:
             break
         sampler.set_epoch(epoch)
-        plan, batches = sampler.plan, iter(dataloader)
+        plan, b0, batches = sampler.plan, sampler.steps_done // gas, iter(dataloader)  # b0 first: workers read ahead
         dropped.update({reason: len(ids) for reason, ids in plan.dropped.items()})
-        for b in range(sampler.steps_done // gas, plan.num_batches):
+        for b in range(b0, plan.num_batches):
             step_inputs = weigh([next(batches) for _ in range(gas)], int(plan.batch_tokens[b]), ranks, gas)
             shapes, lr = [tuple(inputs[0].shape[:2]) for inputs, _ in step_inputs], lr_scheduler.get_last_lr()[0]
             if pipeline:  # 4a. one call trains the batch; the stages exchange activations of one shape
