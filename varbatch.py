@@ -1401,6 +1401,16 @@ def _find_sampler(obj: Any, depth: int = 0) -> VariableBatchSampler | None:
     return None
 
 
+def _weakly(method: Callable) -> Callable:
+    """``method`` as a hook that does not keep its object alive (and does nothing once it is gone)."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(*args):
+        target = ref()
+        return None if target is None else target(*args)
+    return hook
+
+
 class VariableBatchSizeLR(LRScheduler):
     """Scales any LR schedule by the size of each batch: ``lr_t = schedule(t) x s(B_t / B_ref)``.
 
@@ -1478,23 +1488,20 @@ class VariableBatchSizeLR(LRScheduler):
         # Position: the plan's epoch and batch, what the clock counted, DeepSpeed's skipped steps seen.
         self._epoch, self._batch, self._seen, self._skipped_seen = 0, 0, 0, 0
         self._skipped, self._reported, self._optimizer_steps, self._seen_at_step = None, -1, 0, None
-        # Training between two step() calls: optimizer steps, step inputs handed out, backward passes (a gradient
-        # accumulated into one parameter; an AMP-skipped update has no optimizer step, and near an epoch's end a
-        # prefetching loader hands out nothing new).
-        self._backwards = 0
+        # The training between two step() calls: optimizer steps, and backward passes (a gradient accumulated into
+        # one parameter), which tell an update that AMP skipped from a second step() for one update.
+        self._backwards, self._hooks = 0, [optimizer.register_step_post_hook(_weakly(self._count_optimizer_step))]
         param = next((p for group in optimizer.param_groups for p in group["params"] if p.requires_grad and p.is_leaf),
                      None)
-        count = weakref.WeakMethod(self._count_backward)  # the hook does not keep this scheduler alive
         try:
             if param is not None:
-                param.register_post_accumulate_grad_hook(lambda _: count() and count()())
-        except RuntimeError:  # a tensor subclass without such hooks: optimizer steps and step inputs count alone
+                self._hooks.append(param.register_post_accumulate_grad_hook(_weakly(self._count_backward)))
+        except RuntimeError:  # a tensor subclass without such hooks: new step inputs stand in for backward passes
             pass
-        self._step_count = 0
+        self._step_count, self._counts_backwards = 0, len(self._hooks) == 2
         self._realign()
         self._follow()
         self._unscaled = [group["lr"] for group in optimizer.param_groups]
-        optimizer.register_step_post_hook(self._count_optimizer_step)
         super().__init__(optimizer, last_epoch)  # torch's first step: the LRs of batch 0
         factors, b_ref = self._factors(self._epoch)
         if self.base_batch_size is None and not 0.5 <= factors.mean() <= 2.0 and self._rank_zero():
@@ -1577,13 +1584,18 @@ class VariableBatchSizeLR(LRScheduler):
                 raise ValueError(f"VariableBatchSizeLR.step takes no argument (the next batch) or 0 (realign at an epoch "
                                  f"start), but got epoch={epoch!r}; call step() after every optimizer step")
             return self._realign()
-        # Two steps with no optimizer step, new step input or backward pass between them: a wrapper steps this
-        # scheduler twice per update (HF Accelerate's prepared scheduler steps once per process).
-        seen = (self._optimizer_steps, self._sampler._handed if self._sampler is not None else 0, self._backwards)
-        if seen == self._seen_at_step and self._optimizer_steps and self._sampler is not None:
-            raise RuntimeError("VariableBatchSizeLR.step() was called twice for one optimizer step, with no new batch "
-                               "between: call it once per optimizer step (HF Accelerate: keep it out of "
-                               "accelerator.prepare(), whose scheduler wrapper steps once per process)")
+        # Since the last step(), an optimizer step, or a batch's backward passes (an update AMP skipped); else a
+        # wrapper steps this scheduler twice per update (HF Accelerate's prepared scheduler steps once per process)
+        # or a loop steps it per step input.
+        seen = (self._optimizer_steps, self._backwards, self._sampler._handed if self._sampler is not None else 0)
+        last, gas = self._seen_at_step, self._sampler.gradient_accumulation_steps if self._sampler is not None else 0
+        if last is not None and gas and self._optimizer_steps and seen[0] == last[0] and (
+                seen[1] - last[1] < gas if self._counts_backwards else seen[2] == last[2]):
+            raise RuntimeError(f"VariableBatchSizeLR.step() was called twice for one optimizer step (since the last "
+                               f"call: no optimizer step, {seen[1] - last[1]} of a batch's {gas} backward passes): call "
+                               f"it once per optimizer step (HF Accelerate: keep it out of accelerator.prepare(), whose "
+                               f"wrapper steps once per process; under accelerator.accumulate(), step it only when "
+                               f"accelerator.sync_gradients)")
         # NOTE [the wrapped scheduler steps first]: torch's step() takes the new LRs from get_lr(),
         # the wrapped schedule's LR times the next batch's factor: so the wrapped scheduler steps,
         # on its own unscaled LRs, before torch's step. If it raises, nothing here has moved.
@@ -1630,8 +1642,15 @@ class VariableBatchSizeLR(LRScheduler):
     def _count_optimizer_step(self, optimizer, args, kwargs) -> None:
         self._optimizer_steps += 1
 
-    def _count_backward(self) -> None:
+    def _count_backward(self, param) -> None:
         self._backwards += 1
+
+    def _detach(self) -> None:
+        """Removes this scheduler's hooks and stops following its sampler (the DeepSpeed glue replaces it)."""
+        for handle in self._hooks:
+            handle.remove()
+        if self._sampler is not None:
+            self._sampler._followers = [ref for ref in self._sampler._followers if ref() not in (None, self._realign)]
 
     def _follow_skipped_steps(self, skipped: Callable[[], int]) -> None:
         """Makes the LR follow the batch trained when an engine skips steps.
@@ -1643,7 +1662,10 @@ class VariableBatchSizeLR(LRScheduler):
         schedule stays where DeepSpeed left it.
         """
         self._skipped, self._skipped_seen = skipped, skipped()
-        self.optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: self._sync())
+        self._hooks.append(self.optimizer.register_step_pre_hook(_weakly(self._before_optimizer_step)))
+
+    def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
+        self._sync()
 
     def _sync(self) -> None:
         """Moves the batch index on by the steps the engine skipped since the last look (see above)."""
@@ -1977,6 +1999,7 @@ def get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(dataset, e
     pipeline = grid is not None and hasattr(engine, "train_batch")
     base = engine.lr_scheduler if getattr(engine, "lr_scheduler", None) is not None else engine.optimizer
     if isinstance(base, VariableBatchSizeLR):  # called again: scale the original schedule, not the scaled one
+        base._detach()
         for group, lr in zip(base.optimizer.param_groups, base._unscaled):
             group["lr"] = lr
         base = base._base if base._base is not None else base.optimizer
