@@ -1266,6 +1266,20 @@ class _Loader(DataLoader):
         return self.__dict__["_local"]
 
 
+class _RestoresAtOnce:
+    """A stateful loader's ``load_state_dict`` that also restores the sampler at once, not only when the next
+    iterator starts (torchdata's does that), so that ``sampler.epoch`` right after it is the epoch to resume."""
+
+    def load_state_dict(self, state_dict):
+        super().load_state_dict(state_dict)
+        pending = [state_dict]
+        while pending:  # the sampler's state, wherever the loader's format nests it
+            node = pending.pop()
+            if isinstance(node, Mapping) and set(node) == {"epoch", "steps_done", "rank", "settings"}:
+                return self.variable_batch_sampler.load_state_dict(node)
+            pending += list(node.values()) if isinstance(node, Mapping) else []
+
+
 class _Collate:
     """Loads the samples of a step-input key, pads them in same-length mode, collates them (runs in workers)."""
 
@@ -1365,7 +1379,9 @@ def make_dataloader(dataset, batch_sampler: VariableBatchSampler, *, collate_fn=
     if batch_sampler.same_length and sample_padding_fn is None:
         raise ValueError("sample_padding_fn is None, but same-length mode pads every sample of a batch to the batch's "
                          "max seqlen; pass sample_padding_fn=varbatch.pad_sample or your own fn(sample, length)")
-    cls = _Loader if dataloader_class is None else type(f"_{dataloader_class.__name__}", (_Loader, dataloader_class), {})
+    bases = (_Loader,) if dataloader_class is None else (_Loader, dataloader_class) if not hasattr(
+        dataloader_class, "load_state_dict") else (_RestoresAtOnce, _Loader, dataloader_class)
+    cls = _Loader if dataloader_class is None else type(f"_{dataloader_class.__name__}", bases, {})
     loader = cls(_KeyDataset(), batch_size=1, sampler=_GlobalKeys(batch_sampler), num_workers=num_workers,
                  pin_memory=pin_memory, collate_fn=_Collate(dataset, collate_fn, sample_padding_fn,
                                                             (batch_sampler.num_replicas, batch_sampler.rank)),
