@@ -26,6 +26,7 @@ import numpy as np
 import varbatch
 
 MAX_MICROBATCHES = 6  # drawn per batch; the others are counted
+MAX_BATCHES = 40  # drawn per plan: more rows than a picture has pixels show nothing more, and cost minutes
 # Shares of the panel height for a text line and the gaps, so that text stays
 # legible however many sample rows there are (rows share the rest; with many
 # batches drawn, text and gaps shrink to 60% of the panel in all).
@@ -136,11 +137,15 @@ def main(argv=None) -> int:
     """``python plot_plan.py [plan flags] OUTPUT.png``; returns the exit code (0, or 2 on bad input)."""
     parser, p = varbatch._cli_parser("python plot_plan.py")
     p.prog, p.description = "python plot_plan.py", __doc__.splitlines()[0]
-    p.epilog = "--batches N: batches drawn per plan (default 2, 0 for all); --json is ignored.\nexamples:\n" + \
+    p.epilog = f"--batches N: batches drawn per plan (default 2, 0 for all, at most {MAX_BATCHES}); --json is " \
+        "ignored.\nexamples:\n" + \
         "\n".join(line[2:] for line in __doc__.splitlines() if line.startswith("    python plot_plan.py --"))
     p.add_argument("output", metavar="OUTPUT.png", help="the picture to write (the format follows the suffix)")
     args = parser.parse_args(["plan", *(sys.argv[1:] if argv is None else argv)])
-    num_batches = 2 if args.batches is None else args.batches or sys.maxsize
+    num_batches = min(2 if args.batches is None else args.batches or sys.maxsize, MAX_BATCHES)
+    if args.batches is not None and not 0 < args.batches <= MAX_BATCHES:
+        print(f"plot_plan: drawing the first {MAX_BATCHES} batches of each plan (`python varbatch.py plan --batches 0`"
+              f" lists them all)", file=sys.stderr)
     try:
         try:
             import matplotlib  # noqa: F401  (the only module that needs it)

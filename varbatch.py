@@ -597,6 +597,9 @@ def _check_lr_method(method: Any) -> Any:
 def _lr_factor(ratio: float, method: Any) -> float:
     """The LR multiplier for a batch ``ratio`` times the reference batch."""
     if method in ("linear", "sqrt", "none", None):
+        if not math.isfinite(ratio):
+            raise ValueError(f"the batch-size ratio B / B_ref is {ratio}: B_ref is too small; set it (lr_scaling_reference, "
+                             f"base_batch_size) to the batch size the LR was tuned for")
         return ratio if method == "linear" else math.sqrt(ratio) if method == "sqrt" else 1.0
     factor = method(ratio)
     if isinstance(factor, bool) or not isinstance(factor, numbers.Real) or not math.isfinite(factor) or factor < 0:
@@ -1874,7 +1877,8 @@ def _read_config(config: Any) -> tuple[dict, dict, dict]:
             raise ValueError(f"unknown key {key!r} in {path}{f'; did you mean {close[0]!r}?' if close else ''} "
                              f"(valid keys: {', '.join(known)})")
     if section.get("enabled") is not True:
-        raise ValueError(f"{path}.enabled is not true; set \"enabled\": true to use dynamic batching")
+        raise ValueError(f"{path}.enabled is {section.get('enabled')!r}, not true (a JSON boolean); set \"enabled\": "
+                         f"true to use dynamic batching")
     if "max_tokens" not in section:
         raise ValueError(f"{path}.max_tokens is missing; set it to the tokens one micro-batch may hold")
     orders = {section[key] for key in ("sequence_picking_order", "sentence_picking_order") if key in section}
@@ -1901,6 +1905,9 @@ def _read_config(config: Any) -> tuple[dict, dict, dict]:
         if (key == "num_workers" and not (whole and value >= 0)) or (key != "num_workers" and not isinstance(value, bool)):
             expected = "an integer >= 0" if key == "num_workers" else "true or false"
             raise (ValueError if whole else TypeError)(f"in {where}: {key} should be {expected}, but got {key}={value!r}")
+    if other["metrics_path"] is not None and not isinstance(other["metrics_path"], str):
+        raise TypeError(f"in {path}: metrics_path should be a folder path (a string), but got "
+                        f"metrics_path={other['metrics_path']!r}")
     return plan, lr, other
 
 
@@ -1954,6 +1961,8 @@ def _dataset_seqlens(dataset, metrics_path: str | None, batch_seqlens_fn, collat
             _logger.warning("the seqlen cache in %s disagrees with batch_seqlens_fn on sample %d: it is from another "
                             "dataset; recomputing it", metrics_path, int(ids[stale[0]]))
             cached = None
+    if not all(_gather(cached is not None)):  # a cache some ranks lack or find stale (node-local disks): all compute
+        cached = None
     if cached is not None:
         return cached
     if batch_seqlens_fn is None:
@@ -2077,7 +2086,7 @@ def _cli_parser(prog: str = "python varbatch.py"):
             ("--config", str, "DeepSpeed config (ds_config.json) with a dynamic_batching section"),
             ("--seqlens", str, "lengths: a .npy array, a text file of one length per line, or - for stdin"),
             ("--world-size", whole, "data-parallel ranks (default: from the config, else 1)"),
-            ("--effective-batch-size", whole, "micro-batches per batch, replacing train_batch_size"),
+            ("--effective-batch-size", whole, "micro-batches per batch, replacing train_batch_size (and accumulation)"),
             ("--epoch", lambda t: whole(t, 0), "epoch to plan (default 0)"),
             ("--max-tokens", whole, "token budget of one micro-batch (default: the config's, else 4096)"),
             ("--budget", str, "sum or padded (default: the config's, else sum)"),
@@ -2138,7 +2147,7 @@ def _cli_plan(args, lengths: tuple[np.ndarray, str] | None = None) -> tuple[Plan
               for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")]
     train, micro, gas = counts
     if args.effective_batch_size:
-        train, micro, gas = args.effective_batch_size, 1, None
+        train, micro, gas = args.effective_batch_size, micro or 1, None  # the config's micro-batch size stays
     world = args.world_size or (train // (micro * gas) if None not in (train, micro, gas) else 1)
     micro = micro or (train // ((gas or 1) * world) if train else 1)
     k = train or micro * (gas or 1) * world
