@@ -715,8 +715,9 @@ def _format_totals(t: Mapping) -> str:
 # Torch adapters: padding, collate, seqlens of a collated batch
 # =============================================================================
 # A sample is one sequence (a tensor, array or list of numbers, sequence first), a
-# tuple of fields (`(label, tokens)`), or a dict (Hugging Face style). Fields with
-# a sequence dimension are padded along it; others are kept. len() means nothing here.
+# tuple (or list) of fields (`(label, tokens)`), or a dict (Hugging Face style): a list
+# of lists is fields, so per-token features come as a tensor or array. Fields with a
+# sequence dimension are padded along it; others are kept. len() means nothing here.
 
 
 def _is_one_sequence(sample: Any) -> bool:
