@@ -1545,6 +1545,30 @@ def test_deepspeed_glue_installs_the_scheduler_and_does_not_scale_twice():
         f"LR is wrong at step 0: expected {expected}, got {second.get_last_lr()}"
 
 
+def test_deepspeed_glue_called_again_detaches_the_scheduler_it_replaces():
+    """The glue called again on one engine: the replaced scheduler's hooks are gone and it no longer follows its
+    sampler, so the LR an update uses is the new scheduler's (after skipped steps, and when the old loader runs)."""
+    engine, (old_loader, old, _) = _glue(_glue_config(sequence_picking_order="random"), dataset_seqlens=_GLUE_SEQLENS)
+    seqlens = _lengths(40, 1, 8, seed=31)
+    new_loader, new, _ = varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
+        [torch.ones(n) for n in seqlens], engine, dataset_seqlens=seqlens)
+    assert engine.lr_scheduler is new and old is not None  # the old one stays alive: only detaching silences it
+    new_plan, old_plan = new_loader.variable_batch_sampler.plan, old_loader.variable_batch_sampler.plan
+    expected = _BASE_LR * new_plan.batch_sizes[1] / new_plan.batch_sizes.mean()
+    stale = _BASE_LR * old_plan.batch_sizes[1] / old_plan.batch_sizes.mean()
+    assert not math.isclose(expected, stale), "both schedulers give batch 1 one LR: the test could not fail"
+    optimizer = engine.optimizer
+    applied = []  # registered last: the LR the update uses, after every pre-step hook
+    optimizer.register_step_pre_hook(lambda opt, args, kwargs: applied.append(opt.param_groups[0]["lr"]))
+    engine.skipped_steps = 1  # an fp16 overflow skipped batch 0's update: batch 1 is next
+    _check_lr(1, expected, new.get_last_lr()[0])  # read before the update, as example.py's loop does
+    optimizer.step()
+    _check_lr(1, expected, applied[0])
+    old_loader.variable_batch_sampler.set_epoch(1)
+    next(iter(old_loader))  # a pass of the old sampler: the old scheduler no longer points its LR at it
+    _check_lr(1, expected, optimizer.param_groups[0]["lr"])
+
+
 # -- a failed step changes nothing (issue 9, item 4) -----------------------------------------------
 
 
@@ -1730,6 +1754,114 @@ def test_an_amp_skipped_update_near_an_epochs_end_is_not_a_double_step(from_end)
     assert len(updates) == t - 1, f"{t} batches, {len(updates)} updates: GradScaler skipped no update"
     with pytest.raises(RuntimeError, match=re.escape("VariableBatchSizeLR.step() was called twice")):
         scheduler.step()
+
+
+# -- gradient accumulation: one scheduler step per optimizer step ---------------------------------
+
+
+def _accumulating_loop(scheduler_per_step_input=False, inf_batch=None, epochs=2):
+    """A sampler of gradient_accumulation_steps=2 and an optimizer that steps every second step input (what HF
+    Accelerate's accumulate() makes of optimizer.step()); the scheduler steps after every step input, or after
+    every update. Through a GradScaler, batch ``inf_batch`` (epoch, batch) has an inf loss: AMP skips its update.
+    Returns (scheduler.step() calls, [(epoch, batch, LR at its first step input)], updates, sampler, the
+    RuntimeError a call raised or None)."""
+    sampler = _sampler(gradient_accumulation_steps=2, micro_batch_size=1)
+    model = torch.nn.Linear(1, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=_BASE_LR)
+    updates = []
+    optimizer.register_step_post_hook(lambda opt, args, kwargs: updates.append(opt.param_groups[0]["lr"]))
+    scheduler = VariableBatchSizeLR(optimizer, "mean", sampler)
+    scaler = torch.amp.GradScaler("cpu") if inf_batch is not None else None
+    calls, starts = 0, []
+    with warnings.catch_warnings():  # torch's warning when the first scheduler.step() comes before an update
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+        for epoch in range(epochs):
+            sampler.set_epoch(epoch)
+            for i, ids in enumerate(sampler):
+                b = i // 2
+                if i % 2 == 0:
+                    starts.append((epoch, b, optimizer.param_groups[0]["lr"]))
+                loss = model(torch.ones(len(ids), 1)).pow(2).mean() * (float("inf") if (epoch, b) == inf_batch else 1.0)
+                (scaler.scale(loss) if scaler else loss).backward()
+                if i % 2 == 1:
+                    if scaler:
+                        scaler.step(optimizer)
+                        scaler.update()
+                    else:
+                        optimizer.step()
+                    optimizer.zero_grad()
+                if scheduler_per_step_input or i % 2 == 1:
+                    calls += 1
+                    try:
+                        scheduler.step()
+                    except RuntimeError as error:
+                        return calls, starts, updates, sampler, error
+    return calls, starts, updates, sampler, None
+
+
+def test_a_scheduler_stepped_per_step_input_under_accumulation_stops_at_once():
+    """gradient_accumulation_steps=2, an update every second step input, scheduler.step() after each one (Accelerate's
+    accumulate() idiom): RuntimeError naming accelerator.sync_gradients at its first call, before any update."""
+    calls, _, updates, _, error = _accumulating_loop(scheduler_per_step_input=True)
+    assert error is not None, f"{calls} scheduler steps for {len(updates)} updates, and no error"
+    assert "called twice for one optimizer step" in str(error) and "accelerator.sync_gradients" in str(error), error
+    assert (calls, len(updates)) == (1, 0), f"raised at call {calls}, after {len(updates)} updates"
+
+
+_ACCUMULATE_SCRIPT = '''
+import json, warnings
+import torch
+import varbatch
+from accelerate import Accelerator
+warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\\.step\\(\\)` before")
+accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+lengths = torch.randint(5, 61, (200,), generator=torch.Generator().manual_seed(0)).tolist()
+model = torch.nn.Linear(1, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+sampler = varbatch.VariableBatchSampler(lengths, 256, budget="padded", order="bucket", gradient_accumulation_steps=2)
+loader = varbatch.make_dataloader([torch.randn(n, 1) for n in lengths], sampler, collate_fn=varbatch.PaddedCollate())
+scheduler = varbatch.VariableBatchSizeLR(optimizer, "mean", sampler)
+model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+calls, error = 0, None
+try:
+    for x, _ in loader:
+        with accelerator.accumulate(model):
+            accelerator.backward(model(x).pow(2).mean())
+            optimizer.step()  # Accelerate's wrapper updates only when accelerator.sync_gradients
+            calls += 1
+            scheduler.step()  # the mistake: once per step input
+            optimizer.zero_grad()
+except RuntimeError as caught:
+    error = str(caught)
+print(json.dumps(dict(calls=calls, batches=sampler.plan_for_epoch(0).num_batches, error=error)))
+'''
+
+
+def test_a_scheduler_stepped_per_step_input_under_accelerate_accumulate_stops_at_once(tmp_path):
+    """HF Accelerate (one CPU process), accumulate() with 2 steps, scheduler.step() per step input: RuntimeError
+    naming accelerator.sync_gradients at its first call, before it moves two batches per update."""
+    pytest.importorskip("accelerate")
+    done = subprocess.run([sys.executable, "-c", _ACCUMULATE_SCRIPT], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, PYTHONPATH=_ROOT))
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["error"] is not None, f"{out['calls']} scheduler steps for {out['batches']} batches, and no error"
+    assert "called twice for one optimizer step" in out["error"] and "accelerator.sync_gradients" in out["error"]
+    assert out["calls"] == 1, f"raised at call {out['calls']}"
+
+
+@pytest.mark.parametrize("inf_batch", [None, (0, 3), (1, 0)], ids=["every update", "AMP skips batch 3",
+                                                                    "AMP skips epoch 1's first batch"])
+def test_a_scheduler_stepped_once_per_update_runs_through_accumulation(inf_batch):
+    """gradient_accumulation_steps=2, scheduler.step() once per update (also one AMP skipped): no error, and every
+    batch starts at base_lr x B_b / mean(B) of the batch it trains."""
+    calls, starts, updates, sampler, error = _accumulating_loop(inf_batch=inf_batch)
+    assert error is None, f"scheduler.step() call {calls} raised: {error}"
+    assert calls == len(starts) and len(updates) == calls - (inf_batch is not None), \
+        f"{calls} batches, {len(updates)} updates (expected {int(inf_batch is not None)} skipped)"
+    for t, (epoch, b, lr) in enumerate(starts):
+        sizes = sampler.plan_for_epoch(epoch).batch_sizes
+        _check_lr(t, _BASE_LR * sizes[b] / sizes.mean(), lr)
 
 
 # -- horizons and clocks: schedules over epochs of different lengths (issue 12) --------------------
@@ -2351,6 +2483,8 @@ _BAD_SCALE_LR = [
     ("method unknown", lambda: scale_lr(2, 4, method="lineer"), ValueError, "'lineer'"),
     ("method returns a negative factor", lambda: scale_lr(2, 4, method=lambda r: -r), ValueError, "returned -2"),
     ("method returns nan", lambda: scale_lr(2, 4, method=lambda r: float("nan")), ValueError, "returned nan"),
+    ("base_batch_size so small that B / B_ref overflows", lambda: scale_lr(1e-320, 4), ValueError,
+     "B / B_ref is inf: B_ref is too small"),
 ]
 
 
@@ -2534,6 +2668,8 @@ _BAD_SCHEDULER = [
     ("base_batch_size 0", lambda: VariableBatchSizeLR(_optimizer(), 0, [2, 2]), ValueError, "base_batch_size=0"),
     ("base_batch_size a string", lambda: VariableBatchSizeLR(_optimizer(), "avg", [2, 2]), TypeError,
      "base_batch_size='avg'"),
+    ("base_batch_size so small that B / B_ref overflows (the LR was inf)",
+     lambda: VariableBatchSizeLR(_optimizer(), 1e-320, [2, 2]), ValueError, "B / B_ref is inf: B_ref is too small"),
     ("batch_sizes empty", lambda: VariableBatchSizeLR(_optimizer(), 2, []), ValueError, "batch_sizes=[]"),
     ("batch_sizes zero", lambda: VariableBatchSizeLR(_optimizer(), 2, [2, 0]), ValueError, "batch_sizes[1]=0"),
     ("clock unknown", lambda: VariableBatchSizeLR(_optimizer(), 2, _sampler(), clock="tokns"), ValueError,
@@ -2622,6 +2758,8 @@ _BAD_CONFIGS = [
     ("dynamic_batching a number", _section_config(5), ValueError, _SECTION),
     ("no dynamic_batching section", {"train_batch_size": 2, "data_efficiency": {}}, ValueError, "dynamic_batching"),
     ("enabled false", _section_config({"enabled": False, "max_tokens": 16}), ValueError, f"{_SECTION}.enabled"),
+    ("enabled a string", _section_config({"enabled": "true", "max_tokens": 16}), ValueError,
+     f"{_SECTION}.enabled is 'true', not true (a JSON boolean)"),
     ("max_tokens missing", _section_config({"enabled": True}), ValueError, f"{_SECTION}.max_tokens"),
     ("unknown key", _section_config({"enabled": True, "max_token": 16}), ValueError,
      "'max_token' in data_efficiency.data_sampling.dynamic_batching; did you mean 'max_tokens'?"),
@@ -2642,6 +2780,11 @@ _BAD_CONFIGS = [
      "lr_clock_step=0"),
     ("lr_scaling_reference negative", _section_config({"enabled": True, "max_tokens": 16, "lr_scaling_reference": -1}),
      ValueError, "lr_scaling_reference=-1"),
+    ("lr_scaling_reference so small that B / B_ref overflows",
+     _section_config({"enabled": True, "max_tokens": 16, "lr_scaling_reference": 1e-320}), ValueError,
+     "B / B_ref is inf: B_ref is too small"),
+    ("metrics_path a number", _section_config({"enabled": True, "max_tokens": 16, "metrics_path": 5}), TypeError,
+     "metrics_path=5"),
     ("verbose not a bool", _section_config({"enabled": True, "max_tokens": 16, "verbose": "yes"}), TypeError,
      "verbose='yes'"),
     ("num_workers negative", _section_config({"enabled": True, "max_tokens": 16, "num_workers": -1}), ValueError,
@@ -2904,6 +3047,24 @@ def test_config_batch_geometry(capsys, tmp_path, npy_file, batch_keys, world_siz
     assert t["lr_factor"]["reference_value"] == 4
 
 
+def test_effective_batch_size_flag_keeps_the_config_micro_batch_size(capsys, tmp_path):
+    """--effective-batch-size 12 --world-size 2 over train_micro_batch_size_per_gpu 2 plans micro-batch size 2 and
+    3 accumulation steps, as training with train_batch_size 12 would (it planned micro-batch size 1)."""
+    config = _write_config(tmp_path, {"enabled": True, "max_tokens": 40}, train_batch_size=4,
+                           train_micro_batch_size_per_gpu=2)
+    lengths = tmp_path / "lengths.npy"
+    np.save(lengths, np.array(_CLI_SEQLENS))
+    code, out, err = _cli(capsys, "plan", "--config", config, "--seqlens", str(lengths), "--effective-batch-size",
+                          "12", "--world-size", "2", "--json", "--batches", "0")
+    assert code == 0, err
+    shown = json.loads(out)
+    t = shown["totals"]
+    assert (t["effective_batch_size"], t["micro_batch_size"], t["gradient_accumulation_steps"],
+            t["num_replicas"]) == (12, 2, 3, 2)
+    trained = plan_batches(_CLI_SEQLENS, 40, effective_batch_size=12, micro_batch_size=2, num_replicas=2)
+    assert [n for row in shown["batches"] for n in row["microbatch_sizes"]] == trained.microbatch_sizes().tolist()
+
+
 def test_config_world_size_that_contradicts_it_is_an_error(capsys, tmp_path, npy_file):
     """A --world-size the config's batch sizes contradict exits 2, naming both."""
     config = _write_config(tmp_path, train_batch_size=4, train_micro_batch_size_per_gpu=1,
@@ -3017,8 +3178,12 @@ def test_the_plan_command_refuses_what_training_refuses(capsys, tmp_path):
     ('{"data_efficiency": {}}', "dynamic_batching"),
     ('{"data_efficiency": {"data_sampling": {"dynamic_batching": {"enabled": true, "max_tokenz": 5}}}}',
      "max_tokens"),
+    ('{"data_efficiency": {"data_sampling": {"dynamic_batching": {"enabled": "true", "max_tokens": 9}}}}',
+     "enabled is 'true', not true (a JSON boolean)"),
+    ('{"data_efficiency": {"data_sampling": {"dynamic_batching": {"enabled": true, "max_tokens": 9, '
+     '"lr_scaling_reference": 1e-320}}}}', "B / B_ref is inf: B_ref is too small"),
 ], ids=["a list", "data_efficiency a list", "data_sampling a number", "dynamic_batching a number", "a bad value",
-        "not JSON", "no section", "unknown key"])
+        "not JSON", "no section", "unknown key", "enabled a string", "B_ref so small that B / B_ref overflows"])
 def test_bad_config_exits_2_with_one_line(capsys, tmp_path, content, names):
     """A malformed or wrong config gives one line naming the problem and exit code 2, no traceback (item 11)."""
     path = tmp_path / "ds_config.json"
@@ -3040,6 +3205,7 @@ def test_bad_flag_exits_2_with_one_line():
     (["plan", "--max-tokens", "0"], "'0'"),
     (["plan", "--lr-scaling-reference", "-1"], "-1"),
     (["plan", "--lr-scaling-reference", "abc"], "argument --lr-scaling-reference: expected a number > 0 or mean"),
+    (["plan", "--lr-scaling-reference", "1e-320"], "B / B_ref is inf: B_ref is too small"),  # the LR factors were inf
     (["plan", "--order", "randm"], "did you mean 'random'"),
     ([], "command"),
 ])
@@ -3126,6 +3292,32 @@ def test_plot_plan_draws_a_fixed_number_of_artists_per_micro_batch(tmp_path):
     small, large = artists(1), artists(64)
     assert small[1] == large[1] == 12, (small, large)  # 2 batches x the first 6 of 8 micro-batches
     assert small[0] == large[0] <= 3 * 12 + 20, (small, large)  # a box, a row outline and a label each
+
+
+def test_plot_plan_batches_0_draws_at_most_max_batches_per_plan(tmp_path, monkeypatch, capsys):
+    """plot_plan.py --batches 0 on 3,000 lengths draws the first MAX_BATCHES batches of each plan and says so on
+    stderr (it drew all of them: minutes on 30,000 samples)."""
+    pytest.importorskip("matplotlib")
+    sys.path.insert(0, _ROOT)
+    try:
+        import plot_plan
+    finally:
+        sys.path.remove(_ROOT)
+    lengths = tmp_path / "lengths.npy"
+    np.save(lengths, np.array(_lengths(3000, 8, 300, seed=41)))
+    drawn, draw_plan = [], plot_plan._draw_plan  # (the plan's batches, the batches drawn) per panel
+
+    def counting(ax, plan, seqlens, factors, num_batches, *args):
+        drawn.append((plan.num_batches, len(plot_plan._shown(plan, num_batches))))
+        return draw_plan(ax, plan, seqlens, factors, num_batches, *args)
+    monkeypatch.setattr(plot_plan, "_draw_plan", counting)
+    code = plot_plan.main(["--seqlens", str(lengths), "--max-tokens", "600", "--batches", "0",
+                           str(tmp_path / "plan.png")])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert len(drawn) == 2 and all(batches > plot_plan.MAX_BATCHES for batches, _ in drawn), f"plans too short to cut: {drawn}"
+    assert [shown for _, shown in drawn] == [plot_plan.MAX_BATCHES] * 2, f"(batches, drawn) per plan: {drawn}"
+    assert f"drawing the first {plot_plan.MAX_BATCHES} batches of each plan" in err, err
 
 
 # =============================================================================
@@ -3320,6 +3512,56 @@ def test_processes_that_deal_one_plan_differently_fail_at_once_on_every_rank(tmp
             assert name in out, f"{name!r} not in {out!r}"
 
 
+_PER_RANK_CACHE_SCRIPT = '''
+import datetime, json, os, sys, types
+import torch
+import varbatch
+rank = int(sys.argv[1])
+torch.distributed.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=rank, world_size=2,
+                                     timeout=datetime.timedelta(seconds=30))
+seqlens = [3 + (7 * i) % 29 for i in range(200)]
+section = {"enabled": True, "max_tokens": 64, "metrics_path": os.path.abspath(f"metrics{rank}")}  # node-local disks
+config = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 1,
+          "data_efficiency": {"data_sampling": {"dynamic_batching": section}}}
+engine = types.SimpleNamespace(_config=types.SimpleNamespace(_param_dict=config), optimizer=None,
+                               lr_scheduler=None, data_parallel_group=None, train_batch_size=lambda: 2,
+                               train_micro_batch_size_per_gpu=lambda: 1, gradient_accumulation_steps=lambda: 1)
+measured = []
+
+def batch_seqlens(batch):
+    measured.append(len(batch[1]))
+    return batch[1]
+
+loader, _, _ = varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
+    [torch.ones(n) for n in seqlens], engine, dataloader_collate_fn=varbatch.PaddedCollate(),
+    batch_seqlens_fn=batch_seqlens)
+plan = loader.variable_batch_sampler.plan
+print(json.dumps({"rank": rank, "measured": sum(measured),
+                  "microbatches": [list(map(int, m)) for m in plan.microbatches()]}))
+torch.distributed.destroy_process_group()
+'''
+
+
+@pytest.mark.slow
+def test_a_seqlen_cache_only_some_ranks_have_makes_every_rank_compute(tmp_path):
+    """Per-rank metrics_path folders (node-local disks), a cache in rank 0's only: both ranks compute the seqlens and
+    plan alike (rank 0 read its cache while rank 1 computed: mismatched collectives, "too many values to unpack")."""
+    for code, out, err in _two_processes(_PER_RANK_CACHE_SCRIPT, tmp_path, timeout=120):  # leaves rank 0 a cache
+        assert code == 0, f"{out}\n{err[-2000:]}"
+    cache = "varbatch_seqlens.npy"
+    assert (tmp_path / "metrics0" / cache).exists() and not (tmp_path / "metrics1" / cache).exists(), \
+        "rank 0's folder has no cache, or rank 1's has one: the test could not fail"
+    outs = []
+    for code, out, err in _two_processes(_PER_RANK_CACHE_SCRIPT, tmp_path, timeout=120):
+        assert code == 0, f"exit code {code}\n{out}\n{err[-2000:]}"
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    for rank, out in enumerate(outs):
+        assert out["measured"] >= len(range(rank, 200, 2)), f"rank {rank} measured {out['measured']} samples"
+    seqlens = [3 + (7 * i) % 29 for i in range(200)]
+    expected = plan_batches(seqlens, 64, effective_batch_size=2, num_replicas=2, seed=1234).microbatches()
+    assert outs[0]["microbatches"] == outs[1]["microbatches"] == [list(map(int, m)) for m in expected]
+
+
 # -- the example under the DeepSpeed launcher ------------------------------------------------------
 
 
@@ -3458,7 +3700,63 @@ def test_example_stop_and_resume_reproduces_the_uninterrupted_run(example_runs, 
     _check_ok(first)
     second = _launch("example.py", _PATHS[path] + _SMALL_RUN + ["--checkpoint-dir", checkpoint, "--resume"])
     _check_ok(second)
-    assert f"at step {stop}: epoch 1, batch 2" in second.stdout
+    assert f"at step {stop}; the sampler goes on in epoch 1" in second.stdout
+    expected, got = _steps(full.stdout), _steps(first.stdout) + _steps(second.stdout)
+    assert [s["step"] for s in got] == [s["step"] for s in expected]
+    for a, b in zip(got, expected):
+        same = ("epoch", "B", "S", "tokens", "lr")
+        assert [a[key] for key in same] == [b[key] for key in same], \
+            f"step {a['step']} differs after resuming at step {stop}: {a} != {b}"
+        assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5, abs_tol=1e-7), \
+            f"loss is wrong at step {a['step']}: expected {b['loss']}, got {a['loss']}"
+
+
+@pytest.fixture(scope="module")
+def example_with_workers(tmp_path_factory):
+    """ds_config.json with data_sampling.num_workers 2 (the loader reads ahead), and one uninterrupted DDP run on it."""
+    config = _example_config()
+    config["data_efficiency"]["data_sampling"]["num_workers"] = 2
+    path = tmp_path_factory.mktemp("workers") / "ds_config.json"
+    path.write_text(json.dumps(config))
+    return str(path), config, _launch("example.py", ["--config", str(path)] + _SMALL_RUN)
+
+
+@pytest.mark.slow
+def test_example_with_loader_workers_trains_every_batch_of_every_epoch(example_with_workers):
+    """num_workers 2: every epoch trains all its batches, with the plan's shapes and LRs, and every sample (the
+    last batches of each epoch were skipped: 8 of 10 steps, 566 of 800 samples)."""
+    _, config, result = example_with_workers
+    _check_ok(result)
+    expected, plans = _expected_steps(config, pipeline=False)
+    steps = _steps(result.stdout)
+    assert [s["step"] for s in steps] == list(range(1, len(expected) + 1)), \
+        f"expected steps 1..{len(expected)}, got {[s['step'] for s in steps]}"
+    for s, (epoch, shapes, tokens, lr) in zip(steps, expected):
+        assert (s["epoch"], list(zip(s["B"], s["S"])), s["tokens"]) == (epoch, shapes, tokens), \
+            f"step {s['step']}: epoch {s['epoch']}, B x S {list(zip(s['B'], s['S']))}, {s['tokens']} tokens; " \
+            f"expected epoch {epoch}, {shapes}, {tokens}"
+        assert math.isclose(float(s["lr"]), lr, rel_tol=1e-5), \
+            f"LR is wrong at step {s['step']}: expected {lr}, got {s['lr']}"
+    summary = _SUMMARY_LINE.search(result.stdout)
+    assert summary, result.stdout[-2000:]
+    assert int(summary[2]) == sum(int(p.batch_sizes.sum()) for p in plans) == _EPOCHS * _NUM_SAMPLES, \
+        f"{summary[2]} samples trained in {_EPOCHS} epochs of {_NUM_SAMPLES}"
+
+
+@pytest.mark.slow
+def test_example_with_loader_workers_stop_and_resume_reproduces_the_uninterrupted_run(example_with_workers,
+                                                                                      tmp_path):
+    """num_workers 2, stopped mid-epoch 1 and resumed: the same steps, batches, LRs and losses as without stopping."""
+    config_path, config, full = example_with_workers
+    _check_ok(full)
+    plans, _, _, _ = _example_plans(config, pipeline=False, epochs=1)
+    stop = plans[0].num_batches + 2  # batch 2 of epoch 1
+    run = ["--config", config_path, *_SMALL_RUN, "--checkpoint-dir", str(tmp_path / "ckpt")]
+    first = _launch("example.py", run + ["--max-steps", str(stop)])
+    _check_ok(first)
+    second = _launch("example.py", run + ["--resume"])
+    _check_ok(second)
+    assert f"at step {stop}; the sampler goes on in epoch 1" in second.stdout, second.stdout[-2000:]
     expected, got = _steps(full.stdout), _steps(first.stdout) + _steps(second.stdout)
     assert [s["step"] for s in got] == [s["step"] for s in expected]
     for a, b in zip(got, expected):
@@ -4150,3 +4448,43 @@ def test_stateful_dataloader_resumes_at_any_position_with_workers(stop, workers)
     head = [ids(next(batches)) for _ in range(stop)]
     resumed.load_state_dict(first.state_dict())
     assert head + [ids(batch) for batch in resumed] == [ids(batch) for batch in loader()]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("stop", ["mid-epoch 1", "end of epoch 0"])
+def test_stateful_dataloader_restores_the_sampler_at_load_state_dict(stop, workers):
+    """Right after loader.load_state_dict(), sampler.epoch is the epoch to resume: a loop ranged from it trains exactly
+    the batches of an uninterrupted run (it replayed epoch 0; audit's sdl3.py: 45 + 75 batches for 80)."""
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+    lengths = _lengths(300, 5, 60, seed=0)
+    dataset = _id_dataset(lengths)
+
+    def build():
+        sampler = VariableBatchSampler(lengths, 256, budget="padded", order="bucket")
+        return sampler, make_dataloader(dataset, sampler, collate_fn=PaddedCollate(), num_workers=workers,
+                                        dataloader_class=stateful.StatefulDataLoader)
+
+    def train(sampler, loader, stop_after=None):
+        """The loop of a resumable script: its epochs ranged from the sampler's."""
+        trained = []
+        for epoch in range(sampler.epoch, 2):
+            sampler.set_epoch(epoch)
+            for x, _ in loader:
+                trained.append((epoch, _ids_of(x)))
+                if len(trained) == stop_after:
+                    return trained
+        return trained
+
+    full = train(*build())
+    in_epoch_0 = sum(1 for epoch, _ in full if epoch == 0)
+    at = in_epoch_0 + in_epoch_0 // 2 if stop == "mid-epoch 1" else in_epoch_0
+    sampler, loader = build()
+    head = train(sampler, loader, stop_after=at)
+    state = loader.state_dict()
+    sampler, loader = build()
+    loader.load_state_dict(state)
+    assert sampler.epoch == full[at][0], f"sampler.epoch is {sampler.epoch} after load_state_dict, " \
+                                         f"the next batch is epoch {full[at][0]}'s"
+    rest = train(sampler, loader)
+    assert len(head) + len(rest) == len(full), f"{len(head)} + {len(rest)} batches for {len(full)}"
+    assert head + rest == full

@@ -1521,6 +1521,7 @@ class VariableBatchSizeLR(LRScheduler):
         self._step_count, self._counts_backwards = 0, len(self._hooks) == 2
         self._realign()
         self._follow()
+        self._seen_at_step = (0, 0, self._sampler._handed if self._sampler is not None else 0)
         self._unscaled = [group["lr"] for group in optimizer.param_groups]
         super().__init__(optimizer, last_epoch)  # torch's first step: the LRs of batch 0
         factors, b_ref = self._factors(self._epoch)
@@ -1609,7 +1610,7 @@ class VariableBatchSizeLR(LRScheduler):
         # or a loop steps it per step input.
         seen = (self._optimizer_steps, self._backwards, self._sampler._handed if self._sampler is not None else 0)
         last, gas = self._seen_at_step, self._sampler.gradient_accumulation_steps if self._sampler is not None else 0
-        if last is not None and gas and self._optimizer_steps and seen[0] == last[0] and (
+        if gas and seen[0] == last[0] and (
                 seen[1] - last[1] < gas if self._counts_backwards else seen[2] == last[2]):
             raise RuntimeError(f"VariableBatchSizeLR.step() was called twice for one optimizer step (since the last "
                                f"call: no optimizer step, {seen[1] - last[1]} of a batch's {gas} backward passes): call "
