@@ -3686,31 +3686,6 @@ def test_example_trains_the_plan_and_the_loss_goes_down(example_runs, path):
     assert all(int(tokens_per_s) > 0 for _, _, tokens_per_s, _ in progress)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("path", ["ddp", "pipeline"])
-def test_example_stop_and_resume_reproduces_the_uninterrupted_run(example_runs, path, tmp_path):
-    """Stopped mid-epoch and resumed, the run trains the same batches with the same LRs and losses."""
-    full = example_runs(path)
-    _check_ok(full)
-    plans, _, _, _ = _example_plans(_example_config(), path == "pipeline", epochs=1)
-    stop = plans[0].num_batches + 2  # batch 2 of epoch 1: mid-epoch, after an epoch boundary
-    checkpoint = str(tmp_path / "ckpt")
-    first = _launch("example.py", _PATHS[path] + _SMALL_RUN + ["--max-steps", str(stop),
-                                                               "--checkpoint-dir", checkpoint])
-    _check_ok(first)
-    second = _launch("example.py", _PATHS[path] + _SMALL_RUN + ["--checkpoint-dir", checkpoint, "--resume"])
-    _check_ok(second)
-    assert f"at step {stop}; the sampler goes on in epoch 1" in second.stdout
-    expected, got = _steps(full.stdout), _steps(first.stdout) + _steps(second.stdout)
-    assert [s["step"] for s in got] == [s["step"] for s in expected]
-    for a, b in zip(got, expected):
-        same = ("epoch", "B", "S", "tokens", "lr")
-        assert [a[key] for key in same] == [b[key] for key in same], \
-            f"step {a['step']} differs after resuming at step {stop}: {a} != {b}"
-        assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5, abs_tol=1e-7), \
-            f"loss is wrong at step {a['step']}: expected {b['loss']}, got {a['loss']}"
-
-
 @pytest.fixture(scope="module")
 def example_with_workers(tmp_path_factory):
     """ds_config.json with data_sampling.num_workers 2 (the loader reads ahead), and one uninterrupted DDP run on it."""
@@ -3744,14 +3719,19 @@ def test_example_with_loader_workers_trains_every_batch_of_every_epoch(example_w
 
 
 @pytest.mark.slow
-def test_example_with_loader_workers_stop_and_resume_reproduces_the_uninterrupted_run(example_with_workers,
-                                                                                      tmp_path):
-    """num_workers 2, stopped mid-epoch 1 and resumed: the same steps, batches, LRs and losses as without stopping."""
-    config_path, config, full = example_with_workers
+@pytest.mark.parametrize("path", ["pipeline", "ddp, 2 loader workers"])
+def test_example_stop_and_resume_reproduces_the_uninterrupted_run(example_runs, example_with_workers, path, tmp_path):
+    """Stopped mid-epoch and resumed (pipeline; DDP with a loader that reads ahead), the run trains the same batches
+    with the same LRs and losses."""
+    if path == "pipeline":
+        config, flags, full = _example_config(), _PATHS[path], example_runs(path)
+    else:
+        config_path, config, full = example_with_workers
+        flags = ["--config", config_path]
     _check_ok(full)
-    plans, _, _, _ = _example_plans(config, pipeline=False, epochs=1)
-    stop = plans[0].num_batches + 2  # batch 2 of epoch 1
-    run = ["--config", config_path, *_SMALL_RUN, "--checkpoint-dir", str(tmp_path / "ckpt")]
+    plans, _, _, _ = _example_plans(config, path == "pipeline", epochs=1)
+    stop = plans[0].num_batches + 2  # batch 2 of epoch 1: mid-epoch, after an epoch boundary
+    run = flags + _SMALL_RUN + ["--checkpoint-dir", str(tmp_path / "ckpt")]
     first = _launch("example.py", run + ["--max-steps", str(stop)])
     _check_ok(first)
     second = _launch("example.py", run + ["--resume"])
