@@ -3634,14 +3634,25 @@ def _expected_steps(config, pipeline):
 _PATHS = {"ddp": [], "pipeline": ["--pipeline-num-stages", "2"]}
 
 
+def _example_flags(path, folder):
+    """The example's flags for a path: DDP runs ds_config.json with data_sampling.num_workers 2 (written into
+    ``folder``), so that its loader reads ahead (the example once skipped the last batches of every epoch then)."""
+    if path == "pipeline":
+        return _PATHS[path]
+    config = _example_config()
+    config["data_efficiency"]["data_sampling"]["num_workers"] = 2
+    (Path(folder) / "ds_config.json").write_text(json.dumps(config))
+    return ["--config", str(Path(folder) / "ds_config.json")]
+
+
 @pytest.fixture(scope="module")
-def example_runs():
-    """One uninterrupted run of each path, shared by the tests below (each launch costs ~15 s)."""
+def example_runs(tmp_path_factory):
+    """One uninterrupted run of each path, shared by the tests below (each launch costs ~10 s)."""
     runs = {}
 
     def get(path):
         if path not in runs:
-            runs[path] = _launch("example.py", _PATHS[path] + _SMALL_RUN)
+            runs[path] = _launch("example.py", _example_flags(path, tmp_path_factory.mktemp(path)) + _SMALL_RUN)
         return runs[path]
     return get
 
@@ -3649,7 +3660,8 @@ def example_runs():
 @pytest.mark.slow
 @pytest.mark.parametrize("path", ["ddp", "pipeline"])
 def test_example_trains_the_plan_and_the_loss_goes_down(example_runs, path):
-    """2 ranks: every step's B, S, real tokens and LR are the plan's; the loss goes down; drops are reported once."""
+    """2 ranks (DDP with 2 loader workers): every step's B, S, real tokens and LR are the plan's; the loss goes down;
+    drops are reported once."""
     result = example_runs(path)
     _check_ok(result)
     steps = _steps(result.stdout)
@@ -3686,50 +3698,14 @@ def test_example_trains_the_plan_and_the_loss_goes_down(example_runs, path):
     assert all(int(tokens_per_s) > 0 for _, _, tokens_per_s, _ in progress)
 
 
-@pytest.fixture(scope="module")
-def example_with_workers(tmp_path_factory):
-    """ds_config.json with data_sampling.num_workers 2 (the loader reads ahead), and one uninterrupted DDP run on it."""
-    config = _example_config()
-    config["data_efficiency"]["data_sampling"]["num_workers"] = 2
-    path = tmp_path_factory.mktemp("workers") / "ds_config.json"
-    path.write_text(json.dumps(config))
-    return str(path), config, _launch("example.py", ["--config", str(path)] + _SMALL_RUN)
-
-
 @pytest.mark.slow
-def test_example_with_loader_workers_trains_every_batch_of_every_epoch(example_with_workers):
-    """num_workers 2: every epoch trains all its batches, with the plan's shapes and LRs, and every sample (the
-    last batches of each epoch were skipped: 8 of 10 steps, 566 of 800 samples)."""
-    _, config, result = example_with_workers
-    _check_ok(result)
-    expected, plans = _expected_steps(config, pipeline=False)
-    steps = _steps(result.stdout)
-    assert [s["step"] for s in steps] == list(range(1, len(expected) + 1)), \
-        f"expected steps 1..{len(expected)}, got {[s['step'] for s in steps]}"
-    for s, (epoch, shapes, tokens, lr) in zip(steps, expected):
-        assert (s["epoch"], list(zip(s["B"], s["S"])), s["tokens"]) == (epoch, shapes, tokens), \
-            f"step {s['step']}: epoch {s['epoch']}, B x S {list(zip(s['B'], s['S']))}, {s['tokens']} tokens; " \
-            f"expected epoch {epoch}, {shapes}, {tokens}"
-        assert math.isclose(float(s["lr"]), lr, rel_tol=1e-5), \
-            f"LR is wrong at step {s['step']}: expected {lr}, got {s['lr']}"
-    summary = _SUMMARY_LINE.search(result.stdout)
-    assert summary, result.stdout[-2000:]
-    assert int(summary[2]) == sum(int(p.batch_sizes.sum()) for p in plans) == _EPOCHS * _NUM_SAMPLES, \
-        f"{summary[2]} samples trained in {_EPOCHS} epochs of {_NUM_SAMPLES}"
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("path", ["pipeline", "ddp, 2 loader workers"])
-def test_example_stop_and_resume_reproduces_the_uninterrupted_run(example_runs, example_with_workers, path, tmp_path):
-    """Stopped mid-epoch and resumed (pipeline; DDP with a loader that reads ahead), the run trains the same batches
+@pytest.mark.parametrize("path", ["ddp", "pipeline"])
+def test_example_stop_and_resume_reproduces_the_uninterrupted_run(example_runs, path, tmp_path):
+    """Stopped mid-epoch and resumed (DDP with a loader that reads ahead; pipeline), the run trains the same batches
     with the same LRs and losses."""
-    if path == "pipeline":
-        config, flags, full = _example_config(), _PATHS[path], example_runs(path)
-    else:
-        config_path, config, full = example_with_workers
-        flags = ["--config", config_path]
+    full, flags = example_runs(path), _example_flags(path, tmp_path)
     _check_ok(full)
-    plans, _, _, _ = _example_plans(config, path == "pipeline", epochs=1)
+    plans, _, _, _ = _example_plans(_example_config(), path == "pipeline", epochs=1)
     stop = plans[0].num_batches + 2  # batch 2 of epoch 1: mid-epoch, after an epoch boundary
     run = flags + _SMALL_RUN + ["--checkpoint-dir", str(tmp_path / "ckpt")]
     first = _launch("example.py", run + ["--max-steps", str(stop)])
