@@ -1507,7 +1507,7 @@ class VariableBatchSizeLR(LRScheduler):
                 self._sampler._check_tokens_known(f"{name}='tokens'")
         # Position: the plan's epoch and batch, what the clock counted, DeepSpeed's skipped steps seen.
         self._epoch, self._batch, self._seen, self._skipped_seen = 0, 0, 0, 0
-        self._skipped, self._reported, self._optimizer_steps, self._seen_at_step = None, -1, 0, None
+        self._skipped, self._reported, self._optimizer_steps = None, -1, 0
         # The training between two step() calls: optimizer steps, and backward passes (a gradient accumulated into
         # one parameter), which tell an update that AMP skipped from a second step() for one update.
         self._backwards, self._hooks = 0, [optimizer.register_step_post_hook(_weakly(self._count_optimizer_step))]
