@@ -630,6 +630,16 @@ def _check_reference(reference: Any, name: str = "lr_scaling_reference") -> Any:
         _check_real(name, reference)
 
 
+def _check_clock(clock: Any, clock_step: Any, names: tuple = ("clock", "clock_step")) -> tuple[str, int]:
+    """What advances the wrapped schedule (see `VariableBatchSizeLR`) and by how much, checked together."""
+    clock, step = _check_choice(names[0], clock, _Clock), _check_int(names[1], clock_step, 1, fix="the tokens "
+                                                                     "(samples) per schedule step")
+    if clock == "steps" and step != 1:
+        raise ValueError(f"{names[1]}={step} counts tokens or samples, but {names[0]}='steps' steps the schedule once "
+                         f"per optimizer step; set {names[0]} to 'tokens' or 'samples', or {names[1]} to 1")
+    return clock, step
+
+
 def _lr_factors(sizes: np.ndarray, reference: Any, method: Any, default: float,
                 index: int | None = None) -> tuple[np.ndarray, float]:
     """``s(B / B_ref)`` for the batch sizes ``sizes`` (or only ``sizes[index]``), and ``B_ref``.
@@ -1045,13 +1055,14 @@ class VariableBatchSampler(Sampler[list[int]]):
             self._plans[epoch] = self._planner(epoch)
         return self._plans[epoch]
 
-    def _new_pass(self, epoch: int, start: int) -> None:
-        """A pass over ``epoch`` from step input ``start`` begins (an older iterator goes stale); the schedulers
-        following this sampler point their LR at its first batch, whatever epoch the loop numbers it."""
+    def _new_pass(self, epoch: int, start: int, restored: bool = False) -> None:
+        """A pass over ``epoch`` from step input ``start`` begins (an older iterator goes stale; ``restored``: by
+        load_state_dict); the schedulers following this sampler point their LR at its first batch, whatever epoch
+        the loop numbers it."""
         self._pass += 1
         for realign in [ref() for ref in self._followers]:
             if realign is not None:
-                realign(epoch, start)
+                realign(epoch, start, restored)
 
     def __getstate__(self) -> dict:  # a copy has no followers (they follow this sampler; see VariableBatchSizeLR)
         return {**self.__dict__, "_followers": []}
@@ -1198,7 +1209,7 @@ class VariableBatchSampler(Sampler[list[int]]):
         steps = _check_int("steps_done", state_dict["steps_done"], minimum=0, maximum=total)
         self._epoch, self.steps_done, self._start, self._finished = epoch, steps, steps, steps == total
         self._restored = True
-        self._new_pass(epoch, steps)
+        self._new_pass(epoch, steps, restored=True)
 
 
 class _KeyDataset(Dataset):
@@ -1374,6 +1385,8 @@ def make_dataloader(dataset, batch_sampler: VariableBatchSampler, *, collate_fn=
         if fn is not None and not callable(fn):
             raise TypeError(f"{name} should be a function or None, but got {name}={fn!r}")
     taken = sorted({"batch_size", "shuffle", "sampler", "batch_sampler", "drop_last"} & set(dataloader_kwargs))
+    if dataloader_kwargs.get("in_order", True) is not True:  # workers would hand step inputs out of the plan's order
+        taken.append("in_order")
     if taken:
         raise TypeError(f"make_dataloader got {taken}, which the VariableBatchSampler decides; leave them out")
     seqlens = batch_sampler.seqlens
@@ -1490,8 +1503,11 @@ class VariableBatchSizeLR(LRScheduler):
         self.lr_scaling_unit = _check_choice("lr_scaling_unit", lr_scaling_unit, _LRUnit)
         self.lr_scaling_method = _check_lr_method(lr_scaling_method)
         self.base_batch_size = _check_reference(base_batch_size, "base_batch_size")
-        self.clock, self.verbose = _check_choice("clock", clock, _Clock), bool(verbose)
-        self.clock_step = _check_int("clock_step", clock_step, minimum=1, fix="the tokens (samples) per schedule step")
+        (self.clock, self.clock_step), self.verbose = _check_clock(clock, clock_step), bool(verbose)
+        if _check_int("last_epoch", last_epoch, minimum=-1) != -1 and any(
+                "initial_lr" not in group for group in optimizer.param_groups):
+            raise ValueError(f"last_epoch={last_epoch} resumes a schedule whose param groups hold 'initial_lr', but "
+                             f"these do not; make it with last_epoch=-1 and resume with load_state_dict()")
         if self._sampler is None:
             if isinstance(batch_sizes, (str, bytes)) or not hasattr(batch_sizes, "__len__") or not len(batch_sizes):
                 raise ValueError(f"batch_sizes should be a VariableBatchSampler, a loader made with one, or a non-empty "
@@ -1518,7 +1534,7 @@ class VariableBatchSizeLR(LRScheduler):
                 self._hooks.append(param.register_post_accumulate_grad_hook(_weakly(self._count_backward)))
         except RuntimeError:  # a tensor subclass without such hooks: new step inputs stand in for backward passes
             pass
-        self._step_count, self._counts_backwards = 0, len(self._hooks) == 2
+        self._step_count, self._counts_backwards, self._keep = 0, len(self._hooks) == 2, False
         self._realign()
         self._follow()
         self._seen_at_step = (0, 0, self._sampler._handed if self._sampler is not None else 0)
@@ -1581,10 +1597,20 @@ class VariableBatchSizeLR(LRScheduler):
             self._epoch, self._batch = self._epoch + 1, self._batch - len(self._sizes(self._epoch))
         raise RuntimeError("a thousand epochs in a row have no batch; use more data or a smaller min_batch_size")
 
-    def _realign(self, epoch: int | None = None, start: int = 0) -> None:
+    def _realign(self, epoch: int | None = None, start: int = 0, restored: bool = True) -> None:
         """Points at the batch of step input ``start`` of ``epoch`` (default: where the sampler's next pass starts),
-        in the next epoch with a batch if that one has none; the sampler calls it when a pass starts."""
+        in the next epoch with a batch if that one has none; the sampler calls it when a pass starts.
+
+        NOTE [a restored scheduler over a fresh sampler]: resuming mid-epoch by skipping
+        batches (HF Accelerate's skip_first_batches or its stateful loader) passes over the
+        epoch from its start and drops what was trained: until its next step, a restored
+        scheduler keeps its position against a pass from the start of its own epoch. A
+        restored sampler (``restored``) is followed at once.
+        """
         sampler = self._sampler
+        if self._keep and not restored and sampler is not None and (epoch, start) == (self._epoch, 0):
+            return
+        self._keep = False
         if sampler is not None and epoch is None:
             epoch, start = sampler.epoch, 0 if sampler._finished else sampler._start
         self._epoch = self._epoch if sampler is None else epoch
@@ -1600,6 +1626,7 @@ class VariableBatchSizeLR(LRScheduler):
         if self._step_count == 0:  # torch's initial step, from __init__
             return super().step()
         self._sync()
+        self._keep = False
         if epoch is not None:
             if isinstance(epoch, bool) or not isinstance(epoch, numbers.Integral) or epoch != 0:
                 raise ValueError(f"VariableBatchSizeLR.step takes no argument (the next batch) or 0 (realign at an epoch "
@@ -1703,7 +1730,8 @@ class VariableBatchSizeLR(LRScheduler):
                 "sampler": None if self._sampler is None else self._sampler._state_settings()}
 
     def state_dict(self):
-        """Plain data: torch's position and LRs, the batch position, and the wrapped scheduler's state."""
+        """Torch's position and LRs, the batch position, and the wrapped scheduler's state: plain data but for
+        what that scheduler keeps (MultiStepLR's milestones are a Counter: save with torch.save, not JSON)."""
         state = {key: copy.deepcopy(value) for key, value in super().state_dict().items() if key in self._STATE}
         return {**state, "settings": self._state_settings(),
                 "base_lr_scheduler": None if self._base is None else self._base.state_dict()}
@@ -1718,6 +1746,7 @@ class VariableBatchSizeLR(LRScheduler):
             self._base.load_state_dict(copy.deepcopy(state_dict["base_lr_scheduler"]))
         super().load_state_dict({key: copy.deepcopy(state_dict[key]) for key in self._STATE})
         self._write()
+        self._keep = True  # see _realign
 
 
 def lr_scheduler_for_variable_batch_size(base_batch_size, batch_sizes, dataloader, lr_scheduler_or_optimizer,
@@ -1897,8 +1926,8 @@ def _read_config(config: Any) -> tuple[dict, dict, dict]:
     try:  # every value now, before any engine or data is touched
         _Settings.of(**plan)
         _check_lr_method(lr["lr_scaling_method"]), _check_reference(lr["lr_scaling_reference"])
-        _check_choice("lr_scaling_unit", lr["lr_scaling_unit"], _LRUnit), _check_choice("lr_clock", lr["lr_clock"], _Clock)
-        _check_int("lr_clock_step", lr["lr_clock_step"], 1)
+        _check_choice("lr_scaling_unit", lr["lr_scaling_unit"], _LRUnit)
+        _check_clock(lr["lr_clock"], lr["lr_clock_step"], ("lr_clock", "lr_clock_step"))
     except (TypeError, ValueError) as error:
         raise type(error)(f"in {path}: {error}") from None
     for key, value in ((key, other[key]) for key in ("num_workers", "pin_memory", "verbose")):
