@@ -2280,6 +2280,145 @@ def test_a_scheduler_made_before_the_sampler_is_restored_follows_the_restored_ba
     assert first + t == plan.num_batches
 
 
+# -- a restored scheduler over a fresh sampler whose data resumes by skipping batches ---------------
+
+def _skip_resume_setup(order):
+    """A fresh sampler, loader, optimizer and LambdaLR warmup wrapped by VariableBatchSizeLR (B_ref "mean")."""
+    sampler = _sampler(order=order)
+    loader = make_dataloader(_id_dataset(sampler.seqlens), sampler)
+    optimizer = _optimizer(_BASE_LR)
+    scheduler = VariableBatchSizeLR(torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup), "mean", sampler)
+    return sampler, loader, optimizer, scheduler
+
+
+def _skip_resume_epoch(sampler, loader, optimizer, scheduler, epoch, skip=0, stop=None):
+    """Trains one epoch over ``loader``, dropping its first ``skip`` updates' step inputs (as skip_first_batches
+    does) and stopping after ``stop`` updates; returns the LR of each update trained."""
+    gas, lrs = sampler.gradient_accumulation_steps, []
+    sampler.set_epoch(epoch)
+    for i, _ in enumerate(loader):
+        if i < skip * gas:
+            continue
+        if i % gas == 0:
+            lrs.append(optimizer.param_groups[0]["lr"])
+        if i % gas == gas - 1:
+            optimizer.step()
+            scheduler.step()
+            if stop is not None and len(lrs) == stop:
+                break
+    return lrs
+
+
+@pytest.mark.parametrize("epoch", [0, 1])
+@pytest.mark.parametrize("order", ["random", "bucket"])
+def test_a_restored_scheduler_over_a_fresh_sampler_resumed_by_skipping_batches_keeps_its_lr(order, epoch):
+    """Scheduler restored alone, the fresh loader's epoch re-read from its start dropping the k trained updates: the LR
+    of every remaining update is the uninterrupted run's (it restarted at batch 0's)."""
+    k = 4
+    full = _skip_resume_setup(order)
+    for e in range(epoch):
+        _skip_resume_epoch(*full, e)
+    expected = _skip_resume_epoch(*full, epoch)
+    stopped = _skip_resume_setup(order)
+    for e in range(epoch):
+        _skip_resume_epoch(*stopped, e)
+    assert _skip_resume_epoch(*stopped, epoch, stop=k) == expected[:k]
+    state = json.loads(json.dumps(stopped[3].state_dict()))
+    resumed = _skip_resume_setup(order)
+    resumed[3].load_state_dict(state)
+    sizes = resumed[0].plan_for_epoch(epoch).batch_sizes
+    assert sizes[k] != sizes[0] and len(expected) > k + 2, "batch k has batch 0's size: the case could not fail"
+    got = _skip_resume_epoch(*resumed, epoch, skip=k)
+    assert len(got) == len(expected) - k
+    for t, (x, y) in enumerate(zip(expected[k:], got), start=k):
+        _check_lr(t, x, y)
+
+
+@pytest.mark.parametrize("restored_at", ["the scheduler's batch", "its epoch's start"])
+def test_a_sampler_restored_after_the_scheduler_is_followed_at_once(restored_at):
+    """sampler.load_state_dict after the scheduler's: the LR moves at once to the restored sampler's batch, also when
+    that is batch 0 of the scheduler's epoch (a pass from the epoch's start the scheduler keeps against is not one)."""
+    k, epoch = 4, 1
+    stopped = _skip_resume_setup("random")
+    _skip_resume_epoch(*stopped, 0)
+    stopped[0].set_epoch(epoch)
+    sampler_at_start = json.loads(json.dumps(stopped[0].state_dict()))
+    _skip_resume_epoch(*stopped, epoch, stop=k)
+    sampler_state = sampler_at_start if restored_at == "its epoch's start" else stopped[0].state_dict()
+    state = json.loads(json.dumps({"sampler": sampler_state, "scheduler": stopped[3].state_dict()}))
+    sampler, _, optimizer, scheduler = _skip_resume_setup("random")
+    scheduler.load_state_dict(state["scheduler"])
+    sampler.load_state_dict(state["sampler"])
+    b = state["sampler"]["steps_done"] // sampler.gradient_accumulation_steps
+    assert b == (0 if restored_at == "its epoch's start" else k)
+    sizes = sampler.plan_for_epoch(epoch).batch_sizes
+    assert sizes[0] != sizes[k], "batch k has batch 0's size: the case could not fail"
+    unscaled = state["scheduler"]["_unscaled"][0]
+    _check_lr(k, unscaled * sizes[b] / sizes.mean(), optimizer.param_groups[0]["lr"])
+
+
+_SKIP_FIRST_BATCHES_SCRIPT = '''
+import json, logging, sys, tempfile, warnings
+import numpy as np, torch
+import varbatch
+from accelerate import Accelerator
+logging.disable(logging.WARNING)
+warnings.simplefilter("ignore")
+lengths = np.clip(np.random.default_rng(0).lognormal(3, 1, 300).astype(int), 1, 200).tolist()
+data = [torch.full((n, 1), float(i)) for i, n in enumerate(lengths)]
+CUT = 10
+
+
+def setup():
+    accelerator = Accelerator(cpu=True)
+    model = torch.nn.Linear(1, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    sampler = varbatch.VariableBatchSampler(lengths, max_tokens=256, budget="padded", order="random")
+    loader = varbatch.make_dataloader(data, sampler, collate_fn=varbatch.PaddedCollate())
+    scheduler = varbatch.VariableBatchSizeLR(optimizer, "mean", sampler, lr_scaling_unit="tokens")
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    accelerator.register_for_checkpointing(scheduler)
+    return accelerator, model, optimizer, loader, scheduler
+
+
+def train(accelerator, model, optimizer, loader, scheduler, stop=None):
+    log = []
+    for x, _ in loader:
+        log.append((int(x[0, 0, 0]), optimizer.param_groups[0]["lr"]))
+        accelerator.backward((model(x) ** 2).mean() * 0)
+        optimizer.step(); scheduler.step(); optimizer.zero_grad()
+        if len(log) == stop:
+            break
+    return log
+
+
+full = train(*setup())
+run = setup()
+first = train(*run, stop=CUT)
+directory = tempfile.mkdtemp()
+run[0].save_state(directory)
+accelerator, model, optimizer, loader, scheduler = setup()
+accelerator.load_state(directory)
+rest = train(accelerator, model, optimizer, accelerator.skip_first_batches(loader, CUT), scheduler)
+print(json.dumps(dict(cut=CUT, full=full, resumed=first + rest)))
+'''
+
+
+def test_a_restored_scheduler_follows_accelerate_skip_first_batches(tmp_path):
+    """HF Accelerate (one CPU process): load_state, then skip_first_batches(loader, 10): the resumed updates train the
+    uninterrupted run's batches at its LRs (the LR restarted at batch 0's)."""
+    pytest.importorskip("accelerate")
+    done = subprocess.run([sys.executable, "-c", _SKIP_FIRST_BATCHES_SCRIPT], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120, env=dict(os.environ, PYTHONPATH=_ROOT))
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    full, resumed, cut = out["full"], out["resumed"], out["cut"]
+    assert [sample for sample, _ in resumed] == [sample for sample, _ in full]
+    assert full[cut][1] != full[0][1], "batch 10 has batch 0's LR: the case could not fail"
+    for t, ((_, x), (_, y)) in enumerate(zip(full, resumed)):
+        _check_lr(t, x, y)
+
+
 @pytest.mark.parametrize("owner", ["sampler", "scheduler"])
 def test_load_state_dict_rejects_unknown_keys_and_keeps_its_argument(owner):
     """load_state_dict names an unknown key, and never mutates the dict it is given."""
@@ -2582,6 +2721,9 @@ _BAD_MAKE_DATALOADER = [
      TypeError, "batch_size"),
     ("shuffle", lambda: make_dataloader([torch.ones(2)] * 3, VariableBatchSampler([2, 2, 2], 4), shuffle=True),
      TypeError, "shuffle"),
+    ("in_order False (step inputs out of the plan's order)",
+     lambda: make_dataloader([torch.ones(2)] * 3, VariableBatchSampler([2, 2, 2], 4), in_order=False), TypeError,
+     "['in_order']"),
     ("seqlens of another dataset size",
      lambda: make_dataloader([torch.ones(2)] * 4, VariableBatchSampler([2, 2, 2], 4)), ValueError,
      "dataset has 4 samples but the sampler was given 3 seqlens"),
@@ -2678,6 +2820,10 @@ _BAD_SCHEDULER = [
      ValueError, "clock_step=0"),
     ("clock_step negative", lambda: VariableBatchSizeLR(_optimizer(), 2, _sampler(), clock="tokens", clock_step=-1),
      ValueError, "clock_step=-1"),
+    ("clock_step with the steps clock (it was ignored)",
+     lambda: VariableBatchSizeLR(_optimizer(), 2, [2, 2], clock="steps", clock_step=4), ValueError, "clock_step=4"),
+    ("last_epoch without initial_lr (torch's KeyError)",
+     lambda: VariableBatchSizeLR(_optimizer(), 2, [2, 2], last_epoch=3), ValueError, "last_epoch=3"),
     ("step with an epoch", lambda: VariableBatchSizeLR(_optimizer(), 2, [2, 2]).step(5), ValueError, "epoch=5"),
     ("no scheduler nor optimizer", lambda: varbatch.lr_scheduler_for_variable_batch_size(2, [2], None, None),
      TypeError, "lr_scheduler_or_optimizer is None"),
@@ -2778,6 +2924,8 @@ _BAD_CONFIGS = [
      "lr_clock='tokns'"),
     ("lr_clock_step 0", _section_config({"enabled": True, "max_tokens": 16, "lr_clock_step": 0}), ValueError,
      "lr_clock_step=0"),
+    ("lr_clock_step with the steps clock (it was ignored)",
+     _section_config({"enabled": True, "max_tokens": 16, "lr_clock_step": 4}), ValueError, "lr_clock_step=4"),
     ("lr_scaling_reference negative", _section_config({"enabled": True, "max_tokens": 16, "lr_scaling_reference": -1}),
      ValueError, "lr_scaling_reference=-1"),
     ("lr_scaling_reference so small that B / B_ref overflows",
