@@ -1622,7 +1622,8 @@ class VariableBatchSizeLR(LRScheduler):
             self._write()
 
     def step(self, epoch=None):
-        """Advances to the next batch (``step()``), or points at the batch the sampler's next pass starts with (``step(0)``)."""
+        """Advances to the next batch (``step()``), or points at the batch the sampler's next pass starts with
+        (``step(0)``)."""
         if self._step_count == 0:  # torch's initial step, from __init__
             return super().step()
         self._sync()
