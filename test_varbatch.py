@@ -2825,6 +2825,9 @@ _BAD_SCHEDULER = [
     ("last_epoch without initial_lr (torch's KeyError)",
      lambda: VariableBatchSizeLR(_optimizer(), 2, [2, 2], last_epoch=3), ValueError, "last_epoch=3"),
     ("step with an epoch", lambda: VariableBatchSizeLR(_optimizer(), 2, [2, 2]).step(5), ValueError, "epoch=5"),
+    ("a VariableBatchSizeLR wrapped again (the factor applied twice)",
+     lambda: VariableBatchSizeLR(VariableBatchSizeLR(_optimizer(), 2, [2, 4]), 2, [2, 4]), TypeError,
+     "VariableBatchSizeLR already"),
     ("no scheduler nor optimizer", lambda: varbatch.lr_scheduler_for_variable_batch_size(2, [2], None, None),
      TypeError, "lr_scheduler_or_optimizer is None"),
 ]

@@ -1488,6 +1488,9 @@ class VariableBatchSizeLR(LRScheduler):
 
     def __init__(self, lr_scheduler, base_batch_size, batch_sizes, dataloader=None, lr_scaling_method="linear",
                  last_epoch=-1, verbose=False, *, lr_scaling_unit="sequences", clock="steps", clock_step=1):
+        if isinstance(lr_scheduler, VariableBatchSizeLR):
+            raise TypeError("lr_scheduler is a VariableBatchSizeLR already: wrapping it would scale the LR twice; wrap "
+                            "the schedule (or optimizer) it wraps")
         if isinstance(lr_scheduler, ReduceLROnPlateau):
             raise TypeError("ReduceLROnPlateau steps on a validation metric, not on batches, so VariableBatchSizeLR "
                             "cannot wrap it; wrap a step-based schedule (LambdaLR, CosineAnnealingLR, OneCycleLR, ...) "
