@@ -1003,6 +1003,8 @@ class VariableBatchSampler(Sampler[list[int]]):
         ([[0, 1], [2, 3], [4, 5]], 3)
     """
 
+    _STATE = ("epoch", "steps_done", "rank", "settings")  # the keys of state_dict()
+
     def __init__(self, seqlens, max_tokens, *, micro_batch_size=1, gradient_accumulation_steps=1, num_replicas=None,
                  rank=None, sample_ids=None, verbose=False, **options):
         if "effective_batch_size" in options:
@@ -1073,6 +1075,10 @@ class VariableBatchSampler(Sampler[list[int]]):
 
     epoch = property(lambda self: self._epoch + self._finished, doc="The epoch the next iteration yields: the last "
                      "one's, or the next once all its step inputs were handed out (also with its iterator not exhausted).")
+
+    def _next_start(self) -> tuple[int, int]:
+        """``(epoch, step input)`` where the next pass starts: the restored or left position, or the next epoch."""
+        return self.epoch, 0 if self._finished else self._start
 
     plan = property(lambda self: self.plan_for_epoch(self.epoch), doc="The plan of the epoch the next iteration yields.")
 
@@ -1155,16 +1161,16 @@ class VariableBatchSampler(Sampler[list[int]]):
             raise RuntimeError(f"this VariableBatchSampler was made before torch.distributed was initialized, so it "
                                f"deals to 1 rank, but the job now has {_world()[1]}: every rank would train every "
                                f"sample; make it after init_process_group, or pass num_replicas and rank")
-        epoch, start = self.epoch, 0 if self._finished else self._start
+        epoch, start = self._next_start()
         self._restored, self._epoch, self.steps_done, self._start = False, epoch, start, 0
         self._new_pass(epoch, start)
-        self._finished = start >= self._steps(epoch)  # an empty epoch is done at once
+        total = self._steps(epoch)
+        self._finished = start >= total  # an empty epoch is done at once
         plan, passes, m, ranks = self.plan_for_epoch(epoch), self._pass, self.micro_batch_size, self.num_replicas
         seqlens = self.seqlens
         if epoch not in self._logged and _on_rank_zero(self.rank):  # once per trained epoch, for the whole job
             self._logged.add(epoch)
             _log_plan(plan, self.verbose)
-        total = plan.num_microbatches // m // ranks
         try:
             for t in range(start, total):
                 for g in range(t * ranks, (t + 1) * ranks) if every_rank else [t * ranks + self.rank]:
@@ -1203,7 +1209,7 @@ class VariableBatchSampler(Sampler[list[int]]):
 
     def load_state_dict(self, state_dict: Mapping) -> None:
         """Restores a `state_dict`: the next iteration continues where it stopped."""
-        _check_state(self, state_dict, {"epoch", "steps_done", "rank", "settings"})
+        _check_state(self, state_dict, set(self._STATE))
         epoch = _check_int("epoch", state_dict["epoch"], minimum=0)
         total = self._steps(epoch)
         steps = _check_int("steps_done", state_dict["steps_done"], minimum=0, maximum=total)
@@ -1290,7 +1296,7 @@ class _RestoresAtOnce:
         pending = [state_dict]
         while pending:  # the sampler's state, wherever the loader's format nests it
             node = pending.pop()
-            if isinstance(node, Mapping) and set(node) == {"epoch", "steps_done", "rank", "settings"}:
+            if isinstance(node, Mapping) and set(node) == set(VariableBatchSampler._STATE):
                 return self.variable_batch_sampler.load_state_dict(node)
             pending += list(node.values()) if isinstance(node, Mapping) else []
 
@@ -1614,10 +1620,11 @@ class VariableBatchSizeLR(LRScheduler):
         if self._keep and not restored and sampler is not None and (epoch, start) == (self._epoch, 0):
             return
         self._keep = False
-        if sampler is not None and epoch is None:
-            epoch, start = sampler.epoch, 0 if sampler._finished else sampler._start
-        self._epoch = self._epoch if sampler is None else epoch
-        self._batch = 0 if sampler is None else start // sampler.gradient_accumulation_steps
+        if sampler is None:  # listed batch sizes: the list from its start
+            self._batch = 0
+        else:
+            epoch, start = sampler._next_start() if epoch is None else (epoch, start)
+            self._epoch, self._batch = epoch, start // sampler.gradient_accumulation_steps
         self._advance(0)
         if self._skipped is not None:  # skips reported so far belong to batches before this one
             self._skipped_seen = self._skipped()
