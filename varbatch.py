@@ -295,6 +295,12 @@ class Plan:
         ids, bounds = self.sample_ids.tolist(), self.microbatch_offsets.tolist()
         return [ids[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
 
+    def _amounts(self, unit: str) -> np.ndarray:
+        """Per batch, in ``unit``: its real tokens (``"tokens"``), its sequences (``"sequences"``,
+        ``"samples"``), or 1 (``"steps"``): what the LR rule, the clock and the horizon count."""
+        return self.batch_tokens if unit == "tokens" else np.ones(self.num_batches, np.int64) if unit == "steps" else \
+            self.batch_sizes
+
     def microbatch_sizes(self) -> np.ndarray:
         """Samples per micro-batch."""
         return np.diff(self.microbatch_offsets)
@@ -1131,9 +1137,7 @@ class VariableBatchSampler(Sampler[list[int]]):
             self._check_tokens_known("horizon(unit='tokens')")
 
         def amount(plan, skip):
-            values = plan.batch_tokens if unit == "tokens" else plan.batch_sizes if unit == "samples" else \
-                np.ones(plan.num_batches, np.int64)
-            return int(values[skip:].sum())
+            return int(plan._amounts(unit)[skip:].sum())
         done = 0 if self._finished else self.steps_done
         total = amount(self.plan, done // self.gradient_accumulation_steps)
         if self.settings.order in ("dataloader", "seqlen") or self._planner.fixed is not None:
@@ -1556,8 +1560,7 @@ class VariableBatchSizeLR(LRScheduler):
     def _sizes(self, epoch: int, unit: str | None = None) -> np.ndarray:
         if self._sampler is None:
             return self._listed
-        plan = self._sampler.plan_for_epoch(epoch)
-        return plan.batch_tokens if (unit or self.lr_scaling_unit) == "tokens" else plan.batch_sizes
+        return self._sampler.plan_for_epoch(epoch)._amounts(unit or self.lr_scaling_unit)
 
     def _factors(self, epoch: int, index: int | None = None) -> tuple[np.ndarray, float]:
         return _lr_factors(self._sizes(epoch), self.base_batch_size, self.lr_scaling_method,
@@ -2203,7 +2206,7 @@ def _cli_plan(args, lengths: tuple[np.ndarray, str] | None = None) -> tuple[Plan
     if plan.num_batches == 0:
         raise ValueError(_empty_plan_message(plan))
     unit = _check_choice("lr_scaling_unit", lr["lr_scaling_unit"], _LRUnit)
-    factors, b_ref = _lr_factors(plan.batch_tokens if unit == "tokens" else plan.batch_sizes,
+    factors, b_ref = _lr_factors(plan._amounts(unit),
                                  _check_reference(lr["lr_scaling_reference"]), _check_lr_method(lr["lr_scaling_method"]), k)
     lr.update(factors=factors, reference_value=b_ref)
     return plan, lr, seqlens, source
