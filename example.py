@@ -65,7 +65,7 @@ class CausalAttention(nn.Module):
         self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
 
     def forward(self, inputs):
-        x, lengths = inputs                                                       # B x S x E, B
+        x, lengths = inputs  # B x S x E, B
         q, k, v = self.qkv(x).chunk(3, dim=-1)
         pos = torch.arange(x.shape[1], device=x.device)
         mask = (pos[:, None] >= pos[None, :]) & (pos[None, None, :] < lengths[:, None, None])  # B x S x S: causal, real
@@ -84,23 +84,38 @@ class FeedForward(nn.Module):
 
     def forward(self, inputs):
         h, _ = inputs
-        h = F.pad(h, (0, 0, 0, self.max_seqlen - h.shape[1]))                    # B x M x E
+        h = F.pad(h, (0, 0, 0, self.max_seqlen - h.shape[1]))  # B x M x E
         h = h + self.mix(h.transpose(1, 2)).transpose(1, 2)
-        return self.head(h + self.mlp(h)).squeeze(-1)                            # B x M
+        return self.head(h + self.mlp(h)).squeeze(-1)  # B x M
 
 
 def token_loss(pred, labels):
     """Mean squared error over the real tokens of a step input, times its weight (see `weigh`)."""
     y, lengths, weight = labels
     real = torch.arange(y.shape[1], device=y.device)[None, :] < lengths[:, None]  # B x S
-    return ((pred[:, :y.shape[1]] - y).pow(2) * real).sum() / real.sum() * weight
+    return ((pred[:, : y.shape[1]] - y).pow(2) * real).sum() / real.sum() * weight
 
 
 def weigh(step_inputs, batch_tokens, num_replicas, accumulation):
     """Each step input's loss weight, so the engine's average over ranks and steps is the batch's token mean."""
-    return [(inputs, (y, lengths, torch.tensor(varbatch.micro_batch_loss_weight(
-        int(lengths.sum()), batch_tokens, num_replicas=num_replicas, gradient_accumulation_steps=accumulation))))
-        for inputs, (y, lengths) in step_inputs]
+    return [
+        (
+            inputs,
+            (
+                y,
+                lengths,
+                torch.tensor(
+                    varbatch.micro_batch_loss_weight(
+                        int(lengths.sum()),
+                        batch_tokens,
+                        num_replicas=num_replicas,
+                        gradient_accumulation_steps=accumulation,
+                    )
+                ),
+            ),
+        )
+        for inputs, (y, lengths) in step_inputs
+    ]
 
 
 def warmup_cosine(t, steps, warmup=10, floor=0.1):
@@ -113,11 +128,13 @@ def warmup_cosine(t, steps, warmup=10, floor=0.1):
 def init_distributed(args):
     """torch.distributed through DeepSpeed, also for a plain ``python example.py``; CPU runs made robust."""
     import deepspeed
+
     if "RANK" not in os.environ:  # no launcher: a world of one process, on a free port
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
-            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                              MASTER_PORT=str(s.getsockname()[1]))
+            os.environ.update(
+                RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1])
+            )
     if deepspeed.get_accelerator().device_name() == "cpu":
         # Each CPU rank gets its share of the cores (oversubscribed ranks run ~10x slower); DeepSpeed's shared-
         # memory all-reduce op is not compiled (minutes; a killed build leaves a lock that hangs later runs).
@@ -132,6 +149,7 @@ def init_distributed(args):
 
 def main(args):
     import deepspeed
+
     init_distributed(args)
     pipeline = args.pipeline_num_stages > 0
     # 1. The data, the model and the engine (DDP, or two pipeline stages: attention | feed-forward).
@@ -142,17 +160,26 @@ def main(args):
     dataset = RunningSumSequences(args.num_samples, seed=args.seed)
     torch.manual_seed(args.seed)
     layers = [CausalAttention(dataset.embed_dim), FeedForward(dataset.max_seqlen, dataset.embed_dim)]
-    model = deepspeed.pipe.PipelineModule(layers, num_stages=2, loss_fn=token_loss, partition_method="uniform") \
-        if pipeline else nn.Sequential(*layers)
+    model = (
+        deepspeed.pipe.PipelineModule(layers, num_stages=2, loss_fn=token_loss, partition_method="uniform")
+        if pipeline
+        else nn.Sequential(*layers)
+    )
     engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
 
     # 2. varbatch's loader and LR scheduler (as engine.lr_scheduler), sized by the plans' exact number of steps.
     def schedule(sampler):
         steps = sampler.horizon(args.epochs)
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: warmup_cosine(t, steps))
+
     dataloader, lr_scheduler, _ = varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
-        dataset, engine, dataloader_collate_fn=collate, sample_padding_fn=varbatch.pad_sample,
-        batch_seqlens_fn=batch_seqlens, lr_scheduler_fn=schedule)
+        dataset,
+        engine,
+        dataloader_collate_fn=collate,
+        sample_padding_fn=varbatch.pad_sample,
+        batch_seqlens_fn=batch_seqlens,
+        lr_scheduler_fn=schedule,
+    )
     sampler, gas, ranks = dataloader.variable_batch_sampler, engine.gradient_accumulation_steps(), engine.dp_world_size
 
     # 3. Resume: DeepSpeed restores the model, optimizer and LR scheduler; the sampler its position.
@@ -163,9 +190,11 @@ def main(args):
         sampler.load_state_dict(client_state["varbatch_sampler"])
         print0(f"resumed from {path} at step {engine.global_steps}; the sampler goes on in epoch {sampler.epoch}")
     left = args.epochs - sampler.epoch
-    total_steps = min(engine.global_steps + (sampler.horizon(left) if left > 0 else 0), args.max_steps or 10 ** 9)
-    print0(f"{total_steps} optimizer steps of {sampler.effective_batch_size} micro-batches: "
-           f"{'pipeline' if pipeline else 'DDP'}, {ranks} data-parallel rank(s), device {engine.device}")
+    total_steps = min(engine.global_steps + (sampler.horizon(left) if left > 0 else 0), args.max_steps or 10**9)
+    print0(
+        f"{total_steps} optimizer steps of {sampler.effective_batch_size} micro-batches: "
+        f"{'pipeline' if pipeline else 'DDP'}, {ranks} data-parallel rank(s), device {engine.device}"
+    )
 
     # 4. Train. Each batch is `gas` step inputs per rank, weighted to the batch's token mean.
     dropped, samples, tokens_trained, shape = collections.Counter(), 0, 0, None
@@ -193,42 +222,60 @@ def main(args):
                     engine.backward(step_loss)
                     engine.step()
                     loss += step_loss.item() / (ranks * gas)
-            totals = torch.tensor([sum(int(labels[1].sum()) for _, labels in step_inputs),
-                                   sum(n * s for n, s in shapes), loss], dtype=torch.float64, device=engine.device)
+            totals = torch.tensor(
+                [sum(int(labels[1].sum()) for _, labels in step_inputs), sum(n * s for n, s in shapes), loss],
+                dtype=torch.float64,
+                device=engine.device,
+            )
             if ranks > 1:  # the whole batch: every data-parallel rank
                 torch.distributed.all_reduce(totals, group=engine.data_parallel_group)
             tokens, loss = int(totals[0]), loss if pipeline else totals[2].item()
             samples, tokens_trained = samples + int(plan.batch_sizes[b]), tokens_trained + tokens
             trained, epochs_done = (b + 1) * gas, epoch + (b + 1) / plan.num_batches  # step inputs of the epoch
-            print0(f"step {engine.global_steps:4d} | epoch {epoch} | B {','.join(str(n) for n, _ in shapes)} | "
-                   f"S {','.join(str(s) for _, s in shapes)} | tokens {tokens} | padding "
-                   f"{100 * (1 - tokens / totals[1].item()):.1f}% | lr {lr:.6e} | loss {loss:.6f}")
+            print0(
+                f"step {engine.global_steps:4d} | epoch {epoch} | B {','.join(str(n) for n, _ in shapes)} | "
+                f"S {','.join(str(s) for _, s in shapes)} | tokens {tokens} | padding "
+                f"{100 * (1 - tokens / totals[1].item()):.1f}% | lr {lr:.6e} | loss {loss:.6f}"
+            )
             if (engine.global_steps - first) % every == 0:
                 elapsed = time.perf_counter() - started
                 eta = elapsed / (engine.global_steps - first) * (total_steps - engine.global_steps)
-                print0(f"progress | step {engine.global_steps}/{total_steps} | tokens/s {tokens_trained / elapsed:.0f} "
-                       f"| ETA {eta:.1f} s")
+                print0(
+                    f"progress | step {engine.global_steps}/{total_steps} | tokens/s {tokens_trained / elapsed:.0f} "
+                    f"| ETA {eta:.1f} s"
+                )
             if engine.global_steps >= total_steps:
                 break
 
     # 5. Save the engine and the sampler's position (the step inputs trained: a loader may read ahead).
     wall = time.perf_counter() - started
     if args.checkpoint_dir:
-        engine.save_checkpoint(args.checkpoint_dir,
-                               client_state={"varbatch_sampler": sampler.state_dict(steps_done=trained)})
+        engine.save_checkpoint(
+            args.checkpoint_dir, client_state={"varbatch_sampler": sampler.state_dict(steps_done=trained)}
+        )
         print0(f"saved checkpoint at step {engine.global_steps} in {args.checkpoint_dir}")
-    print0(f"summary | epochs {epochs_done:.3g} | steps {engine.global_steps} | samples trained {samples} | dropped "
-           f"{' '.join(f'{r}={n}' for r, n in dropped.items())} | wall {wall:.1f} s | "
-           f"tokens/s {tokens_trained / max(wall, 1e-9):.0f}")
+    print0(
+        f"summary | epochs {epochs_done:.3g} | steps {engine.global_steps} | samples trained {samples} | dropped "
+        f"{' '.join(f'{r}={n}' for r, n in dropped.items())} | wall {wall:.1f} s | "
+        f"tokens/s {tokens_trained / max(wall, 1e-9):.0f}"
+    )
     torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "ds_config.json"),
-                        help="DeepSpeed config with the dynamic_batching section (default: ds_config.json)")
-    parser.add_argument("--pipeline-num-stages", type=int, default=0, choices=[0, 2],
-                        help="0: data parallel (DDP); 2: a pipeline of 2 stages (needs a multiple of 2 processes)")
+    parser.add_argument(
+        "--config",
+        default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "ds_config.json"),
+        help="DeepSpeed config with the dynamic_batching section (default: ds_config.json)",
+    )
+    parser.add_argument(
+        "--pipeline-num-stages",
+        type=int,
+        default=0,
+        choices=[0, 2],
+        help="0: data parallel (DDP); 2: a pipeline of 2 stages (needs a multiple of 2 processes)",
+    )
     parser.add_argument("--epochs", type=int, default=10, help="epochs to train (default 10)")
     parser.add_argument("--num-samples", type=int, default=2000, help="dataset size (default 2000)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the dataset and the model's initial weights")
@@ -240,8 +287,10 @@ if __name__ == "__main__":
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     args = parser.parse_args()
     if args.pipeline_num_stages and int(os.environ.get("WORLD_SIZE", "1")) % 2:
-        parser.error("--pipeline-num-stages 2 needs a multiple of 2 processes (one per stage). Run: deepspeed "
-                     "--num_gpus 2 example.py --pipeline-num-stages 2 (on a CPU machine each GPU is a process)")
+        parser.error(
+            "--pipeline-num-stages 2 needs a multiple of 2 processes (one per stage). Run: deepspeed "
+            "--num_gpus 2 example.py --pipeline-num-stages 2 (on a CPU machine each GPU is a process)"
+        )
     if args.resume and not args.checkpoint_dir:
         parser.error("--resume needs --checkpoint-dir, the folder a run with --checkpoint-dir saved into")
     main(args)

@@ -70,10 +70,10 @@ from bench import _table, machine_description  # the benchmark's report helpers
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _START = time.perf_counter()
 
-BOS = 256            # the token before every sample's first byte
-VOCAB = 257          # 256 byte values + BOS; padding reuses byte 0 (masked out everywhere)
+BOS = 256  # the token before every sample's first byte
+VOCAB = 257  # 256 byte values + BOS; padding reuses byte 0 (masked out everywhere)
 GROUP_MEGABATCH = 50  # arm (b): megabatch = 50 x B0 samples, as HF's LengthGroupedSampler
-CLIP_NORM = 1.0      # gradient clipping, the common default of trainers
+CLIP_NORM = 1.0  # gradient clipping, the common default of trainers
 BETAS = (0.9, 0.95)  # AdamW betas usual for language models
 WEIGHT_DECAY = 0.01
 DATASETS = ("stdlib", "synthetic")
@@ -93,13 +93,13 @@ class Setup:
     layers: int
     dim: int
     heads: int
-    max_seqlen: int          # L_max: samples are truncated to it (BOS included)
-    batch_size: int          # B0 of arms (a) and (b); max_tokens = B0 x L_max
+    max_seqlen: int  # L_max: samples are truncated to it (BOS included)
+    batch_size: int  # B0 of arms (a) and (b); max_tokens = B0 x L_max
     num_train: int
     num_val: int
-    budget_seconds: dict     # data set -> training seconds of every arm ((a)'s time budget)
-    num_evals: int           # validation points per run, evenly spaced in training time
-    lr_grid: tuple           # the LRs tried for arm (a)
+    budget_seconds: dict  # data set -> training seconds of every arm ((a)'s time budget)
+    num_evals: int  # validation points per run, evenly spaced in training time
+    lr_grid: tuple  # the LRs tried for arm (a)
     seeds: int
 
     @property
@@ -111,13 +111,33 @@ class Setup:
 # shares it: training time is CPU time, the wall clock stretches around it):
 # per data set, the LR grid (one seed) plus 8 arms per seed, each trained for
 # budget_seconds.
-FULL = Setup(layers=2, dim=64, heads=4, max_seqlen=256, batch_size=8, num_train=2000, num_val=64,
-             budget_seconds={"stdlib": 6.0, "synthetic": 4.0}, num_evals=12,
-             lr_grid=(4e-3, 8e-3, 1.6e-2, 3.2e-2), seeds=3)
+FULL = Setup(
+    layers=2,
+    dim=64,
+    heads=4,
+    max_seqlen=256,
+    batch_size=8,
+    num_train=2000,
+    num_val=64,
+    budget_seconds={"stdlib": 6.0, "synthetic": 4.0},
+    num_evals=12,
+    lr_grid=(4e-3, 8e-3, 1.6e-2, 3.2e-2),
+    seeds=3,
+)
 # The smoke form: same code path, tiny sizes, one seed.
-QUICK = Setup(layers=1, dim=32, heads=2, max_seqlen=64, batch_size=4, num_train=160, num_val=32,
-              budget_seconds={"stdlib": 0.4, "synthetic": 0.4}, num_evals=4,
-              lr_grid=(2e-3, 8e-3), seeds=1)
+QUICK = Setup(
+    layers=1,
+    dim=32,
+    heads=2,
+    max_seqlen=64,
+    batch_size=4,
+    num_train=160,
+    num_val=32,
+    budget_seconds={"stdlib": 0.4, "synthetic": 0.4},
+    num_evals=4,
+    lr_grid=(2e-3, 8e-3),
+    seeds=1,
+)
 
 
 # =============================================================================
@@ -137,8 +157,10 @@ def _median(values) -> float:
 
 def _spread(values, fmt: str = "{:.3g}", unit: str = "") -> str:
     """``median [min, max]`` over seeds; inf (not reached) prints as '-'."""
+
     def one(v):
         return "-" if not math.isfinite(v) else fmt.format(v) + unit
+
     values = list(values)
     if len(values) == 1:
         return one(values[0])
@@ -155,6 +177,7 @@ def _deepspeed_module():
         return None
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # only pure-Python code is used; no warning on stdout
     from deepspeed.runtime.data_pipeline.data_sampling import variable_batch_size_and_lr
+
     return variable_batch_size_and_lr
 
 
@@ -195,16 +218,18 @@ def stdlib_functions(count: int, max_seqlen: int) -> list[torch.Tensor]:
         lines = source.splitlines(keepends=True)
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                text = textwrap.dedent("".join(lines[node.lineno - 1:node.end_lineno]))
+                text = textwrap.dedent("".join(lines[node.lineno - 1 : node.end_lineno]))
                 if text in seen:
                     continue
                 seen.add(text)
-                data = list(text.encode("utf-8")[:max_seqlen - 1])
+                data = list(text.encode("utf-8")[: max_seqlen - 1])
                 samples.append(torch.tensor([BOS] + data, dtype=torch.int64))
                 if len(samples) == count:
                     return samples
-    raise RuntimeError(f"the standard library at {root} holds only {len(samples)} distinct functions, but the "
-                       f"study needs {count}; run with --datasets synthetic")
+    raise RuntimeError(
+        f"the standard library at {root} holds only {len(samples)} distinct functions, but the "
+        f"study needs {count}; run with --datasets synthetic"
+    )
 
 
 def synthetic_progressions(count: int, max_seqlen: int) -> list[torch.Tensor]:
@@ -220,8 +245,10 @@ def synthetic_progressions(count: int, max_seqlen: int) -> list[torch.Tensor]:
     rng.shuffle(seqlens)
     starts = rng.integers(0, SYN_MODULUS, count)
     steps = rng.integers(1, 8, count)
-    return [torch.tensor([BOS] + ((a + d * np.arange(int(n) - 1)) % SYN_MODULUS).tolist(), dtype=torch.int64)
-            for a, d, n in zip(starts, steps, seqlens)]
+    return [
+        torch.tensor([BOS] + ((a + d * np.arange(int(n) - 1)) % SYN_MODULUS).tolist(), dtype=torch.int64)
+        for a, d, n in zip(starts, steps, seqlens)
+    ]
 
 
 def load_dataset(name: str, setup: Setup) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -233,7 +260,7 @@ def load_dataset(name: str, setup: Setup) -> tuple[list[torch.Tensor], list[torc
         samples = synthetic_progressions(total, setup.max_seqlen)
     order = np.random.default_rng(7).permutation(total)
     samples = [samples[i] for i in order]
-    return samples[setup.num_val:], samples[:setup.num_val]
+    return samples[setup.num_val :], samples[: setup.num_val]
 
 
 # =============================================================================
@@ -354,10 +381,10 @@ class GroupedByLengthSampler(torch.utils.data.Sampler):
         self.epoch += 1
         size = GROUP_MEGABATCH * self.batch_size
         for start in range(0, len(order), size):
-            mega = order[start:start + size]
+            mega = order[start : start + size]
             mega = mega[np.argsort(-self.seqlens[mega], kind="stable")]
             for i in range(0, len(mega), self.batch_size):
-                yield mega[i:i + self.batch_size].tolist()
+                yield mega[i : i + self.batch_size].tolist()
 
     def __len__(self):
         return -(-len(self.seqlens) // self.batch_size)
@@ -377,24 +404,33 @@ def _forever(loader, before_epoch=None):
 class ArmSpec:
     """What distinguishes an arm: its key, its label and how its batches and LR are made."""
 
-    key: str        # a, b, c-<rule>-<unit>, d
+    key: str  # a, b, c-<rule>-<unit>, d
     label: str
-    kind: str       # fixed, grouped, varbatch, deepspeed
+    kind: str  # fixed, grouped, varbatch, deepspeed
     rule: str = "none"
     unit: str = "sequences"
 
 
 def arm_specs(with_deepspeed: bool) -> list[ArmSpec]:
     """The arms raced on each seed. The rule none scales nothing, so it is the same run in either unit: run once."""
-    specs = [ArmSpec("a", "(a) fixed B0, random order", "fixed"),
-             ArmSpec("b", "(b) fixed B0, grouped by length", "grouped"),
-             ArmSpec("c-none", "(c) varbatch, LR rule none (either unit)", "varbatch")]
+    specs = [
+        ArmSpec("a", "(a) fixed B0, random order", "fixed"),
+        ArmSpec("b", "(b) fixed B0, grouped by length", "grouped"),
+        ArmSpec("c-none", "(c) varbatch, LR rule none (either unit)", "varbatch"),
+    ]
     for unit in UNITS:
         for rule in RULES[1:]:
             specs.append(ArmSpec(f"c-{rule}-{unit}", f"(c) varbatch, {rule} in {unit}", "varbatch", rule, unit))
     if with_deepspeed:
-        specs.append(ArmSpec("d", "(d) DeepSpeed defaults (sum budget, linear, B_ref=train_batch_size)",
-                             "deepspeed", "linear", "sequences"))
+        specs.append(
+            ArmSpec(
+                "d",
+                "(d) DeepSpeed defaults (sum budget, linear, B_ref=train_batch_size)",
+                "deepspeed",
+                "linear",
+                "sequences",
+            )
+        )
     return specs
 
 
@@ -416,7 +452,7 @@ class Arm:
         self.scheduler = scheduler
         self.clock_fn = clock_fn
         self.clock = 0.0  # training seconds on clock_fn
-        self.wall = 0.0   # the same steps on the wall clock
+        self.wall = 0.0  # the same steps on the wall clock
         self.steps = self.tokens = self.slots = self.peak_slots = 0
         self.lr_factors: list[float] = []
         self.curve: list[tuple[float, int, int, float]] = []  # (clock, steps, real tokens, validation loss)
@@ -459,13 +495,12 @@ class Data:
     train: list
     seqlens: np.ndarray
     val_batches: list
-    reference_tokens: float       # the baseline's mean real tokens per batch: B0 x mean seqlen
+    reference_tokens: float  # the baseline's mean real tokens per batch: B0 x mean seqlen
     ds_plan: tuple | None = None  # DeepSpeed's batch_by_seqlens output, planned once
     ds_plan_seconds: float = 0.0
 
 
-def make_arm(spec: ArmSpec, data: Data, setup: Setup, lr: float, seed: int, initial_state: dict, ds,
-             clock_fn) -> Arm:
+def make_arm(spec: ArmSpec, data: Data, setup: Setup, lr: float, seed: int, initial_state: dict, ds, clock_fn) -> Arm:
     """Builds one arm as a user of its batching would: loader, AdamW, LR scheduler."""
     model = TinyLM(setup)
     model.load_state_dict(initial_state)  # every arm of a seed starts from the same weights
@@ -473,22 +508,29 @@ def make_arm(spec: ArmSpec, data: Data, setup: Setup, lr: float, seed: int, init
     collate = varbatch.PaddedCollate()
     scheduler = None
     if spec.kind == "fixed":
-        loader = torch.utils.data.DataLoader(data.train, batch_size=setup.batch_size, shuffle=True,
-                                             generator=torch.Generator().manual_seed(seed), collate_fn=collate)
+        loader = torch.utils.data.DataLoader(
+            data.train,
+            batch_size=setup.batch_size,
+            shuffle=True,
+            generator=torch.Generator().manual_seed(seed),
+            collate_fn=collate,
+        )
         batches = _forever(loader)
     elif spec.kind == "grouped":
         sampler = GroupedByLengthSampler(data.seqlens, setup.batch_size, seed)
         batches = _forever(torch.utils.data.DataLoader(data.train, batch_sampler=sampler, collate_fn=collate))
     elif spec.kind == "varbatch":
-        sampler = varbatch.VariableBatchSampler(data.seqlens, setup.max_tokens, budget="padded", order="bucket",
-                                                num_replicas=1, rank=0, seed=seed)
+        sampler = varbatch.VariableBatchSampler(
+            data.seqlens, setup.max_tokens, budget="padded", order="bucket", num_replicas=1, rank=0, seed=seed
+        )
         loader = varbatch.make_dataloader(data.train, sampler, collate_fn=collate)
         reference = setup.batch_size if spec.unit == "sequences" else data.reference_tokens
         with warnings.catch_warnings():
             # varbatch warns when the mean LR factor leaves [0.5, 2]: here that is the rule under study.
             warnings.simplefilter("ignore")
-            scheduler = varbatch.VariableBatchSizeLR(optimizer, reference, sampler, lr_scaling_method=spec.rule,
-                                                     lr_scaling_unit=spec.unit)
+            scheduler = varbatch.VariableBatchSizeLR(
+                optimizer, reference, sampler, lr_scaling_method=spec.rule, lr_scaling_unit=spec.unit
+            )
         batches = _forever(loader, sampler.set_epoch)
     else:
         # DeepSpeed's get_dataloader_and_lr_scheduler_for_variable_batch_size, unrolled: its plan
@@ -497,14 +539,22 @@ def make_arm(spec: ArmSpec, data: Data, setup: Setup, lr: float, seed: int, init
         # defaults that function passes (effective_batch_size 1, no workers, linear rule).
         microbatch_ids, batch_sizes, batch_max_seqlens = data.ds_plan
         loader, _ = ds.dataloader_for_variable_batch_size(
-            dataset=data.train, microbatch_ids=microbatch_ids, batch_max_seqlens=batch_max_seqlens,
-            dataloader_num_workers=0, dataloader_collate_fn=collate)
+            dataset=data.train,
+            microbatch_ids=microbatch_ids,
+            batch_max_seqlens=batch_max_seqlens,
+            dataloader_num_workers=0,
+            dataloader_collate_fn=collate,
+        )
         with warnings.catch_warnings():
             # torch's warnings about DeepSpeed's scheduler stepping with an epoch argument.
             warnings.simplefilter("ignore")
             scheduler = ds.lr_scheduler_for_variable_batch_size(
-                base_batch_size=1, batch_sizes=batch_sizes, dataloader=loader,
-                lr_scheduler_or_optimizer=optimizer, lr_scaling_method="linear")
+                base_batch_size=1,
+                batch_sizes=batch_sizes,
+                dataloader=loader,
+                lr_scheduler_or_optimizer=optimizer,
+                lr_scaling_method="linear",
+            )
         batches = _forever(loader)
     return Arm(spec, model, optimizer, lr, batches, scheduler, clock_fn)
 
@@ -549,7 +599,7 @@ def race(arms: list[Arm], data: Data, budget_seconds: float, num_evals: int) -> 
 def _warm_up(setup: Setup, data: Data) -> None:
     """One untimed forward and backward at the peak shape: allocator and kernels warm."""
     model = TinyLM(setup)
-    tokens, seqlens = varbatch.PaddedCollate()(sorted(data.train, key=len)[-setup.batch_size:])
+    tokens, seqlens = varbatch.PaddedCollate()(sorted(data.train, key=len)[-setup.batch_size :])
     lm_loss(model, tokens, seqlens).backward()
 
 
@@ -578,24 +628,42 @@ def arm_metrics(arm: Arm, target: float, max_tokens: int) -> dict:
     """Everything the tables report about one run, as plain data."""
     factors = np.asarray(arm.lr_factors) if arm.lr_factors else np.ones(1)
     return dict(
-        key=arm.spec.key, label=arm.spec.label, lr=arm.lr, target=target,
-        time_to_target=_crossing(arm.curve, target, 0), steps_to_target=_crossing(arm.curve, target, 1),
-        tokens_to_target=_crossing(arm.curve, target, 2), final_loss=arm.curve[-1][3], clock=arm.clock,
+        key=arm.spec.key,
+        label=arm.spec.label,
+        lr=arm.lr,
+        target=target,
+        time_to_target=_crossing(arm.curve, target, 0),
+        steps_to_target=_crossing(arm.curve, target, 1),
+        tokens_to_target=_crossing(arm.curve, target, 2),
+        final_loss=arm.curve[-1][3],
+        clock=arm.clock,
         wall=arm.wall,
-        steps=arm.steps, tokens=arm.tokens, slots=arm.slots, real_share=arm.tokens / max(arm.slots, 1),
-        peak_over_budget=arm.peak_slots / max_tokens, mean_slots_over_budget=arm.slots / max(arm.steps, 1) / max_tokens,
-        tokens_per_second=arm.tokens / max(arm.clock, 1e-9), ms_per_step=1e3 * arm.clock / max(arm.steps, 1),
-        us_per_kslot=1e6 * arm.clock / max(arm.slots / 1000, 1e-9), lr_factor_mean=float(factors.mean()),
-        lr_factor_min=float(factors.min()), lr_factor_max=float(factors.max()), diverged=arm.diverged,
-        curve=[list(point) for point in arm.curve])
+        steps=arm.steps,
+        tokens=arm.tokens,
+        slots=arm.slots,
+        real_share=arm.tokens / max(arm.slots, 1),
+        peak_over_budget=arm.peak_slots / max_tokens,
+        mean_slots_over_budget=arm.slots / max(arm.steps, 1) / max_tokens,
+        tokens_per_second=arm.tokens / max(arm.clock, 1e-9),
+        ms_per_step=1e3 * arm.clock / max(arm.steps, 1),
+        us_per_kslot=1e6 * arm.clock / max(arm.slots / 1000, 1e-9),
+        lr_factor_mean=float(factors.mean()),
+        lr_factor_min=float(factors.min()),
+        lr_factor_max=float(factors.max()),
+        diverged=arm.diverged,
+        curve=[list(point) for point in arm.curve],
+    )
 
 
 def steps_per_epoch(spec: ArmSpec, data: Data, setup: Setup) -> int:
     if spec.kind in ("fixed", "grouped"):
         return -(-len(data.train) // setup.batch_size)
     if spec.kind == "varbatch":
-        return len(varbatch.VariableBatchSampler(data.seqlens, setup.max_tokens, budget="padded", order="bucket",
-                                                 num_replicas=1, rank=0, seed=0))
+        return len(
+            varbatch.VariableBatchSampler(
+                data.seqlens, setup.max_tokens, budget="padded", order="bucket", num_replicas=1, rank=0, seed=0
+            )
+        )
     return len(data.ds_plan[1])
 
 
@@ -626,19 +694,33 @@ def results_table(runs: dict, specs: list[ArmSpec], data: Data, setup: Setup, bu
         times = [m["time_to_target"] for m in ms]
         reached = sum(math.isfinite(t) for t in times)
         median_time = _median(times)
-        rows.append([
-            spec.label,
-            _spread(times, "{:.2f}", " s") + ("" if reached == seeds else f" ({reached}/{seeds} reached)"),
-            f"{median_time / a_time:.2f}" if math.isfinite(median_time) else "-",
-            f"{median_time / b_time:.2f}" if math.isfinite(median_time) and math.isfinite(b_time) else "-",
-            _spread([m["steps_to_target"] for m in ms], "{:.0f}"),
-            _spread([m["tokens_to_target"] / 1e3 for m in ms], "{:.0f}", "k"),
-            _spread([m["final_loss"] for m in ms], "{:.3f}"),
-            _spread([100 * m["real_share"] for m in ms], "{:.1f}", "%"),
-            steps_per_epoch(spec, data, setup),
-        ])
-    return _table(["arm", "time to (a)'s final loss", "/ (a)'s time", "/ (b)'s time", "steps to it",
-                   "real tokens to it", f"loss at {budget:g} s", "real / padded", "steps / epoch"], rows)
+        rows.append(
+            [
+                spec.label,
+                _spread(times, "{:.2f}", " s") + ("" if reached == seeds else f" ({reached}/{seeds} reached)"),
+                f"{median_time / a_time:.2f}" if math.isfinite(median_time) else "-",
+                f"{median_time / b_time:.2f}" if math.isfinite(median_time) and math.isfinite(b_time) else "-",
+                _spread([m["steps_to_target"] for m in ms], "{:.0f}"),
+                _spread([m["tokens_to_target"] / 1e3 for m in ms], "{:.0f}", "k"),
+                _spread([m["final_loss"] for m in ms], "{:.3f}"),
+                _spread([100 * m["real_share"] for m in ms], "{:.1f}", "%"),
+                steps_per_epoch(spec, data, setup),
+            ]
+        )
+    return _table(
+        [
+            "arm",
+            "time to (a)'s final loss",
+            "/ (a)'s time",
+            "/ (b)'s time",
+            "steps to it",
+            "real tokens to it",
+            f"loss at {budget:g} s",
+            "real / padded",
+            "steps / epoch",
+        ],
+        rows,
+    )
 
 
 def cost_table(runs: dict, specs: list[ArmSpec]) -> str:
@@ -646,24 +728,38 @@ def cost_table(runs: dict, specs: list[ArmSpec]) -> str:
     rows = []
     for spec in specs:
         ms = runs[spec.key]
-        rows.append([
-            spec.label,
-            _spread([m["steps"] for m in ms], "{:.0f}"),
-            _spread([m["ms_per_step"] for m in ms], "{:.1f}"),
-            _spread([m["tokens_per_second"] / 1e3 for m in ms], "{:.1f}", "k"),
-            _spread([m["us_per_kslot"] for m in ms], "{:.0f}"),
-            f"{_median([m['mean_slots_over_budget'] for m in ms]):.2f} / {max(m['peak_over_budget'] for m in ms):.2f}",
-            f"{_median([m['lr_factor_mean'] for m in ms]):.2f} ({min(m['lr_factor_min'] for m in ms):.2f}.."
-            f"{max(m['lr_factor_max'] for m in ms):.2f})",
-            sum(m["diverged"] for m in ms),
-        ])
-    return _table(["arm", "steps in budget", "ms / step", "real tokens / s", "us / 1k padded slots",
-                   "padded / max_tokens mean / peak", "LR factor mean (min..max)", "diverged runs"], rows)
+        rows.append(
+            [
+                spec.label,
+                _spread([m["steps"] for m in ms], "{:.0f}"),
+                _spread([m["ms_per_step"] for m in ms], "{:.1f}"),
+                _spread([m["tokens_per_second"] / 1e3 for m in ms], "{:.1f}", "k"),
+                _spread([m["us_per_kslot"] for m in ms], "{:.0f}"),
+                f"{_median([m['mean_slots_over_budget'] for m in ms]):.2f} / {max(m['peak_over_budget'] for m in ms):.2f}",
+                f"{_median([m['lr_factor_mean'] for m in ms]):.2f} ({min(m['lr_factor_min'] for m in ms):.2f}.."
+                f"{max(m['lr_factor_max'] for m in ms):.2f})",
+                sum(m["diverged"] for m in ms),
+            ]
+        )
+    return _table(
+        [
+            "arm",
+            "steps in budget",
+            "ms / step",
+            "real tokens / s",
+            "us / 1k padded slots",
+            "padded / max_tokens mean / peak",
+            "LR factor mean (min..max)",
+            "diverged runs",
+        ],
+        rows,
+    )
 
 
 def rule_unit_table(runs: dict) -> str:
     """The varbatch arms side by side: each LR rule in sequences and in tokens, medians over seeds."""
     med = functools.partial(_arm_median, runs)
+
     def time(key):
         value = med(key, "time_to_target")
         return f"{value:.2f} s" if math.isfinite(value) else "-"
@@ -671,12 +767,26 @@ def rule_unit_table(runs: dict) -> str:
     rows = [["none (either unit)", f"{med('c-none', 'final_loss'):.3f}", "", time("c-none"), "", "1 (1..1)", ""]]
     for rule in RULES[1:]:
         seq, tok = f"c-{rule}-sequences", f"c-{rule}-tokens"
-        factors = [f"{med(k, 'lr_factor_mean'):.2f} ({min(m['lr_factor_min'] for m in runs[k]):.2f}.."
-                   f"{max(m['lr_factor_max'] for m in runs[k]):.2f})" for k in (seq, tok)]
-        rows.append([rule, f"{med(seq, 'final_loss'):.3f}", f"{med(tok, 'final_loss'):.3f}", time(seq), time(tok),
-                     *factors])
-    return _table(["rule", "loss at budget: sequences", "tokens", "time to (a)'s loss: sequences", "tokens",
-                   "LR factor mean (min..max): sequences", "tokens"], rows)
+        factors = [
+            f"{med(k, 'lr_factor_mean'):.2f} ({min(m['lr_factor_min'] for m in runs[k]):.2f}.."
+            f"{max(m['lr_factor_max'] for m in runs[k]):.2f})"
+            for k in (seq, tok)
+        ]
+        rows.append(
+            [rule, f"{med(seq, 'final_loss'):.3f}", f"{med(tok, 'final_loss'):.3f}", time(seq), time(tok), *factors]
+        )
+    return _table(
+        [
+            "rule",
+            "loss at budget: sequences",
+            "tokens",
+            "time to (a)'s loss: sequences",
+            "tokens",
+            "LR factor mean (min..max): sequences",
+            "tokens",
+        ],
+        rows,
+    )
 
 
 def findings(runs: dict, budget: float) -> tuple[list[str], dict]:
@@ -695,19 +805,28 @@ def findings(runs: dict, budget: float) -> tuple[list[str], dict]:
     else:
         three_quarters = None  # undecided: (b)'s time is unknown beyond the budget
     if math.isfinite(best_time):
-        lines.append(f"- Best varbatch arm: {label}: {best_time:.2f} s to (a)'s final loss (median), "
-                     f"{best_time / budget:.2f} of (a)'s {budget:g} s"
-                     + (f" and {best_time / b_time:.2f} of (b)'s {b_time:.2f} s." if math.isfinite(b_time)
-                        else "; (b) did not reach that loss within the budget."))
+        lines.append(
+            f"- Best varbatch arm: {label}: {best_time:.2f} s to (a)'s final loss (median), "
+            f"{best_time / budget:.2f} of (a)'s {budget:g} s"
+            + (
+                f" and {best_time / b_time:.2f} of (b)'s {b_time:.2f} s."
+                if math.isfinite(b_time)
+                else "; (b) did not reach that loss within the budget."
+            )
+        )
     else:
-        lines.append(f"- No varbatch arm reached (a)'s final loss within {budget:g} s (median over seeds); the "
-                     f"lowest final loss: {label}.")
+        lines.append(
+            f"- No varbatch arm reached (a)'s final loss within {budget:g} s (median over seeds); the "
+            f"lowest final loss: {label}."
+        )
     # Padding alone can speed (a) up by at most its real share's inverse: a target beyond that
     # needs fewer real tokens to the loss, which fewer, larger steps do not give for free.
     bound = med("a", "real_share") / med(best, "real_share")
-    lines.append(f"- Padding bound: (a) fills {100 * med('a', 'real_share'):.0f}% of its slots with real tokens, "
-                 f"{label} {100 * med(best, 'real_share'):.0f}%: at equal cost per slot and equal real tokens to the "
-                 f"loss, its time would be {bound:.2f} of (a)'s.")
+    lines.append(
+        f"- Padding bound: (a) fills {100 * med('a', 'real_share'):.0f}% of its slots with real tokens, "
+        f"{label} {100 * med(best, 'real_share'):.0f}%: at equal cost per slot and equal real tokens to the "
+        f"loss, its time would be {bound:.2f} of (a)'s."
+    )
     # Time to the loss = real tokens needed / real tokens per second: the gain splits into the two.
     # (a)'s reference is its whole budget (its final loss defines the target); (b)'s is its crossing.
     for ref, share in (("a", 0.5), ("b", 0.75)):
@@ -715,35 +834,53 @@ def findings(runs: dict, budget: float) -> tuple[list[str], dict]:
         ref_steps = med("a", "steps") if ref == "a" else med("b", "steps_to_target")
         throughput = med(best, "tokens_per_second") / med(ref, "tokens_per_second")
         per_step = (med(best, "tokens") / med(best, "steps")) / (med(ref, "tokens") / med(ref, "steps"))
-        text = (f"- vs ({ref}): each step holds {per_step:.2f}x the real tokens and takes "
-                f"{med(best, 'ms_per_step') / med(ref, 'ms_per_step'):.2f}x the time (real / padded "
-                f"{100 * med(best, 'real_share'):.0f}% vs {100 * med(ref, 'real_share'):.0f}%), so "
-                f"{throughput:.2f}x the real tokens per second")
+        text = (
+            f"- vs ({ref}): each step holds {per_step:.2f}x the real tokens and takes "
+            f"{med(best, 'ms_per_step') / med(ref, 'ms_per_step'):.2f}x the time (real / padded "
+            f"{100 * med(best, 'real_share'):.0f}% vs {100 * med(ref, 'real_share'):.0f}%), so "
+            f"{throughput:.2f}x the real tokens per second"
+        )
         tokens_needed = med(best, "tokens_to_target") / ref_tokens
         steps_needed = med(best, "steps_to_target") / ref_steps
         if math.isfinite(ref_tokens) and math.isfinite(tokens_needed):
             # Which of the two the loss followed: the ratio nearer to 1.
             follows = "optimizer steps" if abs(math.log(steps_needed)) < abs(math.log(tokens_needed)) else "real tokens"
-            text += (f"; it needed {tokens_needed:.2f}x the real tokens and {steps_needed:.2f}x the optimizer steps "
-                     f"({med(best, 'steps_to_target'):.0f} vs {ref_steps:.0f}) to reach the loss, which here "
-                     f"followed {follows} more closely: time ratio = {tokens_needed:.2f} / {throughput:.2f} = "
-                     f"{tokens_needed / throughput:.2f}.")
+            text += (
+                f"; it needed {tokens_needed:.2f}x the real tokens and {steps_needed:.2f}x the optimizer steps "
+                f"({med(best, 'steps_to_target'):.0f} vs {ref_steps:.0f}) to reach the loss, which here "
+                f"followed {follows} more closely: time ratio = {tokens_needed:.2f} / {throughput:.2f} = "
+                f"{tokens_needed / throughput:.2f}."
+            )
             if tokens_needed / throughput > share:
-                text += (f" For {share:g} of ({ref})'s time at this throughput it would have to need at most "
-                         f"{share * throughput:.2f}x the real tokens.")
+                text += (
+                    f" For {share:g} of ({ref})'s time at this throughput it would have to need at most "
+                    f"{share * throughput:.2f}x the real tokens."
+                )
         else:
             text += "; one of the two did not reach the loss, so no split of the time."
         lines.append(text)
     if "d" in runs:
-        lines.append(f"- DeepSpeed's defaults: mean LR factor {med('d', 'lr_factor_mean'):.1f} (the linear rule "
-                     f"with B in sequences against B_ref = train_batch_size = 1 micro-batch), padded tensor "
-                     f"{med('d', 'mean_slots_over_budget'):.2f}x max_tokens on average and "
-                     f"{max(m['peak_over_budget'] for m in runs['d']):.2f}x at peak (sum budget); loss at the "
-                     f"budget {med('d', 'final_loss'):.3f} vs (a)'s {med('a', 'final_loss'):.3f}"
-                     + (f"; {sum(m['diverged'] for m in runs['d'])} run(s) diverged." if any(
-                         m["diverged"] for m in runs["d"]) else "."))
-    checks = dict(best=best, best_label=label, best_time=best_time, budget=budget, b_time=b_time,
-                  half_of_a=half, three_quarters_of_b=three_quarters)
+        lines.append(
+            f"- DeepSpeed's defaults: mean LR factor {med('d', 'lr_factor_mean'):.1f} (the linear rule "
+            f"with B in sequences against B_ref = train_batch_size = 1 micro-batch), padded tensor "
+            f"{med('d', 'mean_slots_over_budget'):.2f}x max_tokens on average and "
+            f"{max(m['peak_over_budget'] for m in runs['d']):.2f}x at peak (sum budget); loss at the "
+            f"budget {med('d', 'final_loss'):.3f} vs (a)'s {med('a', 'final_loss'):.3f}"
+            + (
+                f"; {sum(m['diverged'] for m in runs['d'])} run(s) diverged."
+                if any(m["diverged"] for m in runs["d"])
+                else "."
+            )
+        )
+    checks = dict(
+        best=best,
+        best_label=label,
+        best_time=best_time,
+        budget=budget,
+        b_time=b_time,
+        half_of_a=half,
+        three_quarters_of_b=three_quarters,
+    )
     return lines, checks
 
 
@@ -765,6 +902,7 @@ def _median_curve(curves: list, column: int, grid: np.ndarray) -> np.ndarray:
 def write_figure(path: str, study: dict) -> None:
     """Validation loss against training time and against real tokens, median over seeds, one row per data set."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -786,8 +924,7 @@ def write_figure(path: str, study: dict) -> None:
                 style = dict(color="tab:red", linewidth=1.5)
             else:
                 rule = ms[0]["key"].split("-")[1]
-                style = dict(color=colors[rule], linewidth=1.5,
-                             linestyle="--" if key.endswith("sequences") else "-")
+                style = dict(color=colors[rule], linewidth=1.5, linestyle="--" if key.endswith("sequences") else "-")
             time_grid = np.linspace(0, budget, 60)
             token_grid = np.linspace(0, min(c[-1][2] for c in curves), 60)
             loss_t = _median_curve(curves, 0, time_grid)
@@ -826,8 +963,13 @@ def prepare(name: str, setup: Setup, ds) -> Data:
     """Loads data set ``name`` and, when DeepSpeed is there, plans its epoch with DeepSpeed's defaults."""
     train, val = load_dataset(name, setup)
     seqlens = np.array([len(s) for s in train], dtype=np.int64)
-    data = Data(name, train, seqlens, validation_batches(val, setup.max_tokens),
-                reference_tokens=setup.batch_size * float(seqlens.mean()))
+    data = Data(
+        name,
+        train,
+        seqlens,
+        validation_batches(val, setup.max_tokens),
+        reference_tokens=setup.batch_size * float(seqlens.mean()),
+    )
     if ds is not None:
         start = time.perf_counter()
         # DeepSpeed's defaults: sum budget, dataloader order, effective_batch_size 1.
@@ -865,11 +1007,22 @@ def study_dataset(name: str, setup: Setup, ds, seeds: list[int], clock_fn) -> di
         target = arms[0].curve[-1][3]
         for arm in arms:
             runs[arm.spec.key].append(arm_metrics(arm, target, setup.max_tokens))
-    return dict(name=name, budget_seconds=budget, seeds=len(seeds), lr=lr, grid=grid, runs=runs,
-                num_train=len(data.train), mean_seqlen=float(data.seqlens.mean()),
-                max_seqlen=int(data.seqlens.max()), truncated=float(np.mean(data.seqlens == setup.max_seqlen)),
-                reference_tokens=data.reference_tokens, ds_plan_seconds=data.ds_plan_seconds,
-                specs=[dataclasses.asdict(s) for s in specs], data=data)
+    return dict(
+        name=name,
+        budget_seconds=budget,
+        seeds=len(seeds),
+        lr=lr,
+        grid=grid,
+        runs=runs,
+        num_train=len(data.train),
+        mean_seqlen=float(data.seqlens.mean()),
+        max_seqlen=int(data.seqlens.max()),
+        truncated=float(np.mean(data.seqlens == setup.max_seqlen)),
+        reference_tokens=data.reference_tokens,
+        ds_plan_seconds=data.ds_plan_seconds,
+        specs=[dataclasses.asdict(s) for s in specs],
+        data=data,
+    )
 
 
 def report_dataset(result: dict, setup: Setup) -> tuple[str, dict]:
@@ -878,43 +1031,63 @@ def report_dataset(result: dict, setup: Setup) -> tuple[str, dict]:
     specs = [ArmSpec(**s) for s in result["specs"]]
     out = [f"## {name}", ""]
     if name == "stdlib":
-        source = (f"{result['num_train']:,} distinct functions of the Python standard library's source "
-                  f"(ast, dedented), UTF-8 bytes after a BOS token, truncated to {setup.max_seqlen} "
-                  f"({100 * result['truncated']:.0f}% are)")
+        source = (
+            f"{result['num_train']:,} distinct functions of the Python standard library's source "
+            f"(ast, dedented), UTF-8 bytes after a BOS token, truncated to {setup.max_seqlen} "
+            f"({100 * result['truncated']:.0f}% are)"
+        )
     else:
-        source = (f"{result['num_train']:,} arithmetic progressions mod {SYN_MODULUS} after a BOS token, lengths "
-                  f"lognormal({SYN_LOGNORMAL_MEAN}, {SYN_LOGNORMAL_SIGMA}) clipped to 8..{setup.max_seqlen}")
-    out.append(f"Training set: {source}; mean seqlen {result['mean_seqlen']:.1f}, {setup.num_val} validation "
-               f"samples. Peak padded tensor of every arm but (d): B0 x L_max = {setup.batch_size} x "
-               f"{setup.max_seqlen} = max_tokens = {setup.max_tokens} slots. Time budget of (a), and training "
-               f"time of every arm: {budget:g} s; validation every {budget / setup.num_evals:.2g} s of training "
-               f"time. Token-unit reference: B_ref = B0 x mean seqlen = {result['reference_tokens']:.0f} real "
-               f"tokens; sequence-unit reference: B_ref = B0 = {setup.batch_size}.")
+        source = (
+            f"{result['num_train']:,} arithmetic progressions mod {SYN_MODULUS} after a BOS token, lengths "
+            f"lognormal({SYN_LOGNORMAL_MEAN}, {SYN_LOGNORMAL_SIGMA}) clipped to 8..{setup.max_seqlen}"
+        )
+    out.append(
+        f"Training set: {source}; mean seqlen {result['mean_seqlen']:.1f}, {setup.num_val} validation "
+        f"samples. Peak padded tensor of every arm but (d): B0 x L_max = {setup.batch_size} x "
+        f"{setup.max_seqlen} = max_tokens = {setup.max_tokens} slots. Time budget of (a), and training "
+        f"time of every arm: {budget:g} s; validation every {budget / setup.num_evals:.2g} s of training "
+        f"time. Token-unit reference: B_ref = B0 x mean seqlen = {result['reference_tokens']:.0f} real "
+        f"tokens; sequence-unit reference: B_ref = B0 = {setup.batch_size}."
+    )
     clock_total = sum(m["clock"] for ms in result["runs"].values() for m in ms)
     wall_total = sum(m["wall"] for ms in result["runs"].values() for m in ms)
-    out.append(f"Training steps of the {result['seeds']}-seed races: {clock_total:.0f} s on the clock, "
-               f"{wall_total:.0f} s of wall clock ({wall_total / clock_total:.2f}x; above 1 with one thread: other "
-               f"processes took the core meanwhile).")
+    out.append(
+        f"Training steps of the {result['seeds']}-seed races: {clock_total:.0f} s on the clock, "
+        f"{wall_total:.0f} s of wall clock ({wall_total / clock_total:.2f}x; above 1 with one thread: other "
+        f"processes took the core meanwhile)."
+    )
     if result["ds_plan_seconds"]:
-        out.append(f"DeepSpeed's `batch_by_seqlens` planned the epoch once in {result['ds_plan_seconds']:.1f} s "
-                   "(setup time, outside every clock; varbatch plans in milliseconds).")
+        out.append(
+            f"DeepSpeed's `batch_by_seqlens` planned the epoch once in {result['ds_plan_seconds']:.1f} s "
+            "(setup time, outside every clock; varbatch plans in milliseconds)."
+        )
     out.append("")
     out.append(f"### (a)'s LR grid (first seed, lowest loss at {budget:g} s kept)")
     out.append("")
-    out.append(_table(["LR", f"loss at {budget:g} s", "steps"],
-                      [[f"{g['lr']:g}" + (" (kept)" if g["lr"] == result["lr"] else ""), f"{g['final_loss']:.3f}",
-                        g["steps"]] for g in result["grid"]]))
+    out.append(
+        _table(
+            ["LR", f"loss at {budget:g} s", "steps"],
+            [
+                [f"{g['lr']:g}" + (" (kept)" if g["lr"] == result["lr"] else ""), f"{g['final_loss']:.3f}", g["steps"]]
+                for g in result["grid"]
+            ],
+        )
+    )
     if result["lr"] in (setup.lr_grid[0], setup.lr_grid[-1]):
         out.append("\nThe best LR is at the edge of the grid: the tuned baseline may be better still.")
     out.append("")
-    out.append(f"### Time to reach (a)'s final loss (LR {result['lr']:g} for all; median [min, max] over "
-               f"{result['seeds']} seeds)")
+    out.append(
+        f"### Time to reach (a)'s final loss (LR {result['lr']:g} for all; median [min, max] over "
+        f"{result['seeds']} seeds)"
+    )
     out.append("")
     out.append(results_table(result["runs"], specs, data, setup, budget))
     out.append("")
-    out.append("(a)'s row: where its own curve first reaches its loss at the budget; below the budget when "
-               "validation loss dips to that level earlier. Ratios to (a) use its budget, those to (b) (b)'s "
-               "median time; '-': the median run did not reach the loss within the budget.")
+    out.append(
+        "(a)'s row: where its own curve first reaches its loss at the budget; below the budget when "
+        "validation loss dips to that level earlier. Ratios to (a) use its budget, those to (b) (b)'s "
+        "median time; '-': the median run did not reach the loss within the budget."
+    )
     out.append("")
     out.append("### Why: cost per step and LR per arm")
     out.append("")
@@ -940,11 +1113,23 @@ def targets_table(checks: dict) -> str:
 
     rows = []
     for name, c in checks.items():
-        rows.append([name, "best varbatch arm <= 1/2 of (a)'s time", f"{c['best_label']}: {seconds(c['best_time'])} "
-                     f"vs {0.5 * c['budget']:.2f} s", mark(c["half_of_a"])])
+        rows.append(
+            [
+                name,
+                "best varbatch arm <= 1/2 of (a)'s time",
+                f"{c['best_label']}: {seconds(c['best_time'])} vs {0.5 * c['budget']:.2f} s",
+                mark(c["half_of_a"]),
+            ]
+        )
         b = f"{0.75 * c['b_time']:.2f} s" if math.isfinite(c["b_time"]) else f"> {0.75 * c['budget']:.2f} s"
-        rows.append([name, "best varbatch arm <= 3/4 of (b)'s time", f"{seconds(c['best_time'])} vs {b}",
-                     mark(c["three_quarters_of_b"])])
+        rows.append(
+            [
+                name,
+                "best varbatch arm <= 3/4 of (b)'s time",
+                f"{seconds(c['best_time'])} vs {b}",
+                mark(c["three_quarters_of_b"]),
+            ]
+        )
     return _table(["data", "target (median over seeds)", "measured", "met"], rows)
 
 
@@ -962,36 +1147,73 @@ def defaults_table(results: dict) -> str:
             cells[k].append(f"{t / result['budget_seconds']:.2f}" if math.isfinite(t) else "-")
             cells[k][-1] += f" / {_arm_median(runs, k, 'final_loss'):.3f}"
     labels = {k: next(iter(results.values()))["runs"][k][0]["label"].replace("(c) varbatch, ", "") for k in keys}
-    rows = [[labels[k], *cells[k], " ".join(map(str, ranks[k])), f"{np.mean(ranks[k]):.1f}"]
-            for k in sorted(keys, key=lambda k: np.mean(ranks[k]))]
-    return _table(["varbatch LR rule", *[f"{name}: time / (a)'s, loss at budget" for name in results],
-                   "rank per data set", "mean rank"], rows)
+    rows = [
+        [labels[k], *cells[k], " ".join(map(str, ranks[k])), f"{np.mean(ranks[k]):.1f}"]
+        for k in sorted(keys, key=lambda k: np.mean(ranks[k]))
+    ]
+    return _table(
+        [
+            "varbatch LR rule",
+            *[f"{name}: time / (a)'s, loss at budget" for name in results],
+            "rank per data set",
+            "mean rank",
+        ],
+        rows,
+    )
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description="Time to reach a fixed-batch baseline's loss, per batching and LR "
-                                                 "rule (markdown tables on stdout, progress on stderr).")
-    parser.add_argument("--quick", action="store_true",
-                        help="a smoke form with tiny sizes and one seed, in seconds (CI); no figure unless --plot")
-    parser.add_argument("--datasets", default=",".join(DATASETS),
-                        help=f"comma-separated data sets, of {', '.join(DATASETS)} (default: both)")
-    parser.add_argument("--seeds", type=int, default=None,
-                        help="seeds per arm (default 3, 1 with --quick)")
-    parser.add_argument("--budget-seconds", type=float, default=None,
-                        help="training seconds of every arm, (a)'s time budget (default 6 for stdlib and 4 for "
-                             "synthetic; 0.4 with --quick)")
-    parser.add_argument("--lr-grid", default=None, metavar="LR,LR,...",
-                        help="comma-separated LRs tried for arm (a) (default 0.004,0.008,0.016,0.032; 0.002,0.008 "
-                             "with --quick)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads (default 1: on a shared machine, several threads stall each other "
-                             "whenever another process takes a core)")
-    parser.add_argument("--clock", choices=sorted(CLOCKS), default="cpu",
-                        help="what a training second is: cpu, the process's CPU time (default; with one thread it "
-                             "is the time the step needs, whatever else the machine runs), or wall, the wall clock")
-    parser.add_argument("--plot", nargs="?", const=os.path.join(_HERE, "study.png"), default=None, metavar="PNG",
-                        help="write the figure (needs matplotlib; default path study.png next to study.py; the "
-                             "full study writes it unless --no-plot)")
+    parser = argparse.ArgumentParser(
+        description="Time to reach a fixed-batch baseline's loss, per batching and LR "
+        "rule (markdown tables on stdout, progress on stderr)."
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke form with tiny sizes and one seed, in seconds (CI); no figure unless --plot",
+    )
+    parser.add_argument(
+        "--datasets",
+        default=",".join(DATASETS),
+        help=f"comma-separated data sets, of {', '.join(DATASETS)} (default: both)",
+    )
+    parser.add_argument("--seeds", type=int, default=None, help="seeds per arm (default 3, 1 with --quick)")
+    parser.add_argument(
+        "--budget-seconds",
+        type=float,
+        default=None,
+        help="training seconds of every arm, (a)'s time budget (default 6 for stdlib and 4 for "
+        "synthetic; 0.4 with --quick)",
+    )
+    parser.add_argument(
+        "--lr-grid",
+        default=None,
+        metavar="LR,LR,...",
+        help="comma-separated LRs tried for arm (a) (default 0.004,0.008,0.016,0.032; 0.002,0.008 with --quick)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (default 1: on a shared machine, several threads stall each other "
+        "whenever another process takes a core)",
+    )
+    parser.add_argument(
+        "--clock",
+        choices=sorted(CLOCKS),
+        default="cpu",
+        help="what a training second is: cpu, the process's CPU time (default; with one thread it "
+        "is the time the step needs, whatever else the machine runs), or wall, the wall clock",
+    )
+    parser.add_argument(
+        "--plot",
+        nargs="?",
+        const=os.path.join(_HERE, "study.png"),
+        default=None,
+        metavar="PNG",
+        help="write the figure (needs matplotlib; default path study.png next to study.py; the "
+        "full study writes it unless --no-plot)",
+    )
     parser.add_argument("--no-plot", action="store_true", help="do not write the figure")
     parser.add_argument("--json", default=None, metavar="FILE", help="also write the raw numbers to FILE")
     parser.add_argument("--no-deepspeed", action="store_true", help="leave out arm (d), DeepSpeed's module")
@@ -1017,7 +1239,7 @@ def main(argv=None) -> int:
             parser.error(f"--lr-grid should be comma-separated LRs > 0, but got {args.lr_grid!r}")
         setup = dataclasses.replace(setup, lr_grid=grid)
     if args.budget_seconds is not None:
-        setup = dataclasses.replace(setup, budget_seconds={n: args.budget_seconds for n in DATASETS})
+        setup = dataclasses.replace(setup, budget_seconds=dict.fromkeys(DATASETS, args.budget_seconds))
     plot = None if args.no_plot else (args.plot or (None if args.quick else os.path.join(_HERE, "study.png")))
     have_matplotlib = importlib.util.find_spec("matplotlib") is not None
     if args.plot and not args.no_plot and not have_matplotlib:
@@ -1031,23 +1253,26 @@ def main(argv=None) -> int:
 
     print(f"# varbatch study: time to reach a fixed-batch baseline's loss{' (--quick)' if args.quick else ''}\n")
     print(machine_description(threads) + "\n")
-    print(f"Model: byte-level causal LM, {setup.layers} pre-norm transformer block{'s' if setup.layers > 1 else ''}, "
-          f"E={setup.dim}, "
-          f"{setup.heads} heads, feed-forward 4E, context {setup.max_seqlen}, vocabulary {VOCAB}; per-sample "
-          f"B x 1 x S x S attention masks, so padded slots cost compute. Loss: next-token cross-entropy, mean over "
-          f"the real tokens of the batch. AdamW (betas {BETAS}, weight decay {WEIGHT_DECAY}), constant LR scaled "
-          f"per batch by the arm's rule, gradients clipped to norm {CLIP_NORM}; one micro-batch per optimizer step "
-          f"(no accumulation). Time: {CLOCK_WORDS[args.clock]} of the training steps only (fetching and "
-          f"collating the batch, forward, backward, clipping, optimizer and LR scheduler steps), {threads} torch "
-          f"thread{'s' if threads > 1 else ''}; planning and validation are outside the clock. The arms of one seed "
-          f"run interleaved: the arm with the least training time steps next, so whatever else the machine runs "
-          f"hits all arms alike. Every arm of a seed starts "
-          f"from the same weights. Varbatch arms: `VariableBatchSampler(budget='padded', order='bucket')`, "
-          f"`make_dataloader`, `VariableBatchSizeLR` stepped after every optimizer step; (d): DeepSpeed's "
-          f"`batch_by_seqlens`, `dataloader_for_variable_batch_size` and `lr_scheduler_for_variable_batch_size` "
-          f"with the arguments `get_dataloader_and_lr_scheduler_for_variable_batch_size` passes by default"
-          + ("" if ds is not None else " (not run: DeepSpeed is not installed or --no-deepspeed)") + ".\n",
-          flush=True)
+    print(
+        f"Model: byte-level causal LM, {setup.layers} pre-norm transformer block{'s' if setup.layers > 1 else ''}, "
+        f"E={setup.dim}, "
+        f"{setup.heads} heads, feed-forward 4E, context {setup.max_seqlen}, vocabulary {VOCAB}; per-sample "
+        f"B x 1 x S x S attention masks, so padded slots cost compute. Loss: next-token cross-entropy, mean over "
+        f"the real tokens of the batch. AdamW (betas {BETAS}, weight decay {WEIGHT_DECAY}), constant LR scaled "
+        f"per batch by the arm's rule, gradients clipped to norm {CLIP_NORM}; one micro-batch per optimizer step "
+        f"(no accumulation). Time: {CLOCK_WORDS[args.clock]} of the training steps only (fetching and "
+        f"collating the batch, forward, backward, clipping, optimizer and LR scheduler steps), {threads} torch "
+        f"thread{'s' if threads > 1 else ''}; planning and validation are outside the clock. The arms of one seed "
+        f"run interleaved: the arm with the least training time steps next, so whatever else the machine runs "
+        f"hits all arms alike. Every arm of a seed starts "
+        f"from the same weights. Varbatch arms: `VariableBatchSampler(budget='padded', order='bucket')`, "
+        f"`make_dataloader`, `VariableBatchSizeLR` stepped after every optimizer step; (d): DeepSpeed's "
+        f"`batch_by_seqlens`, `dataloader_for_variable_batch_size` and `lr_scheduler_for_variable_batch_size` "
+        f"with the arguments `get_dataloader_and_lr_scheduler_for_variable_batch_size` passes by default"
+        + ("" if ds is not None else " (not run: DeepSpeed is not installed or --no-deepspeed)")
+        + ".\n",
+        flush=True,
+    )
 
     seeds = list(range(setup.seeds))
     study = dict(setup=dataclasses.asdict(setup), threads=threads, clock=args.clock, datasets={})
@@ -1061,8 +1286,10 @@ def main(argv=None) -> int:
     print("## Targets\n")
     print(targets_table(checks) + "\n")
     print("## Which unit and rule: the evidence for the defaults\n")
-    print("Time to (a)'s final loss as a share of (a)'s budget, and loss at the budget, medians over seeds; rank 1 = "
-          "fastest. B_ref: B0 sequences, or B0 x mean seqlen real tokens (the batch (a)'s LR was tuned for).\n")
+    print(
+        "Time to (a)'s final loss as a share of (a)'s budget, and loss at the budget, medians over seeds; rank 1 = "
+        "fastest. B_ref: B0 sequences, or B0 x mean seqlen real tokens (the batch (a)'s LR was tuned for).\n"
+    )
     print(defaults_table(study["datasets"]) + "\n")
     if plot:
         if have_matplotlib:

@@ -39,8 +39,8 @@ import sys
 import typing
 import warnings
 import weakref
-from collections.abc import Mapping, Sequence
-from typing import Any, Callable, Iterator, Literal
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Callable, Literal
 
 import numpy as np
 import torch
@@ -49,11 +49,21 @@ from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 __all__ = [  # DeepSpeed's names (deepspeed.runtime.data_pipeline.data_sampling.variable_batch_size_and_lr), then ours
-    "batch_by_seqlens", "scale_lr", "dataloader_for_variable_batch_size", "VariableBatchSizeLR",
-    "lr_scheduler_for_variable_batch_size", "get_dataloader_and_lr_scheduler_for_variable_batch_size",
+    "batch_by_seqlens",
+    "scale_lr",
+    "dataloader_for_variable_batch_size",
+    "VariableBatchSizeLR",
+    "lr_scheduler_for_variable_batch_size",
+    "get_dataloader_and_lr_scheduler_for_variable_batch_size",
     "get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed",
-    "Plan", "plan_batches", "VariableBatchSampler", "make_dataloader", "PaddedCollate", "pad_sample",
-    "seqlens_from_padded", "micro_batch_loss_weight",
+    "Plan",
+    "plan_batches",
+    "VariableBatchSampler",
+    "make_dataloader",
+    "PaddedCollate",
+    "pad_sample",
+    "seqlens_from_padded",
+    "micro_batch_loss_weight",
 ]
 __version__ = "0.2.0"
 _logger = logging.getLogger("varbatch")
@@ -69,7 +79,7 @@ _DROP_REASONS = ("over_budget", "min_batch_size", "tail", "filtered")
 # same order (DeepSpeed's `random` with seed=None draws a different one per rank).
 _DEFAULT_SEED = 0
 _DEFAULT_BUCKET_SIZE = 4096  # samples per sorted window of the `bucket` order
-_MAX_TOKENS_LIMIT = 2 ** 31  # sums of up to 2**31 lengths below it stay inside int64
+_MAX_TOKENS_LIMIT = 2**31  # sums of up to 2**31 lengths below it stay inside int64
 
 
 # =============================================================================
@@ -105,8 +115,10 @@ def _check_choice(name: str, value: Any, choices: Any) -> str:
     if isinstance(value, str) and value in choices:
         return value
     close = difflib.get_close_matches(str(value), choices, n=1)
-    raise ValueError(f"{name} should be one of {', '.join(map(repr, choices))}, but got {name}={value!r}"
-                     + (f" (did you mean {close[0]!r}?)" if close else ""))
+    raise ValueError(
+        f"{name} should be one of {', '.join(map(repr, choices))}, but got {name}={value!r}"
+        + (f" (did you mean {close[0]!r}?)" if close else "")
+    )
 
 
 def _format_ids(ids: np.ndarray) -> str:
@@ -115,12 +127,15 @@ def _format_ids(ids: np.ndarray) -> str:
     return f"{len(ids)} sample{'s' if len(ids) != 1 else ''} (ids {shown})"
 
 
-def _as_counts(values: Any, name: str = "seqlens", minimum: int = 1,
-               fix: str = "pass one whole token count per sample") -> np.ndarray:
+def _as_counts(
+    values: Any, name: str = "seqlens", minimum: int = 1, fix: str = "pass one whole token count per sample"
+) -> np.ndarray:
     """Whole numbers (seqlens, batch sizes, ids) as a read-only int64 array, or raises naming the first bad one."""
     if isinstance(values, (str, bytes, Mapping)) or not (hasattr(values, "__len__") and hasattr(values, "__getitem__")):
-        raise TypeError(f"{name} should be a sequence of whole numbers (a list, array or tensor), but got {name}="
-                        f"{values!r:.60} of type {type(values).__name__}; {fix}")
+        raise TypeError(
+            f"{name} should be a sequence of whole numbers (a list, array or tensor), but got {name}="
+            f"{values!r:.60} of type {type(values).__name__}; {fix}"
+        )
     if isinstance(values, torch.Tensor):  # bfloat16 and other torch-only dtypes: through float64
         values = values.detach().cpu()
         values = (values.double() if values.is_floating_point() else values).numpy()
@@ -133,14 +148,19 @@ def _as_counts(values: Any, name: str = "seqlens", minimum: int = 1,
         raise ValueError(f"{name} should be one-dimensional, but got shape {array.shape}; {fix}")
     if array.dtype == bool or array.dtype.kind not in "iuf":
         raise TypeError(f"{name} should hold whole numbers, but got dtype {array.dtype}; {fix}")
-    bad = np.flatnonzero(~np.isfinite(array) | (array != np.round(array)) | (array >= 2.0 ** 63)
-                         if array.dtype.kind == "f" else array > np.iinfo(np.int64).max)
+    bad = np.flatnonzero(
+        ~np.isfinite(array) | (array != np.round(array)) | (array >= 2.0**63)
+        if array.dtype.kind == "f"
+        else array > np.iinfo(np.int64).max
+    )
     if not len(bad):
         array = array.astype(np.int64)
         bad = np.flatnonzero(array < minimum)
     if len(bad):
-        raise ValueError(f"{name} should hold whole numbers in [{minimum}, 2**63), but {name}[{bad[0]}]="
-                         f"{array[bad[0]].item()!r} ({len(bad)} such values); {fix}")
+        raise ValueError(
+            f"{name} should hold whole numbers in [{minimum}, 2**63), but {name}[{bad[0]}]="
+            f"{array[bad[0]].item()!r} ({len(bad)} such values); {fix}"
+        )
     array.setflags(write=False)
     return array
 
@@ -155,8 +175,10 @@ def _as_sample_ids(sample_ids: Any, num_samples: int) -> np.ndarray:
     if len(out):
         raise ValueError(f"sample_ids should be in [0, {num_samples}), but got sample_ids[{out[0]}]={ids[out[0]]}")
     if (counts > 1).any():
-        raise ValueError(f"sample_ids should name each sample once, but {_format_ids(unique[counts > 1])} appear more "
-                         f"than once; deduplicate them (np.unique)")
+        raise ValueError(
+            f"sample_ids should name each sample once, but {_format_ids(unique[counts > 1])} appear more "
+            f"than once; deduplicate them (np.unique)"
+        )
     return ids
 
 
@@ -195,32 +217,48 @@ class _Settings:
     def __post_init__(self):
         def put(name, value):
             object.__setattr__(self, name, value)
-        put("max_tokens", _check_int("max_tokens", self.max_tokens, 1, _MAX_TOKENS_LIMIT, "it is the token budget of "
-                                     "one micro-batch"))
-        for name, fix in (("effective_batch_size", "it is train_batch_size, micro-batches per optimizer step"),
-                          ("micro_batch_size", "it is train_micro_batch_size_per_gpu"), ("num_replicas", "")):
+
+        put(
+            "max_tokens",
+            _check_int(
+                "max_tokens", self.max_tokens, 1, _MAX_TOKENS_LIMIT, "it is the token budget of one micro-batch"
+            ),
+        )
+        for name, fix in (
+            ("effective_batch_size", "it is train_batch_size, micro-batches per optimizer step"),
+            ("micro_batch_size", "it is train_micro_batch_size_per_gpu"),
+            ("num_replicas", ""),
+        ):
             put(name, _check_int(name, getattr(self, name), 1, fix=fix))
         if self.effective_batch_size % (self.micro_batch_size * self.num_replicas):
-            raise ValueError(f"effective_batch_size={self.effective_batch_size} should be a multiple of micro_batch_size"
-                             f" x num_replicas = {self.micro_batch_size} x {self.num_replicas}; set train_batch_size = "
-                             f"micro batch per GPU x gradient accumulation steps x data-parallel size")
+            raise ValueError(
+                f"effective_batch_size={self.effective_batch_size} should be a multiple of micro_batch_size"
+                f" x num_replicas = {self.micro_batch_size} x {self.num_replicas}; set train_batch_size = "
+                f"micro batch per GPU x gradient accumulation steps x data-parallel size"
+            )
         for name, choices in (("budget", _Budget), ("order", _Order), ("on_overlong", _OnOverlong)):
-            put(name, _check_choice("sequence_picking_order" if name == "order" else name, getattr(self, name), choices))
+            put(
+                name, _check_choice("sequence_picking_order" if name == "order" else name, getattr(self, name), choices)
+            )
         for name in ("min_batch_size", "max_batch_size"):  # None or 0: no bound (DeepSpeed's convention)
             value = getattr(self, name)
-            zero = value is None or not isinstance(value, bool) and isinstance(value, numbers.Integral) and value == 0
+            zero = value is None or (not isinstance(value, bool) and isinstance(value, numbers.Integral) and value == 0)
             put(name, None if zero else _check_int(name, value, 1, fix="or None for no bound"))
         put("min_batch_size", self.min_batch_size or 1)
         if self.max_batch_size is not None and self.min_batch_size > self.max_batch_size:
-            raise ValueError(f"min_batch_size should be <= max_batch_size, but got min_batch_size={self.min_batch_size} "
-                             f"and max_batch_size={self.max_batch_size}")
+            raise ValueError(
+                f"min_batch_size should be <= max_batch_size, but got min_batch_size={self.min_batch_size} "
+                f"and max_batch_size={self.max_batch_size}"
+            )
         for name in ("same_size", "same_length"):
             if not isinstance(getattr(self, name), (bool, np.bool_)):
                 raise TypeError(f"{name} should be a bool, but got {name}={getattr(self, name)!r}")
             put(name, bool(getattr(self, name)))
         if self.budget == "padded" and self.same_length and not self.same_size:
-            raise ValueError("budget='padded' with same_length=True needs same_size=True (the padded size of a micro-"
-                             "batch then depends on the whole batch); set same_size=True or budget='sum'")
+            raise ValueError(
+                "budget='padded' with same_length=True needs same_size=True (the padded size of a micro-"
+                "batch then depends on the whole batch); set same_size=True or budget='sum'"
+            )
         put("seed", _DEFAULT_SEED if self.seed is None else _check_int("seed", self.seed))
         put("bucket_size", None if self.bucket_size is None else _check_int("bucket_size", self.bucket_size, 1))
 
@@ -230,15 +268,21 @@ class _Settings:
         known = [field.name for field in dataclasses.fields(cls)]
         for name in set(options) - set(known):
             close = difflib.get_close_matches(name, known, n=1)
-            raise TypeError(f"unknown plan option {name!r}{f' (did you mean {close[0]!r}?)' if close else ''}; the "
-                            f"options are {', '.join(known)}")
+            raise TypeError(
+                f"unknown plan option {name!r}{f' (did you mean {close[0]!r}?)' if close else ''}; the "
+                f"options are {', '.join(known)}"
+            )
         return cls(**options)
 
-    gradient_accumulation_steps = property(lambda self: self.effective_batch_size // (self.micro_batch_size
-                                                                                      * self.num_replicas))
+    gradient_accumulation_steps = property(
+        lambda self: self.effective_batch_size // (self.micro_batch_size * self.num_replicas)
+    )
     # Micro-batches packed as one block of equal micro-batches: a batch (same_size), a padded step input, or 1.
-    unit_width = property(lambda self: self.effective_batch_size if self.same_size else
-                          self.micro_batch_size if self.budget == "padded" else 1)
+    unit_width = property(
+        lambda self: (
+            self.effective_batch_size if self.same_size else self.micro_batch_size if self.budget == "padded" else 1
+        )
+    )
 
 
 # =============================================================================
@@ -248,8 +292,16 @@ class _Settings:
 
 def _distribution(values: np.ndarray) -> dict | None:
     """``{min, median, mean, max}`` of ``values`` as plain numbers (None when empty): what the reports print."""
-    return {"min": values.min().item(), "median": float(np.median(values)), "mean": float(values.mean()),
-            "max": values.max().item()} if len(values) else None
+    return (
+        {
+            "min": values.min().item(),
+            "median": float(np.median(values)),
+            "mean": float(values.mean()),
+            "max": values.max().item(),
+        }
+        if len(values)
+        else None
+    )
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -288,7 +340,7 @@ class Plan:
 
     def microbatch(self, j: int) -> np.ndarray:
         """The sample ids of micro-batch ``j``."""
-        return self.sample_ids[self.microbatch_offsets[j]:self.microbatch_offsets[j + 1]]
+        return self.sample_ids[self.microbatch_offsets[j] : self.microbatch_offsets[j + 1]]
 
     def microbatches(self) -> list[list[int]]:
         """Every micro-batch as a list of sample ids, in plan order."""
@@ -298,8 +350,13 @@ class Plan:
     def _amounts(self, unit: str) -> np.ndarray:
         """Per batch, in ``unit``: its real tokens (``"tokens"``), its sequences (``"sequences"``,
         ``"samples"``), or 1 (``"steps"``): what the LR rule, the clock and the horizon count."""
-        return self.batch_tokens if unit == "tokens" else np.ones(self.num_batches, np.int64) if unit == "steps" else \
-            self.batch_sizes
+        return (
+            self.batch_tokens
+            if unit == "tokens"
+            else np.ones(self.num_batches, np.int64)
+            if unit == "steps"
+            else self.batch_sizes
+        )
 
     def microbatch_sizes(self) -> np.ndarray:
         """Samples per micro-batch."""
@@ -323,24 +380,45 @@ class Plan:
         s, sizes = self.settings, self.microbatch_sizes()
         steps = (sizes * self.padded_seqlens).reshape(-1, s.micro_batch_size).sum(axis=1)  # tokens per tensor
         big, real, padded = int(np.argmax(steps)) if len(steps) else 0, int(self.batch_tokens.sum()), int(steps.sum())
-        return {"epoch": self.epoch, **{key: getattr(s, key) for key in (
-                    "max_tokens", "budget", "same_length", "effective_batch_size", "micro_batch_size",
-                    "gradient_accumulation_steps", "num_replicas")},
-                "batches": self.num_batches, "step_inputs_per_rank": self.num_batches * s.gradient_accumulation_steps,
-                "microbatches": self.num_microbatches, "samples": int(self.batch_sizes.sum()),
-                "dropped": {reason: len(ids) for reason, ids in self.dropped.items()}, "num_dropped": self.num_dropped,
-                "real_tokens": real, "padded_tokens": padded, "efficiency": real / padded if padded else 1.0,
-                "largest_step_input": {
-                    "sequences": int(sizes.reshape(-1, s.micro_batch_size)[big].sum()) if len(steps) else 0,
-                    "padded_seqlen": int(self.padded_seqlens[big * s.micro_batch_size]) if len(steps) else 0,
-                    "tokens": int(steps[big]) if len(steps) else 0, "bound": s.micro_batch_size * s.max_tokens},
-                "batch_size": _distribution(self.batch_sizes), "batch_tokens": _distribution(self.batch_tokens),
-                "microbatch_size": _distribution(sizes), "padded_seqlen": _distribution(self.padded_seqlens)}
+        return {
+            "epoch": self.epoch,
+            **{
+                key: getattr(s, key)
+                for key in (
+                    "max_tokens",
+                    "budget",
+                    "same_length",
+                    "effective_batch_size",
+                    "micro_batch_size",
+                    "gradient_accumulation_steps",
+                    "num_replicas",
+                )
+            },
+            "batches": self.num_batches,
+            "step_inputs_per_rank": self.num_batches * s.gradient_accumulation_steps,
+            "microbatches": self.num_microbatches,
+            "samples": int(self.batch_sizes.sum()),
+            "dropped": {reason: len(ids) for reason, ids in self.dropped.items()},
+            "num_dropped": self.num_dropped,
+            "real_tokens": real,
+            "padded_tokens": padded,
+            "efficiency": real / padded if padded else 1.0,
+            "largest_step_input": {
+                "sequences": int(sizes.reshape(-1, s.micro_batch_size)[big].sum()) if len(steps) else 0,
+                "padded_seqlen": int(self.padded_seqlens[big * s.micro_batch_size]) if len(steps) else 0,
+                "tokens": int(steps[big]) if len(steps) else 0,
+                "bound": s.micro_batch_size * s.max_tokens,
+            },
+            "batch_size": _distribution(self.batch_sizes),
+            "batch_tokens": _distribution(self.batch_tokens),
+            "microbatch_size": _distribution(sizes),
+            "padded_seqlen": _distribution(self.padded_seqlens),
+        }
 
 
 def _stable_argsort(values: np.ndarray) -> np.ndarray:
     """A stable argsort; lengths below 2**16 take numpy's linear-time radix sort."""
-    return np.argsort(values.astype(np.uint16) if len(values) and values.max() < 2 ** 16 else values, kind="stable")
+    return np.argsort(values.astype(np.uint16) if len(values) and values.max() < 2**16 else values, kind="stable")
 
 
 def _picking_order(seqlens: np.ndarray, ids: np.ndarray, s: _Settings, rng: np.random.Generator) -> np.ndarray:
@@ -356,9 +434,9 @@ def _picking_order(seqlens: np.ndarray, ids: np.ndarray, s: _Settings, rng: np.r
     # micro-batches spans that many times the samples: the default window grows with it.
     window = s.bucket_size or _DEFAULT_BUCKET_SIZE * s.unit_width
     for w, start in enumerate(range(0, len(shuffled), window) if s.order == "bucket" else ()):
-        part = shuffled[start:start + window]
+        part = shuffled[start : start + window]
         ranked = part[_stable_argsort(seqlens[part])]
-        shuffled[start:start + window] = ranked if w % 2 == 0 else ranked[::-1]
+        shuffled[start : start + window] = ranked if w % 2 == 0 else ranked[::-1]
     return shuffled
 
 
@@ -413,17 +491,25 @@ def _pack_rows(lens: np.ndarray, s: _Settings) -> tuple[list[tuple[int, int, boo
         rows_left, consecutive = min((total - start) // width, s.max_batch_size or total), False
         rows = n = _greedy_rows(values, start, rows_left, s) if width == 1 else min(guess, rows_left)
         while width > 1:
-            fits = _fits(lens[start:start + rows * width].reshape(rows, width), s, group)
+            fits = _fits(lens[start : start + rows * width].reshape(rows, width), s, group)
             n = rows if fits.all() else int(fits.argmin())
             if n < rows or rows == rows_left:
                 break
             rows = min(2 * rows, rows_left)
         guess = n + 1
         if width > 1 and n < s.min_batch_size <= rows_left:
-            first = lens[start:start + rows_left]
-            first = np.cumsum(first) if s.budget == "sum" else np.arange(1, rows_left + 1) * np.maximum.accumulate(first)
-            n = next((m for m in range(int((first <= s.max_tokens).sum()), s.min_batch_size - 1, -1)
-                      if _fits(lens[start:start + m * width].reshape(width, m), s, group, m)), n)
+            first = lens[start : start + rows_left]
+            first = (
+                np.cumsum(first) if s.budget == "sum" else np.arange(1, rows_left + 1) * np.maximum.accumulate(first)
+            )
+            n = next(
+                (
+                    m
+                    for m in range(int((first <= s.max_tokens).sum()), s.min_batch_size - 1, -1)
+                    if _fits(lens[start : start + m * width].reshape(width, m), s, group, m)
+                ),
+                n,
+            )
             consecutive = n >= s.min_batch_size
         if n >= s.min_batch_size:
             blocks.append((start, n, consecutive))
@@ -451,7 +537,7 @@ def _resplit(blocks: list[list[np.ndarray]], count: int, min_bs: int) -> list[li
         if rows < 2 * min_bs:  # the largest, so every block, is too small to cut
             return None
         cut = min_bs * (rows // min_bs // 2)
-        blocks[j:j + 1] = [[mb[:cut] for mb in blocks[j]], [mb[cut:] for mb in blocks[j]]]
+        blocks[j : j + 1] = [[mb[:cut] for mb in blocks[j]], [mb[cut:] for mb in blocks[j]]]
     return blocks
 
 
@@ -462,10 +548,13 @@ def _pack(seqlens: np.ndarray, s: _Settings, sample_ids: np.ndarray | None, epoc
     ids = np.arange(len(seqlens), dtype=np.int64) if sample_ids is None else sample_ids
     overlong = ids[seqlens[ids] > s.max_tokens]
     if len(overlong) and (s.on_overlong == "error" or len(overlong) == len(ids)):
-        raise ValueError(f"max_tokens={s.max_tokens} is smaller than {_format_ids(overlong)} (longest "
-                         f"{int(seqlens[overlong].max())}); raise max_tokens, truncate them, or pass on_overlong='skip'"
-                         if s.on_overlong == "error" else f"every sample is longer than max_tokens={s.max_tokens} "
-                         f"(shortest {int(seqlens[ids].min())}); raise max_tokens")
+        raise ValueError(
+            f"max_tokens={s.max_tokens} is smaller than {_format_ids(overlong)} (longest "
+            f"{int(seqlens[overlong].max())}); raise max_tokens, truncate them, or pass on_overlong='skip'"
+            if s.on_overlong == "error"
+            else f"every sample is longer than max_tokens={s.max_tokens} "
+            f"(shortest {int(seqlens[ids].min())}); raise max_tokens"
+        )
     # 2. Pick and pack, into blocks of `width` equal micro-batches or micro-batches one by one;
     # then the positions of each block's samples, micro-batch after micro-batch (row r of b).
     rng = np.random.default_rng((s.seed, epoch))
@@ -483,10 +572,10 @@ def _pack(seqlens: np.ndarray, s: _Settings, sample_ids: np.ndarray | None, epoc
     # k / width blocks where they can be (see `_resplit`); else they are the tail.
     left = 0 if s.same_size else len(blocks) % (k // width)
     if left:
-        kept = int(sizes[:len(sizes) - left * width].sum())
-        pieces = np.split(positions[kept:], np.cumsum(sizes[len(sizes) - left * width:])[:-1])
-        cut = _resplit([pieces[u * width:(u + 1) * width] for u in range(left)], k // width, s.min_batch_size)
-        positions, sizes = positions[:kept], sizes[:len(sizes) - left * width]
+        kept = int(sizes[: len(sizes) - left * width].sum())
+        pieces = np.split(positions[kept:], np.cumsum(sizes[len(sizes) - left * width :])[:-1])
+        cut = _resplit([pieces[u * width : (u + 1) * width] for u in range(left)], k // width, s.min_batch_size)
+        positions, sizes = positions[:kept], sizes[: len(sizes) - left * width]
         if cut is None:
             tail = sorted(int(p) for piece in pieces for p in piece) + tail
         else:
@@ -501,15 +590,34 @@ def _pack(seqlens: np.ndarray, s: _Settings, sample_ids: np.ndarray | None, epoc
     # 4. Per-batch and per-micro-batch statistics, and the drops.
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
     lens, empty = seqlens[packed], np.zeros(0, np.int64)
-    tokens, longest, own = (np.add.reduceat(lens, offsets[:-1:k]), np.maximum.reduceat(lens, offsets[:-1:k]),
-                            np.maximum.reduceat(lens, offsets[:-1])) if len(packed) else (empty, empty, empty)
-    padded = np.repeat(longest, k) if s.same_length else np.repeat(own.reshape(-1, s.micro_batch_size).max(axis=1),
-                                                                   s.micro_batch_size)
-    dropped = {"over_budget": np.sort(overlong), "min_batch_size": np.sort(picked[np.asarray(too_small, np.int64)]),
-               "tail": np.sort(picked[np.asarray(tail, np.int64)]),
-               "filtered": empty if sample_ids is None else np.setdiff1d(np.arange(len(seqlens)), sample_ids)}
-    arrays = dict(sample_ids=packed, microbatch_offsets=offsets, padded_seqlens=padded.astype(np.int64),
-                  batch_sizes=np.diff(offsets[::k]), batch_tokens=tokens, batch_max_seqlens=longest)
+    tokens, longest, own = (
+        (
+            np.add.reduceat(lens, offsets[:-1:k]),
+            np.maximum.reduceat(lens, offsets[:-1:k]),
+            np.maximum.reduceat(lens, offsets[:-1]),
+        )
+        if len(packed)
+        else (empty, empty, empty)
+    )
+    padded = (
+        np.repeat(longest, k)
+        if s.same_length
+        else np.repeat(own.reshape(-1, s.micro_batch_size).max(axis=1), s.micro_batch_size)
+    )
+    dropped = {
+        "over_budget": np.sort(overlong),
+        "min_batch_size": np.sort(picked[np.asarray(too_small, np.int64)]),
+        "tail": np.sort(picked[np.asarray(tail, np.int64)]),
+        "filtered": empty if sample_ids is None else np.setdiff1d(np.arange(len(seqlens)), sample_ids),
+    }
+    arrays = dict(
+        sample_ids=packed,
+        microbatch_offsets=offsets,
+        padded_seqlens=padded.astype(np.int64),
+        batch_sizes=np.diff(offsets[::k]),
+        batch_tokens=tokens,
+        batch_max_seqlens=longest,
+    )
     for array in (*arrays.values(), *dropped.values()):
         array.setflags(write=False)
     return Plan(**arrays, dropped=dropped, settings=s, epoch=epoch)
@@ -518,16 +626,25 @@ def _pack(seqlens: np.ndarray, s: _Settings, sample_ids: np.ndarray | None, epoc
 def _empty_plan_message(plan: Plan) -> str:
     """Why a plan has no batch, in numbers that add up, and what to change."""
     s, d = plan.settings, {reason: len(ids) for reason, ids in plan.dropped.items()}
-    return (f"not enough samples for one batch in epoch {plan.epoch}: of {plan.num_dropped - d['filtered']} samples, "
-            f"{d['over_budget']} are longer than max_tokens={s.max_tokens}, {d['min_batch_size']} cannot start a micro-"
-            f"batch of min_batch_size={s.min_batch_size} within it, and the other {d['tail']} cannot fill one batch of "
-            f"effective_batch_size={s.effective_batch_size} micro-batches of at least min_batch_size samples (at least "
-            f"{s.effective_batch_size * s.min_batch_size}); use more data, fewer ranks or accumulation steps, or a "
-            f"smaller min_batch_size")
+    return (
+        f"not enough samples for one batch in epoch {plan.epoch}: of {plan.num_dropped - d['filtered']} samples, "
+        f"{d['over_budget']} are longer than max_tokens={s.max_tokens}, {d['min_batch_size']} cannot start a micro-"
+        f"batch of min_batch_size={s.min_batch_size} within it, and the other {d['tail']} cannot fill one batch of "
+        f"effective_batch_size={s.effective_batch_size} micro-batches of at least min_batch_size samples (at least "
+        f"{s.effective_batch_size * s.min_batch_size}); use more data, fewer ranks or accumulation steps, or a "
+        f"smaller min_batch_size"
+    )
 
 
-def plan_batches(seqlens: Sequence[int] | np.ndarray, max_tokens: int, *, effective_batch_size: int = 1,
-                 sample_ids: Sequence[int] | np.ndarray | None = None, epoch: int = 0, **options: Any) -> Plan:
+def plan_batches(
+    seqlens: Sequence[int] | np.ndarray,
+    max_tokens: int,
+    *,
+    effective_batch_size: int = 1,
+    sample_ids: Sequence[int] | np.ndarray | None = None,
+    epoch: int = 0,
+    **options: Any,
+) -> Plan:
     """Packs one epoch of samples into micro-batches and batches under a token budget.
 
     Args:
@@ -574,8 +691,12 @@ def plan_batches(seqlens: Sequence[int] | np.ndarray, max_tokens: int, *, effect
     """
     lengths = _as_counts(seqlens)
     settings = _Settings.of(max_tokens=max_tokens, effective_batch_size=effective_batch_size, **options)
-    plan = _pack(lengths, settings, None if sample_ids is None else _as_sample_ids(sample_ids, len(lengths)),
-                 _check_int("epoch", epoch))
+    plan = _pack(
+        lengths,
+        settings,
+        None if sample_ids is None else _as_sample_ids(sample_ids, len(lengths)),
+        _check_int("epoch", epoch),
+    )
     if plan.num_batches == 0:
         raise ValueError(_empty_plan_message(plan))
     return plan
@@ -604,13 +725,17 @@ def _lr_factor(ratio: float, method: Any) -> float:
     """The LR multiplier for a batch ``ratio`` times the reference batch."""
     if method in ("linear", "sqrt", "none", None):
         if not math.isfinite(ratio):
-            raise ValueError(f"the batch-size ratio B / B_ref is {ratio}: B_ref is too small; set it (lr_scaling_reference, "
-                             f"base_batch_size) to the batch size the LR was tuned for")
+            raise ValueError(
+                f"the batch-size ratio B / B_ref is {ratio}: B_ref is too small; set it (lr_scaling_reference, "
+                f"base_batch_size) to the batch size the LR was tuned for"
+            )
         return ratio if method == "linear" else math.sqrt(ratio) if method == "sqrt" else 1.0
     factor = method(ratio)
     if isinstance(factor, bool) or not isinstance(factor, numbers.Real) or not math.isfinite(factor) or factor < 0:
-        raise ValueError(f"lr_scaling_method={method!r} should return a finite factor >= 0, but returned {factor!r} "
-                         f"for the batch-size ratio {ratio}")
+        raise ValueError(
+            f"lr_scaling_method={method!r} should return a finite factor >= 0, but returned {factor!r} "
+            f"for the batch-size ratio {ratio}"
+        )
     return float(factor)
 
 
@@ -632,22 +757,30 @@ def scale_lr(base_batch_size, batch_size, base_lr=1, method="linear"):
 
 def _check_reference(reference: Any, name: str = "lr_scaling_reference") -> Any:
     """``B_ref`` as given: None (the default, ``train_batch_size``), ``"mean"``, or a number > 0."""
-    return reference if reference is None or isinstance(reference, str) and reference == "mean" else \
-        _check_real(name, reference)
+    return (
+        reference
+        if reference is None or (isinstance(reference, str) and reference == "mean")
+        else _check_real(name, reference)
+    )
 
 
 def _check_clock(clock: Any, clock_step: Any, names: tuple = ("clock", "clock_step")) -> tuple[str, int]:
     """What advances the wrapped schedule (see `VariableBatchSizeLR`) and by how much, checked together."""
-    clock, step = _check_choice(names[0], clock, _Clock), _check_int(names[1], clock_step, 1, fix="the tokens "
-                                                                     "(samples) per schedule step")
+    clock, step = (
+        _check_choice(names[0], clock, _Clock),
+        _check_int(names[1], clock_step, 1, fix="the tokens (samples) per schedule step"),
+    )
     if clock == "steps" and step != 1:
-        raise ValueError(f"{names[1]}={step} counts tokens or samples, but {names[0]}='steps' steps the schedule once "
-                         f"per optimizer step; set {names[0]} to 'tokens' or 'samples', or {names[1]} to 1")
+        raise ValueError(
+            f"{names[1]}={step} counts tokens or samples, but {names[0]}='steps' steps the schedule once "
+            f"per optimizer step; set {names[0]} to 'tokens' or 'samples', or {names[1]} to 1"
+        )
     return clock, step
 
 
-def _lr_factors(sizes: np.ndarray, reference: Any, method: Any, default: float,
-                index: int | None = None) -> tuple[np.ndarray, float]:
+def _lr_factors(
+    sizes: np.ndarray, reference: Any, method: Any, default: float, index: int | None = None
+) -> tuple[np.ndarray, float]:
     """``s(B / B_ref)`` for the batch sizes ``sizes`` (or only ``sizes[index]``), and ``B_ref``.
 
     The one computation of both. ``B_ref`` is ``default`` (``train_batch_size``)
@@ -660,9 +793,11 @@ def _lr_factors(sizes: np.ndarray, reference: Any, method: Any, default: float,
 
 def _lr_warning(mean: float, b_ref: float, unit: str) -> str:
     """What the default ``B_ref`` does to the LR, and the setting that fixes it."""
-    return (f"the configured LR is multiplied by {mean:.3g} on average: the default B_ref=train_batch_size={b_ref:g} "
-            f"counts micro-batches, B counts {unit} (about max_tokens / mean seqlen of them per micro-batch); set "
-            f"lr_scaling_reference to \"mean\" or to the batch size (in {unit}) your LR was tuned for")
+    return (
+        f"the configured LR is multiplied by {mean:.3g} on average: the default B_ref=train_batch_size={b_ref:g} "
+        f"counts micro-batches, B counts {unit} (about max_tokens / mean seqlen of them per micro-batch); set "
+        f'lr_scaling_reference to "mean" or to the batch size (in {unit}) your LR was tuned for'
+    )
 
 
 def micro_batch_loss_weight(count, batch_count, *, num_replicas=1, gradient_accumulation_steps=1):
@@ -682,10 +817,16 @@ def micro_batch_loss_weight(count, batch_count, *, num_replicas=1, gradient_accu
     """
     batch_count, count = _check_real("batch_count", batch_count), _check_real("count", count, strict=False)
     if count > batch_count:
-        raise ValueError(f"count should be <= batch_count (a step input is part of its batch), but got count="
-                         f"{count:g} and batch_count={batch_count:g}")
-    return (count / batch_count * _check_int("num_replicas", num_replicas, minimum=1)
-            * _check_int("gradient_accumulation_steps", gradient_accumulation_steps, minimum=1))
+        raise ValueError(
+            f"count should be <= batch_count (a step input is part of its batch), but got count="
+            f"{count:g} and batch_count={batch_count:g}"
+        )
+    return (
+        count
+        / batch_count
+        * _check_int("num_replicas", num_replicas, minimum=1)
+        * _check_int("gradient_accumulation_steps", gradient_accumulation_steps, minimum=1)
+    )
 
 
 def _format_totals(t: Mapping) -> str:
@@ -695,6 +836,7 @@ def _format_totals(t: Mapping) -> str:
         >>> print(_format_totals(plan_batches([3, 5, 2, 6, 4, 1], 8, effective_batch_size=2).totals()).splitlines()[3])
         tokens: 21 real / 27 padded = 77.8% efficiency
     """
+
     def plural(count, word, many=None):
         return f"{count} {word if count == 1 else many or word + 's'}"
 
@@ -703,6 +845,7 @@ def _format_totals(t: Mapping) -> str:
 
     def dist(d):
         return "-" if d is None else " / ".join(f"{key} {number(d[key])}" for key in ("min", "median", "mean", "max"))
+
     big, lr = t["largest_step_input"], t.get("lr_factor")
     lines = [
         f"epoch {t['epoch']}: {plural(t['batches'], 'batch', 'batches')} of "
@@ -717,11 +860,15 @@ def _format_totals(t: Mapping) -> str:
         f"{big['tokens'] / big['bound']:.2f} x (micro_batch_size {t['micro_batch_size']} x max_tokens {t['max_tokens']})"
         f" (budget {t['budget']}{', same length' if t['same_length'] else ''}"
         f"{'' if t['budget'] == 'padded' else ': not a bound'})",
-        f"B (sequences per batch): {dist(t['batch_size'])}", f"sequences per micro-batch: {dist(t['microbatch_size'])}",
-        f"S (padded seqlen per micro-batch): {dist(t['padded_seqlen'])}"]
+        f"B (sequences per batch): {dist(t['batch_size'])}",
+        f"sequences per micro-batch: {dist(t['microbatch_size'])}",
+        f"S (padded seqlen per micro-batch): {dist(t['padded_seqlen'])}",
+    ]
     if lr is not None:
-        lines.append(f"LR factor ({lr['method']} rule, B_ref={lr['reference']} = {number(lr['reference_value'])} "
-                     f"{lr['unit']}): {dist(lr)}")
+        lines.append(
+            f"LR factor ({lr['method']} rule, B_ref={lr['reference']} = {number(lr['reference_value'])} "
+            f"{lr['unit']}): {dist(lr)}"
+        )
         if lr["reference"] == "train_batch_size" and not 0.5 <= lr["mean"] <= 2.0:
             lines.append(f"warning: {_lr_warning(lr['mean'], lr['reference_value'], lr['unit'])}")
     return "\n".join(lines)
@@ -738,8 +885,9 @@ def _format_totals(t: Mapping) -> str:
 
 def _is_one_sequence(sample: Any) -> bool:
     """A tensor, an array, or a flat list of numbers (not a tuple of fields)."""
-    return isinstance(sample, (torch.Tensor, np.ndarray)) or \
+    return isinstance(sample, (torch.Tensor, np.ndarray)) or (
         isinstance(sample, (list, tuple)) and all(isinstance(x, numbers.Number) for x in sample)
+    )
 
 
 def _fields(sample: Any) -> list[tuple[Any, Any]]:
@@ -763,11 +911,15 @@ def _pad_field(value: Any, length: int, pad_value: Any, key: Any) -> torch.Tenso
     """One field padded along its first dimension to ``length``."""
     tensor, where = _as_tensor(value), "" if key is None else f" (field {key!r})"
     if tensor is None or tensor.dim() == 0:
-        raise ValueError(f"cannot pad {type(value).__name__}{where} to length={length}: it has no sequence dimension; "
-                         f"name the fields to pad with fields=..., or pass your own sample_padding_fn")
+        raise ValueError(
+            f"cannot pad {type(value).__name__}{where} to length={length}: it has no sequence dimension; "
+            f"name the fields to pad with fields=..., or pass your own sample_padding_fn"
+        )
     if tensor.shape[0] > length:
-        raise ValueError(f"cannot pad a sample{where} of seqlen {tensor.shape[0]} to length={length}: the planned length "
-                         f"is shorter than the sample; the seqlens given to varbatch do not match the dataset")
+        raise ValueError(
+            f"cannot pad a sample{where} of seqlen {tensor.shape[0]} to length={length}: the planned length "
+            f"is shorter than the sample; the seqlens given to varbatch do not match the dataset"
+        )
     value = pad_value.get(key, 0) if isinstance(pad_value, Mapping) else pad_value
     return torch.cat([tensor, tensor.new_full((length - tensor.shape[0], *tensor.shape[1:]), value)])
 
@@ -791,9 +943,11 @@ def pad_sample(sample, length, pad_value=0, fields=None):
         chosen.append(key is None or (tensor is not None and tensor.dim() > 0 if fields is None else key in fields))
         padded.append(_pad_field(value, length, pad_value, key) if chosen[-1] else value)
     if not any(chosen):
-        raise ValueError(f"pad_sample found no field to pad in a {type(sample).__name__} sample (fields="
-                         f"{fields!r}): it pads numeric fields with a sequence dimension; name them with fields=..., "
-                         f"or pass your own sample_padding_fn (e.g. one that pads text)")
+        raise ValueError(
+            f"pad_sample found no field to pad in a {type(sample).__name__} sample (fields="
+            f"{fields!r}): it pads numeric fields with a sequence dimension; name them with fields=..., "
+            f"or pass your own sample_padding_fn (e.g. one that pads text)"
+        )
     if isinstance(sample, Mapping):
         return dict(zip(sample, padded))
     if _fields(sample)[0][0] is None:
@@ -836,15 +990,22 @@ class PaddedCollate:
             rows = [dict(_fields(sample)) for sample in samples]
             odd = next((i for i, row in enumerate(rows) if row.keys() != rows[0].keys()), None)
             if odd is not None:
-                raise ValueError(f"PaddedCollate needs samples with the same fields, but sample 0 has fields "
-                                 f"{list(rows[0])} and sample {odd} has {list(rows[odd])}")
+                raise ValueError(
+                    f"PaddedCollate needs samples with the same fields, but sample 0 has fields "
+                    f"{list(rows[0])} and sample {odd} has {list(rows[odd])}"
+                )
             columns = [(key, [row[key] for row in rows]) for key in rows[0]]
         out = []
         for key, values in columns:
             tensors = values if one_tensor else [_as_tensor(value) for value in values]
             value = self.pad_value.get(key, 0) if isinstance(self.pad_value, Mapping) else self.pad_value
-            out.append(values if any(t is None for t in tensors) else torch.stack(tensors) if not tensors[0].dim()
-                       else torch.nn.utils.rnn.pad_sequence(tensors, batch_first=True, padding_value=value))  # B x S x ...
+            out.append(
+                values
+                if any(t is None for t in tensors)
+                else torch.stack(tensors)
+                if not tensors[0].dim()
+                else torch.nn.utils.rnn.pad_sequence(tensors, batch_first=True, padding_value=value)
+            )  # B x S x ...
         if seqlens is None:
             sequence = next((v for (_, v), t in zip(columns, out) if isinstance(t, torch.Tensor) and t.dim() > 1), None)
             if sequence is None:
@@ -876,8 +1037,9 @@ def seqlens_from_padded(batch, pad_value=0, seqlens_key="seqlens"):
         >>> seqlens_from_padded(torch.tensor([[5, 6, 0], [7, 0, 0]]))
         [2, 1]
     """
-    if isinstance(batch, _PaddedBatch) or isinstance(batch, Mapping) and (seqlens_key in batch or
-                                                                          "attention_mask" in batch):
+    if isinstance(batch, _PaddedBatch) or (
+        isinstance(batch, Mapping) and (seqlens_key in batch or "attention_mask" in batch)
+    ):
         lengths = batch[-1] if isinstance(batch, _PaddedBatch) else batch.get(seqlens_key)
         return [int(x) for x in (torch.as_tensor(batch["attention_mask"]).sum(dim=1) if lengths is None else lengths)]
     batch = next(iter(batch.values())) if isinstance(batch, Mapping) else batch
@@ -885,8 +1047,10 @@ def seqlens_from_padded(batch, pad_value=0, seqlens_key="seqlens"):
         batch = batch[0]
     tensor = torch.as_tensor(batch)
     if tensor.dim() < 2:
-        raise ValueError(f"seqlens_from_padded needs a collated B x S (x ...) batch, but got shape {tuple(tensor.shape)}"
-                         f"; collate the samples first (e.g. with varbatch.PaddedCollate())")
+        raise ValueError(
+            f"seqlens_from_padded needs a collated B x S (x ...) batch, but got shape {tuple(tensor.shape)}"
+            f"; collate the samples first (e.g. with varbatch.PaddedCollate())"
+        )
     real = (tensor != pad_value).reshape(tensor.shape[0], tensor.shape[1], -1).any(dim=2)  # B x S
     return [int(x) for x in (real * torch.arange(1, tensor.shape[1] + 1)).max(dim=1).values]
 
@@ -943,9 +1107,11 @@ def _mismatch(saved: Any, mine: dict, one: str) -> str | None:
             if inner:
                 return f"whose {key} was {inner}"
         elif saved[key] != mine[key]:
-            return f"saved with other {key.replace('_', ' ')} (another dataset?) than this one's" if key in (
-                "seqlens", "sample_ids", "fixed_plan", "batch_sizes", "sampler") else \
-                f"saved with {key}={saved[key]!r} into {one} with {key}={mine[key]!r}"
+            return (
+                f"saved with other {key.replace('_', ' ')} (another dataset?) than this one's"
+                if key in ("seqlens", "sample_ids", "fixed_plan", "batch_sizes", "sampler")
+                else f"saved with {key}={saved[key]!r} into {one} with {key}={mine[key]!r}"
+            )
     return None
 
 
@@ -956,13 +1122,16 @@ def _check_state(owner: Any, state_dict: Any, expected: set) -> None:
         raise TypeError(f"{name}.load_state_dict expects a dict, but got {type(state_dict).__name__}")
     unknown, missing = sorted(set(state_dict) - expected), sorted(expected - set(state_dict))
     if unknown or missing:
-        raise ValueError(f"{name}.load_state_dict got unknown keys {unknown} and is missing keys {missing}; pass a "
-                         f"dict made by {name}.state_dict()")
+        raise ValueError(
+            f"{name}.load_state_dict got unknown keys {unknown} and is missing keys {missing}; pass a "
+            f"dict made by {name}.state_dict()"
+        )
     kind = "sampler" if isinstance(owner, Sampler) else "scheduler"
     mismatch = _mismatch(state_dict["settings"], owner._state_settings(), "a sampler" if kind == "sampler" else "one")
     if mismatch:
-        raise ValueError(f"cannot load a {kind} state {mismatch}; resume with the same dataset, config, world size "
-                         f"and LR settings")
+        raise ValueError(
+            f"cannot load a {kind} state {mismatch}; resume with the same dataset, config, world size and LR settings"
+        )
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -1011,22 +1180,45 @@ class VariableBatchSampler(Sampler[list[int]]):
 
     _STATE = ("epoch", "steps_done", "rank", "settings")  # the keys of state_dict()
 
-    def __init__(self, seqlens, max_tokens, *, micro_batch_size=1, gradient_accumulation_steps=1, num_replicas=None,
-                 rank=None, sample_ids=None, verbose=False, **options):
+    def __init__(
+        self,
+        seqlens,
+        max_tokens,
+        *,
+        micro_batch_size=1,
+        gradient_accumulation_steps=1,
+        num_replicas=None,
+        rank=None,
+        sample_ids=None,
+        verbose=False,
+        **options,
+    ):
         if "effective_batch_size" in options:
-            raise TypeError(f"VariableBatchSampler got effective_batch_size={options['effective_batch_size']!r}, which "
-                            f"it computes as micro_batch_size x gradient_accumulation_steps x num_replicas; pass those")
+            raise TypeError(
+                f"VariableBatchSampler got effective_batch_size={options['effective_batch_size']!r}, which "
+                f"it computes as micro_batch_size x gradient_accumulation_steps x num_replicas; pass those"
+            )
         world_rank, world_size = _world()
         alone = num_replicas is None and world_size == 1  # 1 rank by default: torch.distributed not (yet) up
         num_replicas = _check_int("num_replicas", world_size if num_replicas is None else num_replicas, 1)
         rank = _check_int("rank", world_rank if rank is None else rank)
         if rank >= num_replicas:
-            raise ValueError(f"rank should be in [0, num_replicas - 1], but got rank={rank} with num_replicas={num_replicas}")
-        k = (_check_int("micro_batch_size", micro_batch_size, minimum=1)
-             * _check_int("gradient_accumulation_steps", gradient_accumulation_steps, minimum=1) * num_replicas)
+            raise ValueError(
+                f"rank should be in [0, num_replicas - 1], but got rank={rank} with num_replicas={num_replicas}"
+            )
+        k = (
+            _check_int("micro_batch_size", micro_batch_size, minimum=1)
+            * _check_int("gradient_accumulation_steps", gradient_accumulation_steps, minimum=1)
+            * num_replicas
+        )
         lengths = _as_counts(seqlens)
-        settings = _Settings.of(max_tokens=max_tokens, effective_batch_size=k, micro_batch_size=micro_batch_size,
-                                num_replicas=num_replicas, **options)
+        settings = _Settings.of(
+            max_tokens=max_tokens,
+            effective_batch_size=k,
+            micro_batch_size=micro_batch_size,
+            num_replicas=num_replicas,
+            **options,
+        )
         ids = None if sample_ids is None else _as_sample_ids(sample_ids, len(lengths))
         self._setup(_Planner(lengths, settings, ids), rank, verbose)
         self._alone = alone
@@ -1041,8 +1233,11 @@ class VariableBatchSampler(Sampler[list[int]]):
     def _setup(self, planner: _Planner, rank: int, verbose: bool) -> None:
         s = planner.settings
         self._planner, self.settings, self.seqlens, self.rank, self.verbose = planner, s, planner.seqlens, rank, verbose
-        self.num_replicas, self.micro_batch_size, self.effective_batch_size = s.num_replicas, s.micro_batch_size, \
-            s.effective_batch_size
+        self.num_replicas, self.micro_batch_size, self.effective_batch_size = (
+            s.num_replicas,
+            s.micro_batch_size,
+            s.effective_batch_size,
+        )
         self.gradient_accumulation_steps, self.same_length = s.gradient_accumulation_steps, s.same_length
         # The position: step inputs handed out (`steps_done`) in the epoch of the last pass (`_epoch`), and
         # whether it handed out all of them (`_finished`); a pass starts at `_start` (set by load_state_dict).
@@ -1079,21 +1274,28 @@ class VariableBatchSampler(Sampler[list[int]]):
         """This rank's step inputs in ``epoch`` (the same on every rank)."""
         return self.plan_for_epoch(epoch).num_batches * self.gradient_accumulation_steps
 
-    epoch = property(lambda self: self._epoch + self._finished, doc="The epoch the next iteration yields: the last "
-                     "one's, or the next once all its step inputs were handed out (also with its iterator not exhausted).")
+    epoch = property(
+        lambda self: self._epoch + self._finished,
+        doc="The epoch the next iteration yields: the last "
+        "one's, or the next once all its step inputs were handed out (also with its iterator not exhausted).",
+    )
 
     def _next_start(self) -> tuple[int, int]:
         """``(epoch, step input)`` where the next pass starts: the restored or left position, or the next epoch."""
         return self.epoch, 0 if self._finished else self._start
 
-    plan = property(lambda self: self.plan_for_epoch(self.epoch), doc="The plan of the epoch the next iteration yields.")
+    plan = property(
+        lambda self: self.plan_for_epoch(self.epoch), doc="The plan of the epoch the next iteration yields."
+    )
 
     def set_epoch(self, epoch: int) -> None:
         """Sets the epoch of the next iteration (a new order in ``random``/``bucket``)."""
         if _check_int("epoch", epoch) < self.epoch and self._restored:
-            raise ValueError(f"set_epoch({epoch}) after load_state_dict() restored epoch {self.epoch} would replay an "
-                             f"earlier epoch; pass the epoch being trained (HF Accelerate's prepared loader passes its "
-                             f"own count of passes, 0 after a restart, unless you call loader.set_epoch(epoch))")
+            raise ValueError(
+                f"set_epoch({epoch}) after load_state_dict() restored epoch {self.epoch} would replay an "
+                f"earlier epoch; pass the epoch being trained (HF Accelerate's prepared loader passes its "
+                f"own count of passes, 0 after a restart, unless you call loader.set_epoch(epoch))"
+            )
         if epoch != self._epoch or self._finished:  # else: the epoch of the last pass, left or restored mid-way
             self._check_cut(RuntimeError)
             self._epoch, self.steps_done, self._start, self._finished = epoch, 0, 0, False
@@ -1114,9 +1316,11 @@ class VariableBatchSampler(Sampler[list[int]]):
         total = self._steps(self._epoch)
         stale = [e for e, n in self._lens.items() if e != self._epoch and n == self.steps_done]
         if 0 < self.steps_done < total and stale:
-            message = (f"epoch {self._epoch}'s iteration stopped after {self.steps_done} of its {total} step inputs, the "
-                       f"len(loader) of epoch {stale[0]}: a trainer that reads len(loader) once cut it short and "
-                       f"its other samples were not trained; Lightning: Trainer(reload_dataloaders_every_n_epochs=1)")
+            message = (
+                f"epoch {self._epoch}'s iteration stopped after {self.steps_done} of its {total} step inputs, the "
+                f"len(loader) of epoch {stale[0]}: a trainer that reads len(loader) once cut it short and "
+                f"its other samples were not trained; Lightning: Trainer(reload_dataloaders_every_n_epochs=1)"
+            )
             if error is RuntimeError:
                 raise RuntimeError(message)
             warnings.warn(message, RuntimeWarning, stacklevel=3)
@@ -1138,6 +1342,7 @@ class VariableBatchSampler(Sampler[list[int]]):
 
         def amount(plan, skip):
             return int(plan._amounts(unit)[skip:].sum())
+
         done = 0 if self._finished else self.steps_done
         total = amount(self.plan, done // self.gradient_accumulation_steps)
         if self.settings.order in ("dataloader", "seqlen") or self._planner.fixed is not None:
@@ -1147,9 +1352,11 @@ class VariableBatchSampler(Sampler[list[int]]):
     def _check_tokens_known(self, what: str) -> None:
         """Raises when the plans have no token counts: given micro-batches come without their seqlens."""
         if self._planner.fixed is not None:
-            raise ValueError(f"{what} counts tokens, but a loader over given micro-batches (dataloader_for_variable_"
-                             f"batch_size) has no seqlens; count sequences, or plan with get_dataloader_and_lr_"
-                             f"scheduler_for_variable_batch_size or make_dataloader, which have them")
+            raise ValueError(
+                f"{what} counts tokens, but a loader over given micro-batches (dataloader_for_variable_"
+                f"batch_size) has no seqlens; count sequences, or plan with get_dataloader_and_lr_"
+                f"scheduler_for_variable_batch_size or make_dataloader, which have them"
+            )
 
     def _iter_keys(self, every_rank: bool = False) -> Iterator[tuple]:
         """Keys of this rank's step inputs of the epoch, from the resume position (with ``every_rank``, all ranks').
@@ -1162,9 +1369,11 @@ class VariableBatchSampler(Sampler[list[int]]):
         """
         self._check_cut(RuntimeError)
         if self._alone and _world()[1] > 1:
-            raise RuntimeError(f"this VariableBatchSampler was made before torch.distributed was initialized, so it "
-                               f"deals to 1 rank, but the job now has {_world()[1]}: every rank would train every "
-                               f"sample; make it after init_process_group, or pass num_replicas and rank")
+            raise RuntimeError(
+                f"this VariableBatchSampler was made before torch.distributed was initialized, so it "
+                f"deals to 1 rank, but the job now has {_world()[1]}: every rank would train every "
+                f"sample; make it after init_process_group, or pass num_replicas and rank"
+            )
         epoch, start = self._next_start()
         self._restored, self._epoch, self.steps_done, self._start = False, epoch, start, 0
         self._new_pass(epoch, start)
@@ -1182,9 +1391,13 @@ class VariableBatchSampler(Sampler[list[int]]):
                         if self._pass != passes:  # set_epoch() or another pass since: this one is stale
                             return
                         self.steps_done, self._handed, self._finished = t + 1, self._handed + 1, t + 1 == total
-                    ids = plan.sample_ids[plan.microbatch_offsets[g * m]:plan.microbatch_offsets[(g + 1) * m]]
-                    yield (tuple(ids.tolist()), None if seqlens is None else tuple(seqlens[ids].tolist()),
-                           int(plan.padded_seqlens[g * m]) if self.same_length else 0, (epoch, passes, start, g))
+                    ids = plan.sample_ids[plan.microbatch_offsets[g * m] : plan.microbatch_offsets[(g + 1) * m]]
+                    yield (
+                        tuple(ids.tolist()),
+                        None if seqlens is None else tuple(seqlens[ids].tolist()),
+                        int(plan.padded_seqlens[g * m]) if self.same_length else 0,
+                        (epoch, passes, start, g),
+                    )
         except GeneratorExit:  # the consumer dropped the pass: the last epoch of a run has no next pass to raise in
             if self._pass == passes:
                 self._check_cut(RuntimeWarning)
@@ -1197,8 +1410,11 @@ class VariableBatchSampler(Sampler[list[int]]):
         """What the plans depend on besides the epoch, as plain data (the data as hashes)."""
         if "_data" not in self.__dict__:  # hashed once: StatefulDataLoader asks for the state at every batch
             fixed = self._planner.fixed
-            self._data = {"seqlens": _digest(self.seqlens), "sample_ids": _digest(self._planner.sample_ids),
-                          "fixed_plan": fixed and fixed.fingerprint()}
+            self._data = {
+                "seqlens": _digest(self.seqlens),
+                "sample_ids": _digest(self._planner.sample_ids),
+                "fixed_plan": fixed and fixed.fingerprint(),
+            }
         return {**dataclasses.asdict(self.settings), **self._data}
 
     def state_dict(self, steps_done: int | None = None) -> dict:
@@ -1207,8 +1423,13 @@ class VariableBatchSampler(Sampler[list[int]]):
         ``steps_done`` defaults to ``self.steps_done``, exact without worker
         processes; with workers the loader prefetches: pass what your loop trained.
         """
-        done = self.steps_done if steps_done is None else _check_int("steps_done", steps_done, 0, self._steps(self._epoch),
-                                                                     "the step inputs of the epoch trained")
+        done = (
+            self.steps_done
+            if steps_done is None
+            else _check_int(
+                "steps_done", steps_done, 0, self._steps(self._epoch), "the step inputs of the epoch trained"
+            )
+        )
         return {"epoch": self._epoch, "steps_done": done, "rank": self.rank, "settings": self._state_settings()}
 
     def load_state_dict(self, state_dict: Mapping) -> None:
@@ -1285,9 +1506,11 @@ class _Loader(DataLoader):
     @property
     def _index_sampler(self):
         if "_local" not in self.__dict__:
-            raise RuntimeError("this DataLoader was rebuilt from varbatch's loader and lost its dealing of step "
-                               "inputs to the ranks; use varbatch's loader as it is (Lightning: use_distributed_"
-                               "sampler=False)")
+            raise RuntimeError(
+                "this DataLoader was rebuilt from varbatch's loader and lost its dealing of step "
+                "inputs to the ranks; use varbatch's loader as it is (Lightning: use_distributed_"
+                "sampler=False)"
+            )
         return self.__dict__["_local"]
 
 
@@ -1329,18 +1552,21 @@ class _Collate:
                 f"loader, which deals the step inputs itself (rank r trains r, r + {ranks}, ...). HF Accelerate: "
                 f"set dispatch_batches=False and split_batches=False, and give varbatch the world size the launcher "
                 f"runs (its DeepSpeed plugin counts 1 process on a machine without GPUs); Lightning: pass the "
-                f"loader as make_dataloader made it; elsewhere: iterate the loader, not loader.sampler")
+                f"loader as make_dataloader made it; elsewhere: iterate the loader, not loader.sampler"
+            )
 
     def __call__(self, keys):
-        (ids, seqlens, pad_to, tag), = keys
+        ((ids, seqlens, pad_to, tag),) = keys
         self._check(*tag)
         samples = [self.dataset[i] for i in ids]
         if pad_to:  # same-length mode: every sample of the batch to the batch's longest
             samples = [self.sample_padding_fn(sample, pad_to) for sample in samples]
             wrong = [(i, len(x)) for i, x in zip(ids, samples) if isinstance(x, torch.Tensor) and len(x) != pad_to]
             if wrong:
-                raise ValueError(f"sample_padding_fn should return a sample of length {pad_to}, but returned length "
-                                 f"{wrong[0][1]} for sample {wrong[0][0]}; it must pad the first dimension to `length`")
+                raise ValueError(
+                    f"sample_padding_fn should return a sample of length {pad_to}, but returned length "
+                    f"{wrong[0][1]} for sample {wrong[0][0]}; it must pad the first dimension to `length`"
+                )
         if self.collate_fn is None:
             return samples
         if self.pass_seqlens and seqlens is not None:
@@ -1358,17 +1584,30 @@ def _check_ranks_agree(sampler: VariableBatchSampler) -> None:
     everyone = _gather((sampler.plan.fingerprint(), sampler.num_replicas, sampler.rank))
     differ = [r for r, (fingerprint, replicas, _) in enumerate(everyone) if (fingerprint, replicas) != everyone[0][:2]]
     if differ:
-        raise RuntimeError(f"rank {differ[0]} planned a different epoch than rank 0 ({len(differ)} rank(s) differ): the "
-                           f"ranks see different seqlens, sample_ids or settings; give every rank the same dataset, "
-                           f"seqlens and config (delete a seqlen cache in metrics_path that is not shared)")
+        raise RuntimeError(
+            f"rank {differ[0]} planned a different epoch than rank 0 ({len(differ)} rank(s) differ): the "
+            f"ranks see different seqlens, sample_ids or settings; give every rank the same dataset, "
+            f"seqlens and config (delete a seqlen cache in metrics_path that is not shared)"
+        )
     dealt = [rank for _, _, rank in everyone]
     if sorted(set(dealt)) != list(range(sampler.num_replicas)) or len({dealt.count(r) for r in set(dealt)}) > 1:
-        raise RuntimeError(f"the processes deal to ranks {dealt}, not to each of 0 .. {sampler.num_replicas - 1} "
-                           f"alike: pass every process its own data-parallel rank")
+        raise RuntimeError(
+            f"the processes deal to ranks {dealt}, not to each of 0 .. {sampler.num_replicas - 1} "
+            f"alike: pass every process its own data-parallel rank"
+        )
 
 
-def make_dataloader(dataset, batch_sampler: VariableBatchSampler, *, collate_fn=None, sample_padding_fn=None,
-                    num_workers=0, pin_memory=False, dataloader_class=None, **dataloader_kwargs) -> DataLoader:
+def make_dataloader(
+    dataset,
+    batch_sampler: VariableBatchSampler,
+    *,
+    collate_fn=None,
+    sample_padding_fn=None,
+    num_workers=0,
+    pin_memory=False,
+    dataloader_class=None,
+    **dataloader_kwargs,
+) -> DataLoader:
     """A `DataLoader` over ``batch_sampler``'s step inputs: ``collate_fn(samples)`` for each (the list without one).
 
     In same-length mode every sample is first padded with
@@ -1401,18 +1640,32 @@ def make_dataloader(dataset, batch_sampler: VariableBatchSampler, *, collate_fn=
         raise TypeError(f"make_dataloader got {taken}, which the VariableBatchSampler decides; leave them out")
     seqlens = batch_sampler.seqlens
     if hasattr(dataset, "__len__") and seqlens is not None and len(dataset) != len(seqlens):
-        raise ValueError(f"the dataset has {len(dataset)} samples but the sampler was given {len(seqlens)} seqlens; give "
-                         f"one seqlen per sample of this dataset")
+        raise ValueError(
+            f"the dataset has {len(dataset)} samples but the sampler was given {len(seqlens)} seqlens; give "
+            f"one seqlen per sample of this dataset"
+        )
     if batch_sampler.same_length and sample_padding_fn is None:
-        raise ValueError("sample_padding_fn is None, but same-length mode pads every sample of a batch to the batch's "
-                         "max seqlen; pass sample_padding_fn=varbatch.pad_sample or your own fn(sample, length)")
-    bases = (_Loader,) if dataloader_class is None else (_Loader, dataloader_class) if not hasattr(
-        dataloader_class, "load_state_dict") else (_RestoresAtOnce, _Loader, dataloader_class)
+        raise ValueError(
+            "sample_padding_fn is None, but same-length mode pads every sample of a batch to the batch's "
+            "max seqlen; pass sample_padding_fn=varbatch.pad_sample or your own fn(sample, length)"
+        )
+    bases = (
+        (_Loader,)
+        if dataloader_class is None
+        else (_Loader, dataloader_class)
+        if not hasattr(dataloader_class, "load_state_dict")
+        else (_RestoresAtOnce, _Loader, dataloader_class)
+    )
     cls = _Loader if dataloader_class is None else type(f"_{dataloader_class.__name__}", bases, {})
-    loader = cls(_KeyDataset(), batch_size=1, sampler=_GlobalKeys(batch_sampler), num_workers=num_workers,
-                 pin_memory=pin_memory, collate_fn=_Collate(dataset, collate_fn, sample_padding_fn,
-                                                            (batch_sampler.num_replicas, batch_sampler.rank)),
-                 **dataloader_kwargs)
+    loader = cls(
+        _KeyDataset(),
+        batch_size=1,
+        sampler=_GlobalKeys(batch_sampler),
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        collate_fn=_Collate(dataset, collate_fn, sample_padding_fn, (batch_sampler.num_replicas, batch_sampler.rank)),
+        **dataloader_kwargs,
+    )
     loader._local, loader.variable_batch_sampler = _LocalKeys(batch_sampler), batch_sampler
     if batch_sampler.num_replicas > 1 and _world()[1] > 1:  # one plan dealt over ranks: every process planned it?
         _check_ranks_agree(batch_sampler)
@@ -1451,6 +1704,7 @@ def _weakly(method: Callable) -> Callable:
     def hook(*args):
         target = ref()
         return None if target is None else target(*args)
+
     return hook
 
 
@@ -1493,21 +1747,49 @@ class VariableBatchSizeLR(LRScheduler):
         lr_scaling_unit: ``"sequences"`` or ``"tokens"``; clock, clock_step: see the NOTE.
     """
 
-    _STATE = ("last_epoch", "_step_count", "base_lrs", "_last_lr", "_unscaled", "_epoch", "_batch", "_seen",
-              "_skipped_seen")
+    _STATE = (
+        "last_epoch",
+        "_step_count",
+        "base_lrs",
+        "_last_lr",
+        "_unscaled",
+        "_epoch",
+        "_batch",
+        "_seen",
+        "_skipped_seen",
+    )
 
-    def __init__(self, lr_scheduler, base_batch_size, batch_sizes, dataloader=None, lr_scaling_method="linear",
-                 last_epoch=-1, verbose=False, *, lr_scaling_unit="sequences", clock="steps", clock_step=1):
+    def __init__(
+        self,
+        lr_scheduler,
+        base_batch_size,
+        batch_sizes,
+        dataloader=None,
+        lr_scaling_method="linear",
+        last_epoch=-1,
+        verbose=False,
+        *,
+        lr_scaling_unit="sequences",
+        clock="steps",
+        clock_step=1,
+    ):
         if isinstance(lr_scheduler, VariableBatchSizeLR):
-            raise TypeError("lr_scheduler is a VariableBatchSizeLR already: wrapping it would scale the LR twice; wrap "
-                            "the schedule (or optimizer) it wraps")
+            raise TypeError(
+                "lr_scheduler is a VariableBatchSizeLR already: wrapping it would scale the LR twice; wrap "
+                "the schedule (or optimizer) it wraps"
+            )
         if isinstance(lr_scheduler, ReduceLROnPlateau):
-            raise TypeError("ReduceLROnPlateau steps on a validation metric, not on batches, so VariableBatchSizeLR "
-                            "cannot wrap it; wrap a step-based schedule (LambdaLR, CosineAnnealingLR, OneCycleLR, ...) "
-                            "or the optimizer itself (constant LR)")
+            raise TypeError(
+                "ReduceLROnPlateau steps on a validation metric, not on batches, so VariableBatchSizeLR "
+                "cannot wrap it; wrap a step-based schedule (LambdaLR, CosineAnnealingLR, OneCycleLR, ...) "
+                "or the optimizer itself (constant LR)"
+            )
         # DeepSpeed's optimizer wrappers have `step` and `optimizer` as schedulers do, but also `param_groups`.
-        wraps = hasattr(lr_scheduler, "step") and hasattr(lr_scheduler, "optimizer") and \
-            not hasattr(lr_scheduler, "param_groups")
+        wraps = (
+            hasattr(lr_scheduler, "step")
+            and hasattr(lr_scheduler, "optimizer")
+            and not hasattr(lr_scheduler, "param_groups")
+        )
         self._base = lr_scheduler if wraps else None
         optimizer = _torch_optimizer(lr_scheduler.optimizer if wraps else lr_scheduler)
         # (`is None`, never truthiness: a sampler whose epoch is empty has len() 0)
@@ -1518,19 +1800,29 @@ class VariableBatchSizeLR(LRScheduler):
         self.base_batch_size = _check_reference(base_batch_size, "base_batch_size")
         (self.clock, self.clock_step), self.verbose = _check_clock(clock, clock_step), bool(verbose)
         if _check_int("last_epoch", last_epoch, minimum=-1) != -1 and any(
-                "initial_lr" not in group for group in optimizer.param_groups):
-            raise ValueError(f"last_epoch={last_epoch} resumes a schedule whose param groups hold 'initial_lr', but "
-                             f"these do not; make it with last_epoch=-1 and resume with load_state_dict()")
+            "initial_lr" not in group for group in optimizer.param_groups
+        ):
+            raise ValueError(
+                f"last_epoch={last_epoch} resumes a schedule whose param groups hold 'initial_lr', but "
+                f"these do not; make it with last_epoch=-1 and resume with load_state_dict()"
+            )
         if self._sampler is None:
             if isinstance(batch_sizes, (str, bytes)) or not hasattr(batch_sizes, "__len__") or not len(batch_sizes):
-                raise ValueError(f"batch_sizes should be a VariableBatchSampler, a loader made with one, or a non-empty "
-                                 f"sequence of batch sizes, but got batch_sizes={batch_sizes!r}")
+                raise ValueError(
+                    f"batch_sizes should be a VariableBatchSampler, a loader made with one, or a non-empty "
+                    f"sequence of batch sizes, but got batch_sizes={batch_sizes!r}"
+                )
             self._listed = _as_counts(batch_sizes, "batch_sizes", fix="pass the size of every batch")
-            for name, value in (("lr_scaling_unit", self.lr_scaling_unit != "sequences"),
-                                ("clock", self.clock != "steps"), ("base_batch_size", self.base_batch_size is None)):
+            for name, value in (
+                ("lr_scaling_unit", self.lr_scaling_unit != "sequences"),
+                ("clock", self.clock != "steps"),
+                ("base_batch_size", self.base_batch_size is None),
+            ):
                 if value:
-                    raise ValueError(f"{name}={getattr(self, name)!r} needs the plans (their tokens and "
-                                     f"train_batch_size); pass the VariableBatchSampler as batch_sizes, not a list")
+                    raise ValueError(
+                        f"{name}={getattr(self, name)!r} needs the plans (their tokens and "
+                        f"train_batch_size); pass the VariableBatchSampler as batch_sizes, not a list"
+                    )
         for name, value in (("lr_scaling_unit", self.lr_scaling_unit), ("clock", self.clock)):
             if value == "tokens" and self._sampler is not None:
                 self._sampler._check_tokens_known(f"{name}='tokens'")
@@ -1540,8 +1832,9 @@ class VariableBatchSizeLR(LRScheduler):
         # The training between two step() calls: optimizer steps, and backward passes (a gradient accumulated into
         # one parameter), which tell an update that AMP skipped from a second step() for one update.
         self._backwards, self._hooks = 0, [optimizer.register_step_post_hook(_weakly(self._count_optimizer_step))]
-        param = next((p for group in optimizer.param_groups for p in group["params"] if p.requires_grad and p.is_leaf),
-                     None)
+        param = next(
+            (p for group in optimizer.param_groups for p in group["params"] if p.requires_grad and p.is_leaf), None
+        )
         try:
             if param is not None:
                 self._hooks.append(param.register_post_accumulate_grad_hook(_weakly(self._count_backward)))
@@ -1563,8 +1856,13 @@ class VariableBatchSizeLR(LRScheduler):
         return self._sampler.plan_for_epoch(epoch)._amounts(unit or self.lr_scaling_unit)
 
     def _factors(self, epoch: int, index: int | None = None) -> tuple[np.ndarray, float]:
-        return _lr_factors(self._sizes(epoch), self.base_batch_size, self.lr_scaling_method,
-                           self._sampler.effective_batch_size if self._sampler is not None else 1, index)
+        return _lr_factors(
+            self._sizes(epoch),
+            self.base_batch_size,
+            self.lr_scaling_method,
+            self._sampler.effective_batch_size if self._sampler is not None else 1,
+            index,
+        )
 
     def _rank_zero(self) -> bool:
         return _on_rank_zero(self._sampler.rank if self._sampler is not None else 0)
@@ -1643,29 +1941,39 @@ class VariableBatchSizeLR(LRScheduler):
         self._keep = False
         if epoch is not None:
             if isinstance(epoch, bool) or not isinstance(epoch, numbers.Integral) or epoch != 0:
-                raise ValueError(f"VariableBatchSizeLR.step takes no argument (the next batch) or 0 (realign at an epoch "
-                                 f"start), but got epoch={epoch!r}; call step() after every optimizer step")
+                raise ValueError(
+                    f"VariableBatchSizeLR.step takes no argument (the next batch) or 0 (realign at an epoch "
+                    f"start), but got epoch={epoch!r}; call step() after every optimizer step"
+                )
             return self._realign()
         # Since the last step(), an optimizer step, or a batch's backward passes (an update AMP skipped); else a
         # wrapper steps this scheduler twice per update (HF Accelerate's prepared scheduler steps once per process)
         # or a loop steps it per step input.
         seen = (self._optimizer_steps, self._backwards, self._sampler._handed if self._sampler is not None else 0)
         last, gas = self._seen_at_step, self._sampler.gradient_accumulation_steps if self._sampler is not None else 0
-        if gas and seen[0] == last[0] and (
-                seen[1] - last[1] < gas if self._counts_backwards else seen[2] == last[2]):
-            raise RuntimeError(f"VariableBatchSizeLR.step() was called twice for one optimizer step (since the last "
-                               f"call: no optimizer step, {seen[1] - last[1]} of a batch's {gas} backward passes): call "
-                               f"it once per optimizer step (HF Accelerate: keep it out of accelerator.prepare(), whose "
-                               f"wrapper steps once per process; under accelerator.accumulate(), step it only when "
-                               f"accelerator.sync_gradients)")
+        if gas and seen[0] == last[0] and (seen[1] - last[1] < gas if self._counts_backwards else seen[2] == last[2]):
+            raise RuntimeError(
+                f"VariableBatchSizeLR.step() was called twice for one optimizer step (since the last "
+                f"call: no optimizer step, {seen[1] - last[1]} of a batch's {gas} backward passes): call "
+                f"it once per optimizer step (HF Accelerate: keep it out of accelerator.prepare(), whose "
+                f"wrapper steps once per process; under accelerator.accumulate(), step it only when "
+                f"accelerator.sync_gradients)"
+            )
         # NOTE [the wrapped scheduler steps first]: torch's step() takes the new LRs from get_lr(),
         # the wrapped schedule's LR times the next batch's factor: so the wrapped scheduler steps,
         # on its own unscaled LRs, before torch's step. If it raises, nothing here has moved.
         if self._epoch != self._reported and self._rank_zero():  # once per trained epoch
             self._reported = self._epoch
             factors, b_ref = self._factors(self._epoch)
-            _logger.info("epoch %d: LR factor mean %.3g, min %.3g, max %.3g (B_ref=%g %s)", self._epoch, factors.mean(),
-                         factors.min(), factors.max(), b_ref, self.lr_scaling_unit)
+            _logger.info(
+                "epoch %d: LR factor mean %.3g, min %.3g, max %.3g (B_ref=%g %s)",
+                self._epoch,
+                factors.mean(),
+                factors.min(),
+                factors.max(),
+                b_ref,
+                self.lr_scaling_unit,
+            )
         size = int(self._sizes(self._epoch, "tokens" if self.clock == "tokens" else "sequences")[self._batch])
         ticks = 1 if self.clock == "steps" else (self._seen + size) // self.clock_step - self._seen // self.clock_step
         if self._base is not None and ticks:
@@ -1688,8 +1996,15 @@ class VariableBatchSizeLR(LRScheduler):
         self._advance(1)
         super().step()
         if self.verbose:
-            _logger.info("step %d (epoch %d, batch %d): B=%d, LR factor %.4g, lr %s", self.last_epoch, self._epoch,
-                         self._batch, self.batch_size, self.lr_factor, self._last_lr)
+            _logger.info(
+                "step %d (epoch %d, batch %d): B=%d, LR factor %.4g, lr %s",
+                self.last_epoch,
+                self._epoch,
+                self._batch,
+                self.batch_size,
+                self.lr_factor,
+                self._last_lr,
+            )
 
     def _follow(self) -> None:
         """Follows the sampler's passes: a pass of any epoch, from any position, sets the batch index (see `_realign`)."""
@@ -1738,23 +2053,32 @@ class VariableBatchSizeLR(LRScheduler):
             self._write()
 
     def _state_settings(self) -> dict:
-        return {"base_batch_size": self.base_batch_size, "lr_scaling_unit": self.lr_scaling_unit, "clock": self.clock,
-                "lr_scaling_method": "callable" if callable(self.lr_scaling_method) else self.lr_scaling_method,
-                "clock_step": self.clock_step, "batch_sizes": _digest(self._listed) if self._sampler is None else None,
-                "sampler": None if self._sampler is None else self._sampler._state_settings()}
+        return {
+            "base_batch_size": self.base_batch_size,
+            "lr_scaling_unit": self.lr_scaling_unit,
+            "clock": self.clock,
+            "lr_scaling_method": "callable" if callable(self.lr_scaling_method) else self.lr_scaling_method,
+            "clock_step": self.clock_step,
+            "batch_sizes": _digest(self._listed) if self._sampler is None else None,
+            "sampler": None if self._sampler is None else self._sampler._state_settings(),
+        }
 
     def state_dict(self):
         """Torch's position and LRs, the batch position, and the wrapped scheduler's state: plain data but for
         what that scheduler keeps (MultiStepLR's milestones are a Counter: save with torch.save, not JSON)."""
         state = {key: copy.deepcopy(value) for key, value in super().state_dict().items() if key in self._STATE}
-        return {**state, "settings": self._state_settings(),
-                "base_lr_scheduler": None if self._base is None else self._base.state_dict()}
+        return {
+            **state,
+            "settings": self._state_settings(),
+            "base_lr_scheduler": None if self._base is None else self._base.state_dict(),
+        }
 
     def load_state_dict(self, state_dict):
         """Restores a `state_dict` (never mutating it): the next `step` continues exactly where it stopped."""
         _check_state(self, state_dict, {*self._STATE, "settings", "base_lr_scheduler"})
-        if (state_dict["base_lr_scheduler"] is None) != (self._base is None) or \
-                len(state_dict["_unscaled"]) != len(self.optimizer.param_groups):
+        if (state_dict["base_lr_scheduler"] is None) != (self._base is None) or len(state_dict["_unscaled"]) != len(
+            self.optimizer.param_groups
+        ):
             raise ValueError("the state wraps another kind of schedule or optimizer; resume with the same ones")
         if self._base is not None:
             self._base.load_state_dict(copy.deepcopy(state_dict["base_lr_scheduler"]))
@@ -1763,14 +2087,29 @@ class VariableBatchSizeLR(LRScheduler):
         self._keep = True  # see _realign
 
 
-def lr_scheduler_for_variable_batch_size(base_batch_size, batch_sizes, dataloader, lr_scheduler_or_optimizer,
-                                         lr_scaling_method="linear", verbose=False, **options):
+def lr_scheduler_for_variable_batch_size(
+    base_batch_size,
+    batch_sizes,
+    dataloader,
+    lr_scheduler_or_optimizer,
+    lr_scaling_method="linear",
+    verbose=False,
+    **options,
+):
     """A `VariableBatchSizeLR` (DeepSpeed's signature; ``**options``: ``lr_scaling_unit``, ``clock``, ``clock_step``)."""
     if lr_scheduler_or_optimizer is None:
-        raise TypeError("lr_scheduler_or_optimizer is None; pass the optimizer (constant LR) or the LR scheduler whose "
-                        "LR is scaled")
-    return VariableBatchSizeLR(lr_scheduler_or_optimizer, base_batch_size, batch_sizes, dataloader,
-                               lr_scaling_method=lr_scaling_method, verbose=verbose, **options)
+        raise TypeError(
+            "lr_scheduler_or_optimizer is None; pass the optimizer (constant LR) or the LR scheduler whose LR is scaled"
+        )
+    return VariableBatchSizeLR(
+        lr_scheduler_or_optimizer,
+        base_batch_size,
+        batch_sizes,
+        dataloader,
+        lr_scaling_method=lr_scaling_method,
+        verbose=verbose,
+        **options,
+    )
 
 
 # =============================================================================
@@ -1778,28 +2117,64 @@ def lr_scheduler_for_variable_batch_size(base_batch_size, batch_sizes, dataloade
 # =============================================================================
 
 
-def batch_by_seqlens(seqlens, max_tokens, sequence_ids_per_mb=None, min_batch_size=1, max_batch_size=None,
-                     sequence_picking_order="dataloader", effective_batch_size=1,
-                     required_microbatches_of_same_size=False, verbose=False, seed=None, *,
-                     required_microbatches_of_same_seqlen=False, epoch=0, **options):
+def batch_by_seqlens(
+    seqlens,
+    max_tokens,
+    sequence_ids_per_mb=None,
+    min_batch_size=1,
+    max_batch_size=None,
+    sequence_picking_order="dataloader",
+    effective_batch_size=1,
+    required_microbatches_of_same_size=False,
+    verbose=False,
+    seed=None,
+    *,
+    required_microbatches_of_same_seqlen=False,
+    epoch=0,
+    **options,
+):
     """DeepSpeed's ``batch_by_seqlens`` without its data loss, in linear time (see `plan_batches`).
 
     Returns ``(microbatch_ids, batch_sizes, batch_max_seqlens)``: ``(batch_id, [sample ids])``
     per micro-batch, the samples and the longest sample per batch.
     """
-    plan = plan_batches(seqlens, max_tokens, effective_batch_size=effective_batch_size, epoch=epoch,
-                        sample_ids=sequence_ids_per_mb, min_batch_size=min_batch_size, max_batch_size=max_batch_size,
-                        order=sequence_picking_order, same_size=bool(required_microbatches_of_same_size),
-                        same_length=bool(required_microbatches_of_same_seqlen), seed=seed, **options)
+    plan = plan_batches(
+        seqlens,
+        max_tokens,
+        effective_batch_size=effective_batch_size,
+        epoch=epoch,
+        sample_ids=sequence_ids_per_mb,
+        min_batch_size=min_batch_size,
+        max_batch_size=max_batch_size,
+        order=sequence_picking_order,
+        same_size=bool(required_microbatches_of_same_size),
+        same_length=bool(required_microbatches_of_same_seqlen),
+        seed=seed,
+        **options,
+    )
     if _on_rank_zero(0):
         _log_plan(plan, verbose)
     k = plan.effective_batch_size
-    return ([(j // k, ids) for j, ids in enumerate(plan.microbatches())], plan.batch_sizes.tolist(),
-            plan.batch_max_seqlens.tolist())
+    return (
+        [(j // k, ids) for j, ids in enumerate(plan.microbatches())],
+        plan.batch_sizes.tolist(),
+        plan.batch_max_seqlens.tolist(),
+    )
 
 
-def _loader_and_scheduler(dataset, seqlens, settings: _Settings, sample_ids, rank, base, lr: Mapping, verbose, *,
-                          fixed: Plan | None = None, **loader_options):
+def _loader_and_scheduler(
+    dataset,
+    seqlens,
+    settings: _Settings,
+    sample_ids,
+    rank,
+    base,
+    lr: Mapping,
+    verbose,
+    *,
+    fixed: Plan | None = None,
+    **loader_options,
+):
     """The sampler, loader, scheduler and ``deepspeed_io`` keyword arguments of the three functions below."""
     seqlens = None if fixed is not None else _as_counts(seqlens, "dataset_seqlens")
     ids = None if sample_ids is None else _as_sample_ids(sample_ids, len(seqlens))
@@ -1807,19 +2182,47 @@ def _loader_and_scheduler(dataset, seqlens, settings: _Settings, sample_ids, ran
     sampler = VariableBatchSampler._of(_Planner(seqlens, settings, ids, fixed), rank, verbose)
     loader = make_dataloader(dataset, sampler, **loader_options)
     base = base(sampler) if callable(base) and not hasattr(base, "step") else base  # an lr_scheduler_fn
-    scheduler = None if base is None else VariableBatchSizeLR(
-        base, lr.get("lr_scaling_reference"), sampler, lr_scaling_method=lr.get("lr_scaling_method", "linear"),
-        verbose=verbose, lr_scaling_unit=lr.get("lr_scaling_unit", "sequences"), clock=lr.get("lr_clock", "steps"),
-        clock_step=lr.get("lr_clock_step", 1))
-    return loader, scheduler, dict(dataset=loader.dataset, batch_size=1, pin_memory=loader.pin_memory,
-                                   data_sampler=_LocalKeys(sampler, batched=False), collate_fn=loader.collate_fn,
-                                   num_local_io_workers=loader.num_workers)
+    scheduler = (
+        None
+        if base is None
+        else VariableBatchSizeLR(
+            base,
+            lr.get("lr_scaling_reference"),
+            sampler,
+            lr_scaling_method=lr.get("lr_scaling_method", "linear"),
+            verbose=verbose,
+            lr_scaling_unit=lr.get("lr_scaling_unit", "sequences"),
+            clock=lr.get("lr_clock", "steps"),
+            clock_step=lr.get("lr_clock_step", 1),
+        )
+    )
+    return (
+        loader,
+        scheduler,
+        dict(
+            dataset=loader.dataset,
+            batch_size=1,
+            pin_memory=loader.pin_memory,
+            data_sampler=_LocalKeys(sampler, batched=False),
+            collate_fn=loader.collate_fn,
+            num_local_io_workers=loader.num_workers,
+        ),
+    )
 
 
-def dataloader_for_variable_batch_size(dataset, microbatch_ids, batch_max_seqlens, dataloader_rank=0,
-                                       dataloader_batch_size=1, dataloader_num_replicas=1, dataloader_collate_fn=None,
-                                       dataloader_num_workers=2, dataloader_pin_memory=False,
-                                       required_microbatches_of_same_seqlen=False, sample_padding_fn=None):
+def dataloader_for_variable_batch_size(
+    dataset,
+    microbatch_ids,
+    batch_max_seqlens,
+    dataloader_rank=0,
+    dataloader_batch_size=1,
+    dataloader_num_replicas=1,
+    dataloader_collate_fn=None,
+    dataloader_num_workers=2,
+    dataloader_pin_memory=False,
+    required_microbatches_of_same_seqlen=False,
+    sample_padding_fn=None,
+):
     """A loader over given micro-batches, the same every epoch (DeepSpeed's signature; see `make_dataloader`).
 
     Returns ``(dataloader, deepspeed_io_kwargs)``.
@@ -1827,32 +2230,79 @@ def dataloader_for_variable_batch_size(dataset, microbatch_ids, batch_max_seqlen
     batch_ids = np.asarray([int(b) for b, _ in microbatch_ids], dtype=np.int64)
     per_batch = np.bincount(batch_ids) if len(batch_ids) else np.zeros(1, np.int64)
     if not per_batch[0] or (per_batch != per_batch[0]).any() or (np.diff(batch_ids) < 0).any():
-        raise ValueError("microbatch_ids should be (batch_id, sample ids) pairs in batch order, as many per batch, as "
-                         "batch_by_seqlens returns them")
+        raise ValueError(
+            "microbatch_ids should be (batch_id, sample ids) pairs in batch order, as many per batch, as "
+            "batch_by_seqlens returns them"
+        )
     sizes = np.asarray([len(ids) for _, ids in microbatch_ids], dtype=np.int64)
-    batch_max, k = _as_counts(batch_max_seqlens, "batch_max_seqlens")[:len(per_batch)], int(per_batch[0])
+    batch_max, k = _as_counts(batch_max_seqlens, "batch_max_seqlens")[: len(per_batch)], int(per_batch[0])
     same = bool(required_microbatches_of_same_seqlen)
-    settings = _Settings(max_tokens=int(batch_max.max()), effective_batch_size=k, same_size=same, same_length=same,
-                         micro_batch_size=dataloader_batch_size, num_replicas=dataloader_num_replicas)
-    fixed = Plan(sample_ids=_as_counts([i for _, ids in microbatch_ids for i in ids], "microbatch_ids", minimum=0),
-                 microbatch_offsets=np.concatenate([[0], np.cumsum(sizes)]), padded_seqlens=np.repeat(batch_max, k),
-                 batch_sizes=sizes.reshape(-1, k).sum(axis=1), batch_tokens=np.zeros(len(batch_max), np.int64),
-                 batch_max_seqlens=batch_max, dropped={r: np.zeros(0, np.int64) for r in _DROP_REASONS},
-                 settings=settings, epoch=0)
+    settings = _Settings(
+        max_tokens=int(batch_max.max()),
+        effective_batch_size=k,
+        same_size=same,
+        same_length=same,
+        micro_batch_size=dataloader_batch_size,
+        num_replicas=dataloader_num_replicas,
+    )
+    fixed = Plan(
+        sample_ids=_as_counts([i for _, ids in microbatch_ids for i in ids], "microbatch_ids", minimum=0),
+        microbatch_offsets=np.concatenate([[0], np.cumsum(sizes)]),
+        padded_seqlens=np.repeat(batch_max, k),
+        batch_sizes=sizes.reshape(-1, k).sum(axis=1),
+        batch_tokens=np.zeros(len(batch_max), np.int64),
+        batch_max_seqlens=batch_max,
+        dropped={r: np.zeros(0, np.int64) for r in _DROP_REASONS},
+        settings=settings,
+        epoch=0,
+    )
     loader, _, io_kwargs = _loader_and_scheduler(
-        dataset, None, settings, None, dataloader_rank, None, {}, False, fixed=fixed, collate_fn=dataloader_collate_fn,
-        sample_padding_fn=sample_padding_fn, num_workers=dataloader_num_workers, pin_memory=dataloader_pin_memory)
+        dataset,
+        None,
+        settings,
+        None,
+        dataloader_rank,
+        None,
+        {},
+        False,
+        fixed=fixed,
+        collate_fn=dataloader_collate_fn,
+        sample_padding_fn=sample_padding_fn,
+        num_workers=dataloader_num_workers,
+        pin_memory=dataloader_pin_memory,
+    )
     return loader, io_kwargs
 
 
 def get_dataloader_and_lr_scheduler_for_variable_batch_size(
-        dataset, dataset_seqlens, max_tokens, effective_batch_size, dataset_filter_ids=None,
-        lr_scaling_method="linear", min_batch_size=1, max_batch_size=None, sequence_picking_order="dataloader",
-        dataloader_batch_size=1, dataloader_rank=0, dataloader_num_replicas=1, dataloader_num_workers=0,
-        dataloader_collate_fn=None, dataloader_pin_memory=False, lr_scheduler_or_optimizer=None,
-        required_microbatches_of_same_size=False, required_microbatches_of_same_seqlen=False, sample_padding_fn=None,
-        verbose=False, seed=None, *, lr_scaling_unit="sequences", lr_scaling_reference=None, lr_clock="steps",
-        lr_clock_step=1, **options):
+    dataset,
+    dataset_seqlens,
+    max_tokens,
+    effective_batch_size,
+    dataset_filter_ids=None,
+    lr_scaling_method="linear",
+    min_batch_size=1,
+    max_batch_size=None,
+    sequence_picking_order="dataloader",
+    dataloader_batch_size=1,
+    dataloader_rank=0,
+    dataloader_num_replicas=1,
+    dataloader_num_workers=0,
+    dataloader_collate_fn=None,
+    dataloader_pin_memory=False,
+    lr_scheduler_or_optimizer=None,
+    required_microbatches_of_same_size=False,
+    required_microbatches_of_same_seqlen=False,
+    sample_padding_fn=None,
+    verbose=False,
+    seed=None,
+    *,
+    lr_scaling_unit="sequences",
+    lr_scaling_reference=None,
+    lr_clock="steps",
+    lr_clock_step=1,
+    **options,
+):
     """The loader and LR scheduler of a token-budget plan (DeepSpeed's signature).
 
     Unlike DeepSpeed's, the loader makes a new plan every epoch in ``random`` and
@@ -1863,17 +2313,40 @@ def get_dataloader_and_lr_scheduler_for_variable_batch_size(
 
     Returns ``(dataloader, lr_scheduler, deepspeed_io_kwargs)``; no scheduler without ``lr_scheduler_or_optimizer``.
     """
-    settings = _Settings.of(max_tokens=max_tokens, effective_batch_size=effective_batch_size, order=sequence_picking_order,
-                            micro_batch_size=dataloader_batch_size, num_replicas=dataloader_num_replicas,
-                            min_batch_size=min_batch_size, max_batch_size=max_batch_size, seed=seed,
-                            same_size=bool(required_microbatches_of_same_size),
-                            same_length=bool(required_microbatches_of_same_seqlen), **options)
-    lr = dict(lr_scaling_method=lr_scaling_method, lr_scaling_unit=lr_scaling_unit, lr_clock=lr_clock,
-              lr_scaling_reference=lr_scaling_reference, lr_clock_step=lr_clock_step)
-    return _loader_and_scheduler(dataset, dataset_seqlens, settings, dataset_filter_ids, dataloader_rank,
-                                 lr_scheduler_or_optimizer, lr, verbose, collate_fn=dataloader_collate_fn,
-                                 sample_padding_fn=sample_padding_fn, num_workers=dataloader_num_workers,
-                                 pin_memory=dataloader_pin_memory)
+    settings = _Settings.of(
+        max_tokens=max_tokens,
+        effective_batch_size=effective_batch_size,
+        order=sequence_picking_order,
+        micro_batch_size=dataloader_batch_size,
+        num_replicas=dataloader_num_replicas,
+        min_batch_size=min_batch_size,
+        max_batch_size=max_batch_size,
+        seed=seed,
+        same_size=bool(required_microbatches_of_same_size),
+        same_length=bool(required_microbatches_of_same_seqlen),
+        **options,
+    )
+    lr = dict(
+        lr_scaling_method=lr_scaling_method,
+        lr_scaling_unit=lr_scaling_unit,
+        lr_clock=lr_clock,
+        lr_scaling_reference=lr_scaling_reference,
+        lr_clock_step=lr_clock_step,
+    )
+    return _loader_and_scheduler(
+        dataset,
+        dataset_seqlens,
+        settings,
+        dataset_filter_ids,
+        dataloader_rank,
+        lr_scheduler_or_optimizer,
+        lr,
+        verbose,
+        collate_fn=dataloader_collate_fn,
+        sample_padding_fn=sample_padding_fn,
+        num_workers=dataloader_num_workers,
+        pin_memory=dataloader_pin_memory,
+    )
 
 
 # =============================================================================
@@ -1882,11 +2355,24 @@ def get_dataloader_and_lr_scheduler_for_variable_batch_size(
 
 _SECTION = ("data_efficiency", "data_sampling", "dynamic_batching")
 # Each key of the section, and the plan option (or scheduler option, or loader setting) it sets.
-_PLAN_KEYS = {"max_tokens": "max_tokens", "min_batch_size": "min_batch_size", "max_batch_size": "max_batch_size",
-              "sequence_picking_order": "order", "sentence_picking_order": "order", "seed": "seed",
-              "budget": "budget", "bucket_size": "bucket_size", "on_overlong": "on_overlong"}
-_LR_DEFAULTS = {"lr_scaling_method": "linear", "lr_scaling_unit": "sequences", "lr_scaling_reference": None,
-                "lr_clock": "steps", "lr_clock_step": 1}
+_PLAN_KEYS = {
+    "max_tokens": "max_tokens",
+    "min_batch_size": "min_batch_size",
+    "max_batch_size": "max_batch_size",
+    "sequence_picking_order": "order",
+    "sentence_picking_order": "order",
+    "seed": "seed",
+    "budget": "budget",
+    "bucket_size": "bucket_size",
+    "on_overlong": "on_overlong",
+}
+_LR_DEFAULTS = {
+    "lr_scaling_method": "linear",
+    "lr_scaling_unit": "sequences",
+    "lr_scaling_reference": None,
+    "lr_clock": "steps",
+    "lr_clock_step": 1,
+}
 _OTHER_KEYS = ("enabled", "metrics_path", "verbose", "num_workers", "pin_memory")
 _SEQLEN_CACHE = "varbatch_seqlens.npy"
 
@@ -1894,8 +2380,10 @@ _SEQLEN_CACHE = "varbatch_seqlens.npy"
 def _check_batch_geometry(k: int, micro: int, gas: int, world: int, fix: str) -> None:
     """DeepSpeed's batch relation: train_batch_size = micro-batches per rank's step x accumulation steps x ranks."""
     if k != micro * gas * world:
-        raise ValueError(f"train_batch_size={k} should be train_micro_batch_size_per_gpu x gradient_accumulation_steps"
-                         f" x data-parallel size = {micro} x {gas} x {world}; {fix}")
+        raise ValueError(
+            f"train_batch_size={k} should be train_micro_batch_size_per_gpu x gradient_accumulation_steps"
+            f" x data-parallel size = {micro} x {gas} x {world}; {fix}"
+        )
 
 
 def _read_config(config: Any) -> tuple[dict, dict, dict]:
@@ -1908,35 +2396,44 @@ def _read_config(config: Any) -> tuple[dict, dict, dict]:
     for key in _SECTION:
         if not isinstance(nodes[-1], Mapping):
             raise ValueError(f"{path} should be a JSON object (a dict), but is {nodes[-1]!r:.60}")
-        path = ".".join(_SECTION[:len(nodes)])
+        path = ".".join(_SECTION[: len(nodes)])
         nodes.append(nodes[-1].get(key, {} if key != "dynamic_batching" else None))
     data_efficiency, data_sampling, section = nodes[1:]
     if section is None:
-        raise ValueError(f"the DeepSpeed config has no {path} section; add one with \"enabled\": true and \"max_tokens\"")
+        raise ValueError(f'the DeepSpeed config has no {path} section; add one with "enabled": true and "max_tokens"')
     if not isinstance(section, Mapping):
         raise ValueError(f"{path} should be a JSON object (a dict), but is {section!r:.60}")
     known = (*_PLAN_KEYS, *_LR_DEFAULTS, *_OTHER_KEYS)
     for key in section:
         if key not in known:
             close = difflib.get_close_matches(str(key), known, n=1)
-            raise ValueError(f"unknown key {key!r} in {path}{f'; did you mean {close[0]!r}?' if close else ''} "
-                             f"(valid keys: {', '.join(known)})")
+            raise ValueError(
+                f"unknown key {key!r} in {path}{f'; did you mean {close[0]!r}?' if close else ''} "
+                f"(valid keys: {', '.join(known)})"
+            )
     if section.get("enabled") is not True:
-        raise ValueError(f"{path}.enabled is {section.get('enabled')!r}, not true (a JSON boolean); set \"enabled\": "
-                         f"true to use dynamic batching")
+        raise ValueError(
+            f'{path}.enabled is {section.get("enabled")!r}, not true (a JSON boolean); set "enabled": '
+            f"true to use dynamic batching"
+        )
     if "max_tokens" not in section:
         raise ValueError(f"{path}.max_tokens is missing; set it to the tokens one micro-batch may hold")
     orders = {section[key] for key in ("sequence_picking_order", "sentence_picking_order") if key in section}
     if len(orders) > 1:
-        raise ValueError(f"{path} sets sequence_picking_order and its older spelling sentence_picking_order to "
-                         f"different values {sorted(map(str, orders))}; keep one")
+        raise ValueError(
+            f"{path} sets sequence_picking_order and its older spelling sentence_picking_order to "
+            f"different values {sorted(map(str, orders))}; keep one"
+        )
     plan = {option: section[key] for key, option in _PLAN_KEYS.items() if key in section}
     if plan.get("seed") is None:  # absent or null: the data_efficiency seed, as DeepSpeed's data sampling uses
         plan["seed"] = data_efficiency.get("seed", 1234)
     lr = {key: section.get(key, default) for key, default in _LR_DEFAULTS.items()}
-    other = {"metrics_path": section.get("metrics_path"), "verbose": section.get("verbose", False),
-             "num_workers": section.get("num_workers", data_sampling.get("num_workers", 0)),
-             "pin_memory": section.get("pin_memory", data_sampling.get("pin_memory", False))}
+    other = {
+        "metrics_path": section.get("metrics_path"),
+        "verbose": section.get("verbose", False),
+        "num_workers": section.get("num_workers", data_sampling.get("num_workers", 0)),
+        "pin_memory": section.get("pin_memory", data_sampling.get("pin_memory", False)),
+    }
     try:  # every value now, before any engine or data is touched
         _Settings.of(**plan)
         _check_lr_method(lr["lr_scaling_method"]), _check_reference(lr["lr_scaling_reference"])
@@ -1947,12 +2444,18 @@ def _read_config(config: Any) -> tuple[dict, dict, dict]:
     for key, value in ((key, other[key]) for key in ("num_workers", "pin_memory", "verbose")):
         where = path if key in section else ".".join(_SECTION[:2])  # num_workers, pin_memory: data_sampling's
         whole = not isinstance(value, bool) and isinstance(value, numbers.Integral)
-        if (key == "num_workers" and not (whole and value >= 0)) or (key != "num_workers" and not isinstance(value, bool)):
+        if (key == "num_workers" and not (whole and value >= 0)) or (
+            key != "num_workers" and not isinstance(value, bool)
+        ):
             expected = "an integer >= 0" if key == "num_workers" else "true or false"
-            raise (ValueError if whole else TypeError)(f"in {where}: {key} should be {expected}, but got {key}={value!r}")
+            raise (ValueError if whole else TypeError)(
+                f"in {where}: {key} should be {expected}, but got {key}={value!r}"
+            )
     if other["metrics_path"] is not None and not isinstance(other["metrics_path"], str):
-        raise TypeError(f"in {path}: metrics_path should be a folder path (a string), but got "
-                        f"metrics_path={other['metrics_path']!r}")
+        raise TypeError(
+            f"in {path}: metrics_path should be a folder path (a string), but got "
+            f"metrics_path={other['metrics_path']!r}"
+        )
     return plan, lr, other
 
 
@@ -1964,30 +2467,40 @@ def _seqlens_of(dataset, ids: np.ndarray, batch_seqlens_fn: Callable, collate_fn
     """
     lengths = np.zeros(len(ids), dtype=np.int64)
     for start in range(0, len(ids), 256):
-        chunk = ids[start:start + 256]
+        chunk = ids[start : start + 256]
         got = batch_seqlens_fn((collate_fn or PaddedCollate())([dataset[int(i)] for i in chunk]))
         got = got.detach().cpu().reshape(-1).tolist() if isinstance(got, torch.Tensor) else list(got)
         if len(got) != len(chunk):
-            raise ValueError(f"batch_seqlens_fn returned {len(got)} lengths for a batch of {len(chunk)} samples; it "
-                             f"must return one length per sample of the batch that dataloader_collate_fn made")
-        lengths[start:start + len(chunk)] = _as_counts(got, "batch_seqlens_fn's lengths")
+            raise ValueError(
+                f"batch_seqlens_fn returned {len(got)} lengths for a batch of {len(chunk)} samples; it "
+                f"must return one length per sample of the batch that dataloader_collate_fn made"
+            )
+        lengths[start : start + len(chunk)] = _as_counts(got, "batch_seqlens_fn's lengths")
     return lengths
 
 
 def _cached_seqlens(metrics_path: str, num_samples: int) -> np.ndarray | None:
     """Seqlens cached in ``metrics_path`` (varbatch's .npy or DeepSpeed's metric files) for this many samples."""
-    ours, theirs = os.path.join(metrics_path, _SEQLEN_CACHE), os.path.join(metrics_path, "seqlen", "seqlen_sample_to_metric")
+    ours, theirs = (
+        os.path.join(metrics_path, _SEQLEN_CACHE),
+        os.path.join(metrics_path, "seqlen", "seqlen_sample_to_metric"),
+    )
     if os.path.exists(ours):
         seqlens = np.load(ours)
     elif os.path.exists(theirs + ".bin") and os.path.exists(theirs + ".idx"):  # DeepSpeed's DataAnalyzer: N x 1
         from deepspeed.runtime.data_pipeline.data_sampling.indexed_dataset import MMapIndexedDataset
+
         metric = MMapIndexedDataset(theirs, skip_warmup=True)
         seqlens = np.concatenate([np.asarray(metric[i]).reshape(-1) for i in range(len(metric))])
     else:
         return None
     if len(seqlens) != num_samples:
-        _logger.warning("the seqlen cache in %s has %d entries but the dataset %d samples: recomputing it",
-                        metrics_path, len(seqlens), num_samples)
+        _logger.warning(
+            "the seqlen cache in %s has %d entries but the dataset %d samples: recomputing it",
+            metrics_path,
+            len(seqlens),
+            num_samples,
+        )
         return None
     return seqlens.astype(np.int64)
 
@@ -2003,16 +2516,22 @@ def _dataset_seqlens(dataset, metrics_path: str | None, batch_seqlens_fn, collat
         ids = np.unique(np.linspace(0, num_samples - 1, min(num_samples, 16)).astype(np.int64))
         stale = np.flatnonzero(_seqlens_of(dataset, ids, batch_seqlens_fn, collate_fn) != cached[ids])
         if len(stale):
-            _logger.warning("the seqlen cache in %s disagrees with batch_seqlens_fn on sample %d: it is from another "
-                            "dataset; recomputing it", metrics_path, int(ids[stale[0]]))
+            _logger.warning(
+                "the seqlen cache in %s disagrees with batch_seqlens_fn on sample %d: it is from another "
+                "dataset; recomputing it",
+                metrics_path,
+                int(ids[stale[0]]),
+            )
             cached = None
     if not all(_gather(cached is not None)):  # a cache some ranks lack or find stale (node-local disks): all compute
         cached = None
     if cached is not None:
         return cached
     if batch_seqlens_fn is None:
-        raise ValueError("no dataset_seqlens, no seqlen cache in metrics_path, and batch_seqlens_fn is None; pass "
-                         "dataset_seqlens, or batch_seqlens_fn (e.g. varbatch.seqlens_from_padded) to compute them once")
+        raise ValueError(
+            "no dataset_seqlens, no seqlen cache in metrics_path, and batch_seqlens_fn is None; pass "
+            "dataset_seqlens, or batch_seqlens_fn (e.g. varbatch.seqlens_from_padded) to compute them once"
+        )
     rank, world_size = _world()  # each rank measures every world_size-th sample, then all gather
     shard = np.arange(rank, num_samples, world_size, dtype=np.int64)
     seqlens = np.zeros(num_samples, dtype=np.int64)
@@ -2028,11 +2547,17 @@ def _dataset_seqlens(dataset, metrics_path: str | None, batch_seqlens_fn, collat
     return seqlens
 
 
-def get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(dataset, engine, dataset_seqlens=None,
-                                                                      dataset_filter_ids=None,
-                                                                      dataloader_collate_fn=None,
-                                                                      sample_padding_fn=None, batch_seqlens_fn=None,
-                                                                      *, lr_scheduler_fn=None):
+def get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
+    dataset,
+    engine,
+    dataset_seqlens=None,
+    dataset_filter_ids=None,
+    dataloader_collate_fn=None,
+    sample_padding_fn=None,
+    batch_seqlens_fn=None,
+    *,
+    lr_scheduler_fn=None,
+):
     """The dataloader and LR scheduler for a DeepSpeed engine, from its config (DeepSpeed's signature).
 
     Reads ``data_efficiency.data_sampling.dynamic_batching`` (see README); takes
@@ -2060,9 +2585,16 @@ def get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(dataset, e
         raise TypeError(f"expected a DeepSpeed engine (from deepspeed.initialize), but got {type(engine).__name__}")
     plan_options, lr_options, other = _read_config(config)
     grid = getattr(engine, "grid", None)  # a PipelineEngine's
-    dp_rank, dp_size = (int(grid.data_parallel_id), int(grid.data_parallel_size)) if grid is not None else \
-        _world(getattr(engine, "data_parallel_group", None))
-    k, mbs, gas = engine.train_batch_size(), engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+    dp_rank, dp_size = (
+        (int(grid.data_parallel_id), int(grid.data_parallel_size))
+        if grid is not None
+        else _world(getattr(engine, "data_parallel_group", None))
+    )
+    k, mbs, gas = (
+        engine.train_batch_size(),
+        engine.train_micro_batch_size_per_gpu(),
+        engine.gradient_accumulation_steps(),
+    )
     _check_batch_geometry(k, mbs, gas, dp_size, "fix the batch sizes in the config")
     if dataset_seqlens is None:
         dataset_seqlens = _dataset_seqlens(dataset, other["metrics_path"], batch_seqlens_fn, dataloader_collate_fn)
@@ -2073,12 +2605,28 @@ def get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(dataset, e
         for group, lr in zip(base.optimizer.param_groups, base._unscaled):
             group["lr"] = lr
         base = base._base if base._base is not None else base.optimizer
-    settings = _Settings.of(**plan_options, effective_batch_size=k, micro_batch_size=mbs, num_replicas=dp_size,
-                            same_size=pipeline, same_length=pipeline)
+    settings = _Settings.of(
+        **plan_options,
+        effective_batch_size=k,
+        micro_batch_size=mbs,
+        num_replicas=dp_size,
+        same_size=pipeline,
+        same_length=pipeline,
+    )
     loader, scheduler, io_kwargs = _loader_and_scheduler(
-        dataset, dataset_seqlens, settings, dataset_filter_ids, dp_rank, lr_scheduler_fn or base, lr_options, other["verbose"],
-        collate_fn=dataloader_collate_fn, sample_padding_fn=sample_padding_fn, num_workers=other["num_workers"],
-        pin_memory=other["pin_memory"])
+        dataset,
+        dataset_seqlens,
+        settings,
+        dataset_filter_ids,
+        dp_rank,
+        lr_scheduler_fn or base,
+        lr_options,
+        other["verbose"],
+        collate_fn=dataloader_collate_fn,
+        sample_padding_fn=sample_padding_fn,
+        num_workers=other["num_workers"],
+        pin_memory=other["pin_memory"],
+    )
     if dp_size == 1 and _world()[1] > 1:  # pipeline stages of one data-parallel rank (make_dataloader checks more)
         _check_ranks_agree(loader.variable_batch_sampler)
     if scheduler is not None:
@@ -2107,6 +2655,7 @@ examples:
 
 def _cli_parser(prog: str = "python varbatch.py"):
     """The command's parser, and its ``plan`` subcommand's (plot_plan.py adds its output file to it)."""
+
     class Parser(argparse.ArgumentParser):
         def error(self, message):  # one line, like every error of this command
             self.exit(2, f"{prog.split()[-1].removesuffix('.py')}: error: {message} (see {self.prog} --help)\n")
@@ -2125,22 +2674,28 @@ def _cli_parser(prog: str = "python varbatch.py"):
     parser = Parser(prog=prog, allow_abbrev=False, description="Plan token-budget batches.")
     parser.add_argument("--version", action="version", version=f"varbatch {__version__}")
     p = parser.add_subparsers(dest="command", required=True).add_parser(
-        "plan", allow_abbrev=False, epilog=_PLAN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
-        help="plan one epoch and print its batches and totals", description="Plan one epoch as training will.")
+        "plan",
+        allow_abbrev=False,
+        epilog=_PLAN_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        help="plan one epoch and print its batches and totals",
+        description="Plan one epoch as training will.",
+    )
     for flag, kind, text in (
-            ("--config", str, "DeepSpeed config (ds_config.json) with a dynamic_batching section"),
-            ("--seqlens", str, "lengths: a .npy array, a text file of one length per line, or - for stdin"),
-            ("--world-size", whole, "data-parallel ranks (default: from the config, else 1)"),
-            ("--effective-batch-size", whole, "micro-batches per batch, replacing train_batch_size (and accumulation)"),
-            ("--epoch", lambda t: whole(t, 0), "epoch to plan (default 0)"),
-            ("--max-tokens", whole, "token budget of one micro-batch (default: the config's, else 4096)"),
-            ("--budget", str, "sum or padded (default: the config's, else sum)"),
-            ("--order", str, "dataloader, seqlen, random or bucket (default: the config's, else dataloader)"),
-            ("--seed", lambda t: whole(t, 0), "seed of the random and bucket orders (default: the config's)"),
-            ("--lr-scaling-method", str, "linear, sqrt or none (default: the config's, else linear)"),
-            ("--lr-scaling-unit", str, "sequences or tokens (default: the config's, else sequences)"),
-            ("--lr-scaling-reference", reference, "B_ref: a number or mean (default: the config's, else train_batch_size)"),
-            ("--batches", lambda t: whole(t, 0), "batches listed, 0 for all (default 10)")):
+        ("--config", str, "DeepSpeed config (ds_config.json) with a dynamic_batching section"),
+        ("--seqlens", str, "lengths: a .npy array, a text file of one length per line, or - for stdin"),
+        ("--world-size", whole, "data-parallel ranks (default: from the config, else 1)"),
+        ("--effective-batch-size", whole, "micro-batches per batch, replacing train_batch_size (and accumulation)"),
+        ("--epoch", lambda t: whole(t, 0), "epoch to plan (default 0)"),
+        ("--max-tokens", whole, "token budget of one micro-batch (default: the config's, else 4096)"),
+        ("--budget", str, "sum or padded (default: the config's, else sum)"),
+        ("--order", str, "dataloader, seqlen, random or bucket (default: the config's, else dataloader)"),
+        ("--seed", lambda t: whole(t, 0), "seed of the random and bucket orders (default: the config's)"),
+        ("--lr-scaling-method", str, "linear, sqrt or none (default: the config's, else linear)"),
+        ("--lr-scaling-unit", str, "sequences or tokens (default: the config's, else sequences)"),
+        ("--lr-scaling-reference", reference, "B_ref: a number or mean (default: the config's, else train_batch_size)"),
+        ("--batches", lambda t: whole(t, 0), "batches listed, 0 for all (default 10)"),
+    ):
         p.add_argument(flag, type=kind, help=text)
     p.add_argument("--pipeline", action="store_true", help="same-size, same-length micro-batches (a PipelineEngine)")
     p.add_argument("--json", action="store_true", help="print settings, totals, batches and drops as JSON")
@@ -2150,7 +2705,9 @@ def _cli_parser(prog: str = "python varbatch.py"):
 def _read_seqlens(path: str | None) -> tuple[np.ndarray, str]:
     """Lengths from a .npy file, a text file of one length per line, or ``-`` (stdin); synthetic without a path."""
     if path is None:
-        return np.clip(np.random.default_rng(0).lognormal(5.5, 0.9, 2000), 8, 4096).astype(np.int64), "synthetic lengths"
+        return np.clip(np.random.default_rng(0).lognormal(5.5, 0.9, 2000), 8, 4096).astype(
+            np.int64
+        ), "synthetic lengths"
     name = "stdin" if path == "-" else path
     if path.endswith(".npy"):
         try:
@@ -2161,7 +2718,9 @@ def _read_seqlens(path: str | None) -> tuple[np.ndarray, str]:
         lines = [line.strip() for line in (sys.stdin.read() if path == "-" else open(path).read()).splitlines()]
         bad = next((n for n, line in enumerate(lines, 1) if line and not line.isdigit()), None)
         if bad is not None:
-            raise ValueError(f"line {bad} of {name} is {lines[bad - 1][:40]!r}, not a whole number; give one length per line")
+            raise ValueError(
+                f"line {bad} of {name} is {lines[bad - 1][:40]!r}, not a whole number; give one length per line"
+            )
         array = [int(line) for line in lines if line]
         if not array:
             raise ValueError(f"{name} holds no lengths; give one length per line")
@@ -2186,10 +2745,17 @@ def _cli_plan(args, lengths: tuple[np.ndarray, str] | None = None) -> tuple[Plan
     options, lr, _ = _read_config(config) if args.config else ({"max_tokens": 4096}, dict(_LR_DEFAULTS), {})
     flags = {"max_tokens": args.max_tokens, "budget": args.budget, "order": args.order, "seed": args.seed}
     options.update({key: value for key, value in flags.items() if value is not None})
-    lr.update({key: getattr(args, key) for key in ("lr_scaling_method", "lr_scaling_unit", "lr_scaling_reference")
-               if getattr(args, key) is not None})
-    counts = [None if config.get(key) is None else _check_int(key, config[key], minimum=1)
-              for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")]
+    lr.update(
+        {
+            key: getattr(args, key)
+            for key in ("lr_scaling_method", "lr_scaling_unit", "lr_scaling_reference")
+            if getattr(args, key) is not None
+        }
+    )
+    counts = [
+        None if config.get(key) is None else _check_int(key, config[key], minimum=1)
+        for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+    ]
     train, micro, gas = counts
     if args.effective_batch_size:
         train, micro, gas = args.effective_batch_size, micro or 1, None  # the config's micro-batch size stays
@@ -2197,17 +2763,25 @@ def _cli_plan(args, lengths: tuple[np.ndarray, str] | None = None) -> tuple[Plan
     micro = micro or (train // ((gas or 1) * world) if train else 1)
     k = train or micro * (gas or 1) * world
     if gas is not None:
-        _check_batch_geometry(k, micro, gas, world, f"fix the config, --effective-batch-size or --world-size (world "
-                                                    f"size {world} here)")
-    settings = _Settings.of(**options, effective_batch_size=k, micro_batch_size=micro, num_replicas=world,
-                            same_size=args.pipeline, same_length=args.pipeline)
+        _check_batch_geometry(
+            k, micro, gas, world, f"fix the config, --effective-batch-size or --world-size (world size {world} here)"
+        )
+    settings = _Settings.of(
+        **options,
+        effective_batch_size=k,
+        micro_batch_size=micro,
+        num_replicas=world,
+        same_size=args.pipeline,
+        same_length=args.pipeline,
+    )
     seqlens, source = lengths or _read_seqlens(args.seqlens)
     plan = _pack(seqlens, settings, None, args.epoch or 0)
     if plan.num_batches == 0:
         raise ValueError(_empty_plan_message(plan))
     unit = _check_choice("lr_scaling_unit", lr["lr_scaling_unit"], _LRUnit)
-    factors, b_ref = _lr_factors(plan._amounts(unit),
-                                 _check_reference(lr["lr_scaling_reference"]), _check_lr_method(lr["lr_scaling_method"]), k)
+    factors, b_ref = _lr_factors(
+        plan._amounts(unit), _check_reference(lr["lr_scaling_reference"]), _check_lr_method(lr["lr_scaling_method"]), k
+    )
     lr.update(factors=factors, reference_value=b_ref)
     return plan, lr, seqlens, source
 
@@ -2223,30 +2797,71 @@ def _main(argv=None) -> int:
         return 2
     s, factors, k = plan.settings, lr["factors"], plan.effective_batch_size
     totals = plan.totals()
-    totals["lr_factor"] = {**_distribution(factors), "unit": lr["lr_scaling_unit"],
-                           "method": str(lr["lr_scaling_method"]), "reference_value": lr["reference_value"],
-                           "reference": "train_batch_size" if lr["lr_scaling_reference"] is None else lr["lr_scaling_reference"]}
+    totals["lr_factor"] = {
+        **_distribution(factors),
+        "unit": lr["lr_scaling_unit"],
+        "method": str(lr["lr_scaling_method"]),
+        "reference_value": lr["reference_value"],
+        "reference": "train_batch_size" if lr["lr_scaling_reference"] is None else lr["lr_scaling_reference"],
+    }
     sizes, rows = plan.microbatch_sizes(), []
     for b in range(min(args.batches if args.batches is not None else 10, plan.num_batches) or plan.num_batches):
-        n, pad = sizes[b * k:(b + 1) * k], plan.padded_seqlens[b * k:(b + 1) * k]
+        n, pad = sizes[b * k : (b + 1) * k], plan.padded_seqlens[b * k : (b + 1) * k]
         slots = int((n * pad).sum())
-        rows.append({"batch": b, "sequences": int(plan.batch_sizes[b]), "microbatch_sizes": n.tolist(),
-                     "padded_seqlens": pad.tolist(), "real_tokens": int(plan.batch_tokens[b]), "padded_tokens": slots,
-                     "padding": 1 - int(plan.batch_tokens[b]) / slots, "lr_factor": float(factors[b])})
+        rows.append(
+            {
+                "batch": b,
+                "sequences": int(plan.batch_sizes[b]),
+                "microbatch_sizes": n.tolist(),
+                "padded_seqlens": pad.tolist(),
+                "real_tokens": int(plan.batch_tokens[b]),
+                "padded_tokens": slots,
+                "padding": 1 - int(plan.batch_tokens[b]) / slots,
+                "lr_factor": float(factors[b]),
+            }
+        )
     if args.json:
-        print(json.dumps({"settings": {**dataclasses.asdict(s), "seqlens": source, "num_samples": len(seqlens),
-                                       "epoch": plan.epoch, **{key: lr[key] for key in _LR_DEFAULTS}},
-                          "totals": totals, "batches": rows,
-                          "dropped_ids": {reason: ids.tolist() for reason, ids in plan.dropped.items()}}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "settings": {
+                        **dataclasses.asdict(s),
+                        "seqlens": source,
+                        "num_samples": len(seqlens),
+                        "epoch": plan.epoch,
+                        **{key: lr[key] for key in _LR_DEFAULTS},
+                    },
+                    "totals": totals,
+                    "batches": rows,
+                    "dropped_ids": {reason: ids.tolist() for reason, ids in plan.dropped.items()},
+                },
+                indent=2,
+            )
+        )
         return 0
-    short = lambda v: str(v[0]) if len(set(v)) == 1 else ",".join(map(str, v[:6])) + (f",...(+{len(v) - 6})" if len(v) > 6 else "")  # noqa: E731
+    short = lambda v: (
+        str(v[0]) if len(set(v)) == 1 else ",".join(map(str, v[:6])) + (f",...(+{len(v) - 6})" if len(v) > 6 else "")
+    )
     cells = [("batch", "B", "micro-batches", "B per micro-batch", "padded S", "real tokens", "padding %", "LR factor")]
-    cells += [(str(r["batch"]), str(r["sequences"]), str(k), short(r["microbatch_sizes"]), short(r["padded_seqlens"]),
-               str(r["real_tokens"]), f"{100 * r['padding']:.1f}", f"{r['lr_factor']:.3g}") for r in rows]
+    cells += [
+        (
+            str(r["batch"]),
+            str(r["sequences"]),
+            str(k),
+            short(r["microbatch_sizes"]),
+            short(r["padded_seqlens"]),
+            str(r["real_tokens"]),
+            f"{100 * r['padding']:.1f}",
+            f"{r['lr_factor']:.3g}",
+        )
+        for r in rows
+    ]
     widths = [max(len(row[c]) for row in cells) for c in range(len(cells[0]))]
-    print(f"plan: {len(seqlens)} samples ({source}), max_tokens={s.max_tokens} ({s.budget} budget), order {s.order}, "
-          f"{k} micro-batch{'es' if k > 1 else ''} per batch, epoch {plan.epoch}, "
-          f"{'pipeline (same-size, same-length micro-batches)' if s.same_length else 'regular (DDP)'}\n")
+    print(
+        f"plan: {len(seqlens)} samples ({source}), max_tokens={s.max_tokens} ({s.budget} budget), order {s.order}, "
+        f"{k} micro-batch{'es' if k > 1 else ''} per batch, epoch {plan.epoch}, "
+        f"{'pipeline (same-size, same-length micro-batches)' if s.same_length else 'regular (DDP)'}\n"
+    )
     print("\n".join("  ".join(cell.rjust(w) for cell, w in zip(row, widths)).rstrip() for row in cells))
     if len(rows) < plan.num_batches:
         print(f"... {plan.num_batches - len(rows)} more batches (--batches 0 lists all)")
