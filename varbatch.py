@@ -1061,8 +1061,9 @@ def seqlens_from_padded(batch, pad_value=0, seqlens_key="seqlens"):
 # The dealing rule, written once (`VariableBatchSampler._iter_keys`): step input g of an
 # epoch is micro-batches g*m .. g*m + m - 1 of the plan (m = micro_batch_size), and
 # rank r trains step inputs r, r + R, r + 2R, ... (R ranks), its t-th being g = t*R + r.
-# So every rank trains gradient_accumulation_steps step inputs of every batch; with
-# m = 1, micro-batch j goes to rank j % R, as in DeepSpeed.
+# A batch is k = m*G*R micro-batches (G = gradient_accumulation_steps), so every rank
+# trains G step inputs of every batch; with m = 1, micro-batch j goes to rank j % R, as
+# in DeepSpeed. The loader deals by this rule itself (NOTE [the loader deals itself]).
 
 
 def _world(group: Any = None) -> tuple[int, int]:
@@ -1145,6 +1146,19 @@ class _Planner:
 
     def __call__(self, epoch: int) -> Plan:
         return self.fixed if self.fixed is not None else _pack(self.seqlens, self.settings, self.sample_ids, epoch)
+
+
+class _StepInputKey(typing.NamedTuple):
+    """One step input as the sampler hands it to the loader: what a loader worker needs to load its samples, pad
+    and collate them, and check that it was dealt to this rank (a tuple of plain data: it travels to workers)."""
+
+    sample_ids: tuple[int, ...]
+    seqlens: tuple[int, ...] | None  # the plan's real lengths of the samples (None: given micro-batches)
+    pad_to: int  # the batch's longest seqlen in same-length mode, else 0 (no padding)
+    epoch: int
+    pass_number: int  # the sampler's pass that dealt it (a new pass over an epoch gets a new number)
+    pass_start: int  # this rank's step input t that the pass started at
+    step_input: int  # g, its index among the epoch's step inputs of all ranks (see the dealing rule)
 
 
 class VariableBatchSampler(Sampler[list[int]]):
@@ -1361,9 +1375,9 @@ class VariableBatchSampler(Sampler[list[int]]):
     def _iter_keys(self, every_rank: bool = False) -> Iterator[tuple]:
         """Keys of this rank's step inputs of the epoch, from the resume position (with ``every_rank``, all ranks').
 
-        The one dealing rule (see above). A key is ``(sample ids, seqlens,
-        pad_to, tag)``: ``pad_to`` is the batch's longest seqlen in same-length
-        mode, else 0; ``tag`` lets `_Collate` check the dealing. The position
+        The one dealing rule (see above). A key is a `_StepInputKey`: the step
+        input's sample ids, their seqlens, the length to pad them to, and where
+        the pass dealt it, by which `_LoadStepInput` checks the dealing. The position
         follows this rank's keys; after its last one the sampler is at the next
         epoch, also when the iterator is not exhausted (trainers stop at len()).
         """
@@ -1392,11 +1406,14 @@ class VariableBatchSampler(Sampler[list[int]]):
                             return
                         self.steps_done, self._handed, self._finished = t + 1, self._handed + 1, t + 1 == total
                     ids = plan.sample_ids[plan.microbatch_offsets[g * m] : plan.microbatch_offsets[(g + 1) * m]]
-                    yield (
-                        tuple(ids.tolist()),
-                        None if seqlens is None else tuple(seqlens[ids].tolist()),
-                        int(plan.padded_seqlens[g * m]) if self.same_length else 0,
-                        (epoch, passes, start, g),
+                    yield _StepInputKey(
+                        sample_ids=tuple(ids.tolist()),
+                        seqlens=None if seqlens is None else tuple(seqlens[ids].tolist()),
+                        pad_to=int(plan.padded_seqlens[g * m]) if self.same_length else 0,
+                        epoch=epoch,
+                        pass_number=passes,
+                        pass_start=start,
+                        step_input=g,
                     )
         except GeneratorExit:  # the consumer dropped the pass: the last epoch of a run has no next pass to raise in
             if self._pass == passes:
@@ -1404,7 +1421,7 @@ class VariableBatchSampler(Sampler[list[int]]):
             raise
 
     def __iter__(self) -> Iterator[list[int]]:
-        return (list(key[0]) for key in self._iter_keys())
+        return (list(key.sample_ids) for key in self._iter_keys())
 
     def _state_settings(self) -> dict:
         """What the plans depend on besides the epoch, as plain data (the data as hashes)."""
@@ -1444,7 +1461,7 @@ class VariableBatchSampler(Sampler[list[int]]):
 
 
 class _KeyDataset(Dataset):
-    """Item ``key`` is ``key``: the loader's sampler yields step-input keys, `_Collate` loads their samples."""
+    """Item ``key`` is ``key``: the loader's sampler yields step-input keys, `_LoadStepInput` loads their samples."""
 
     def __getitem__(self, key):
         return key
@@ -1453,37 +1470,33 @@ class _KeyDataset(Dataset):
         raise TypeError("varbatch's key dataset has no length: its items are the keys its sampler yields")
 
 
-class _GlobalKeys(DistributedSampler):
-    """Every rank's step-input keys: the ``sampler`` launchers see (see `_Loader`).
+class _StepInputKeys(DistributedSampler):
+    """The `_StepInputKey` of each step input of ``sampler``'s passes: every rank's (``every_rank``: the ``sampler``
+    and ``batch_sampler`` launchers see) or this rank's (what the loader iterates); ``[key]`` each when ``batched``
+    (a batch sampler's batch of one), else the keys themselves (a sampler a loader batches by one).
 
-    A `DistributedSampler` in type only (its ``__init__`` is not called): a
-    launcher that adds one to a loader without one (Lightning) leaves this loader as it is.
+    A `DistributedSampler` in type only (its ``__init__`` is not called): see NOTE [the loader deals itself]. Its
+    state is ``sampler``'s, which torchdata's StatefulDataLoader saves with the loader's.
     """
 
-    def __init__(self, sampler: VariableBatchSampler):
+    def __init__(self, sampler: VariableBatchSampler, *, every_rank: bool, batched: bool):
         self.variable_batch_sampler = sampler
+        self.every_rank = every_rank
+        self.batched = batched
 
     def __iter__(self):
-        return self.variable_batch_sampler._iter_keys(every_rank=True)
+        keys = self.variable_batch_sampler._iter_keys(every_rank=self.every_rank)
+        if self.batched:
+            return ([key] for key in keys)
+        return keys
 
     def __len__(self):
-        return len(self.variable_batch_sampler) * self.variable_batch_sampler.num_replicas
+        if self.every_rank:
+            return len(self.variable_batch_sampler) * self.variable_batch_sampler.num_replicas
+        return len(self.variable_batch_sampler)
 
     def set_epoch(self, epoch):
         self.variable_batch_sampler.set_epoch(epoch)
-
-
-class _LocalKeys(_GlobalKeys):
-    """This rank's step-input keys, ``[key]`` each when ``batched`` (with the state StatefulDataLoader saves)."""
-
-    def __init__(self, sampler: VariableBatchSampler, batched: bool = True):
-        self.variable_batch_sampler, self.batched = sampler, batched
-
-    def __iter__(self):
-        return ([key] if self.batched else key for key in self.variable_batch_sampler._iter_keys())
-
-    def __len__(self):
-        return len(self.variable_batch_sampler)
 
     def state_dict(self):
         return self.variable_batch_sampler.state_dict()
@@ -1493,13 +1506,29 @@ class _LocalKeys(_GlobalKeys):
 
 
 class _Loader(DataLoader):
-    """`make_dataloader`'s loader: launchers see every rank's step inputs, it iterates this rank's.
+    """`make_dataloader`'s loader: launchers see every rank's step inputs, its iterators take this rank's.
 
-    NOTE [the loader deals itself]: torch's iterators and ``len()`` read the
-    private ``_index_sampler`` (a property since torch 1.x): here, this rank's
-    step inputs. Launchers read ``batch_sampler``: every rank's step inputs,
-    which HF Accelerate deals as varbatch does (rank r takes r, r + R, ...), and
-    ``sampler``, a `_GlobalKeys` that Lightning leaves in place. `_Collate`
+    NOTE [the loader deals itself]: launchers deal a loader's batches to the
+    processes themselves, or replace its sampler; a loader of this rank's step
+    inputs would be dealt twice. So the attributes launchers read show every
+    rank's step inputs, and the loader deals them where torch reads:
+
+    - HF Accelerate's ``prepare`` rebuilds a plain `DataLoader` from the
+      loader's public attributes and wraps its ``batch_sampler`` in a
+      ``BatchSamplerShard``, of which process p keeps the batches with
+      ``idx % R == p`` (accelerate/data_loader.py). Here ``batch_sampler``
+      batches by one the keys of every rank in the order g = 0, 1, ..., so its
+      dealing is varbatch's and each process trains its own step inputs.
+    - Lightning injects a distributed sampler into a loader unless its
+      ``sampler`` is a `DistributedSampler` (its distributed sampler injection,
+      pytorch_lightning/trainer/connectors/data_connector.py): ``sampler``,
+      every rank's keys, is one in type, so Lightning leaves the loader as it is.
+    - torch's iterators and ``len()`` read the private ``_index_sampler``, not
+      ``batch_sampler`` (torch/utils/data/dataloader.py): here, this rank's
+      keys, so the loader iterated as it is takes this rank's step inputs.
+
+    A loader rebuilt as its own class (Lightning's, when it injects a sampler
+    anyway) lacks this rank's keys and refuses to iterate; `_LoadStepInput`
     checks the dealing, so any other re-dealing fails at the first batch.
     """
 
@@ -1528,49 +1557,74 @@ class _RestoresAtOnce:
             pending += list(node.values()) if isinstance(node, Mapping) else []
 
 
-class _Collate:
-    """Loads the samples of a step-input key, pads them in same-length mode, collates them (runs in workers)."""
+class _LoadStepInput:
+    """The loader's collate: loads the samples of a step-input key, checks that the key was dealt to this rank,
+    pads the samples in same-length mode and collates them (in the loader's workers, if it has any)."""
 
-    def __init__(self, dataset, collate_fn=None, sample_padding_fn=None, dealing=(1, 0)):
-        self.dataset, self.collate_fn, self.sample_padding_fn = dataset, collate_fn, sample_padding_fn
-        self.dealing, self._seen = dealing, (None, -1)  # (num_replicas, rank); (pass, last step input here)
+    def __init__(self, dataset, collate_fn=None, sample_padding_fn=None, num_replicas=1, rank=0):
+        self.dataset = dataset
+        self.collate_fn = collate_fn
+        self.sample_padding_fn = sample_padding_fn
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self._last_seen = (None, -1)  # ((epoch, pass number), step input g) of the last key this copy got
         try:  # a collate_fn with a `seqlens` parameter gets the plan's real lengths
             self.pass_seqlens = collate_fn is not None and "seqlens" in inspect.signature(collate_fn).parameters
         except (TypeError, ValueError):
             self.pass_seqlens = False
 
-    def _check(self, epoch: int, passes: int, start: int, g: int) -> None:
-        """Raises unless step input ``g`` is one this rank's loader (this worker of it) should collate next."""
-        (ranks, rank), info = self.dealing, torch.utils.data.get_worker_info()
-        workers = info.num_workers if info is not None else 1
-        last = self._seen[1] if self._seen[0] == (epoch, passes) else None
-        expected = f"{last + ranks * workers}" if last is not None else f"one of {start * ranks + rank}, +{ranks}, ..."
-        self._seen = ((epoch, passes), g)
-        if g % ranks != rank or g < start * ranks or (last is not None and g != last + ranks * workers):
+    def _check_dealing(self, key: _StepInputKey) -> None:
+        """Raises unless ``key`` is a step input that this copy of the collate should get next on this rank.
+
+        The invariant it relies on: with ``in_order=True`` (make_dataloader
+        refuses another) torch hands the step inputs of a pass to the W workers
+        in turn (worker w gets the indices w, w + W, ... of the pass), each
+        worker with its own copy of this collate (W = 1 without workers), so
+        each copy sees every (R x W)-th step input of its rank: after step input
+        g, g + R x W. A pass's first key in a copy is one of this rank's, at or
+        after the step input the pass started at.
+        """
+        info = torch.utils.data.get_worker_info()
+        workers = 1 if info is None else info.num_workers
+        ranks = self.num_replicas
+        rank = self.rank
+        g = key.step_input
+        this_pass = (key.epoch, key.pass_number)
+        dealt = g % ranks == rank and g >= key.pass_start * ranks
+        if self._last_seen[0] == this_pass:
+            expected = f"{self._last_seen[1] + ranks * workers}"
+            dealt = dealt and g == self._last_seen[1] + ranks * workers
+        else:
+            expected = f"one of {key.pass_start * ranks + rank}, +{ranks}, ..."
+        self._last_seen = (this_pass, g)
+        if not dealt:
             raise RuntimeError(
-                f"rank {rank} got step input {g} of epoch {epoch}, not {expected}: something re-dealt varbatch's "
-                f"loader, which deals the step inputs itself (rank r trains r, r + {ranks}, ...). HF Accelerate: "
-                f"set dispatch_batches=False and split_batches=False, and give varbatch the world size the launcher "
-                f"runs (its DeepSpeed plugin counts 1 process on a machine without GPUs); Lightning: pass the "
-                f"loader as make_dataloader made it; elsewhere: iterate the loader, not loader.sampler"
+                f"rank {rank} got step input {g} of epoch {key.epoch}, not {expected}: something re-dealt varbatch's "
+                f"loader, which deals the step inputs to its num_replicas={ranks} ranks itself (rank r trains r, "
+                f"r + {ranks}, ...); turn the launcher's dealing off (HF Accelerate: dispatch_batches=False and "
+                f'split_batches=False), see the README section "Use with torchrun, DeepSpeed, Accelerate, Lightning"'
             )
 
     def __call__(self, keys):
-        ((ids, seqlens, pad_to, tag),) = keys
-        self._check(*tag)
-        samples = [self.dataset[i] for i in ids]
-        if pad_to:  # same-length mode: every sample of the batch to the batch's longest
-            samples = [self.sample_padding_fn(sample, pad_to) for sample in samples]
-            wrong = [(i, len(x)) for i, x in zip(ids, samples) if isinstance(x, torch.Tensor) and len(x) != pad_to]
+        (key,) = keys  # the loader batches the keys by one
+        self._check_dealing(key)
+        samples = [self.dataset[i] for i in key.sample_ids]
+        if key.pad_to:  # same-length mode: every sample of the batch to the batch's longest
+            samples = [self.sample_padding_fn(sample, key.pad_to) for sample in samples]
+            wrong = [
+                (i, len(x))
+                for i, x in zip(key.sample_ids, samples)
+                if isinstance(x, torch.Tensor) and len(x) != key.pad_to
+            ]
             if wrong:
                 raise ValueError(
-                    f"sample_padding_fn should return a sample of length {pad_to}, but returned length "
+                    f"sample_padding_fn should return a sample of length {key.pad_to}, but returned length "
                     f"{wrong[0][1]} for sample {wrong[0][0]}; it must pad the first dimension to `length`"
                 )
         if self.collate_fn is None:
             return samples
-        if self.pass_seqlens and seqlens is not None:
-            return self.collate_fn(samples, seqlens=list(seqlens))
+        if self.pass_seqlens and key.seqlens is not None:
+            return self.collate_fn(samples, seqlens=list(key.seqlens))
         return self.collate_fn(samples)
 
 
@@ -1649,24 +1703,27 @@ def make_dataloader(
             "sample_padding_fn is None, but same-length mode pads every sample of a batch to the batch's "
             "max seqlen; pass sample_padding_fn=varbatch.pad_sample or your own fn(sample, length)"
         )
-    bases = (
-        (_Loader,)
-        if dataloader_class is None
-        else (_Loader, dataloader_class)
-        if not hasattr(dataloader_class, "load_state_dict")
-        else (_RestoresAtOnce, _Loader, dataloader_class)
+    if dataloader_class is None:
+        loader_class = _Loader
+    else:  # varbatch's dealing over the given class (and, for a stateful one, a sampler restored at once)
+        bases = (_Loader, dataloader_class)
+        if hasattr(dataloader_class, "load_state_dict"):
+            bases = (_RestoresAtOnce, *bases)
+        loader_class = type(f"_{dataloader_class.__name__}", bases, {})
+    load_step_input = _LoadStepInput(
+        dataset, collate_fn, sample_padding_fn, num_replicas=batch_sampler.num_replicas, rank=batch_sampler.rank
     )
-    cls = _Loader if dataloader_class is None else type(f"_{dataloader_class.__name__}", bases, {})
-    loader = cls(
+    loader = loader_class(
         _KeyDataset(),
         batch_size=1,
-        sampler=_GlobalKeys(batch_sampler),
+        sampler=_StepInputKeys(batch_sampler, every_rank=True, batched=False),
         num_workers=num_workers,
         pin_memory=pin_memory,
-        collate_fn=_Collate(dataset, collate_fn, sample_padding_fn, (batch_sampler.num_replicas, batch_sampler.rank)),
+        collate_fn=load_step_input,
         **dataloader_kwargs,
     )
-    loader._local, loader.variable_batch_sampler = _LocalKeys(batch_sampler), batch_sampler
+    loader._local = _StepInputKeys(batch_sampler, every_rank=False, batched=True)  # see NOTE [the loader deals itself]
+    loader.variable_batch_sampler = batch_sampler
     if batch_sampler.num_replicas > 1 and _world()[1] > 1:  # one plan dealt over ranks: every process planned it?
         _check_ranks_agree(batch_sampler)
     return loader
@@ -2203,7 +2260,7 @@ def _loader_and_scheduler(
             dataset=loader.dataset,
             batch_size=1,
             pin_memory=loader.pin_memory,
-            data_sampler=_LocalKeys(sampler, batched=False),
+            data_sampler=_StepInputKeys(sampler, every_rank=False, batched=False),
             collate_fn=loader.collate_fn,
             num_local_io_workers=loader.num_workers,
         ),
