@@ -1565,8 +1565,7 @@ class _LoadStepInput:
         self.dataset = dataset
         self.collate_fn = collate_fn
         self.sample_padding_fn = sample_padding_fn
-        self.num_replicas = num_replicas
-        self.rank = rank
+        self.num_replicas, self.rank = num_replicas, rank  # the dealing this rank's step inputs follow
         self._last_seen = (None, -1)  # ((epoch, pass number), step input g) of the last key this copy got
         try:  # a collate_fn with a `seqlens` parameter gets the plan's real lengths
             self.pass_seqlens = collate_fn is not None and "seqlens" in inspect.signature(collate_fn).parameters
@@ -1586,8 +1585,7 @@ class _LoadStepInput:
         """
         info = torch.utils.data.get_worker_info()
         workers = 1 if info is None else info.num_workers
-        ranks = self.num_replicas
-        rank = self.rank
+        ranks, rank = self.num_replicas, self.rank
         g = key.step_input
         this_pass = (key.epoch, key.pass_number)
         dealt = g % ranks == rank and g >= key.pass_start * ranks
