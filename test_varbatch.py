@@ -190,6 +190,116 @@ def test_public_api_is_the_fifteen_names():
     assert sorted(own) == sorted(PUBLIC_NAMES), sorted(set(own) - PUBLIC_NAMES)
 
 
+# -- the style rules the formatter does not enforce (STYLE.md, point 12) --------------------------
+
+_MAX_FUNCTION_LINES = 60
+
+
+def _style_offences(source: str, filename: str = "varbatch.py") -> list[str]:
+    """``"FILE:LINE: what"`` for each place in ``source`` that breaks a style rule the formatter leaves open.
+
+    The rules: no conditional expression inside a conditional expression's test, value or alternative
+    (at any depth: parentheses do not make it another expression); no ``property(lambda ...)``; no tuple
+    (or list) assignment target of more than two names unless the right side is one call's result; no
+    function or method with more than 60 lines of code in its body. A body's lines are those its
+    statements span as the file lays them out, less blank lines, comment-only lines and the docstring's
+    lines; a nested function's body lines count for the nested function only (its ``def`` line and
+    decorators for the enclosing one), so that every line counts once, for its innermost function.
+    """
+    import ast
+
+    functions = (ast.FunctionDef, ast.AsyncFunctionDef)
+    lines = source.splitlines()
+
+    def code_lines(function):
+        body = function.body
+        spanned = {number for statement in body for number in range(statement.lineno, statement.end_lineno + 1)}
+        first = body[0]
+        if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+            spanned -= set(range(first.lineno, first.end_lineno + 1))
+        for inner in ast.walk(function):
+            if inner is not function and isinstance(inner, functions):
+                spanned -= set(range(inner.body[0].lineno, inner.end_lineno + 1))
+        return [number for number in spanned if lines[number - 1].strip() and lines[number - 1].strip()[0] != "#"]
+
+    def names_in(target):
+        if isinstance(target, (ast.Tuple, ast.List)):
+            return sum(names_in(element) for element in target.elts)
+        return 1
+
+    def offence(node, owner):
+        """What ``node`` breaks (``owner``: the definition it is, or is in), or None."""
+        if isinstance(node, functions) and len(code_lines(node)) > _MAX_FUNCTION_LINES:
+            return f"{owner} has {len(code_lines(node))} lines of code (at most {_MAX_FUNCTION_LINES})"
+        if isinstance(node, ast.IfExp):
+            parts = (node.test, node.body, node.orelse)
+            if any(isinstance(inner, ast.IfExp) for part in parts for inner in ast.walk(part)):
+                return f"a conditional expression nested in another, in {owner}"
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "property":
+            getters = node.args[:1] + [keyword.value for keyword in node.keywords if keyword.arg == "fget"]
+            if any(isinstance(getter, ast.Lambda) for getter in getters):
+                return f"property(lambda ...) in {owner}; use @property"
+        if isinstance(node, ast.Assign) and not isinstance(node.value, ast.Call):
+            packed = [names_in(target) for target in node.targets if isinstance(target, (ast.Tuple, ast.List))]
+            if packed and max(packed) > 2:
+                return f"a tuple assignment of {max(packed)} names, not from one call's result, in {owner}"
+        return None
+
+    offences = []
+
+    def visit(node, owner):
+        for child in ast.iter_child_nodes(node):
+            name = owner
+            if isinstance(child, (*functions, ast.ClassDef)):
+                name = child.name if owner == "the module" else f"{owner}.{child.name}"
+            problem = offence(child, name)
+            if problem:
+                offences.append(f"{filename}:{child.lineno}: {problem}")
+            visit(child, name)
+
+    visit(ast.parse(source, filename), "the module")
+    return offences
+
+
+def test_style_check_finds_each_defect():
+    """The style check flags a snippet with each defect once, and passes their corrected forms: it can fail."""
+
+    def statements(count, indent):
+        return "".join(f"{' ' * indent}x{number} = {number}\n" for number in range(count))
+
+    docstring = '    """A docstring,\n\n    not counted."""\n'
+    bad = (
+        f"def long():\n{docstring}{statements(_MAX_FUNCTION_LINES + 1, 4)}"
+        "def picks(a, b):\n    return 1 if a else (2 if b else 3)\n"
+        "class Shape:\n    area = property(lambda self: 0)\n"
+        "first, second, third = 1, 2, 3\n"
+    )
+    found = _style_offences(bad, "bad.py")
+    assert len(found) == 4, found
+    assert found[0] == f"bad.py:1: long has {_MAX_FUNCTION_LINES + 1} lines of code (at most 60)", found
+    assert "conditional expression nested in another, in picks" in found[1], found
+    assert "property(lambda ...) in Shape" in found[2], found
+    assert "tuple assignment of 3 names" in found[3], found
+    # At the limit: 59 lines and the nested function's def line; the nested body counts for itself.
+    good = (
+        f"def short():\n{docstring}{statements(_MAX_FUNCTION_LINES - 1, 4)}\n    # a comment\n\n"
+        f"    def inner():\n{statements(_MAX_FUNCTION_LINES, 8)}"
+        "def picks(a):\n    return 1 if a else 2\n"
+        "class Shape:\n    @property\n    def area(self):\n        return 0\n"
+        "first, second = 1, 2\n"
+        "one, two, three = range(3)\n"
+    )
+    assert _style_offences(good, "good.py") == []
+
+
+def test_varbatch_follows_the_style_rules():
+    """varbatch.py breaks none of the style rules the formatter does not enforce (see _style_offences)."""
+    with open(os.path.join(_ROOT, "varbatch.py"), encoding="utf-8") as file:
+        offences = _style_offences(file.read())
+    if offences:
+        pytest.fail(f"{len(offences)} places break the style rules:\n" + "\n".join(offences), pytrace=False)
+
+
 # =============================================================================
 # 1. Budget
 # =============================================================================
