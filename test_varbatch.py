@@ -547,10 +547,10 @@ def test_a_samples_len_means_nothing(kind):
         if kind == "text tokenized in the collate":
             assert batch.shape == (len(ids), max(seqlens[i] for i in ids))
         elif kind == "(label, tokens) tuples":
-            labels, tokens, lens = batch
+            labels, _tokens, lens = batch
             assert labels.tolist() == ids and lens.tolist() == [seqlens[i] for i in ids]
         else:
-            x, lens = batch
+            _padded, lens = batch
             assert lens.tolist() == [seqlens[i] + 2 for i in ids]
     assert sorted(i for ids in planned for i in ids) == list(range(30))
 
@@ -1561,7 +1561,7 @@ def _messages(caplog, text):
 
 def test_drops_are_logged_once_per_trained_epoch_on_rank_0(caplog):
     """Drops are logged when an epoch starts training, once, on rank 0; planning ahead logs nothing (item 13)."""
-    seqlens = _lengths(60, 1, 20, seed=15) + [99, 98]  # two samples over budget in every epoch
+    seqlens = [*_lengths(60, 1, 20, seed=15), 99, 98]  # two samples over budget in every epoch
     with caplog.at_level("INFO", logger="varbatch"):
         sampler = VariableBatchSampler(seqlens, 40, order="random", seed=2)
         other_rank = VariableBatchSampler(seqlens, 40, order="random", seed=2, num_replicas=2, rank=1)
@@ -2141,7 +2141,7 @@ def test_fp16_overflow_lr_follows_the_batch_trained(overflow_run):
     """After skipped steps, every update's LR is schedule(t) x s(B_b / B_ref) of the batch b it trains; t stays."""
     out, batches, expected = overflow_run
     assert len(out["applied"]) == len(batches) and out["skipped"] == len(_OVERFLOW_AT)
-    for j, ((e, b), lr) in enumerate(zip(batches, out["applied"])):
+    for j, (_, lr) in enumerate(zip(batches, out["applied"])):
         _check_lr(j, expected[j], lr)
     assert out["schedule_steps"] == len(batches) - len(_OVERFLOW_AT), "the wrapped schedule moved on skipped steps"
 
@@ -2474,7 +2474,7 @@ def test_loss_weights_give_the_full_batch_gradient(unit):
     def step_loss(ids):
         losses = token_losses(ids)
         if unit == "samples":
-            return torch.stack([l.mean() for l in losses]).mean(), len(ids)
+            return torch.stack([loss.mean() for loss in losses]).mean(), len(ids)
         return torch.cat(losses).mean(), int(sum(seqlens[i] for i in ids))
 
     def gradient(weighted):
@@ -2558,7 +2558,7 @@ def test_deepspeed_glue_computes_seqlens_once_then_reads_the_cache(tmp_path):
     calls = []
 
     def batch_seqlens(batch):
-        padded, lengths = batch  # made by dataloader_collate_fn
+        _padded, lengths = batch  # made by dataloader_collate_fn
         calls.append(len(lengths))
         return lengths
 
@@ -2623,7 +2623,7 @@ class _NoLen:
 def test_a_dataset_without_len_is_sized_by_its_seqlens():
     """A dataset without __len__ is accepted: its size is the number of seqlens (issue 9, item 10)."""
     seqlens = _lengths(30, 1, 9, seed=17)
-    loader, scheduler, _ = varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size(
+    loader, _, _ = varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size(
         _NoLen(seqlens),
         seqlens,
         max_tokens=20,
@@ -2999,7 +2999,7 @@ def test_scheduler_refuses_another_seed_or_settings():
 
 def test_plans_samplers_and_loaders_pickle_and_deep_copy():
     """A Plan, a sampler mid-epoch and its loader survive pickle (as broadcast_object_list sends them) and deepcopy."""
-    seqlens = _lengths(80, 1, 30, seed=16) + [99]
+    seqlens = [*_lengths(80, 1, 30, seed=16), 99]
     sampler = VariableBatchSampler(seqlens, 60, gradient_accumulation_steps=2, order="random", seed=3)
     loader = make_dataloader(_id_dataset(seqlens), sampler, collate_fn=PaddedCollate())
     plan = sampler.plan
@@ -4200,7 +4200,7 @@ def test_a_null_config_seed_plans_as_an_absent_one(capsys, tmp_path, npy_file):
     assert shown["null"]["batches"] != shown["zero"]["batches"], "seed 0 plans as 1234: the case shows nothing"
 
 
-_CLI_SEQLENS = _lengths(60, 1, 30, seed=19) + [45]
+_CLI_SEQLENS = [*_lengths(60, 1, 30, seed=19), 45]
 
 
 @st.composite
@@ -4962,9 +4962,9 @@ def test_example_stop_and_resume_reproduces_the_uninterrupted_run(example_runs, 
     plans, _, _, _ = _example_plans(_example_config(), path == "pipeline", epochs=1)
     stop = plans[0].num_batches + 2  # batch 2 of epoch 1: mid-epoch, after an epoch boundary
     run = flags + _SMALL_RUN + ["--checkpoint-dir", str(tmp_path / "ckpt")]
-    first = _launch("example.py", run + ["--max-steps", str(stop)])
+    first = _launch("example.py", [*run, "--max-steps", str(stop)])
     _check_ok(first)
-    second = _launch("example.py", run + ["--resume"])
+    second = _launch("example.py", [*run, "--resume"])
     _check_ok(second)
     assert f"at step {stop}; the sampler goes on in epoch 1" in second.stdout, second.stdout[-2000:]
     expected, got = _steps(full.stdout), _steps(first.stdout) + _steps(second.stdout)
@@ -5057,10 +5057,8 @@ def test_example_a_stalled_rank_makes_the_job_fail_within_the_timeout():
         proc.wait(timeout=240)
     finally:
         for p in frozen:
-            try:
+            with contextlib.suppress(psutil.NoSuchProcess):  # the launcher ended it, as it should
                 p.resume()
-            except psutil.NoSuchProcess:
-                pass  # the launcher ended it, as it should
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -5211,7 +5209,7 @@ def test_deepspeed_style_script_runs_unchanged_on_varbatch_with_zero_stage_1(tmp
     )
     assert script != _DEEPSPEED_STYLE_SCRIPT
     (tmp_path / "train.py").write_text(script)
-    (tmp_path / "varbatch.py").write_text(open(os.path.join(_ROOT, "varbatch.py")).read())
+    (tmp_path / "varbatch.py").write_text(Path(_ROOT, "varbatch.py").read_text())
     metrics = str(tmp_path / "metrics")
     cache, written = os.path.join(metrics, "varbatch_seqlens.npy"), None
     for mode in ([], ["--pipeline"]):
@@ -5677,7 +5675,7 @@ def test_lightning_ddp_trains_every_planned_sample_once(tmp_path, use_distribute
 def test_lightning_without_reloading_is_refused_when_an_epoch_was_cut_short(tmp_path):
     """Lightning without reloading cuts a longer epoch at the first one's len(): refused, naming the setting."""
     pytest.importorskip("pytorch_lightning")
-    rc, output, records, errors = _launch_ranks(tmp_path, LIGHTNING, {"epochs": 5, "reload": 0}, torchrun=False)
+    rc, _output, _records, errors = _launch_ranks(tmp_path, LIGHTNING, {"epochs": 5, "reload": 0}, torchrun=False)
     assert rc != 0
     assert any("reload_dataloaders_every_n_epochs=1" in (error or "") for error in errors), errors
 
