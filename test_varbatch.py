@@ -2983,7 +2983,7 @@ def test_scheduler_refuses_another_seed_or_settings():
     samplers = [VariableBatchSampler(seqlens, 50, order="random", seed=s) for s in (1, 2)]
     assert samplers[0].plan.batch_sizes.tolist() != samplers[1].plan.batch_sizes.tolist()
     state = VariableBatchSizeLR(_optimizer(), "mean", samplers[0]).state_dict()
-    with pytest.raises(ValueError, match=re.escape("sampler was saved with seed=1 into a sampler with seed=2")):
+    with pytest.raises(ValueError, match=re.escape("saved with sampler.seed=1 into one with sampler.seed=2")):
         VariableBatchSizeLR(_optimizer(), "mean", samplers[1]).load_state_dict(state)
     # Batch sizes alone (a list, no sampler to compare settings with): refused by their fingerprint.
     listed = VariableBatchSizeLR(_optimizer(), "mean", samplers[0].plan.batch_sizes.tolist()).state_dict()

@@ -1097,21 +1097,27 @@ def _log_plan(plan: Plan, verbose: bool) -> None:
 
 
 def _mismatch(saved: Any, mine: dict, one: str) -> str | None:
-    """``"saved with seed=1 into a sampler with seed=2"`` for the first setting that differs (likeliest causes
-    first); settings nested under a key (a scheduler's sampler) as ``"whose sampler was saved with ..."``."""
+    """``"saved with seed=1 into a sampler with seed=2"`` for the first setting that differs (likeliest first).
+
+    Settings nested under a key (a scheduler's sampler's) count as settings of their own, named ``sampler.seed``.
+    """
     if not isinstance(saved, Mapping) or set(saved) != set(mine):
         return "saved with settings that are not this version's (pass a dict made by state_dict())"
-    for key in sorted(mine, key=lambda key: (key not in ("num_replicas", "seqlens", "sample_ids"), key)):
-        if isinstance(saved[key], Mapping) and isinstance(mine[key], Mapping):
-            inner = _mismatch(saved[key], mine[key], f"a {key}")
-            if inner:
-                return f"whose {key} was {inner}"
-        elif saved[key] != mine[key]:
-            return (
-                f"saved with other {key.replace('_', ' ')} (another dataset?) than this one's"
-                if key in ("seqlens", "sample_ids", "fixed_plan", "batch_sizes", "sampler")
-                else f"saved with {key}={saved[key]!r} into {one} with {key}={mine[key]!r}"
-            )
+    settings = {}  # name -> (saved value, this value)
+    for key in mine:
+        nested = isinstance(saved[key], Mapping) and isinstance(mine[key], Mapping)
+        if nested and set(saved[key]) == set(mine[key]):
+            settings.update({f"{key}.{name}": (saved[key][name], mine[key][name]) for name in mine[key]})
+        else:
+            settings[key] = (saved[key], mine[key])
+    likeliest = ("num_replicas", "seqlens", "sample_ids")  # the world size, then the data
+    for name in sorted(settings, key=lambda name: (name.rpartition(".")[2] not in likeliest, name)):
+        before, now = settings[name]
+        if before == now:
+            continue
+        if name.rpartition(".")[2] in ("seqlens", "sample_ids", "fixed_plan", "batch_sizes", "sampler"):
+            return f"saved with other {name.replace('_', ' ')} (another dataset?) than this one's"
+        return f"saved with {name}={before!r} into {one} with {name}={now!r}"
     return None
 
 
@@ -1120,7 +1126,8 @@ def _check_state(owner: Any, state_dict: Any, expected: set) -> None:
     name = type(owner).__name__
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"{name}.load_state_dict expects a dict, but got {type(state_dict).__name__}")
-    unknown, missing = sorted(set(state_dict) - expected), sorted(expected - set(state_dict))
+    unknown = sorted(set(state_dict) - expected)
+    missing = sorted(expected - set(state_dict))
     if unknown or missing:
         raise ValueError(
             f"{name}.load_state_dict got unknown keys {unknown} and is missing keys {missing}; pass a "
