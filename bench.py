@@ -36,6 +36,7 @@ out; matplotlib is imported only by --plot (``pip install matplotlib``).
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import math
@@ -347,7 +348,7 @@ def bench_speed(quick: bool, ds_cap: float, results: dict) -> str:
     rows, ds_points = [], []
     for i, n in enumerate(ds_sizes):
         seqlens = lengths[:n]
-        ours = _best_time(lambda: varbatch.plan_batches(seqlens, SPEED_MAX_TOKENS), 7)
+        ours = _best_time(functools.partial(varbatch.plan_batches, seqlens, SPEED_MAX_TOKENS), 7)
         plan = varbatch.plan_batches(seqlens, SPEED_MAX_TOKENS)
         ds_cell, ratio, same, runs, bound = "-", None, "-", "-", ""
         if not isinstance(ds, str):
@@ -393,7 +394,7 @@ def bench_speed(quick: bool, ds_cap: float, results: dict) -> str:
         _progress(f"varbatch default mode, N={_fmt_n(n)}")
         seqlens = big[:n]
         repeats = 7 if n <= 100_000 else 3 if n <= 1_000_000 else 2
-        sweep.append((n, _best_time(lambda: varbatch.plan_batches(seqlens, SPEED_MAX_TOKENS), repeats)))
+        sweep.append((n, _best_time(functools.partial(varbatch.plan_batches, seqlens, SPEED_MAX_TOKENS), repeats)))
     results["vb_points"] = sweep
     ns, ts = zip(*sweep)
     vb_exp_all = _growth_exponent(ns, ts)
@@ -482,7 +483,7 @@ def bench_modes(quick: bool, ds_cap: float, results: dict) -> str:
     rows = []
     for i, (k, shape, order) in enumerate(ds_modes):
         kwargs = _mode_kwargs(k, shape, "sum", order)
-        ours = _best_time(lambda: varbatch.plan_batches(lengths, SPEED_MAX_TOKENS, **kwargs), 7)
+        ours = _best_time(functools.partial(varbatch.plan_batches, lengths, SPEED_MAX_TOKENS, **kwargs), 7)
         plan = varbatch.plan_batches(lengths, SPEED_MAX_TOKENS, **kwargs)
         ds_cell, ratio, same, bound = "-", None, "-", ""
         if not isinstance(ds, str):
@@ -524,7 +525,7 @@ def bench_modes(quick: bool, ds_cap: float, results: dict) -> str:
                 continue
             _progress(f"varbatch N={_fmt_n(n)} k={k} {shape} {budget} {order}")
             seqlens = big[:n]
-            times[n] = _best_time(lambda: varbatch.plan_batches(seqlens, SPEED_MAX_TOKENS, **kwargs), 1)
+            times[n] = _best_time(functools.partial(varbatch.plan_batches, seqlens, SPEED_MAX_TOKENS, **kwargs), 1)
         per_mode[(k, shape, budget, order)] = times
         row = [k, shape, budget, order, _fmt_time(times[small])]
         if large:
@@ -873,7 +874,7 @@ def bench_padding(quick: bool, ds_cap: float, results: dict) -> str:
             )
             cells.append(f"{100 * stats['real'] / stats['padded']:.1f}%")
             results.setdefault("bucket_sizes", {})[(pipeline, bucket_size)] = stats
-        rows.append(["pipeline" if pipeline else "DDP"] + cells)
+        rows.append(["pipeline" if pipeline else "DDP", *cells])
     out += ["", "### 2b. bucket order, padded budget: real / padded vs bucket_size (same set)", ""]
     out.append(_table(["mode"] + [f"bucket_size={s:,}" + (" (all)" if s == n else "") for s in sizes], rows))
 

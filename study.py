@@ -223,7 +223,7 @@ def stdlib_functions(count: int, max_seqlen: int) -> list[torch.Tensor]:
                     continue
                 seen.add(text)
                 data = list(text.encode("utf-8")[: max_seqlen - 1])
-                samples.append(torch.tensor([BOS] + data, dtype=torch.int64))
+                samples.append(torch.tensor([BOS, *data], dtype=torch.int64))
                 if len(samples) == count:
                     return samples
     raise RuntimeError(
@@ -246,7 +246,7 @@ def synthetic_progressions(count: int, max_seqlen: int) -> list[torch.Tensor]:
     starts = rng.integers(0, SYN_MODULUS, count)
     steps = rng.integers(1, 8, count)
     return [
-        torch.tensor([BOS] + ((a + d * np.arange(int(n) - 1)) % SYN_MODULUS).tolist(), dtype=torch.int64)
+        torch.tensor([BOS, *((a + d * np.arange(int(n) - 1)) % SYN_MODULUS).tolist()], dtype=torch.int64)
         for a, d, n in zip(starts, steps, seqlens)
     ]
 

@@ -190,6 +190,116 @@ def test_public_api_is_the_fifteen_names():
     assert sorted(own) == sorted(PUBLIC_NAMES), sorted(set(own) - PUBLIC_NAMES)
 
 
+# -- the style rules the formatter does not enforce (STYLE.md, point 12) --------------------------
+
+_MAX_FUNCTION_LINES = 60
+
+
+def _style_offences(source: str, filename: str = "varbatch.py") -> list[str]:
+    """``"FILE:LINE: what"`` for each place in ``source`` that breaks a style rule the formatter leaves open.
+
+    The rules: no conditional expression inside a conditional expression's test, value or alternative
+    (at any depth: parentheses do not make it another expression); no ``property(lambda ...)``; no tuple
+    (or list) assignment target of more than two names unless the right side is one call's result; no
+    function or method with more than 60 lines of code in its body. A body's lines are those its
+    statements span as the file lays them out, less blank lines, comment-only lines and the docstring's
+    lines; a nested function's body lines count for the nested function only (its ``def`` line and
+    decorators for the enclosing one), so that every line counts once, for its innermost function.
+    """
+    import ast
+
+    functions = (ast.FunctionDef, ast.AsyncFunctionDef)
+    lines = source.splitlines()
+
+    def code_lines(function):
+        body = function.body
+        spanned = {number for statement in body for number in range(statement.lineno, statement.end_lineno + 1)}
+        first = body[0]
+        if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+            spanned -= set(range(first.lineno, first.end_lineno + 1))
+        for inner in ast.walk(function):
+            if inner is not function and isinstance(inner, functions):
+                spanned -= set(range(inner.body[0].lineno, inner.end_lineno + 1))
+        return [number for number in spanned if lines[number - 1].strip() and lines[number - 1].strip()[0] != "#"]
+
+    def names_in(target):
+        if isinstance(target, (ast.Tuple, ast.List)):
+            return sum(names_in(element) for element in target.elts)
+        return 1
+
+    def offence(node, owner):
+        """What ``node`` breaks (``owner``: the definition it is, or is in), or None."""
+        if isinstance(node, functions) and len(code_lines(node)) > _MAX_FUNCTION_LINES:
+            return f"{owner} has {len(code_lines(node))} lines of code (at most {_MAX_FUNCTION_LINES})"
+        if isinstance(node, ast.IfExp):
+            parts = (node.test, node.body, node.orelse)
+            if any(isinstance(inner, ast.IfExp) for part in parts for inner in ast.walk(part)):
+                return f"a conditional expression nested in another, in {owner}"
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "property":
+            getters = node.args[:1] + [keyword.value for keyword in node.keywords if keyword.arg == "fget"]
+            if any(isinstance(getter, ast.Lambda) for getter in getters):
+                return f"property(lambda ...) in {owner}; use @property"
+        if isinstance(node, ast.Assign) and not isinstance(node.value, ast.Call):
+            packed = [names_in(target) for target in node.targets if isinstance(target, (ast.Tuple, ast.List))]
+            if packed and max(packed) > 2:
+                return f"a tuple assignment of {max(packed)} names, not from one call's result, in {owner}"
+        return None
+
+    offences = []
+
+    def visit(node, owner):
+        for child in ast.iter_child_nodes(node):
+            name = owner
+            if isinstance(child, (*functions, ast.ClassDef)):
+                name = child.name if owner == "the module" else f"{owner}.{child.name}"
+            problem = offence(child, name)
+            if problem:
+                offences.append(f"{filename}:{child.lineno}: {problem}")
+            visit(child, name)
+
+    visit(ast.parse(source, filename), "the module")
+    return offences
+
+
+def test_style_check_finds_each_defect():
+    """The style check flags a snippet with each defect once, and passes their corrected forms: it can fail."""
+
+    def statements(count, indent):
+        return "".join(f"{' ' * indent}x{number} = {number}\n" for number in range(count))
+
+    docstring = '    """A docstring,\n\n    not counted."""\n'
+    bad = (
+        f"def long():\n{docstring}{statements(_MAX_FUNCTION_LINES + 1, 4)}"
+        "def picks(a, b):\n    return 1 if a else (2 if b else 3)\n"
+        "class Shape:\n    area = property(lambda self: 0)\n"
+        "first, second, third = 1, 2, 3\n"
+    )
+    found = _style_offences(bad, "bad.py")
+    assert len(found) == 4, found
+    assert found[0] == f"bad.py:1: long has {_MAX_FUNCTION_LINES + 1} lines of code (at most 60)", found
+    assert "conditional expression nested in another, in picks" in found[1], found
+    assert "property(lambda ...) in Shape" in found[2], found
+    assert "tuple assignment of 3 names" in found[3], found
+    # At the limit: 59 lines and the nested function's def line; the nested body counts for itself.
+    good = (
+        f"def short():\n{docstring}{statements(_MAX_FUNCTION_LINES - 1, 4)}\n    # a comment\n\n"
+        f"    def inner():\n{statements(_MAX_FUNCTION_LINES, 8)}"
+        "def picks(a):\n    return 1 if a else 2\n"
+        "class Shape:\n    @property\n    def area(self):\n        return 0\n"
+        "first, second = 1, 2\n"
+        "one, two, three = range(3)\n"
+    )
+    assert _style_offences(good, "good.py") == []
+
+
+def test_varbatch_follows_the_style_rules():
+    """varbatch.py breaks none of the style rules the formatter does not enforce (see _style_offences)."""
+    with open(os.path.join(_ROOT, "varbatch.py"), encoding="utf-8") as file:
+        offences = _style_offences(file.read())
+    if offences:
+        pytest.fail(f"{len(offences)} places break the style rules:\n" + "\n".join(offences), pytrace=False)
+
+
 # =============================================================================
 # 1. Budget
 # =============================================================================
@@ -437,10 +547,10 @@ def test_a_samples_len_means_nothing(kind):
         if kind == "text tokenized in the collate":
             assert batch.shape == (len(ids), max(seqlens[i] for i in ids))
         elif kind == "(label, tokens) tuples":
-            labels, tokens, lens = batch
+            labels, _tokens, lens = batch
             assert labels.tolist() == ids and lens.tolist() == [seqlens[i] for i in ids]
         else:
-            x, lens = batch
+            _padded, lens = batch
             assert lens.tolist() == [seqlens[i] + 2 for i in ids]
     assert sorted(i for ids in planned for i in ids) == list(range(30))
 
@@ -1451,7 +1561,7 @@ def _messages(caplog, text):
 
 def test_drops_are_logged_once_per_trained_epoch_on_rank_0(caplog):
     """Drops are logged when an epoch starts training, once, on rank 0; planning ahead logs nothing (item 13)."""
-    seqlens = _lengths(60, 1, 20, seed=15) + [99, 98]  # two samples over budget in every epoch
+    seqlens = [*_lengths(60, 1, 20, seed=15), 99, 98]  # two samples over budget in every epoch
     with caplog.at_level("INFO", logger="varbatch"):
         sampler = VariableBatchSampler(seqlens, 40, order="random", seed=2)
         other_rank = VariableBatchSampler(seqlens, 40, order="random", seed=2, num_replicas=2, rank=1)
@@ -2031,7 +2141,7 @@ def test_fp16_overflow_lr_follows_the_batch_trained(overflow_run):
     """After skipped steps, every update's LR is schedule(t) x s(B_b / B_ref) of the batch b it trains; t stays."""
     out, batches, expected = overflow_run
     assert len(out["applied"]) == len(batches) and out["skipped"] == len(_OVERFLOW_AT)
-    for j, ((e, b), lr) in enumerate(zip(batches, out["applied"])):
+    for j, (_, lr) in enumerate(zip(batches, out["applied"])):
         _check_lr(j, expected[j], lr)
     assert out["schedule_steps"] == len(batches) - len(_OVERFLOW_AT), "the wrapped schedule moved on skipped steps"
 
@@ -2364,7 +2474,7 @@ def test_loss_weights_give_the_full_batch_gradient(unit):
     def step_loss(ids):
         losses = token_losses(ids)
         if unit == "samples":
-            return torch.stack([l.mean() for l in losses]).mean(), len(ids)
+            return torch.stack([loss.mean() for loss in losses]).mean(), len(ids)
         return torch.cat(losses).mean(), int(sum(seqlens[i] for i in ids))
 
     def gradient(weighted):
@@ -2448,7 +2558,7 @@ def test_deepspeed_glue_computes_seqlens_once_then_reads_the_cache(tmp_path):
     calls = []
 
     def batch_seqlens(batch):
-        padded, lengths = batch  # made by dataloader_collate_fn
+        _padded, lengths = batch  # made by dataloader_collate_fn
         calls.append(len(lengths))
         return lengths
 
@@ -2513,7 +2623,7 @@ class _NoLen:
 def test_a_dataset_without_len_is_sized_by_its_seqlens():
     """A dataset without __len__ is accepted: its size is the number of seqlens (issue 9, item 10)."""
     seqlens = _lengths(30, 1, 9, seed=17)
-    loader, scheduler, _ = varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size(
+    loader, _, _ = varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size(
         _NoLen(seqlens),
         seqlens,
         max_tokens=20,
@@ -2873,7 +2983,7 @@ def test_scheduler_refuses_another_seed_or_settings():
     samplers = [VariableBatchSampler(seqlens, 50, order="random", seed=s) for s in (1, 2)]
     assert samplers[0].plan.batch_sizes.tolist() != samplers[1].plan.batch_sizes.tolist()
     state = VariableBatchSizeLR(_optimizer(), "mean", samplers[0]).state_dict()
-    with pytest.raises(ValueError, match=re.escape("sampler was saved with seed=1 into a sampler with seed=2")):
+    with pytest.raises(ValueError, match=re.escape("saved with sampler.seed=1 into one with sampler.seed=2")):
         VariableBatchSizeLR(_optimizer(), "mean", samplers[1]).load_state_dict(state)
     # Batch sizes alone (a list, no sampler to compare settings with): refused by their fingerprint.
     listed = VariableBatchSizeLR(_optimizer(), "mean", samplers[0].plan.batch_sizes.tolist()).state_dict()
@@ -2889,7 +2999,7 @@ def test_scheduler_refuses_another_seed_or_settings():
 
 def test_plans_samplers_and_loaders_pickle_and_deep_copy():
     """A Plan, a sampler mid-epoch and its loader survive pickle (as broadcast_object_list sends them) and deepcopy."""
-    seqlens = _lengths(80, 1, 30, seed=16) + [99]
+    seqlens = [*_lengths(80, 1, 30, seed=16), 99]
     sampler = VariableBatchSampler(seqlens, 60, gradient_accumulation_steps=2, order="random", seed=3)
     loader = make_dataloader(_id_dataset(seqlens), sampler, collate_fn=PaddedCollate())
     plan = sampler.plan
@@ -4090,7 +4200,7 @@ def test_a_null_config_seed_plans_as_an_absent_one(capsys, tmp_path, npy_file):
     assert shown["null"]["batches"] != shown["zero"]["batches"], "seed 0 plans as 1234: the case shows nothing"
 
 
-_CLI_SEQLENS = _lengths(60, 1, 30, seed=19) + [45]
+_CLI_SEQLENS = [*_lengths(60, 1, 30, seed=19), 45]
 
 
 @st.composite
@@ -4852,9 +4962,9 @@ def test_example_stop_and_resume_reproduces_the_uninterrupted_run(example_runs, 
     plans, _, _, _ = _example_plans(_example_config(), path == "pipeline", epochs=1)
     stop = plans[0].num_batches + 2  # batch 2 of epoch 1: mid-epoch, after an epoch boundary
     run = flags + _SMALL_RUN + ["--checkpoint-dir", str(tmp_path / "ckpt")]
-    first = _launch("example.py", run + ["--max-steps", str(stop)])
+    first = _launch("example.py", [*run, "--max-steps", str(stop)])
     _check_ok(first)
-    second = _launch("example.py", run + ["--resume"])
+    second = _launch("example.py", [*run, "--resume"])
     _check_ok(second)
     assert f"at step {stop}; the sampler goes on in epoch 1" in second.stdout, second.stdout[-2000:]
     expected, got = _steps(full.stdout), _steps(first.stdout) + _steps(second.stdout)
@@ -4947,10 +5057,8 @@ def test_example_a_stalled_rank_makes_the_job_fail_within_the_timeout():
         proc.wait(timeout=240)
     finally:
         for p in frozen:
-            try:
+            with contextlib.suppress(psutil.NoSuchProcess):  # the launcher ended it, as it should
                 p.resume()
-            except psutil.NoSuchProcess:
-                pass  # the launcher ended it, as it should
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -5101,7 +5209,7 @@ def test_deepspeed_style_script_runs_unchanged_on_varbatch_with_zero_stage_1(tmp
     )
     assert script != _DEEPSPEED_STYLE_SCRIPT
     (tmp_path / "train.py").write_text(script)
-    (tmp_path / "varbatch.py").write_text(open(os.path.join(_ROOT, "varbatch.py")).read())
+    (tmp_path / "varbatch.py").write_text(Path(_ROOT, "varbatch.py").read_text())
     metrics = str(tmp_path / "metrics")
     cache, written = os.path.join(metrics, "varbatch_seqlens.npy"), None
     for mode in ([], ["--pipeline"]):
@@ -5567,7 +5675,7 @@ def test_lightning_ddp_trains_every_planned_sample_once(tmp_path, use_distribute
 def test_lightning_without_reloading_is_refused_when_an_epoch_was_cut_short(tmp_path):
     """Lightning without reloading cuts a longer epoch at the first one's len(): refused, naming the setting."""
     pytest.importorskip("pytorch_lightning")
-    rc, output, records, errors = _launch_ranks(tmp_path, LIGHTNING, {"epochs": 5, "reload": 0}, torchrun=False)
+    rc, _output, _records, errors = _launch_ranks(tmp_path, LIGHTNING, {"epochs": 5, "reload": 0}, torchrun=False)
     assert rc != 0
     assert any("reload_dataloaders_every_n_epochs=1" in (error or "") for error in errors), errors
 

@@ -1098,21 +1098,24 @@ def _log_plan(plan: Plan, verbose: bool) -> None:
 
 
 def _mismatch(saved: Any, mine: dict, one: str) -> str | None:
-    """``"saved with seed=1 into a sampler with seed=2"`` for the first setting that differs (likeliest causes
-    first); settings nested under a key (a scheduler's sampler) as ``"whose sampler was saved with ..."``."""
+    """``"saved with seed=1 into a sampler with seed=2"`` for the first setting that differs (likeliest first);
+    settings nested under a key (a scheduler's sampler's) count as settings of their own, named ``sampler.seed``."""
     if not isinstance(saved, Mapping) or set(saved) != set(mine):
         return "saved with settings that are not this version's (pass a dict made by state_dict())"
-    for key in sorted(mine, key=lambda key: (key not in ("num_replicas", "seqlens", "sample_ids"), key)):
-        if isinstance(saved[key], Mapping) and isinstance(mine[key], Mapping):
-            inner = _mismatch(saved[key], mine[key], f"a {key}")
-            if inner:
-                return f"whose {key} was {inner}"
-        elif saved[key] != mine[key]:
-            return (
-                f"saved with other {key.replace('_', ' ')} (another dataset?) than this one's"
-                if key in ("seqlens", "sample_ids", "fixed_plan", "batch_sizes", "sampler")
-                else f"saved with {key}={saved[key]!r} into {one} with {key}={mine[key]!r}"
-            )
+    settings = {}  # name -> (saved value, this value)
+    for key in mine:
+        if isinstance(saved[key], Mapping) and isinstance(mine[key], Mapping) and set(saved[key]) == set(mine[key]):
+            settings.update({f"{key}.{name}": (saved[key][name], mine[key][name]) for name in mine[key]})
+        else:
+            settings[key] = (saved[key], mine[key])
+    likeliest = ("num_replicas", "seqlens", "sample_ids")  # the world size, then the data
+    for name in sorted(settings, key=lambda name: (name.rpartition(".")[2] not in likeliest, name)):
+        before, now = settings[name]
+        if before == now:
+            continue
+        if name.rpartition(".")[2] in ("seqlens", "sample_ids", "fixed_plan", "batch_sizes", "sampler"):
+            return f"saved with other {name.replace('_', ' ')} (another dataset?) than this one's"
+        return f"saved with {name}={before!r} into {one} with {name}={now!r}"
     return None
 
 
@@ -2236,11 +2239,11 @@ def _loader_and_scheduler(
     rank = _check_int("dataloader_rank", rank, minimum=0, maximum=settings.num_replicas - 1)
     sampler = VariableBatchSampler._of(_Planner(seqlens, settings, ids, fixed), rank, verbose)
     loader = make_dataloader(dataset, sampler, **loader_options)
-    base = base(sampler) if callable(base) and not hasattr(base, "step") else base  # an lr_scheduler_fn
-    scheduler = (
-        None
-        if base is None
-        else VariableBatchSizeLR(
+    if callable(base) and not hasattr(base, "step"):  # an lr_scheduler_fn: the schedule made from the sampler
+        base = base(sampler)
+    scheduler = None
+    if base is not None:
+        scheduler = VariableBatchSizeLR(
             base,
             lr.get("lr_scaling_reference"),
             sampler,
@@ -2250,7 +2253,6 @@ def _loader_and_scheduler(
             clock=lr.get("lr_clock", "steps"),
             clock_step=lr.get("lr_clock_step", 1),
         )
-    )
     return (
         loader,
         scheduler,
@@ -2290,7 +2292,8 @@ def dataloader_for_variable_batch_size(
             "batch_by_seqlens returns them"
         )
     sizes = np.asarray([len(ids) for _, ids in microbatch_ids], dtype=np.int64)
-    batch_max, k = _as_counts(batch_max_seqlens, "batch_max_seqlens")[: len(per_batch)], int(per_batch[0])
+    batch_max = _as_counts(batch_max_seqlens, "batch_max_seqlens")[: len(per_batch)]
+    k = int(per_batch[0])  # micro-batches per batch
     same = bool(required_microbatches_of_same_seqlen)
     settings = _Settings(
         max_tokens=int(batch_max.max()),
@@ -2441,31 +2444,30 @@ def _check_batch_geometry(k: int, micro: int, gas: int, world: int, fix: str) ->
         )
 
 
-def _read_config(config: Any) -> tuple[dict, dict, dict]:
-    """``(plan options, LR options, loader settings)`` from a DeepSpeed config's dynamic_batching section.
-
-    The one reader of the section: training and the plan command both call it.
-    Every value is validated here, each error naming its key path.
-    """
-    nodes, path = [config], "the DeepSpeed config"
+def _find_section(config: Any) -> tuple[Mapping, Mapping, Mapping]:
+    """``(data_efficiency, data_sampling, dynamic_batching)`` of a DeepSpeed config; the first two may be empty."""
+    nodes, path = [config], "the DeepSpeed config"  # the objects along the section's key path; where the last is
     for key in _SECTION:
         if not isinstance(nodes[-1], Mapping):
             raise ValueError(f"{path} should be a JSON object (a dict), but is {nodes[-1]!r:.60}")
         path = ".".join(_SECTION[: len(nodes)])
         nodes.append(nodes[-1].get(key, {} if key != "dynamic_batching" else None))
-    data_efficiency, data_sampling, section = nodes[1:]
+    section = nodes[-1]
     if section is None:
         raise ValueError(f'the DeepSpeed config has no {path} section; add one with "enabled": true and "max_tokens"')
     if not isinstance(section, Mapping):
         raise ValueError(f"{path} should be a JSON object (a dict), but is {section!r:.60}")
+    return nodes[1], nodes[2], section
+
+
+def _check_section_keys(section: Mapping, path: str) -> None:
+    """The section's keys are known ones, it is enabled, has max_tokens and at most one picking order."""
     known = (*_PLAN_KEYS, *_LR_DEFAULTS, *_OTHER_KEYS)
     for key in section:
         if key not in known:
             close = difflib.get_close_matches(str(key), known, n=1)
-            raise ValueError(
-                f"unknown key {key!r} in {path}{f'; did you mean {close[0]!r}?' if close else ''} "
-                f"(valid keys: {', '.join(known)})"
-            )
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"unknown key {key!r} in {path}{hint} (valid keys: {', '.join(known)})")
     if section.get("enabled") is not True:
         raise ValueError(
             f'{path}.enabled is {section.get("enabled")!r}, not true (a JSON boolean); set "enabled": '
@@ -2479,39 +2481,57 @@ def _read_config(config: Any) -> tuple[dict, dict, dict]:
             f"{path} sets sequence_picking_order and its older spelling sentence_picking_order to "
             f"different values {sorted(map(str, orders))}; keep one"
         )
-    plan = {option: section[key] for key, option in _PLAN_KEYS.items() if key in section}
-    if plan.get("seed") is None:  # absent or null: the data_efficiency seed, as DeepSpeed's data sampling uses
-        plan["seed"] = data_efficiency.get("seed", 1234)
-    lr = {key: section.get(key, default) for key, default in _LR_DEFAULTS.items()}
-    other = {
+
+
+def _loader_settings(section: Mapping, data_sampling: Mapping, path: str) -> dict:
+    """The section's loader settings, checked; ``num_workers`` and ``pin_memory`` default to data_sampling's."""
+    settings = {
         "metrics_path": section.get("metrics_path"),
         "verbose": section.get("verbose", False),
         "num_workers": section.get("num_workers", data_sampling.get("num_workers", 0)),
         "pin_memory": section.get("pin_memory", data_sampling.get("pin_memory", False)),
     }
+    for key in ("num_workers", "pin_memory", "verbose"):
+        value = settings[key]
+        where = path if key in section else ".".join(_SECTION[:2])  # num_workers, pin_memory: data_sampling's
+        whole = not isinstance(value, bool) and isinstance(value, numbers.Integral)
+        if key == "num_workers":
+            valid, expected = whole and value >= 0, "an integer >= 0"
+        else:
+            valid, expected = isinstance(value, bool), "true or false"
+        if not valid:
+            error = ValueError if whole else TypeError
+            raise error(f"in {where}: {key} should be {expected}, but got {key}={value!r}")
+    metrics_path = settings["metrics_path"]
+    if metrics_path is not None and not isinstance(metrics_path, str):
+        raise TypeError(
+            f"in {path}: metrics_path should be a folder path (a string), but got metrics_path={metrics_path!r}"
+        )
+    return settings
+
+
+def _read_config(config: Any) -> tuple[dict, dict, dict]:
+    """``(plan options, LR options, loader settings)`` from a DeepSpeed config's dynamic_batching section.
+
+    The one reader of the section: training and the plan command both call it.
+    Every value is validated here, each error naming its key path.
+    """
+    data_efficiency, data_sampling, section = _find_section(config)
+    path = ".".join(_SECTION)
+    _check_section_keys(section, path)
+    plan = {option: section[key] for key, option in _PLAN_KEYS.items() if key in section}
+    if plan.get("seed") is None:  # absent or null: the data_efficiency seed, as DeepSpeed's data sampling uses
+        plan["seed"] = data_efficiency.get("seed", 1234)
+    lr = {key: section.get(key, default) for key, default in _LR_DEFAULTS.items()}
     try:  # every value now, before any engine or data is touched
         _Settings.of(**plan)
-        _check_lr_method(lr["lr_scaling_method"]), _check_reference(lr["lr_scaling_reference"])
+        _check_lr_method(lr["lr_scaling_method"])
+        _check_reference(lr["lr_scaling_reference"])
         _check_choice("lr_scaling_unit", lr["lr_scaling_unit"], _LRUnit)
         _check_clock(lr["lr_clock"], lr["lr_clock_step"], ("lr_clock", "lr_clock_step"))
     except (TypeError, ValueError) as error:
         raise type(error)(f"in {path}: {error}") from None
-    for key, value in ((key, other[key]) for key in ("num_workers", "pin_memory", "verbose")):
-        where = path if key in section else ".".join(_SECTION[:2])  # num_workers, pin_memory: data_sampling's
-        whole = not isinstance(value, bool) and isinstance(value, numbers.Integral)
-        if (key == "num_workers" and not (whole and value >= 0)) or (
-            key != "num_workers" and not isinstance(value, bool)
-        ):
-            expected = "an integer >= 0" if key == "num_workers" else "true or false"
-            raise (ValueError if whole else TypeError)(
-                f"in {where}: {key} should be {expected}, but got {key}={value!r}"
-            )
-    if other["metrics_path"] is not None and not isinstance(other["metrics_path"], str):
-        raise TypeError(
-            f"in {path}: metrics_path should be a folder path (a string), but got "
-            f"metrics_path={other['metrics_path']!r}"
-        )
-    return plan, lr, other
+    return plan, lr, _loader_settings(section, data_sampling, path)
 
 
 def _seqlens_of(dataset, ids: np.ndarray, batch_seqlens_fn: Callable, collate_fn: Callable | None) -> np.ndarray:
@@ -2536,10 +2556,8 @@ def _seqlens_of(dataset, ids: np.ndarray, batch_seqlens_fn: Callable, collate_fn
 
 def _cached_seqlens(metrics_path: str, num_samples: int) -> np.ndarray | None:
     """Seqlens cached in ``metrics_path`` (varbatch's .npy or DeepSpeed's metric files) for this many samples."""
-    ours, theirs = (
-        os.path.join(metrics_path, _SEQLEN_CACHE),
-        os.path.join(metrics_path, "seqlen", "seqlen_sample_to_metric"),
-    )
+    ours = os.path.join(metrics_path, _SEQLEN_CACHE)
+    theirs = os.path.join(metrics_path, "seqlen", "seqlen_sample_to_metric")
     if os.path.exists(ours):
         seqlens = np.load(ours)
     elif os.path.exists(theirs + ".bin") and os.path.exists(theirs + ".idx"):  # DeepSpeed's DataAnalyzer: N x 1
@@ -2615,7 +2633,8 @@ def get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
 ):
     """The dataloader and LR scheduler for a DeepSpeed engine, from its config (DeepSpeed's signature).
 
-    Reads ``data_efficiency.data_sampling.dynamic_batching`` (see README); takes
+    Reads ``data_efficiency.data_sampling.dynamic_batching`` (README: "The
+    ``dynamic_batching`` config section"); takes
     the batch sizes and the data-parallel rank and size from the engine; turns
     on same-size, same-length micro-batches for a ``PipelineEngine``; checks
     that every rank planned the same epoch; installs the scheduler as
@@ -2640,16 +2659,13 @@ def get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
         raise TypeError(f"expected a DeepSpeed engine (from deepspeed.initialize), but got {type(engine).__name__}")
     plan_options, lr_options, other = _read_config(config)
     grid = getattr(engine, "grid", None)  # a PipelineEngine's
-    dp_rank, dp_size = (
-        (int(grid.data_parallel_id), int(grid.data_parallel_size))
-        if grid is not None
-        else _world(getattr(engine, "data_parallel_group", None))
-    )
-    k, mbs, gas = (
-        engine.train_batch_size(),
-        engine.train_micro_batch_size_per_gpu(),
-        engine.gradient_accumulation_steps(),
-    )
+    if grid is not None:
+        dp_rank, dp_size = int(grid.data_parallel_id), int(grid.data_parallel_size)
+    else:
+        dp_rank, dp_size = _world(getattr(engine, "data_parallel_group", None))
+    k = engine.train_batch_size()
+    mbs = engine.train_micro_batch_size_per_gpu()
+    gas = engine.gradient_accumulation_steps()
     _check_batch_geometry(k, mbs, gas, dp_size, "fix the batch sizes in the config")
     if dataset_seqlens is None:
         dataset_seqlens = _dataset_seqlens(dataset, other["metrics_path"], batch_seqlens_fn, dataloader_collate_fn)
