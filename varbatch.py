@@ -274,15 +274,23 @@ class _Settings:
             )
         return cls(**options)
 
-    gradient_accumulation_steps = property(
-        lambda self: self.effective_batch_size // (self.micro_batch_size * self.num_replicas)
-    )
-    # Micro-batches packed as one block of equal micro-batches: a batch (same_size), a padded step input, or 1.
-    unit_width = property(
-        lambda self: (
-            self.effective_batch_size if self.same_size else self.micro_batch_size if self.budget == "padded" else 1
-        )
-    )
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.effective_batch_size // (self.micro_batch_size * self.num_replicas)
+
+    @property
+    def unit_width(self) -> int:
+        """Micro-batches packed as one block of equal micro-batches: a batch (same_size), a padded step input, or 1."""
+        if self.same_size:
+            return self.effective_batch_size
+        if self.budget == "padded":
+            return self.micro_batch_size
+        return 1
+
+    @property
+    def padding_group(self) -> int:
+        """Adjacent micro-batches padded to one S: a batch (same_length) or a step input."""
+        return self.effective_batch_size if self.same_length else self.micro_batch_size
 
 
 # =============================================================================
@@ -421,105 +429,195 @@ def _stable_argsort(values: np.ndarray) -> np.ndarray:
     return np.argsort(values.astype(np.uint16) if len(values) and values.max() < 2**16 else values, kind="stable")
 
 
-def _picking_order(seqlens: np.ndarray, ids: np.ndarray, s: _Settings, rng: np.random.Generator) -> np.ndarray:
+def _picking_order(seqlens: np.ndarray, ids: np.ndarray, settings: _Settings, rng: np.random.Generator) -> np.ndarray:
     """``ids`` in the order in which the packer picks them."""
-    if s.order == "dataloader":
+    if settings.order == "dataloader":
         return ids
-    if s.order == "seqlen":  # ties by id, whatever the order of `ids` (as DeepSpeed's sort of (len, id))
+    if settings.order == "seqlen":  # ties by id, whatever the order of `ids` (as DeepSpeed's sort of (len, id))
         ascending = ids if (ids[1:] > ids[:-1]).all() else np.sort(ids)
         return ascending[_stable_argsort(seqlens[ascending])]
     shuffled = ids[rng.permutation(len(ids))]
+    if settings.order == "random":
+        return shuffled
     # `bucket`: sort inside windows of shuffled samples, alternately ascending and descending, so
     # a micro-batch spanning two windows joins samples of like length. A block of `unit_width`
     # micro-batches spans that many times the samples: the default window grows with it.
-    window = s.bucket_size or _DEFAULT_BUCKET_SIZE * s.unit_width
-    for w, start in enumerate(range(0, len(shuffled), window) if s.order == "bucket" else ()):
+    window = settings.bucket_size or _DEFAULT_BUCKET_SIZE * settings.unit_width
+    for w, start in enumerate(range(0, len(shuffled), window)):
         part = shuffled[start : start + window]
         ranked = part[_stable_argsort(seqlens[part])]
         shuffled[start : start + window] = ranked if w % 2 == 0 else ranked[::-1]
     return shuffled
 
 
-def _greedy_rows(lens: list[int], start: int, rows_left: int, s: _Settings) -> int:
-    """How many samples from ``start`` fit one micro-batch (DeepSpeed's greedy rule): plain ints, the hot loop."""
-    padded, cap, total, longest, i, end = s.budget == "padded", s.max_tokens, 0, 0, start, start + rows_left
-    while i < end:  # invariant: lens[start:i] fits the budget
+# The cost of a micro-batch of n samples, which max_tokens bounds: the sum of their seqlens
+# (budget "sum"), or n x S (budget "padded"), S the longest seqlen of the micro-batches padded
+# together (`_Settings.padding_group`). Both grow with every sample added, so whether the first
+# n samples of a micro-batch fit is True up to some n, then False.
+
+
+def _greedy_rows(lens: list[int], start: int, rows_left: int, settings: _Settings) -> int:
+    """How many samples from ``start`` (at most ``rows_left``) fit one micro-batch: DeepSpeed's greedy rule.
+
+    Plain ints, as this is the hot loop of the default packing (one micro-batch per block).
+    """
+    padded = settings.budget == "padded"
+    max_tokens = settings.max_tokens
+    total = 0
+    longest = 0
+    end = start + rows_left
+    i = start
+    while i < end:  # invariant: lens[start:i] fits the budget, its sum is `total`, its longest `longest`
         length = lens[i]
         if length > longest:
             longest = length
-        if (i - start + 1) * longest > cap if padded else total + length > cap:
+        cost = (i - start + 1) * longest if padded else total + length
+        if cost > max_tokens:
             break
-        total, i = total + length, i + 1
+        total += length
+        i += 1
     return i - start
 
 
-def _fits(lens: np.ndarray, s: _Settings, group: int, n: int | None = None) -> Any:
-    """Whether micro-batches fit, each padded to the longest sample of its ``group`` adjacent ones.
+def _prefix_costs(lens: np.ndarray, settings: _Settings) -> np.ndarray:
+    """The cost of the first 1, 2, ... rows of ``lens`` (one sample per row) as one micro-batch."""
+    if settings.budget == "sum":
+        return np.cumsum(lens, axis=0)
+    rows = np.arange(1, len(lens) + 1)
+    longest = np.maximum.accumulate(lens, axis=0)
+    return (rows if lens.ndim == 1 else rows[:, None]) * longest
 
-    ``lens`` is ``rows x width``, column b being micro-batch b: whether the
-    first 1, 2, ... rows fit (True, then False). With ``n``: ``width x n``, row b
-    being micro-batch b: whether it all fits.
+
+def _prefixes_fit(block: np.ndarray, settings: _Settings) -> np.ndarray:
+    """Whether the first 1, 2, ... rows of an interleaved ``block`` fit: True, then False.
+
+    ``block`` is ``rows x width``, column b holding micro-batch b's samples.
     """
-    if n is not None:
-        cost = lens.sum(axis=1) if s.budget == "sum" else n * lens.reshape(-1, group * n).max(axis=1)
-        return bool((cost <= s.max_tokens).all())
-    rows, width = lens.shape
-    if s.budget == "sum":
-        return (np.cumsum(lens, axis=0) <= s.max_tokens).all(axis=1)
-    longest = np.maximum.accumulate(lens.reshape(rows, width // group, group).max(axis=2), axis=0)
-    return (np.arange(1, rows + 1)[:, None] * longest <= s.max_tokens).all(axis=1)
+    if settings.budget == "padded":  # a micro-batch is as long as the longest of its padding group
+        rows, width = block.shape
+        group = settings.padding_group
+        block = block.reshape(rows, width // group, group).max(axis=2)
+    return (_prefix_costs(block, settings) <= settings.max_tokens).all(axis=1)
 
 
-def _pack_rows(lens: np.ndarray, s: _Settings) -> tuple[list[tuple[int, int, bool]], list[int], int]:
+def _microbatches_fit(block: np.ndarray, settings: _Settings) -> bool:
+    """Whether every micro-batch of a consecutive ``block`` fits: ``width x n``, row b being micro-batch b."""
+    if settings.budget == "sum":
+        cost = block.sum(axis=1)
+    else:  # n x the longest of each padding group of rows
+        width, n = block.shape
+        cost = n * block.reshape(width // settings.padding_group, -1).max(axis=1)
+    return bool((cost <= settings.max_tokens).all())
+
+
+def _interleaved_rows(lens: np.ndarray, start: int, rows_left: int, guess: int, settings: _Settings) -> int:
+    """The most rows (at most ``rows_left``) of an interleaved block at ``start`` that fit.
+
+    The block's micro-batch b takes every width-th sample from ``start + b``
+    (DeepSpeed's interleaving, which balances lengths in seqlen order). Rows
+    are checked in numpy blocks whose height starts at ``guess`` (the last
+    block's rows, plus one) and doubles while all fit: linear work.
+    """
+    width = settings.unit_width
+    rows = min(guess, rows_left)
+    while True:
+        fits = _prefixes_fit(lens[start : start + rows * width].reshape(rows, width), settings)
+        if not fits.all():
+            return int(fits.argmin())
+        if rows == rows_left:
+            return rows
+        rows = min(2 * rows, rows_left)
+
+
+def _consecutive_rows(lens: np.ndarray, start: int, rows_left: int, settings: _Settings) -> int | None:
+    """The most rows, at least ``min_batch_size``, of a consecutive block at ``start`` that fit; or None.
+
+    The block's micro-batch b takes samples ``start + b*n .. start + b*n + n - 1``.
+    Whether n rows fit is not monotone in n (each n regroups the samples): every
+    n is tried, largest first, from the most that the first micro-batch allows.
+    """
+    width = settings.unit_width
+    most = int((_prefix_costs(lens[start : start + rows_left], settings) <= settings.max_tokens).sum())
+    for n in range(most, settings.min_batch_size - 1, -1):
+        if _microbatches_fit(lens[start : start + n * width].reshape(width, n), settings):
+            return n
+    return None
+
+
+def _block_rows(lens: np.ndarray, start: int, rows_left: int, guess: int, settings: _Settings) -> tuple[int, bool]:
+    """The rows ``n`` of the widest block of ``width`` > 1 micro-batches at ``start``, and whether it is consecutive.
+
+    Interleaved where that reaches ``min_batch_size`` rows (or all ``rows_left``),
+    else consecutive where that does; else the interleaved ``n``, too small.
+    """
+    n = _interleaved_rows(lens, start, rows_left, guess, settings)
+    if n < settings.min_batch_size <= rows_left:
+        consecutive = _consecutive_rows(lens, start, rows_left, settings)
+        if consecutive is not None:
+            return consecutive, True
+    return n, False
+
+
+def _pack_rows(lens: np.ndarray, settings: _Settings) -> tuple[list[tuple[int, int, bool]], list[int], int]:
     """Blocks of ``width`` micro-batches of ``n`` samples each from consecutive samples, ``n`` as large as fits.
 
-    With ``width`` 1 a block is one micro-batch (DeepSpeed's greedy rule, see
-    `_greedy_rows`). Else a block takes the next ``n * width`` samples as ``n`` rows; micro-batch b
-    is column b, every width-th sample from b (DeepSpeed's interleaving, which
-    balances lengths in seqlen order). Rows are checked in numpy blocks whose
-    height starts at the last ``n`` and doubles while all fit: linear work.
-    Where this cannot reach ``min_batch_size`` rows, micro-batch b takes samples
-    ``b*n .. b*n + n - 1`` instead (not monotone in ``n``: each is tried,
-    largest first). Returns ``(start, n, consecutive)`` per block, the
+    ``lens`` are the seqlens in picking order; ``width`` is ``unit_width``. With
+    ``width`` 1 a block is one micro-batch (`_greedy_rows`); else see `_block_rows`.
+    ``n`` is at most ``max_batch_size``; a block of fewer than ``min_batch_size``
+    rows is never placed. Returns ``(start, n, consecutive)`` per block, the
     positions dropped as ``min_batch_size``, and where the tail starts.
     """
-    width, blocks, too_small, start, total = s.unit_width, [], [], 0, len(lens)
-    group = width if s.same_length or not s.same_size else s.micro_batch_size  # micro-batches padded to one S
-    guess = max(1, int(s.max_tokens // max(1.0, float(lens.mean())))) + 1 if total else 1
+    width = settings.unit_width
+    total = len(lens)
     values = lens.tolist() if width == 1 else None  # single micro-batches: a loop over plain ints is faster
+    guess = max(1, int(settings.max_tokens // max(1.0, float(lens.mean())))) + 1 if total else 1
+    blocks = []
+    too_small = []
+    start = 0
+    # Invariant: positions [0, start) are each in one block of `blocks` (n >= min_batch_size rows,
+    # every micro-batch within the budget) or in `too_small` (no block starts there); the blocks
+    # are in position order and [start, total) is unplaced.
     while start + width <= total:
-        rows_left, consecutive = min((total - start) // width, s.max_batch_size or total), False
-        rows = n = _greedy_rows(values, start, rows_left, s) if width == 1 else min(guess, rows_left)
-        while width > 1:
-            fits = _fits(lens[start : start + rows * width].reshape(rows, width), s, group)
-            n = rows if fits.all() else int(fits.argmin())
-            if n < rows or rows == rows_left:
-                break
-            rows = min(2 * rows, rows_left)
-        guess = n + 1
-        if width > 1 and n < s.min_batch_size <= rows_left:
-            first = lens[start : start + rows_left]
-            first = (
-                np.cumsum(first) if s.budget == "sum" else np.arange(1, rows_left + 1) * np.maximum.accumulate(first)
-            )
-            n = next(
-                (
-                    m
-                    for m in range(int((first <= s.max_tokens).sum()), s.min_batch_size - 1, -1)
-                    if _fits(lens[start : start + m * width].reshape(width, m), s, group, m)
-                ),
-                n,
-            )
-            consecutive = n >= s.min_batch_size
-        if n >= s.min_batch_size:
+        rows_left = min((total - start) // width, settings.max_batch_size or total)
+        if width == 1:
+            n, consecutive = _greedy_rows(values, start, rows_left, settings), False
+        else:
+            n, consecutive = _block_rows(lens, start, rows_left, guess, settings)
+            guess = n + 1
+        if n >= settings.min_batch_size:
             blocks.append((start, n, consecutive))
             start += n * width
-        elif n == rows_left:  # ran out of samples, not of budget
+        elif n == rows_left:  # ran out of samples, not of budget: the rest is the tail
             break
         else:
             too_small.append(start)
             start += 1
     return blocks, too_small, start
+
+
+def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """``range(start, start + length)`` for each pair, concatenated, in one numpy pass."""
+    return np.arange(int(lengths.sum())) + np.repeat(starts - np.cumsum(lengths) + lengths, lengths)
+
+
+def _positions(blocks: list[tuple[int, int, bool]], width: int) -> tuple[np.ndarray, np.ndarray]:
+    """The positions (in picking order) of the blocks' samples, micro-batch after micro-batch, and each one's size.
+
+    Row r of micro-batch b of block ``(start, n, consecutive)`` is position
+    ``start + b*n + r`` if consecutive, else (interleaved) ``start + r*width + b``.
+    """
+    table = np.array(blocks, dtype=np.int64).reshape(-1, 3)  # a row (start, n, consecutive) per block
+    starts = table[:, 0]
+    rows = table[:, 1]
+    per_block = rows * width
+    positions = _ranges(starts, per_block)  # start + b*n + r
+    if width > 1:
+        first = np.repeat(starts, per_block)
+        n = np.repeat(rows, per_block)
+        local = positions - first
+        interleaved = first + local % n * width + local // n
+        positions = np.where(np.repeat(table[:, 2], per_block) == 1, positions, interleaved)
+    return positions, np.repeat(rows, width)
 
 
 def _resplit(blocks: list[list[np.ndarray]], count: int, min_bs: int) -> list[list[np.ndarray]] | None:
@@ -541,86 +639,108 @@ def _resplit(blocks: list[list[np.ndarray]], count: int, min_bs: int) -> list[li
     return blocks
 
 
-def _pack(seqlens: np.ndarray, s: _Settings, sample_ids: np.ndarray | None, epoch: int) -> Plan:
-    """The plan of one epoch (without a batch when the samples cannot fill one: then all are in its drops)."""
-    k, width = s.effective_batch_size, s.unit_width
-    # 1. Samples that alone exceed the budget can never be packed.
-    ids = np.arange(len(seqlens), dtype=np.int64) if sample_ids is None else sample_ids
-    overlong = ids[seqlens[ids] > s.max_tokens]
-    if len(overlong) and (s.on_overlong == "error" or len(overlong) == len(ids)):
+def _fill_last_batch(
+    positions: np.ndarray, sizes: np.ndarray, settings: _Settings
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Whole batches of k micro-batches: the blocks that cannot fill a last one, re-split or given up.
+
+    They are cut into exactly ``k / width`` blocks where they can be (see
+    `_resplit`; a same-size block is a whole batch, so none is ever left).
+    Returns the positions and micro-batch sizes of the batches, and the
+    positions left over (the tail, also when the cut cannot be made).
+    """
+    width = settings.unit_width
+    per_batch = settings.effective_batch_size // width  # blocks
+    kept = len(sizes) - len(sizes) // width % per_batch * width  # micro-batches in whole batches
+    samples = int(sizes[:kept].sum())
+    if kept == len(sizes):
+        return positions, sizes, positions[:0]
+    pieces = np.split(positions[samples:], np.cumsum(sizes[kept:])[:-1])
+    cut = _resplit([pieces[u : u + width] for u in range(0, len(pieces), width)], per_batch, settings.min_batch_size)
+    if cut is None:
+        return positions[:samples], sizes[:kept], positions[samples:]
+    microbatches = [mb for block in cut for mb in block]
+    positions = np.concatenate([positions[:samples], *microbatches])
+    sizes = np.concatenate([sizes[:kept], [len(mb) for mb in microbatches]]).astype(np.int64)
+    return positions, sizes, positions[:0]
+
+
+def _shuffle_batches(
+    positions: np.ndarray, sizes: np.ndarray, k: int, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """Whole batches of ``k`` micro-batches (positions and sizes) in a random order."""
+    order = rng.permutation(len(sizes) // k)
+    batch_samples = sizes.reshape(-1, k).sum(axis=1)
+    batch_starts = np.cumsum(batch_samples) - batch_samples
+    return positions[_ranges(batch_starts[order], batch_samples[order])], sizes.reshape(-1, k)[order].ravel()
+
+
+def _plan_arrays(seqlens: np.ndarray, packed: np.ndarray, sizes: np.ndarray, settings: _Settings) -> dict:
+    """The `Plan`'s arrays for the ids ``packed``, in micro-batches of ``sizes`` samples, k to a batch."""
+    k = settings.effective_batch_size
+    group = settings.padding_group
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    lens = seqlens[packed]
+    if len(packed):
+        tokens = np.add.reduceat(lens, offsets[:-1:k])
+        own = np.maximum.reduceat(lens, offsets[:-1])  # each micro-batch's longest
+    else:  # reduceat needs an index
+        tokens = own = np.zeros(0, np.int64)
+    return dict(
+        sample_ids=packed,
+        microbatch_offsets=offsets,
+        padded_seqlens=np.repeat(own.reshape(-1, group).max(axis=1), group).astype(np.int64),
+        batch_sizes=np.diff(offsets[::k]),
+        batch_tokens=tokens,
+        batch_max_seqlens=own.reshape(-1, k).max(axis=1),
+    )
+
+
+def _overlong(seqlens: np.ndarray, ids: np.ndarray, settings: _Settings) -> np.ndarray:
+    """The ``ids`` of samples longer than ``max_tokens``, which fit no micro-batch under either budget.
+
+    Raises:
+        ValueError: there is one and ``on_overlong="error"``, or every sample is one.
+    """
+    overlong = ids[seqlens[ids] > settings.max_tokens]
+    if len(overlong) and settings.on_overlong == "error":
         raise ValueError(
-            f"max_tokens={s.max_tokens} is smaller than {_format_ids(overlong)} (longest "
+            f"max_tokens={settings.max_tokens} is smaller than {_format_ids(overlong)} (longest "
             f"{int(seqlens[overlong].max())}); raise max_tokens, truncate them, or pass on_overlong='skip'"
-            if s.on_overlong == "error"
-            else f"every sample is longer than max_tokens={s.max_tokens} "
+        )
+    if len(overlong) and len(overlong) == len(ids):
+        raise ValueError(
+            f"every sample is longer than max_tokens={settings.max_tokens} "
             f"(shortest {int(seqlens[ids].min())}); raise max_tokens"
         )
-    # 2. Pick and pack, into blocks of `width` equal micro-batches or micro-batches one by one;
-    # then the positions of each block's samples, micro-batch after micro-batch (row r of b).
-    rng = np.random.default_rng((s.seed, epoch))
-    picked = _picking_order(seqlens, ids[seqlens[ids] <= s.max_tokens], s, rng)
-    blocks, too_small, end = _pack_rows(seqlens[picked], s)
-    starts, rows, consecutive = np.array(blocks, dtype=np.int64).reshape(-1, 3).T  # (start, n, consecutive)
-    per_block = rows * width
-    positions = np.arange(int(per_block.sum())) + np.repeat(starts - np.cumsum(per_block) + per_block, per_block)
-    if width > 1:  # positions run start + b*n + r; interleaved, row r of micro-batch b is start + r*width + b
-        first, n = np.repeat(starts, per_block), np.repeat(rows, per_block)
-        local = positions - first
-        positions = np.where(np.repeat(consecutive, per_block) == 1, positions, first + local % n * width + local // n)
-    sizes, tail = np.repeat(rows, width), list(range(end, len(picked)))
-    # 3. Batches of k micro-batches. Blocks that cannot fill a last batch are cut into exactly
-    # k / width blocks where they can be (see `_resplit`); else they are the tail.
-    left = 0 if s.same_size else len(blocks) % (k // width)
-    if left:
-        kept = int(sizes[: len(sizes) - left * width].sum())
-        pieces = np.split(positions[kept:], np.cumsum(sizes[len(sizes) - left * width :])[:-1])
-        cut = _resplit([pieces[u * width : (u + 1) * width] for u in range(left)], k // width, s.min_batch_size)
-        positions, sizes = positions[:kept], sizes[: len(sizes) - left * width]
-        if cut is None:
-            tail = sorted(int(p) for piece in pieces for p in piece) + tail
-        else:
-            positions = np.concatenate([positions, *[mb for b in cut for mb in b]])
-            sizes = np.concatenate([sizes, [len(mb) for b in cut for mb in b]]).astype(np.int64)
+    return overlong
+
+
+def _pack(seqlens: np.ndarray, settings: _Settings, sample_ids: np.ndarray | None, epoch: int) -> Plan:
+    """The plan of one epoch (without a batch when the samples cannot fill one: then all are in its drops).
+
+    Positions below are indices into ``picked``, the packable samples in picking order.
+    """
+    ids = np.arange(len(seqlens), dtype=np.int64) if sample_ids is None else sample_ids
+    overlong = _overlong(seqlens, ids, settings)
+    rng = np.random.default_rng((settings.seed, epoch))
+    picked = _picking_order(seqlens, ids[seqlens[ids] <= settings.max_tokens], settings, rng)
+    blocks, too_small, end = _pack_rows(seqlens[picked], settings)
+    positions, sizes = _positions(blocks, settings.unit_width)
+    positions, sizes, tail = _fill_last_batch(positions, sizes, settings)
+    if settings.order == "bucket":  # the windows are sorted: shuffle whole batches
+        positions, sizes = _shuffle_batches(positions, sizes, settings.effective_batch_size, rng)
     packed = picked[positions]
-    if s.order == "bucket" and len(sizes):  # the windows are sorted: shuffle whole batches
-        order, batch_len = rng.permutation(len(sizes) // k), sizes.reshape(-1, k).sum(axis=1)
-        old_starts, new_len = np.cumsum(batch_len) - batch_len, batch_len[order]
-        packed = packed[np.arange(len(packed)) + np.repeat(old_starts[order] - np.cumsum(new_len) + new_len, new_len)]
-        sizes = sizes.reshape(-1, k)[order].ravel()
-    # 4. Per-batch and per-micro-batch statistics, and the drops.
-    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-    lens, empty = seqlens[packed], np.zeros(0, np.int64)
-    tokens, longest, own = (
-        (
-            np.add.reduceat(lens, offsets[:-1:k]),
-            np.maximum.reduceat(lens, offsets[:-1:k]),
-            np.maximum.reduceat(lens, offsets[:-1]),
-        )
-        if len(packed)
-        else (empty, empty, empty)
-    )
-    padded = (
-        np.repeat(longest, k)
-        if s.same_length
-        else np.repeat(own.reshape(-1, s.micro_batch_size).max(axis=1), s.micro_batch_size)
-    )
     dropped = {
         "over_budget": np.sort(overlong),
         "min_batch_size": np.sort(picked[np.asarray(too_small, np.int64)]),
-        "tail": np.sort(picked[np.asarray(tail, np.int64)]),
-        "filtered": empty if sample_ids is None else np.setdiff1d(np.arange(len(seqlens)), sample_ids),
+        "tail": np.sort(picked[np.concatenate([tail, np.arange(end, len(picked))])]),
+        "filtered": np.zeros(0, np.int64) if sample_ids is None else np.setdiff1d(np.arange(len(seqlens)), sample_ids),
     }
-    arrays = dict(
-        sample_ids=packed,
-        microbatch_offsets=offsets,
-        padded_seqlens=padded.astype(np.int64),
-        batch_sizes=np.diff(offsets[::k]),
-        batch_tokens=tokens,
-        batch_max_seqlens=longest,
-    )
+    arrays = _plan_arrays(seqlens, packed, sizes, settings)
     for array in (*arrays.values(), *dropped.values()):
         array.setflags(write=False)
-    return Plan(**arrays, dropped=dropped, settings=s, epoch=epoch)
+    return Plan(**arrays, dropped=dropped, settings=settings, epoch=epoch)
 
 
 def _empty_plan_message(plan: Plan) -> str:
