@@ -338,13 +338,33 @@ class Plan:
     settings: _Settings
     epoch: int
 
-    effective_batch_size = property(lambda self: self.settings.effective_batch_size)
-    max_tokens = property(lambda self: self.settings.max_tokens)
-    budget = property(lambda self: self.settings.budget)
-    seed = property(lambda self: self.settings.seed)
-    num_batches = property(lambda self: len(self.batch_sizes))
-    num_microbatches = property(lambda self: len(self.microbatch_offsets) - 1)
-    num_dropped = property(lambda self: sum(len(ids) for ids in self.dropped.values()))
+    @property
+    def effective_batch_size(self) -> int:
+        return self.settings.effective_batch_size
+
+    @property
+    def max_tokens(self) -> int:
+        return self.settings.max_tokens
+
+    @property
+    def budget(self) -> str:
+        return self.settings.budget
+
+    @property
+    def seed(self) -> int:
+        return self.settings.seed
+
+    @property
+    def num_batches(self) -> int:
+        return len(self.batch_sizes)
+
+    @property
+    def num_microbatches(self) -> int:
+        return len(self.microbatch_offsets) - 1
+
+    @property
+    def num_dropped(self) -> int:
+        return sum(len(ids) for ids in self.dropped.values())
 
     def microbatch(self, j: int) -> np.ndarray:
         """The sample ids of micro-batch ``j``."""
@@ -358,13 +378,11 @@ class Plan:
     def _amounts(self, unit: str) -> np.ndarray:
         """Per batch, in ``unit``: its real tokens (``"tokens"``), its sequences (``"sequences"``,
         ``"samples"``), or 1 (``"steps"``): what the LR rule, the clock and the horizon count."""
-        return (
-            self.batch_tokens
-            if unit == "tokens"
-            else np.ones(self.num_batches, np.int64)
-            if unit == "steps"
-            else self.batch_sizes
-        )
+        if unit == "tokens":
+            return self.batch_tokens
+        if unit == "steps":
+            return np.ones(self.num_batches, np.int64)
+        return self.batch_sizes
 
     def microbatch_sizes(self) -> np.ndarray:
         """Samples per micro-batch."""
@@ -385,13 +403,20 @@ class Plan:
             >>> t["batches"], t["real_tokens"], t["padded_tokens"], t["batch_size"]["max"]
             (2, 21, 27, 4)
         """
-        s, sizes = self.settings, self.microbatch_sizes()
-        steps = (sizes * self.padded_seqlens).reshape(-1, s.micro_batch_size).sum(axis=1)  # tokens per tensor
-        big, real, padded = int(np.argmax(steps)) if len(steps) else 0, int(self.batch_tokens.sum()), int(steps.sum())
+        settings, sizes = self.settings, self.microbatch_sizes()
+        per_input = settings.micro_batch_size  # micro-batches per step input
+        tensor_tokens = (sizes * self.padded_seqlens).reshape(-1, per_input).sum(axis=1)  # B x S of each step input
+        real, padded = int(self.batch_tokens.sum()), int(tensor_tokens.sum())
+        largest = {"sequences": 0, "padded_seqlen": 0, "tokens": 0, "bound": per_input * settings.max_tokens}
+        if len(tensor_tokens):
+            big = int(np.argmax(tensor_tokens))
+            largest["sequences"] = int(sizes.reshape(-1, per_input)[big].sum())
+            largest["padded_seqlen"] = int(self.padded_seqlens[big * per_input])
+            largest["tokens"] = int(tensor_tokens[big])
         return {
             "epoch": self.epoch,
             **{
-                key: getattr(s, key)
+                key: getattr(settings, key)
                 for key in (
                     "max_tokens",
                     "budget",
@@ -403,7 +428,7 @@ class Plan:
                 )
             },
             "batches": self.num_batches,
-            "step_inputs_per_rank": self.num_batches * s.gradient_accumulation_steps,
+            "step_inputs_per_rank": self.num_batches * settings.gradient_accumulation_steps,
             "microbatches": self.num_microbatches,
             "samples": int(self.batch_sizes.sum()),
             "dropped": {reason: len(ids) for reason, ids in self.dropped.items()},
@@ -411,12 +436,7 @@ class Plan:
             "real_tokens": real,
             "padded_tokens": padded,
             "efficiency": real / padded if padded else 1.0,
-            "largest_step_input": {
-                "sequences": int(sizes.reshape(-1, s.micro_batch_size)[big].sum()) if len(steps) else 0,
-                "padded_seqlen": int(self.padded_seqlens[big * s.micro_batch_size]) if len(steps) else 0,
-                "tokens": int(steps[big]) if len(steps) else 0,
-                "bound": s.micro_batch_size * s.max_tokens,
-            },
+            "largest_step_input": largest,
             "batch_size": _distribution(self.batch_sizes),
             "batch_tokens": _distribution(self.batch_tokens),
             "microbatch_size": _distribution(sizes),
@@ -745,14 +765,14 @@ def _pack(seqlens: np.ndarray, settings: _Settings, sample_ids: np.ndarray | Non
 
 def _empty_plan_message(plan: Plan) -> str:
     """Why a plan has no batch, in numbers that add up, and what to change."""
-    s, d = plan.settings, {reason: len(ids) for reason, ids in plan.dropped.items()}
+    settings, counts = plan.settings, {reason: len(ids) for reason, ids in plan.dropped.items()}
     return (
-        f"not enough samples for one batch in epoch {plan.epoch}: of {plan.num_dropped - d['filtered']} samples, "
-        f"{d['over_budget']} are longer than max_tokens={s.max_tokens}, {d['min_batch_size']} cannot start a micro-"
-        f"batch of min_batch_size={s.min_batch_size} within it, and the other {d['tail']} cannot fill one batch of "
-        f"effective_batch_size={s.effective_batch_size} micro-batches of at least min_batch_size samples (at least "
-        f"{s.effective_batch_size * s.min_batch_size}); use more data, fewer ranks or accumulation steps, or a "
-        f"smaller min_batch_size"
+        f"not enough samples for one batch in epoch {plan.epoch}: of {plan.num_dropped - counts['filtered']} samples,"
+        f" {counts['over_budget']} are longer than max_tokens={settings.max_tokens}, {counts['min_batch_size']} cannot"
+        f" start a micro-batch of min_batch_size={settings.min_batch_size} within it, and the other {counts['tail']}"
+        f" cannot fill one batch of effective_batch_size={settings.effective_batch_size} micro-batches of at least"
+        f" min_batch_size samples (at least {settings.effective_batch_size * settings.min_batch_size}); use more"
+        f" data, fewer ranks or accumulation steps, or a smaller min_batch_size"
     )
 
 
@@ -849,7 +869,9 @@ def _lr_factor(ratio: float, method: Any) -> float:
                 f"the batch-size ratio B / B_ref is {ratio}: B_ref is too small; set it (lr_scaling_reference, "
                 f"base_batch_size) to the batch size the LR was tuned for"
             )
-        return ratio if method == "linear" else math.sqrt(ratio) if method == "sqrt" else 1.0
+        if method == "linear":
+            return ratio
+        return math.sqrt(ratio) if method == "sqrt" else 1.0
     factor = method(ratio)
     if isinstance(factor, bool) or not isinstance(factor, numbers.Real) or not math.isfinite(factor) or factor < 0:
         raise ValueError(
@@ -906,7 +928,10 @@ def _lr_factors(
     The one computation of both. ``B_ref`` is ``default`` (``train_batch_size``)
     for None, the mean of ``sizes`` for ``"mean"``, else ``reference``.
     """
-    b_ref = float(default) if reference is None else float(np.mean(sizes)) if reference == "mean" else reference
+    if reference is None:
+        b_ref = float(default)
+    else:
+        b_ref = float(np.mean(sizes)) if reference == "mean" else reference
     chosen = np.asarray(sizes).tolist() if index is None else [int(sizes[index])]
     return np.array([_lr_factor(b / b_ref, method) for b in chosen]), b_ref
 
@@ -1057,7 +1082,8 @@ def pad_sample(sample, length, pad_value=0, fields=None):
         >>> pad_sample(torch.ones(2, 3), 4).shape, pad_sample({"ids": [5, 6], "label": 1}, 3)
         (torch.Size([4, 3]), {'ids': tensor([5, 6, 0]), 'label': 1})
     """
-    length, padded, chosen = _check_int("length", length), [], []
+    length = _check_int("length", length)
+    padded, chosen = [], []
     for key, value in _fields(sample):
         tensor = _as_tensor(value)
         chosen.append(key is None or (tensor is not None and tensor.dim() > 0 if fields is None else key in fields))
@@ -1119,13 +1145,14 @@ class PaddedCollate:
         for key, values in columns:
             tensors = values if one_tensor else [_as_tensor(value) for value in values]
             value = self.pad_value.get(key, 0) if isinstance(self.pad_value, Mapping) else self.pad_value
-            out.append(
-                values
-                if any(t is None for t in tensors)
-                else torch.stack(tensors)
-                if not tensors[0].dim()
-                else torch.nn.utils.rnn.pad_sequence(tensors, batch_first=True, padding_value=value)
-            )  # B x S x ...
+            if any(t is None for t in tensors):  # not numeric (text): kept as a list
+                out.append(values)
+            elif not tensors[0].dim():
+                out.append(torch.stack(tensors))  # B
+            else:
+                out.append(
+                    torch.nn.utils.rnn.pad_sequence(tensors, batch_first=True, padding_value=value)
+                )  # B x S x ...
         if seqlens is None:
             sequence = next((v for (_, v), t in zip(columns, out) if isinstance(t, torch.Tensor) and t.dim() > 1), None)
             if sequence is None:
