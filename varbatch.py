@@ -300,16 +300,14 @@ class _Settings:
 
 def _distribution(values: np.ndarray) -> dict | None:
     """``{min, median, mean, max}`` of ``values`` as plain numbers (None when empty): what the reports print."""
-    return (
-        {
-            "min": values.min().item(),
-            "median": float(np.median(values)),
-            "mean": float(values.mean()),
-            "max": values.max().item(),
-        }
-        if len(values)
-        else None
-    )
+    if not len(values):
+        return None
+    return {
+        "min": values.min().item(),
+        "median": float(np.median(values)),
+        "mean": float(values.mean()),
+        "max": values.max().item(),
+    }
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -477,17 +475,15 @@ def _picking_order(seqlens: np.ndarray, ids: np.ndarray, settings: _Settings, rn
 
 
 def _greedy_rows(lens: list[int], start: int, rows_left: int, settings: _Settings) -> int:
-    """How many samples from ``start`` (at most ``rows_left``) fit one micro-batch: DeepSpeed's greedy rule.
-
-    Plain ints, as this is the hot loop of the default packing (one micro-batch per block).
-    """
+    """How many samples from ``start``, at most ``rows_left``, fit one micro-batch (DeepSpeed's greedy rule)."""
     padded = settings.budget == "padded"
     max_tokens = settings.max_tokens
     total = 0
     longest = 0
     end = start + rows_left
     i = start
-    while i < end:  # invariant: lens[start:i] fits the budget, its sum is `total`, its longest `longest`
+    # The hot loop, in plain ints. Invariant: lens[start:i] fits; `total` is its sum, `longest` its longest.
+    while i < end:
         length = lens[i]
         if length > longest:
             longest = length
@@ -509,10 +505,7 @@ def _prefix_costs(lens: np.ndarray, settings: _Settings) -> np.ndarray:
 
 
 def _prefixes_fit(block: np.ndarray, settings: _Settings) -> np.ndarray:
-    """Whether the first 1, 2, ... rows of an interleaved ``block`` fit: True, then False.
-
-    ``block`` is ``rows x width``, column b holding micro-batch b's samples.
-    """
+    """Whether the first 1, 2, ... rows of ``block`` fit (True, then False); column b is micro-batch b."""
     if settings.budget == "padded":  # a micro-batch is as long as the longest of its padding group
         rows, width = block.shape
         group = settings.padding_group
@@ -565,10 +558,11 @@ def _consecutive_rows(lens: np.ndarray, start: int, rows_left: int, settings: _S
 
 
 def _block_rows(lens: np.ndarray, start: int, rows_left: int, guess: int, settings: _Settings) -> tuple[int, bool]:
-    """The rows ``n`` of the widest block of ``width`` > 1 micro-batches at ``start``, and whether it is consecutive.
+    """How many rows ``n`` the block at ``start`` (``width`` > 1 micro-batches) takes, and whether it is consecutive.
 
-    Interleaved where that reaches ``min_batch_size`` rows (or all ``rows_left``),
-    else consecutive where that does; else the interleaved ``n``, too small.
+    The most interleaved rows that fit where they reach ``min_batch_size`` (or
+    all ``rows_left``); else the most consecutive rows that fit where they do;
+    else the interleaved ``n``, too few to place.
     """
     n = _interleaved_rows(lens, start, rows_left, guess, settings)
     if n < settings.min_batch_size <= rows_left:
@@ -740,6 +734,9 @@ def _pack(seqlens: np.ndarray, settings: _Settings, sample_ids: np.ndarray | Non
     """The plan of one epoch (without a batch when the samples cannot fill one: then all are in its drops).
 
     Positions below are indices into ``picked``, the packable samples in picking order.
+
+    Raises:
+        ValueError: from `_overlong`.
     """
     ids = np.arange(len(seqlens), dtype=np.int64) if sample_ids is None else sample_ids
     overlong = _overlong(seqlens, ids, settings)
