@@ -274,15 +274,23 @@ class _Settings:
             )
         return cls(**options)
 
-    gradient_accumulation_steps = property(
-        lambda self: self.effective_batch_size // (self.micro_batch_size * self.num_replicas)
-    )
-    # Micro-batches packed as one block of equal micro-batches: a batch (same_size), a padded step input, or 1.
-    unit_width = property(
-        lambda self: (
-            self.effective_batch_size if self.same_size else self.micro_batch_size if self.budget == "padded" else 1
-        )
-    )
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.effective_batch_size // (self.micro_batch_size * self.num_replicas)
+
+    @property
+    def unit_width(self) -> int:
+        """Micro-batches packed as one block of equal micro-batches: a batch (same_size), a padded step input, or 1."""
+        if self.same_size:
+            return self.effective_batch_size
+        if self.budget == "padded":
+            return self.micro_batch_size
+        return 1
+
+    @property
+    def padding_group(self) -> int:
+        """Adjacent micro-batches padded to one S: a batch (same_length) or a step input."""
+        return self.effective_batch_size if self.same_length else self.micro_batch_size
 
 
 # =============================================================================
@@ -292,16 +300,14 @@ class _Settings:
 
 def _distribution(values: np.ndarray) -> dict | None:
     """``{min, median, mean, max}`` of ``values`` as plain numbers (None when empty): what the reports print."""
-    return (
-        {
-            "min": values.min().item(),
-            "median": float(np.median(values)),
-            "mean": float(values.mean()),
-            "max": values.max().item(),
-        }
-        if len(values)
-        else None
-    )
+    if not len(values):
+        return None
+    return {
+        "min": values.min().item(),
+        "median": float(np.median(values)),
+        "mean": float(values.mean()),
+        "max": values.max().item(),
+    }
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -330,13 +336,33 @@ class Plan:
     settings: _Settings
     epoch: int
 
-    effective_batch_size = property(lambda self: self.settings.effective_batch_size)
-    max_tokens = property(lambda self: self.settings.max_tokens)
-    budget = property(lambda self: self.settings.budget)
-    seed = property(lambda self: self.settings.seed)
-    num_batches = property(lambda self: len(self.batch_sizes))
-    num_microbatches = property(lambda self: len(self.microbatch_offsets) - 1)
-    num_dropped = property(lambda self: sum(len(ids) for ids in self.dropped.values()))
+    @property
+    def effective_batch_size(self) -> int:
+        return self.settings.effective_batch_size
+
+    @property
+    def max_tokens(self) -> int:
+        return self.settings.max_tokens
+
+    @property
+    def budget(self) -> str:
+        return self.settings.budget
+
+    @property
+    def seed(self) -> int:
+        return self.settings.seed
+
+    @property
+    def num_batches(self) -> int:
+        return len(self.batch_sizes)
+
+    @property
+    def num_microbatches(self) -> int:
+        return len(self.microbatch_offsets) - 1
+
+    @property
+    def num_dropped(self) -> int:
+        return sum(len(ids) for ids in self.dropped.values())
 
     def microbatch(self, j: int) -> np.ndarray:
         """The sample ids of micro-batch ``j``."""
@@ -350,13 +376,11 @@ class Plan:
     def _amounts(self, unit: str) -> np.ndarray:
         """Per batch, in ``unit``: its real tokens (``"tokens"``), its sequences (``"sequences"``,
         ``"samples"``), or 1 (``"steps"``): what the LR rule, the clock and the horizon count."""
-        return (
-            self.batch_tokens
-            if unit == "tokens"
-            else np.ones(self.num_batches, np.int64)
-            if unit == "steps"
-            else self.batch_sizes
-        )
+        if unit == "tokens":
+            return self.batch_tokens
+        if unit == "steps":
+            return np.ones(self.num_batches, np.int64)
+        return self.batch_sizes
 
     def microbatch_sizes(self) -> np.ndarray:
         """Samples per micro-batch."""
@@ -377,13 +401,20 @@ class Plan:
             >>> t["batches"], t["real_tokens"], t["padded_tokens"], t["batch_size"]["max"]
             (2, 21, 27, 4)
         """
-        s, sizes = self.settings, self.microbatch_sizes()
-        steps = (sizes * self.padded_seqlens).reshape(-1, s.micro_batch_size).sum(axis=1)  # tokens per tensor
-        big, real, padded = int(np.argmax(steps)) if len(steps) else 0, int(self.batch_tokens.sum()), int(steps.sum())
+        settings, sizes = self.settings, self.microbatch_sizes()
+        per_input = settings.micro_batch_size  # micro-batches per step input
+        tensor_tokens = (sizes * self.padded_seqlens).reshape(-1, per_input).sum(axis=1)  # B x S of each step input
+        real, padded = int(self.batch_tokens.sum()), int(tensor_tokens.sum())
+        largest = {"sequences": 0, "padded_seqlen": 0, "tokens": 0, "bound": per_input * settings.max_tokens}
+        if len(tensor_tokens):
+            big = int(np.argmax(tensor_tokens))
+            largest["sequences"] = int(sizes.reshape(-1, per_input)[big].sum())
+            largest["padded_seqlen"] = int(self.padded_seqlens[big * per_input])
+            largest["tokens"] = int(tensor_tokens[big])
         return {
             "epoch": self.epoch,
             **{
-                key: getattr(s, key)
+                key: getattr(settings, key)
                 for key in (
                     "max_tokens",
                     "budget",
@@ -395,7 +426,7 @@ class Plan:
                 )
             },
             "batches": self.num_batches,
-            "step_inputs_per_rank": self.num_batches * s.gradient_accumulation_steps,
+            "step_inputs_per_rank": self.num_batches * settings.gradient_accumulation_steps,
             "microbatches": self.num_microbatches,
             "samples": int(self.batch_sizes.sum()),
             "dropped": {reason: len(ids) for reason, ids in self.dropped.items()},
@@ -403,12 +434,7 @@ class Plan:
             "real_tokens": real,
             "padded_tokens": padded,
             "efficiency": real / padded if padded else 1.0,
-            "largest_step_input": {
-                "sequences": int(sizes.reshape(-1, s.micro_batch_size)[big].sum()) if len(steps) else 0,
-                "padded_seqlen": int(self.padded_seqlens[big * s.micro_batch_size]) if len(steps) else 0,
-                "tokens": int(steps[big]) if len(steps) else 0,
-                "bound": s.micro_batch_size * s.max_tokens,
-            },
+            "largest_step_input": largest,
             "batch_size": _distribution(self.batch_sizes),
             "batch_tokens": _distribution(self.batch_tokens),
             "microbatch_size": _distribution(sizes),
@@ -421,105 +447,191 @@ def _stable_argsort(values: np.ndarray) -> np.ndarray:
     return np.argsort(values.astype(np.uint16) if len(values) and values.max() < 2**16 else values, kind="stable")
 
 
-def _picking_order(seqlens: np.ndarray, ids: np.ndarray, s: _Settings, rng: np.random.Generator) -> np.ndarray:
+def _picking_order(seqlens: np.ndarray, ids: np.ndarray, settings: _Settings, rng: np.random.Generator) -> np.ndarray:
     """``ids`` in the order in which the packer picks them."""
-    if s.order == "dataloader":
+    if settings.order == "dataloader":
         return ids
-    if s.order == "seqlen":  # ties by id, whatever the order of `ids` (as DeepSpeed's sort of (len, id))
+    if settings.order == "seqlen":  # ties by id, whatever the order of `ids` (as DeepSpeed's sort of (len, id))
         ascending = ids if (ids[1:] > ids[:-1]).all() else np.sort(ids)
         return ascending[_stable_argsort(seqlens[ascending])]
     shuffled = ids[rng.permutation(len(ids))]
+    if settings.order == "random":
+        return shuffled
     # `bucket`: sort inside windows of shuffled samples, alternately ascending and descending, so
     # a micro-batch spanning two windows joins samples of like length. A block of `unit_width`
     # micro-batches spans that many times the samples: the default window grows with it.
-    window = s.bucket_size or _DEFAULT_BUCKET_SIZE * s.unit_width
-    for w, start in enumerate(range(0, len(shuffled), window) if s.order == "bucket" else ()):
+    window = settings.bucket_size or _DEFAULT_BUCKET_SIZE * settings.unit_width
+    for w, start in enumerate(range(0, len(shuffled), window)):
         part = shuffled[start : start + window]
         ranked = part[_stable_argsort(seqlens[part])]
         shuffled[start : start + window] = ranked if w % 2 == 0 else ranked[::-1]
     return shuffled
 
 
-def _greedy_rows(lens: list[int], start: int, rows_left: int, s: _Settings) -> int:
-    """How many samples from ``start`` fit one micro-batch (DeepSpeed's greedy rule): plain ints, the hot loop."""
-    padded, cap, total, longest, i, end = s.budget == "padded", s.max_tokens, 0, 0, start, start + rows_left
-    while i < end:  # invariant: lens[start:i] fits the budget
+# The cost of a micro-batch of n samples, which max_tokens bounds: the sum of their seqlens
+# (budget "sum"), or n x S (budget "padded"), S the longest seqlen of the micro-batches padded
+# together (`_Settings.padding_group`). Both grow with every sample added, so whether the first
+# n samples of a micro-batch fit is True up to some n, then False.
+
+
+def _greedy_rows(lens: list[int], start: int, rows_left: int, settings: _Settings) -> int:
+    """How many samples from ``start``, at most ``rows_left``, fit one micro-batch (DeepSpeed's greedy rule)."""
+    padded = settings.budget == "padded"
+    max_tokens = settings.max_tokens
+    total = 0
+    longest = 0
+    end = start + rows_left
+    i = start
+    # The hot loop, in plain ints. Invariant: lens[start:i] fits; `total` is its sum, `longest` its longest.
+    while i < end:
         length = lens[i]
         if length > longest:
             longest = length
-        if (i - start + 1) * longest > cap if padded else total + length > cap:
+        cost = (i - start + 1) * longest if padded else total + length
+        if cost > max_tokens:
             break
-        total, i = total + length, i + 1
+        total += length
+        i += 1
     return i - start
 
 
-def _fits(lens: np.ndarray, s: _Settings, group: int, n: int | None = None) -> Any:
-    """Whether micro-batches fit, each padded to the longest sample of its ``group`` adjacent ones.
+def _prefix_costs(lens: np.ndarray, settings: _Settings) -> np.ndarray:
+    """The cost of the first 1, 2, ... rows of ``lens`` (one sample per row) as one micro-batch."""
+    if settings.budget == "sum":
+        return np.cumsum(lens, axis=0)
+    rows = np.arange(1, len(lens) + 1)
+    longest = np.maximum.accumulate(lens, axis=0)
+    return (rows if lens.ndim == 1 else rows[:, None]) * longest
 
-    ``lens`` is ``rows x width``, column b being micro-batch b: whether the
-    first 1, 2, ... rows fit (True, then False). With ``n``: ``width x n``, row b
-    being micro-batch b: whether it all fits.
+
+def _prefixes_fit(block: np.ndarray, settings: _Settings) -> np.ndarray:
+    """Whether the first 1, 2, ... rows of ``block`` fit (True, then False); column b is micro-batch b."""
+    if settings.budget == "padded":  # a micro-batch is as long as the longest of its padding group
+        rows, width = block.shape
+        group = settings.padding_group
+        block = block.reshape(rows, width // group, group).max(axis=2)
+    return (_prefix_costs(block, settings) <= settings.max_tokens).all(axis=1)
+
+
+def _microbatches_fit(block: np.ndarray, settings: _Settings) -> bool:
+    """Whether every micro-batch of a consecutive ``block`` fits: ``width x n``, row b being micro-batch b."""
+    if settings.budget == "sum":
+        cost = block.sum(axis=1)
+    else:  # n x the longest of each padding group of rows
+        width, n = block.shape
+        cost = n * block.reshape(width // settings.padding_group, -1).max(axis=1)
+    return bool((cost <= settings.max_tokens).all())
+
+
+def _interleaved_rows(lens: np.ndarray, start: int, rows_left: int, guess: int, settings: _Settings) -> int:
+    """The most rows (at most ``rows_left``) of an interleaved block at ``start`` that fit.
+
+    The block's micro-batch b takes every width-th sample from ``start + b``
+    (DeepSpeed's interleaving, which balances lengths in seqlen order). Rows
+    are checked in numpy blocks whose height starts at ``guess`` (the last
+    block's rows, plus one) and doubles while all fit: linear work.
     """
-    if n is not None:
-        cost = lens.sum(axis=1) if s.budget == "sum" else n * lens.reshape(-1, group * n).max(axis=1)
-        return bool((cost <= s.max_tokens).all())
-    rows, width = lens.shape
-    if s.budget == "sum":
-        return (np.cumsum(lens, axis=0) <= s.max_tokens).all(axis=1)
-    longest = np.maximum.accumulate(lens.reshape(rows, width // group, group).max(axis=2), axis=0)
-    return (np.arange(1, rows + 1)[:, None] * longest <= s.max_tokens).all(axis=1)
+    width = settings.unit_width
+    rows = min(guess, rows_left)
+    while True:
+        fits = _prefixes_fit(lens[start : start + rows * width].reshape(rows, width), settings)
+        if not fits.all():
+            return int(fits.argmin())
+        if rows == rows_left:
+            return rows
+        rows = min(2 * rows, rows_left)
 
 
-def _pack_rows(lens: np.ndarray, s: _Settings) -> tuple[list[tuple[int, int, bool]], list[int], int]:
+def _consecutive_rows(lens: np.ndarray, start: int, rows_left: int, settings: _Settings) -> int | None:
+    """The most rows, at least ``min_batch_size``, of a consecutive block at ``start`` that fit; or None.
+
+    The block's micro-batch b takes samples ``start + b*n .. start + b*n + n - 1``.
+    Whether n rows fit is not monotone in n (each n regroups the samples): every
+    n is tried, largest first, from the most that the first micro-batch allows.
+    """
+    width = settings.unit_width
+    most = int((_prefix_costs(lens[start : start + rows_left], settings) <= settings.max_tokens).sum())
+    for n in range(most, settings.min_batch_size - 1, -1):
+        if _microbatches_fit(lens[start : start + n * width].reshape(width, n), settings):
+            return n
+    return None
+
+
+def _block_rows(lens: np.ndarray, start: int, rows_left: int, guess: int, settings: _Settings) -> tuple[int, bool]:
+    """How many rows ``n`` the block at ``start`` (``width`` > 1 micro-batches) takes, and whether it is consecutive.
+
+    The most interleaved rows that fit where they reach ``min_batch_size`` (or
+    all ``rows_left``); else the most consecutive rows that fit where they do;
+    else the interleaved ``n``, too few to place.
+    """
+    n = _interleaved_rows(lens, start, rows_left, guess, settings)
+    if n < settings.min_batch_size <= rows_left:
+        consecutive = _consecutive_rows(lens, start, rows_left, settings)
+        if consecutive is not None:
+            return consecutive, True
+    return n, False
+
+
+def _pack_rows(lens: np.ndarray, settings: _Settings) -> tuple[list[tuple[int, int, bool]], list[int], int]:
     """Blocks of ``width`` micro-batches of ``n`` samples each from consecutive samples, ``n`` as large as fits.
 
-    With ``width`` 1 a block is one micro-batch (DeepSpeed's greedy rule, see
-    `_greedy_rows`). Else a block takes the next ``n * width`` samples as ``n`` rows; micro-batch b
-    is column b, every width-th sample from b (DeepSpeed's interleaving, which
-    balances lengths in seqlen order). Rows are checked in numpy blocks whose
-    height starts at the last ``n`` and doubles while all fit: linear work.
-    Where this cannot reach ``min_batch_size`` rows, micro-batch b takes samples
-    ``b*n .. b*n + n - 1`` instead (not monotone in ``n``: each is tried,
-    largest first). Returns ``(start, n, consecutive)`` per block, the
+    ``lens`` are the seqlens in picking order; ``width`` is ``unit_width``. With
+    ``width`` 1 a block is one micro-batch (`_greedy_rows`); else see `_block_rows`.
+    ``n`` is at most ``max_batch_size``; a block of fewer than ``min_batch_size``
+    rows is never placed. Returns ``(start, n, consecutive)`` per block, the
     positions dropped as ``min_batch_size``, and where the tail starts.
     """
-    width, blocks, too_small, start, total = s.unit_width, [], [], 0, len(lens)
-    group = width if s.same_length or not s.same_size else s.micro_batch_size  # micro-batches padded to one S
-    guess = max(1, int(s.max_tokens // max(1.0, float(lens.mean())))) + 1 if total else 1
+    width = settings.unit_width
+    total = len(lens)
     values = lens.tolist() if width == 1 else None  # single micro-batches: a loop over plain ints is faster
+    guess = max(1, int(settings.max_tokens // max(1.0, float(lens.mean())))) + 1 if total else 1
+    blocks = []
+    too_small = []
+    start = 0
+    # Invariant: positions [0, start) are each in one block of `blocks` (n >= min_batch_size rows,
+    # every micro-batch within the budget) or in `too_small` (no block starts there); the blocks
+    # are in position order and [start, total) is unplaced.
     while start + width <= total:
-        rows_left, consecutive = min((total - start) // width, s.max_batch_size or total), False
-        rows = n = _greedy_rows(values, start, rows_left, s) if width == 1 else min(guess, rows_left)
-        while width > 1:
-            fits = _fits(lens[start : start + rows * width].reshape(rows, width), s, group)
-            n = rows if fits.all() else int(fits.argmin())
-            if n < rows or rows == rows_left:
-                break
-            rows = min(2 * rows, rows_left)
-        guess = n + 1
-        if width > 1 and n < s.min_batch_size <= rows_left:
-            first = lens[start : start + rows_left]
-            first = (
-                np.cumsum(first) if s.budget == "sum" else np.arange(1, rows_left + 1) * np.maximum.accumulate(first)
-            )
-            n = next(
-                (
-                    m
-                    for m in range(int((first <= s.max_tokens).sum()), s.min_batch_size - 1, -1)
-                    if _fits(lens[start : start + m * width].reshape(width, m), s, group, m)
-                ),
-                n,
-            )
-            consecutive = n >= s.min_batch_size
-        if n >= s.min_batch_size:
+        rows_left = min((total - start) // width, settings.max_batch_size or total)
+        if width == 1:
+            n, consecutive = _greedy_rows(values, start, rows_left, settings), False
+        else:
+            n, consecutive = _block_rows(lens, start, rows_left, guess, settings)
+            guess = n + 1
+        if n >= settings.min_batch_size:
             blocks.append((start, n, consecutive))
             start += n * width
-        elif n == rows_left:  # ran out of samples, not of budget
+        elif n == rows_left:  # ran out of samples, not of budget: the rest is the tail
             break
         else:
             too_small.append(start)
             start += 1
     return blocks, too_small, start
+
+
+def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """``range(start, start + length)`` for each pair, concatenated, in one numpy pass."""
+    return np.arange(int(lengths.sum())) + np.repeat(starts - np.cumsum(lengths) + lengths, lengths)
+
+
+def _positions(blocks: list[tuple[int, int, bool]], width: int) -> tuple[np.ndarray, np.ndarray]:
+    """The positions (in picking order) of the blocks' samples, micro-batch after micro-batch, and each one's size.
+
+    Row r of micro-batch b of block ``(start, n, consecutive)`` is position
+    ``start + b*n + r`` if consecutive, else (interleaved) ``start + r*width + b``.
+    """
+    table = np.array(blocks, dtype=np.int64).reshape(-1, 3)  # a row (start, n, consecutive) per block
+    starts = table[:, 0]
+    rows = table[:, 1]
+    per_block = rows * width
+    positions = _ranges(starts, per_block)  # start + b*n + r
+    if width > 1:
+        first = np.repeat(starts, per_block)
+        n = np.repeat(rows, per_block)
+        local = positions - first
+        interleaved = first + local % n * width + local // n
+        positions = np.where(np.repeat(table[:, 2], per_block) == 1, positions, interleaved)
+    return positions, np.repeat(rows, width)
 
 
 def _resplit(blocks: list[list[np.ndarray]], count: int, min_bs: int) -> list[list[np.ndarray]] | None:
@@ -541,98 +653,123 @@ def _resplit(blocks: list[list[np.ndarray]], count: int, min_bs: int) -> list[li
     return blocks
 
 
-def _pack(seqlens: np.ndarray, s: _Settings, sample_ids: np.ndarray | None, epoch: int) -> Plan:
-    """The plan of one epoch (without a batch when the samples cannot fill one: then all are in its drops)."""
-    k, width = s.effective_batch_size, s.unit_width
-    # 1. Samples that alone exceed the budget can never be packed.
-    ids = np.arange(len(seqlens), dtype=np.int64) if sample_ids is None else sample_ids
-    overlong = ids[seqlens[ids] > s.max_tokens]
-    if len(overlong) and (s.on_overlong == "error" or len(overlong) == len(ids)):
+def _fill_last_batch(
+    positions: np.ndarray, sizes: np.ndarray, settings: _Settings
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Whole batches of k micro-batches: the blocks that cannot fill a last one, re-split or given up.
+
+    They are cut into exactly ``k / width`` blocks where they can be (see
+    `_resplit`; a same-size block is a whole batch, so none is ever left).
+    Returns the positions and micro-batch sizes of the batches, and the
+    positions left over (the tail, also when the cut cannot be made).
+    """
+    width = settings.unit_width
+    per_batch = settings.effective_batch_size // width  # blocks
+    kept = len(sizes) - len(sizes) // width % per_batch * width  # micro-batches in whole batches
+    samples = int(sizes[:kept].sum())
+    if kept == len(sizes):
+        return positions, sizes, positions[:0]
+    pieces = np.split(positions[samples:], np.cumsum(sizes[kept:])[:-1])
+    cut = _resplit([pieces[u : u + width] for u in range(0, len(pieces), width)], per_batch, settings.min_batch_size)
+    if cut is None:
+        return positions[:samples], sizes[:kept], positions[samples:]
+    microbatches = [mb for block in cut for mb in block]
+    positions = np.concatenate([positions[:samples], *microbatches])
+    sizes = np.concatenate([sizes[:kept], [len(mb) for mb in microbatches]]).astype(np.int64)
+    return positions, sizes, positions[:0]
+
+
+def _shuffle_batches(
+    positions: np.ndarray, sizes: np.ndarray, k: int, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """Whole batches of ``k`` micro-batches (positions and sizes) in a random order."""
+    order = rng.permutation(len(sizes) // k)
+    batch_samples = sizes.reshape(-1, k).sum(axis=1)
+    batch_starts = np.cumsum(batch_samples) - batch_samples
+    return positions[_ranges(batch_starts[order], batch_samples[order])], sizes.reshape(-1, k)[order].ravel()
+
+
+def _plan_arrays(seqlens: np.ndarray, packed: np.ndarray, sizes: np.ndarray, settings: _Settings) -> dict:
+    """The `Plan`'s arrays for the ids ``packed``, in micro-batches of ``sizes`` samples, k to a batch."""
+    k = settings.effective_batch_size
+    group = settings.padding_group
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    lens = seqlens[packed]
+    if len(packed):
+        tokens = np.add.reduceat(lens, offsets[:-1:k])
+        own = np.maximum.reduceat(lens, offsets[:-1])  # each micro-batch's longest
+    else:  # reduceat needs an index
+        tokens = own = np.zeros(0, np.int64)
+    return dict(
+        sample_ids=packed,
+        microbatch_offsets=offsets,
+        padded_seqlens=np.repeat(own.reshape(-1, group).max(axis=1), group).astype(np.int64),
+        batch_sizes=np.diff(offsets[::k]),
+        batch_tokens=tokens,
+        batch_max_seqlens=own.reshape(-1, k).max(axis=1),
+    )
+
+
+def _overlong(seqlens: np.ndarray, ids: np.ndarray, settings: _Settings) -> np.ndarray:
+    """The ``ids`` of samples longer than ``max_tokens``, which fit no micro-batch under either budget.
+
+    Raises:
+        ValueError: there is one and ``on_overlong="error"``, or every sample is one.
+    """
+    overlong = ids[seqlens[ids] > settings.max_tokens]
+    if len(overlong) and settings.on_overlong == "error":
         raise ValueError(
-            f"max_tokens={s.max_tokens} is smaller than {_format_ids(overlong)} (longest "
+            f"max_tokens={settings.max_tokens} is smaller than {_format_ids(overlong)} (longest "
             f"{int(seqlens[overlong].max())}); raise max_tokens, truncate them, or pass on_overlong='skip'"
-            if s.on_overlong == "error"
-            else f"every sample is longer than max_tokens={s.max_tokens} "
+        )
+    if len(overlong) and len(overlong) == len(ids):
+        raise ValueError(
+            f"every sample is longer than max_tokens={settings.max_tokens} "
             f"(shortest {int(seqlens[ids].min())}); raise max_tokens"
         )
-    # 2. Pick and pack, into blocks of `width` equal micro-batches or micro-batches one by one;
-    # then the positions of each block's samples, micro-batch after micro-batch (row r of b).
-    rng = np.random.default_rng((s.seed, epoch))
-    picked = _picking_order(seqlens, ids[seqlens[ids] <= s.max_tokens], s, rng)
-    blocks, too_small, end = _pack_rows(seqlens[picked], s)
-    starts, rows, consecutive = np.array(blocks, dtype=np.int64).reshape(-1, 3).T  # (start, n, consecutive)
-    per_block = rows * width
-    positions = np.arange(int(per_block.sum())) + np.repeat(starts - np.cumsum(per_block) + per_block, per_block)
-    if width > 1:  # positions run start + b*n + r; interleaved, row r of micro-batch b is start + r*width + b
-        first, n = np.repeat(starts, per_block), np.repeat(rows, per_block)
-        local = positions - first
-        positions = np.where(np.repeat(consecutive, per_block) == 1, positions, first + local % n * width + local // n)
-    sizes, tail = np.repeat(rows, width), list(range(end, len(picked)))
-    # 3. Batches of k micro-batches. Blocks that cannot fill a last batch are cut into exactly
-    # k / width blocks where they can be (see `_resplit`); else they are the tail.
-    left = 0 if s.same_size else len(blocks) % (k // width)
-    if left:
-        kept = int(sizes[: len(sizes) - left * width].sum())
-        pieces = np.split(positions[kept:], np.cumsum(sizes[len(sizes) - left * width :])[:-1])
-        cut = _resplit([pieces[u * width : (u + 1) * width] for u in range(left)], k // width, s.min_batch_size)
-        positions, sizes = positions[:kept], sizes[: len(sizes) - left * width]
-        if cut is None:
-            tail = sorted(int(p) for piece in pieces for p in piece) + tail
-        else:
-            positions = np.concatenate([positions, *[mb for b in cut for mb in b]])
-            sizes = np.concatenate([sizes, [len(mb) for b in cut for mb in b]]).astype(np.int64)
+    return overlong
+
+
+def _pack(seqlens: np.ndarray, settings: _Settings, sample_ids: np.ndarray | None, epoch: int) -> Plan:
+    """The plan of one epoch (without a batch when the samples cannot fill one: then all are in its drops).
+
+    Positions below are indices into ``picked``, the packable samples in picking order.
+
+    Raises:
+        ValueError: from `_overlong`.
+    """
+    ids = np.arange(len(seqlens), dtype=np.int64) if sample_ids is None else sample_ids
+    overlong = _overlong(seqlens, ids, settings)
+    rng = np.random.default_rng((settings.seed, epoch))
+    picked = _picking_order(seqlens, ids[seqlens[ids] <= settings.max_tokens], settings, rng)
+    blocks, too_small, end = _pack_rows(seqlens[picked], settings)
+    positions, sizes = _positions(blocks, settings.unit_width)
+    positions, sizes, tail = _fill_last_batch(positions, sizes, settings)
+    if settings.order == "bucket":  # the windows are sorted: shuffle whole batches
+        positions, sizes = _shuffle_batches(positions, sizes, settings.effective_batch_size, rng)
     packed = picked[positions]
-    if s.order == "bucket" and len(sizes):  # the windows are sorted: shuffle whole batches
-        order, batch_len = rng.permutation(len(sizes) // k), sizes.reshape(-1, k).sum(axis=1)
-        old_starts, new_len = np.cumsum(batch_len) - batch_len, batch_len[order]
-        packed = packed[np.arange(len(packed)) + np.repeat(old_starts[order] - np.cumsum(new_len) + new_len, new_len)]
-        sizes = sizes.reshape(-1, k)[order].ravel()
-    # 4. Per-batch and per-micro-batch statistics, and the drops.
-    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-    lens, empty = seqlens[packed], np.zeros(0, np.int64)
-    tokens, longest, own = (
-        (
-            np.add.reduceat(lens, offsets[:-1:k]),
-            np.maximum.reduceat(lens, offsets[:-1:k]),
-            np.maximum.reduceat(lens, offsets[:-1]),
-        )
-        if len(packed)
-        else (empty, empty, empty)
-    )
-    padded = (
-        np.repeat(longest, k)
-        if s.same_length
-        else np.repeat(own.reshape(-1, s.micro_batch_size).max(axis=1), s.micro_batch_size)
-    )
     dropped = {
         "over_budget": np.sort(overlong),
         "min_batch_size": np.sort(picked[np.asarray(too_small, np.int64)]),
-        "tail": np.sort(picked[np.asarray(tail, np.int64)]),
-        "filtered": empty if sample_ids is None else np.setdiff1d(np.arange(len(seqlens)), sample_ids),
+        "tail": np.sort(picked[np.concatenate([tail, np.arange(end, len(picked))])]),
+        "filtered": np.zeros(0, np.int64) if sample_ids is None else np.setdiff1d(np.arange(len(seqlens)), sample_ids),
     }
-    arrays = dict(
-        sample_ids=packed,
-        microbatch_offsets=offsets,
-        padded_seqlens=padded.astype(np.int64),
-        batch_sizes=np.diff(offsets[::k]),
-        batch_tokens=tokens,
-        batch_max_seqlens=longest,
-    )
+    arrays = _plan_arrays(seqlens, packed, sizes, settings)
     for array in (*arrays.values(), *dropped.values()):
         array.setflags(write=False)
-    return Plan(**arrays, dropped=dropped, settings=s, epoch=epoch)
+    return Plan(**arrays, dropped=dropped, settings=settings, epoch=epoch)
 
 
 def _empty_plan_message(plan: Plan) -> str:
     """Why a plan has no batch, in numbers that add up, and what to change."""
-    s, d = plan.settings, {reason: len(ids) for reason, ids in plan.dropped.items()}
+    settings, counts = plan.settings, {reason: len(ids) for reason, ids in plan.dropped.items()}
     return (
-        f"not enough samples for one batch in epoch {plan.epoch}: of {plan.num_dropped - d['filtered']} samples, "
-        f"{d['over_budget']} are longer than max_tokens={s.max_tokens}, {d['min_batch_size']} cannot start a micro-"
-        f"batch of min_batch_size={s.min_batch_size} within it, and the other {d['tail']} cannot fill one batch of "
-        f"effective_batch_size={s.effective_batch_size} micro-batches of at least min_batch_size samples (at least "
-        f"{s.effective_batch_size * s.min_batch_size}); use more data, fewer ranks or accumulation steps, or a "
-        f"smaller min_batch_size"
+        f"not enough samples for one batch in epoch {plan.epoch}: of {plan.num_dropped - counts['filtered']} samples,"
+        f" {counts['over_budget']} are longer than max_tokens={settings.max_tokens}, {counts['min_batch_size']} cannot"
+        f" start a micro-batch of min_batch_size={settings.min_batch_size} within it, and the other {counts['tail']}"
+        f" cannot fill one batch of effective_batch_size={settings.effective_batch_size} micro-batches of at least"
+        f" min_batch_size samples (at least {settings.effective_batch_size * settings.min_batch_size}); use more"
+        f" data, fewer ranks or accumulation steps, or a smaller min_batch_size"
     )
 
 
@@ -729,7 +866,9 @@ def _lr_factor(ratio: float, method: Any) -> float:
                 f"the batch-size ratio B / B_ref is {ratio}: B_ref is too small; set it (lr_scaling_reference, "
                 f"base_batch_size) to the batch size the LR was tuned for"
             )
-        return ratio if method == "linear" else math.sqrt(ratio) if method == "sqrt" else 1.0
+        if method == "linear":
+            return ratio
+        return math.sqrt(ratio) if method == "sqrt" else 1.0
     factor = method(ratio)
     if isinstance(factor, bool) or not isinstance(factor, numbers.Real) or not math.isfinite(factor) or factor < 0:
         raise ValueError(
@@ -786,7 +925,10 @@ def _lr_factors(
     The one computation of both. ``B_ref`` is ``default`` (``train_batch_size``)
     for None, the mean of ``sizes`` for ``"mean"``, else ``reference``.
     """
-    b_ref = float(default) if reference is None else float(np.mean(sizes)) if reference == "mean" else reference
+    if reference is None:
+        b_ref = float(default)
+    else:
+        b_ref = float(np.mean(sizes)) if reference == "mean" else reference
     chosen = np.asarray(sizes).tolist() if index is None else [int(sizes[index])]
     return np.array([_lr_factor(b / b_ref, method) for b in chosen]), b_ref
 
@@ -937,7 +1079,8 @@ def pad_sample(sample, length, pad_value=0, fields=None):
         >>> pad_sample(torch.ones(2, 3), 4).shape, pad_sample({"ids": [5, 6], "label": 1}, 3)
         (torch.Size([4, 3]), {'ids': tensor([5, 6, 0]), 'label': 1})
     """
-    length, padded, chosen = _check_int("length", length), [], []
+    length = _check_int("length", length)
+    padded, chosen = [], []
     for key, value in _fields(sample):
         tensor = _as_tensor(value)
         chosen.append(key is None or (tensor is not None and tensor.dim() > 0 if fields is None else key in fields))
@@ -999,13 +1142,14 @@ class PaddedCollate:
         for key, values in columns:
             tensors = values if one_tensor else [_as_tensor(value) for value in values]
             value = self.pad_value.get(key, 0) if isinstance(self.pad_value, Mapping) else self.pad_value
-            out.append(
-                values
-                if any(t is None for t in tensors)
-                else torch.stack(tensors)
-                if not tensors[0].dim()
-                else torch.nn.utils.rnn.pad_sequence(tensors, batch_first=True, padding_value=value)
-            )  # B x S x ...
+            if any(t is None for t in tensors):  # not numeric (text): kept as a list
+                out.append(values)
+            elif not tensors[0].dim():
+                out.append(torch.stack(tensors))  # B
+            else:
+                out.append(
+                    torch.nn.utils.rnn.pad_sequence(tensors, batch_first=True, padding_value=value)
+                )  # B x S x ...
         if seqlens is None:
             sequence = next((v for (_, v), t in zip(columns, out) if isinstance(t, torch.Tensor) and t.dim() > 1), None)
             if sequence is None:
