@@ -1476,6 +1476,19 @@ def test_drop_log_lines_are_bounded(caplog):
     assert "1000 samples" in line and len(line) < 200, line
 
 
+def test_verbose_logs_each_trained_epochs_totals_as_one_line_of_json(caplog):
+    """verbose=True logs, once per trained epoch, one line whose JSON is exactly the plan's totals."""
+    with caplog.at_level("INFO", logger="varbatch"):
+        sampler = VariableBatchSampler([*_lengths(60, 1, 20, seed=15), 99], 40, order="random", seed=2, verbose=True)
+        list(sampler)  # epoch 0
+        list(sampler)  # epoch 1
+    lines = _messages(caplog, "plan totals")
+    assert [line.partition(": ")[0] for line in lines] == ["epoch 0 plan totals", "epoch 1 plan totals"], lines
+    for epoch, line in enumerate(lines):
+        assert "\n" not in line
+        assert json.loads(line.partition(": ")[2]) == sampler.plan_for_epoch(epoch).totals(), line
+
+
 # =============================================================================
 # 5. LR
 # =============================================================================

@@ -1093,7 +1093,9 @@ def _log_plan(plan: Plan, verbose: bool) -> None:
         if len(plan.dropped[reason]):
             _logger.warning("epoch %d: dropped %s as %s", plan.epoch, _format_ids(plan.dropped[reason]), reason)
     if verbose:
-        _logger.info("%s", _format_totals(plan.totals()))
+        # One line of JSON with sorted keys: a log line a script parses back (json.loads) and that compares key by
+        # key with another epoch's; the table for people is the plan command's.
+        _logger.info("epoch %d plan totals: %s", plan.epoch, json.dumps(plan.totals(), sort_keys=True))
 
 
 def _mismatch(saved: Any, mine: dict, one: str) -> str | None:
