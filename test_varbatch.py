@@ -36,6 +36,7 @@ from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+import plan as plan_command  # plan.py, the plan command beside varbatch.py (`plan` names plans in the tests)
 import varbatch
 from varbatch import (
     PaddedCollate,
@@ -1584,6 +1585,19 @@ def test_drop_log_lines_are_bounded(caplog):
         list(VariableBatchSampler([1] * 10 + [50] * 1000, 10))
     (line,) = _messages(caplog, "dropped")
     assert "1000 samples" in line and len(line) < 200, line
+
+
+def test_verbose_logs_each_trained_epochs_totals_as_one_line_of_json(caplog):
+    """verbose=True logs, once per trained epoch, one line whose JSON is exactly the plan's totals."""
+    with caplog.at_level("INFO", logger="varbatch"):
+        sampler = VariableBatchSampler([*_lengths(60, 1, 20, seed=15), 99], 40, order="random", seed=2, verbose=True)
+        list(sampler)  # epoch 0
+        list(sampler)  # epoch 1
+    lines = _messages(caplog, "plan totals")
+    assert [line.partition(": ")[0] for line in lines] == ["epoch 0 plan totals", "epoch 1 plan totals"], lines
+    for epoch, line in enumerate(lines):
+        assert "\n" not in line
+        assert json.loads(line.partition(": ")[2]) == sampler.plan_for_epoch(epoch).totals(), line
 
 
 # =============================================================================
@@ -3902,24 +3916,27 @@ def test_values_once_mangled_are_handled():
 
 
 # =============================================================================
-# 10. The plan command: python varbatch.py plan ...
+# 10. The plan command: python plan.py ...
 # =============================================================================
 
 VARBATCH = str(Path(varbatch.__file__).resolve())
+PLAN_SCRIPT = str(Path(plan_command.__file__).resolve())
 # A small dataset whose plans have several batches, padding and a tail.
 LENGTHS = [3, 5, 2, 6, 4, 1, 7, 7, 2, 3, 8, 1, 1, 4, 6, 2, 5, 3, 3, 9, 2, 4]
 
 
 def _run_cli(*args, stdin=None):
-    """``python varbatch.py ARGS`` in a fresh interpreter: (exit code, stdout, stderr)."""
-    done = subprocess.run([sys.executable, VARBATCH, *args], input=stdin, capture_output=True, text=True, timeout=120)
+    """``python plan.py ARGS`` in a fresh interpreter: (exit code, stdout, stderr)."""
+    done = subprocess.run(
+        [sys.executable, PLAN_SCRIPT, *args], input=stdin, capture_output=True, text=True, timeout=120
+    )
     return done.returncode, done.stdout, done.stderr
 
 
 def _cli(capsys, *args):
-    """``varbatch._main(ARGS)`` in this process: (exit code, stdout, stderr); argparse's exits included."""
+    """``plan.main(ARGS)`` (plan.py's) in this process: (exit code, stdout, stderr); argparse's exits included."""
     try:
-        code = varbatch._main(list(args))
+        code = plan_command.main(list(args))
     except SystemExit as stop:
         code = stop.code
     out, err = capsys.readouterr()
@@ -3979,7 +3996,7 @@ def test_table_and_totals_match_plan_batches(capsys, npy_file, pipeline):
     """Every batch of the table and every total equals what plan_batches and a slow recount give."""
     flags = ["--pipeline"] if pipeline else []
     code, out, err = _cli(
-        capsys, "plan", "--seqlens", npy_file, "--max-tokens", "10", "--world-size", "2", "--batches", "0", *flags
+        capsys, "--seqlens", npy_file, "--max-tokens", "10", "--world-size", "2", "--batches", "0", *flags
     )
     assert code == 0, err
     plan = plan_batches(LENGTHS, 10, effective_batch_size=2, num_replicas=2, same_size=pipeline, same_length=pipeline)
@@ -4000,14 +4017,13 @@ def test_table_and_totals_match_plan_batches(capsys, npy_file, pipeline):
     assert f"epoch 0: {plan.num_batches} batches of 2 micro-batches" in out
     assert f"tokens: {sum(LENGTHS[i] for i in plan.sample_ids)} real / {sum(padded)} padded" in out
     assert f"samples: {plan.batch_sizes.sum()} trained, {plan.num_dropped} dropped" in out
-    assert all(line in out.splitlines() for line in varbatch._format_totals(plan.totals()).splitlines())
+    assert all(line in out.splitlines() for line in plan_command._format_totals(plan.totals()).splitlines())
 
 
 def test_json_matches_plan_batches(capsys, npy_file):
     """--json holds the settings, totals, rows and dropped ids of the same plan."""
     code, out, err = _cli(
         capsys,
-        "plan",
         "--seqlens",
         npy_file,
         "--max-tokens",
@@ -4062,17 +4078,17 @@ def test_the_plan_command_reports_the_largest_step_input(capsys, tmp_path):
         train_micro_batch_size_per_gpu=2,
         gradient_accumulation_steps=1,
     )
-    code, out, err = _cli(capsys, "plan", "--config", config, "--seqlens", str(lengths), "--json")
+    code, out, err = _cli(capsys, "--config", config, "--seqlens", str(lengths), "--json")
     assert code == 0, err
     largest = json.loads(out)["totals"]["largest_step_input"]
     assert largest["tokens"] == 128 <= largest["bound"] == 128
-    code, out, err = _cli(capsys, "plan", "--config", config, "--seqlens", str(lengths))
+    code, out, err = _cli(capsys, "--config", config, "--seqlens", str(lengths))
     assert "largest step input: 2 x 64 = 128 tokens = 1.00 x (micro_batch_size 2 x max_tokens 64)" in out
 
 
 def test_synthetic_default_runs_alone(capsys):
-    """`python varbatch.py plan` without files plans 2000 synthetic lengths, always the same ones."""
-    runs = [_cli(capsys, "plan", "--json") for _ in range(2)]
+    """`python plan.py` without files plans 2000 synthetic lengths, always the same ones."""
+    runs = [_cli(capsys, "--json") for _ in range(2)]
     assert runs[0] == runs[1] and runs[0][0] == 0, runs[0][2]
     data = json.loads(runs[0][1])
     assert data["settings"]["num_samples"] == 2000 and data["settings"]["max_tokens"] == 4096
@@ -4083,8 +4099,8 @@ def test_synthetic_default_runs_alone(capsys):
 
 def test_lr_unit_trap_is_flagged(capsys, npy_file):
     """The totals warn when the default B_ref puts the mean LR factor far from 1, and not when B_ref is the mean."""
-    _, trap, _ = _cli(capsys, "plan", "--seqlens", npy_file, "--max-tokens", "20")
-    _, fixed, _ = _cli(capsys, "plan", "--seqlens", npy_file, "--max-tokens", "20", "--lr-scaling-reference", "mean")
+    _, trap, _ = _cli(capsys, "--seqlens", npy_file, "--max-tokens", "20")
+    _, fixed, _ = _cli(capsys, "--seqlens", npy_file, "--max-tokens", "20", "--lr-scaling-reference", "mean")
     assert "warning: the configured LR is multiplied by" in trap and "lr_scaling_reference" in trap
     assert "warning" not in fixed
 
@@ -4096,11 +4112,11 @@ def test_npy_text_and_stdin_give_the_same_plan(capsys, npy_file, text_file):
     """The three ways to pass lengths give the same JSON (but for the source's name)."""
     outs = []
     for source in (npy_file, text_file):
-        code, out, err = _cli(capsys, "plan", "--seqlens", source, "--max-tokens", "10", "--json")
+        code, out, err = _cli(capsys, "--seqlens", source, "--max-tokens", "10", "--json")
         assert code == 0, err
         outs.append(json.loads(out))
     code, out, err = _run_cli(
-        "plan", "--seqlens", "-", "--max-tokens", "10", "--json", stdin="\n".join(map(str, LENGTHS)) + "\n\n"
+        "--seqlens", "-", "--max-tokens", "10", "--json", stdin="\n".join(map(str, LENGTHS)) + "\n\n"
     )
     assert code == 0, err
     outs.append(json.loads(out))
@@ -4124,7 +4140,7 @@ def test_config_batch_geometry(capsys, tmp_path, npy_file, batch_keys, world_siz
     """train_batch_size = micro batch per GPU x accumulation x world size, any one of them derived."""
     config = _write_config(tmp_path, **batch_keys)
     flags = ["--world-size", world_size] if world_size else []
-    code, out, err = _cli(capsys, "plan", "--config", config, "--seqlens", npy_file, "--json", *flags)
+    code, out, err = _cli(capsys, "--config", config, "--seqlens", npy_file, "--json", *flags)
     assert code == 0, err
     data = json.loads(out)
     t = data["totals"]
@@ -4148,7 +4164,6 @@ def test_effective_batch_size_flag_keeps_the_config_micro_batch_size(capsys, tmp
     np.save(lengths, np.array(_CLI_SEQLENS))
     code, out, err = _cli(
         capsys,
-        "plan",
         "--config",
         config,
         "--seqlens",
@@ -4179,7 +4194,7 @@ def test_config_world_size_that_contradicts_it_is_an_error(capsys, tmp_path, npy
     config = _write_config(
         tmp_path, train_batch_size=4, train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=2
     )
-    code, out, err = _cli(capsys, "plan", "--config", config, "--seqlens", npy_file, "--world-size", "3")
+    code, out, err = _cli(capsys, "--config", config, "--seqlens", npy_file, "--world-size", "3")
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and "train_batch_size=4" in err and "world size 3" in err
 
@@ -4192,7 +4207,7 @@ def test_a_null_config_seed_plans_as_an_absent_one(capsys, tmp_path, npy_file):
             tmp_path, {"enabled": True, "max_tokens": 12, **seed}, train_batch_size=2, train_micro_batch_size_per_gpu=1
         )
         code, out, err = _cli(
-            capsys, "plan", "--config", config, "--seqlens", npy_file, "--order", "random", "--json", "--batches", "0"
+            capsys, "--config", config, "--seqlens", npy_file, "--order", "random", "--json", "--batches", "0"
         )
         assert code == 0, err
         shown[label] = json.loads(out)
@@ -4247,9 +4262,8 @@ def test_the_plan_command_plans_what_training_plans(tmp_path_factory, section, s
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
-            code = varbatch._main(
+            code = plan_command.main(
                 [
-                    "plan",
                     "--config",
                     str(folder / "ds_config.json"),
                     "--seqlens",
@@ -4289,7 +4303,7 @@ def test_the_plan_command_refuses_what_training_refuses(capsys, tmp_path):
     section = {"enabled": True, "max_tokens": 50, "on_overlong": "error"}
     config = _write_config(tmp_path, section, train_batch_size=1)
     (tmp_path / "lengths.txt").write_text("10\n20\n60\n5\n")
-    code, out, err = _cli(capsys, "plan", "--config", config, "--seqlens", str(tmp_path / "lengths.txt"))
+    code, out, err = _cli(capsys, "--config", config, "--seqlens", str(tmp_path / "lengths.txt"))
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and "(ids 2)" in err and "on_overlong" in err
     with pytest.raises(ValueError, match=re.escape("(ids 2)")):
@@ -4348,14 +4362,14 @@ def test_bad_config_exits_2_with_one_line(capsys, tmp_path, content, names):
     """A malformed or wrong config gives one line naming the problem and exit code 2, no traceback (item 11)."""
     path = tmp_path / "ds_config.json"
     path.write_text(content)
-    code, out, err = _cli(capsys, "plan", "--config", str(path))
+    code, out, err = _cli(capsys, "--config", str(path))
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and err.startswith("varbatch: error:") and names in err, err
 
 
 def test_bad_flag_exits_2_with_one_line():
     """An unknown flag exits 2 with one line naming it (in a fresh interpreter)."""
-    code, out, err = _run_cli("plan", "--max-tokenz", "5")
+    code, out, err = _run_cli("--max-tokenz", "5")
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and err.startswith("varbatch: error:") and "--max-tokenz" in err
 
@@ -4363,20 +4377,22 @@ def test_bad_flag_exits_2_with_one_line():
 @pytest.mark.parametrize(
     "args, names",
     [
-        (["plan", "--budget", "sideways"], "sideways"),
-        (["plan", "--max-tokens", "0"], "'0'"),
-        (["plan", "--lr-scaling-reference", "-1"], "-1"),
-        (["plan", "--lr-scaling-reference", "abc"], "argument --lr-scaling-reference: expected a number > 0 or mean"),
+        (["--budget", "sideways"], "sideways"),
+        (["--max-tokens", "0"], "'0'"),
+        (["--lr-scaling-reference", "-1"], "-1"),
+        (["--lr-scaling-reference", "abc"], "argument --lr-scaling-reference: expected a number > 0 or mean"),
         (
-            ["plan", "--lr-scaling-reference", "1e-320"],
+            ["--lr-scaling-reference", "1e-320"],
             "B / B_ref is inf: B_ref is too small",
         ),  # the LR factors were inf
-        (["plan", "--order", "randm"], "did you mean 'random'"),
-        ([], "command"),
+        (["--order", "randm"], "did you mean 'random'"),
+        # the command was `python varbatch.py plan ...`: the word `plan` now is no subcommand
+        (["plan", "--json"], "unrecognized arguments: plan"),
+        (["--json", "--plot", "plan.png"], "argument --plot: not allowed with argument --json"),  # one output
     ],
 )
 def test_bad_flag_values_exit_2_with_one_line(capsys, args, names):
-    """A bad flag value (or no command) exits 2 with one line naming it."""
+    """A bad flag value (or an argument that is no flag, or two outputs) exits 2 with one line naming it."""
     code, out, err = _cli(capsys, *args)
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and err.startswith("varbatch: error:") and names in err, err
@@ -4385,7 +4401,7 @@ def test_bad_flag_values_exit_2_with_one_line(capsys, args, names):
 def test_missing_file_exits_2_with_one_line(tmp_path):
     """A missing lengths file: one line with its name and the system's reason, exit code 2."""
     missing = str(tmp_path / "nope.npy")
-    code, out, err = _run_cli("plan", "--seqlens", missing)
+    code, out, err = _run_cli("--seqlens", missing)
     assert code == 2 and out == ""
     assert err == f"varbatch: error: {missing}: No such file or directory\n"
 
@@ -4402,7 +4418,7 @@ def test_bad_text_file_exits_2_naming_the_problem(capsys, tmp_path, content, nam
     """A lengths file with a bad line, a bad length or none at all: one line naming it, exit code 2."""
     path = tmp_path / "lengths.txt"
     path.write_text(content)
-    code, out, err = _cli(capsys, "plan", "--seqlens", str(path))
+    code, out, err = _cli(capsys, "--seqlens", str(path))
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and names in err and str(path) in err, err
 
@@ -4411,16 +4427,16 @@ def test_corrupt_npy_exits_2(capsys, tmp_path):
     """A corrupt .npy file: one line naming it, exit code 2."""
     path = tmp_path / "lengths.npy"
     path.write_bytes(b"")
-    code, _, err = _cli(capsys, "plan", "--seqlens", str(path))
+    code, _, err = _cli(capsys, "--seqlens", str(path))
     assert code == 2 and err.count("\n") == 1 and str(path) in err
 
 
 def test_help_explains_every_flag():
-    """`plan --help` describes every flag it lists, the batch arithmetic and the synthetic default."""
-    code, out, _ = _run_cli("plan", "--help")
+    """`plan.py --help` describes every flag it lists, the batch arithmetic and the synthetic default."""
+    code, out, _ = _run_cli("--help")
     assert code == 0
     usage, _, options = out.partition("\n\n")
-    flags = re.findall(r"\[(--[\w-]+)", usage)
+    flags = re.findall(r"[\[|] ?(--[\w-]+)", usage)  # [--flag ...] and [--json | --plot ...]
     assert len(flags) >= 12, usage
     for flag in flags:
         block = re.search(rf"^  {re.escape(flag)}\b(.*?)(?=^  -|\Z)", options, re.S | re.M)
@@ -4431,32 +4447,78 @@ def test_help_explains_every_flag():
     assert "synthetic" in out
 
 
-def test_the_plan_command_draws_nothing(capsys, npy_file, tmp_path):
-    """The vendored file holds no drawing: `plan --plot` is not a flag, and varbatch.py never imports matplotlib."""
-    picture = tmp_path / "plan.png"
-    code, out, err = _cli(capsys, "plan", "--seqlens", npy_file, "--plot", str(picture))
-    assert code == 2 and out == "" and "--plot" in err and not picture.exists()
+def test_the_vendored_file_draws_nothing_and_the_table_needs_no_matplotlib(npy_file, tmp_path):
+    """varbatch.py never imports matplotlib; plan.py imports it only to draw: where it is missing, the table and
+    the JSON run and --plot exits 2 with one line that says how to install it, writing no picture."""
     assert "matplotlib" not in Path(VARBATCH).read_text()
+    picture = tmp_path / "plan.png"
+    program = textwrap.dedent(
+        f"""
+        import sys
+        sys.modules["matplotlib"] = None  # as if not installed: importing it raises ImportError
+        import plan
+        assert plan.main(["--seqlens", {npy_file!r}]) == 0
+        assert plan.main(["--seqlens", {npy_file!r}, "--json"]) == 0
+        assert plan.main(["--seqlens", {npy_file!r}, "--plot", {str(picture)!r}]) == 2
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120, cwd=_ROOT)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == "varbatch: error: --plot needs matplotlib, which is not installed: pip install matplotlib\n"
+    assert not picture.exists()
 
 
-def test_plot_plan_draws_a_fixed_number_of_artists_per_micro_batch(tmp_path):
-    """plot_plan.py's drawing grows with the micro-batches drawn, not with the tokens (item 14)."""
+def test_varbatch_py_holds_no_command_line():
+    """The command left the vendored file: varbatch.py imports no argparse, has no __main__ block, names none of
+    the command's former definitions, and defines none of plan.py's names (moved, not copied)."""
+    import ast
+
+    def top_level_names(module):
+        """The names a module defines at its top level: functions, classes and assigned names."""
+        names = {node.name for node in module.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+        for node in module.body:
+            if isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                names |= {name.id for target in targets for name in ast.walk(target) if isinstance(name, ast.Name)}
+        return names
+
+    tree = ast.parse(Path(VARBATCH).read_text())
+    nodes = list(ast.walk(tree))
+    imported = {alias.name.split(".")[0] for node in nodes if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module.split(".")[0] for node in nodes if isinstance(node, ast.ImportFrom) and node.module}
+    assert "argparse" not in imported, "varbatch.py imports argparse"
+    mains = [node.lineno for node in nodes if isinstance(node, ast.Constant) and node.value == "__main__"]
+    assert mains == [], f"varbatch.py tests for __main__ at line {mains}"
+    former = {"_cli_parser", "_read_seqlens", "_cli_plan", "_main", "_format_totals", "_PLAN_EPILOG"}
+    named = {node.id for node in nodes if isinstance(node, ast.Name)}
+    named |= {node.attr for node in nodes if isinstance(node, ast.Attribute)}
+    named |= {node.name for node in nodes if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+    assert not former & named, f"varbatch.py still names {sorted(former & named)}"
+    both = top_level_names(tree) & top_level_names(ast.parse(Path(PLAN_SCRIPT).read_text()))
+    assert not both, f"varbatch.py and plan.py both define {sorted(both)}"
+
+
+def test_plan_py_docstring_examples_run():
+    """Every example in plan.py's docstrings prints what it shows (they were varbatch.py's, with the code)."""
+    import doctest
+
+    result = doctest.testmod(plan_command, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0, result
+
+
+def test_plot_draws_a_fixed_number_of_artists_per_micro_batch(tmp_path):
+    """plan.py's drawing grows with the micro-batches drawn, not with the tokens (item 14)."""
     pytest.importorskip("matplotlib")
     from matplotlib.figure import Figure
 
-    sys.path.insert(0, _ROOT)
-    try:
-        import plot_plan
-    finally:
-        sys.path.remove(_ROOT)
     rng = np.random.default_rng(14)
 
     def artists(scale):
         seqlens = rng.integers(8, 49, 20_000) * scale
         plan = varbatch.plan_batches(seqlens, 16_384 * scale, effective_batch_size=8, num_replicas=8)
-        shown = sum(len(m) for m in plot_plan._shown(plan, 2))
+        shown = sum(len(m) for m in plan_command._shown(plan, 2))
         ax = Figure().add_subplot()
-        plot_plan._draw_plan(ax, plan, seqlens, np.ones(plan.num_batches), 2, 4000.0, 1.0, 48 * scale)
+        plan_command._draw_plan(ax, plan, seqlens, np.ones(plan.num_batches), 2, 4000.0, 1.0, 48 * scale)
         return len(ax.get_children()), shown
 
     small, large = artists(1), artists(64)
@@ -4464,34 +4526,29 @@ def test_plot_plan_draws_a_fixed_number_of_artists_per_micro_batch(tmp_path):
     assert small[0] == large[0] <= 3 * 12 + 20, (small, large)  # a box, a row outline and a label each
 
 
-def test_plot_plan_batches_0_draws_at_most_max_batches_per_plan(tmp_path, monkeypatch, capsys):
-    """plot_plan.py --batches 0 on 3,000 lengths draws the first MAX_BATCHES batches of each plan and says so on
-    stderr (it drew all of them: minutes on 30,000 samples)."""
+def test_plot_batches_0_draws_at_most_max_batches_per_plan(tmp_path, monkeypatch, capsys):
+    """plan.py --plot with --batches 0 on 3,000 lengths draws the first MAX_BATCHES batches of each plan and says
+    so on stderr (it drew all of them: minutes on 30,000 samples)."""
     pytest.importorskip("matplotlib")
-    sys.path.insert(0, _ROOT)
-    try:
-        import plot_plan
-    finally:
-        sys.path.remove(_ROOT)
     lengths = tmp_path / "lengths.npy"
     np.save(lengths, np.array(_lengths(3000, 8, 300, seed=41)))
-    drawn, draw_plan = [], plot_plan._draw_plan  # (the plan's batches, the batches drawn) per panel
+    drawn, draw_plan = [], plan_command._draw_plan  # (the plan's batches, the batches drawn) per panel
 
     def counting(ax, plan, seqlens, factors, num_batches, *args):
-        drawn.append((plan.num_batches, len(plot_plan._shown(plan, num_batches))))
+        drawn.append((plan.num_batches, len(plan_command._shown(plan, num_batches))))
         return draw_plan(ax, plan, seqlens, factors, num_batches, *args)
 
-    monkeypatch.setattr(plot_plan, "_draw_plan", counting)
-    code = plot_plan.main(
-        ["--seqlens", str(lengths), "--max-tokens", "600", "--batches", "0", str(tmp_path / "plan.png")]
+    monkeypatch.setattr(plan_command, "_draw_plan", counting)
+    code = plan_command.main(
+        ["--seqlens", str(lengths), "--max-tokens", "600", "--batches", "0", "--plot", str(tmp_path / "plan.png")]
     )
     err = capsys.readouterr().err
     assert code == 0, err
-    assert len(drawn) == 2 and all(batches > plot_plan.MAX_BATCHES for batches, _ in drawn), (
+    assert len(drawn) == 2 and all(batches > plan_command.MAX_BATCHES for batches, _ in drawn), (
         f"plans too short to cut: {drawn}"
     )
-    assert [shown for _, shown in drawn] == [plot_plan.MAX_BATCHES] * 2, f"(batches, drawn) per plan: {drawn}"
-    assert f"drawing the first {plot_plan.MAX_BATCHES} batches of each plan" in err, err
+    assert [shown for _, shown in drawn] == [plan_command.MAX_BATCHES] * 2, f"(batches, drawn) per plan: {drawn}"
+    assert f"drawing the first {plan_command.MAX_BATCHES} batches of each plan" in err, err
 
 
 # =============================================================================

@@ -24,7 +24,6 @@ Tests: ``python -m pytest test_varbatch.py``.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
 import difflib
@@ -35,7 +34,6 @@ import logging
 import math
 import numbers
 import os
-import sys
 import typing
 import warnings
 import weakref
@@ -971,49 +969,10 @@ def micro_batch_loss_weight(count, batch_count, *, num_replicas=1, gradient_accu
     )
 
 
-def _format_totals(t: Mapping) -> str:
-    """`Plan.totals` (plus an optional ``lr_factor`` entry) as lines of text, in the words of the keys.
-
-    Example:
-        >>> print(_format_totals(plan_batches([3, 5, 2, 6, 4, 1], 8, effective_batch_size=2).totals()).splitlines()[3])
-        tokens: 21 real / 27 padded = 77.8% efficiency
-    """
-
-    def plural(count, word, many=None):
-        return f"{count} {word if count == 1 else many or word + 's'}"
-
-    def number(v):  # whole numbers as such, else 3 significant digits, never 1e+03
-        return str(int(v)) if float(v).is_integer() else f"{v:.1f}" if abs(v) >= 100 else f"{v:.3g}"
-
-    def dist(d):
-        return "-" if d is None else " / ".join(f"{key} {number(d[key])}" for key in ("min", "median", "mean", "max"))
-
-    big, lr = t["largest_step_input"], t.get("lr_factor")
-    lines = [
-        f"epoch {t['epoch']}: {plural(t['batches'], 'batch', 'batches')} of "
-        f"{plural(t['effective_batch_size'], 'micro-batch', 'micro-batches')} ({t['micro_batch_size']} per step input x "
-        f"{plural(t['gradient_accumulation_steps'], 'accumulation step')} x {plural(t['num_replicas'], 'rank')}), "
-        f"{t['microbatches']} micro-batches in all",
-        f"steps per epoch: {t['batches']} optimizer steps, {t['step_inputs_per_rank']} step inputs per rank",
-        f"samples: {t['samples']} trained, {t['num_dropped']} dropped "
-        f"({', '.join(f'{count} {reason}' for reason, count in t['dropped'].items())})",
-        f"tokens: {t['real_tokens']} real / {t['padded_tokens']} padded = {t['efficiency']:.1%} efficiency",
-        f"largest step input: {big['sequences']} x {big['padded_seqlen']} = {big['tokens']} tokens = "
-        f"{big['tokens'] / big['bound']:.2f} x (micro_batch_size {t['micro_batch_size']} x max_tokens {t['max_tokens']})"
-        f" (budget {t['budget']}{', same length' if t['same_length'] else ''}"
-        f"{'' if t['budget'] == 'padded' else ': not a bound'})",
-        f"B (sequences per batch): {dist(t['batch_size'])}",
-        f"sequences per micro-batch: {dist(t['microbatch_size'])}",
-        f"S (padded seqlen per micro-batch): {dist(t['padded_seqlen'])}",
-    ]
-    if lr is not None:
-        lines.append(
-            f"LR factor ({lr['method']} rule, B_ref={lr['reference']} = {number(lr['reference_value'])} "
-            f"{lr['unit']}): {dist(lr)}"
-        )
-        if lr["reference"] == "train_batch_size" and not 0.5 <= lr["mean"] <= 2.0:
-            lines.append(f"warning: {_lr_warning(lr['mean'], lr['reference_value'], lr['unit'])}")
-    return "\n".join(lines)
+def _is_unit_trap(mean: float, default_reference: bool) -> bool:
+    """Whether `_lr_warning` is due: the default ``B_ref`` (``train_batch_size``) puts the mean LR factor ``mean``
+    outside [0.5, 2]. The plan command's totals ask it."""
+    return default_reference and not 0.5 <= mean <= 2.0
 
 
 # =============================================================================
@@ -1238,7 +1197,9 @@ def _log_plan(plan: Plan, verbose: bool) -> None:
         if len(plan.dropped[reason]):
             _logger.warning("epoch %d: dropped %s as %s", plan.epoch, _format_ids(plan.dropped[reason]), reason)
     if verbose:
-        _logger.info("%s", _format_totals(plan.totals()))
+        # One line of JSON with sorted keys: a log line a script parses back (json.loads) and that compares key by
+        # key with another epoch's; the table for people is `python plan.py`, kept out of the vendored file.
+        _logger.info("epoch %d plan totals: %s", plan.epoch, json.dumps(plan.totals(), sort_keys=True))
 
 
 def _mismatch(saved: Any, mine: dict, one: str) -> str | None:
@@ -2848,248 +2809,3 @@ def get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
         engine.lr_scheduler = scheduler
         scheduler._follow_skipped_steps(lambda: int(getattr(engine, "skipped_steps", 0)))
     return loader, scheduler, io_kwargs
-
-
-# =============================================================================
-# Command line: python varbatch.py plan ...
-# =============================================================================
-# Shows what a config does to a dataset before training: its batches, padding, LR
-# factors and drops, planned as training plans them (same reader, same packer).
-
-_PLAN_EPILOG = """\
-Settings come from --config (its dynamic_batching section, read as training reads it); a flag
-overrides its value. train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps
-x world size, as DeepSpeed resolves it (a missing one derived from the others). Without --seqlens:
-2000 synthetic lengths (lognormal, median about 240 tokens, clipped to [8, 4096]), always the same.
-examples:
-  python varbatch.py plan
-  python varbatch.py plan --config ds_config.json --seqlens lengths.npy --world-size 8 --pipeline
-  cut -f2 lengths.tsv | python varbatch.py plan --seqlens - --max-tokens 8192 --json
-"""
-
-
-def _cli_parser(prog: str = "python varbatch.py"):
-    """The command's parser, and its ``plan`` subcommand's (plot_plan.py adds its output file to it)."""
-
-    class Parser(argparse.ArgumentParser):
-        def error(self, message):  # one line, like every error of this command
-            self.exit(2, f"{prog.split()[-1].removesuffix('.py')}: error: {message} (see {self.prog} --help)\n")
-
-    def whole(text, minimum=1):
-        if not text.isdigit() or int(text) < minimum:
-            raise argparse.ArgumentTypeError(f"expected a whole number >= {minimum}, got {text!r}")
-        return int(text)
-
-    def reference(text):
-        try:
-            return text if text == "mean" else _check_real("--lr-scaling-reference", float(text))
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number > 0 or mean, got {text!r}") from None
-
-    parser = Parser(prog=prog, allow_abbrev=False, description="Plan token-budget batches.")
-    parser.add_argument("--version", action="version", version=f"varbatch {__version__}")
-    p = parser.add_subparsers(dest="command", required=True).add_parser(
-        "plan",
-        allow_abbrev=False,
-        epilog=_PLAN_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        help="plan one epoch and print its batches and totals",
-        description="Plan one epoch as training will.",
-    )
-    for flag, kind, text in (
-        ("--config", str, "DeepSpeed config (ds_config.json) with a dynamic_batching section"),
-        ("--seqlens", str, "lengths: a .npy array, a text file of one length per line, or - for stdin"),
-        ("--world-size", whole, "data-parallel ranks (default: from the config, else 1)"),
-        ("--effective-batch-size", whole, "micro-batches per batch, replacing train_batch_size (and accumulation)"),
-        ("--epoch", lambda t: whole(t, 0), "epoch to plan (default 0)"),
-        ("--max-tokens", whole, "token budget of one micro-batch (default: the config's, else 4096)"),
-        ("--budget", str, "sum or padded (default: the config's, else sum)"),
-        ("--order", str, "dataloader, seqlen, random or bucket (default: the config's, else dataloader)"),
-        ("--seed", lambda t: whole(t, 0), "seed of the random and bucket orders (default: the config's)"),
-        ("--lr-scaling-method", str, "linear, sqrt or none (default: the config's, else linear)"),
-        ("--lr-scaling-unit", str, "sequences or tokens (default: the config's, else sequences)"),
-        ("--lr-scaling-reference", reference, "B_ref: a number or mean (default: the config's, else train_batch_size)"),
-        ("--batches", lambda t: whole(t, 0), "batches listed, 0 for all (default 10)"),
-    ):
-        p.add_argument(flag, type=kind, help=text)
-    p.add_argument("--pipeline", action="store_true", help="same-size, same-length micro-batches (a PipelineEngine)")
-    p.add_argument("--json", action="store_true", help="print settings, totals, batches and drops as JSON")
-    return parser, p
-
-
-def _read_seqlens(path: str | None) -> tuple[np.ndarray, str]:
-    """Lengths from a .npy file, a text file of one length per line, or ``-`` (stdin); synthetic without a path."""
-    if path is None:
-        return np.clip(np.random.default_rng(0).lognormal(5.5, 0.9, 2000), 8, 4096).astype(
-            np.int64
-        ), "synthetic lengths"
-    name = "stdin" if path == "-" else path
-    if path.endswith(".npy"):
-        try:
-            array = np.load(path, allow_pickle=False)
-        except (ValueError, EOFError) as error:  # a corrupt or non-array file
-            raise ValueError(f"cannot read {path} as a .npy array of lengths ({error})") from None
-    else:
-        lines = [line.strip() for line in (sys.stdin.read() if path == "-" else open(path).read()).splitlines()]
-        bad = next((n for n, line in enumerate(lines, 1) if line and not line.isdigit()), None)
-        if bad is not None:
-            raise ValueError(
-                f"line {bad} of {name} is {lines[bad - 1][:40]!r}, not a whole number; give one length per line"
-            )
-        array = [int(line) for line in lines if line]
-        if not array:
-            raise ValueError(f"{name} holds no lengths; give one length per line")
-    try:
-        return _as_counts(array), name
-    except (TypeError, ValueError) as error:
-        raise type(error)(f"{name}: {error}") from None
-
-
-def _cli_plan(args, lengths: tuple[np.ndarray, str] | None = None) -> tuple[Plan, dict, np.ndarray, str]:
-    """The plan, LR options, lengths and their source a parsed ``plan`` command asks for (also for plot_plan.py).
-
-    ``lengths``: ``(seqlens, source)`` already read (else read from ``args.seqlens``).
-    """
-    config = {}
-    if args.config:
-        with open(args.config) as f:
-            try:
-                config = json.load(f)
-            except ValueError as error:
-                raise ValueError(f"{args.config} is not valid JSON ({error})") from None
-    options, lr, _ = _read_config(config) if args.config else ({"max_tokens": 4096}, dict(_LR_DEFAULTS), {})
-    flags = {"max_tokens": args.max_tokens, "budget": args.budget, "order": args.order, "seed": args.seed}
-    options.update({key: value for key, value in flags.items() if value is not None})
-    lr.update(
-        {
-            key: getattr(args, key)
-            for key in ("lr_scaling_method", "lr_scaling_unit", "lr_scaling_reference")
-            if getattr(args, key) is not None
-        }
-    )
-    counts = [
-        None if config.get(key) is None else _check_int(key, config[key], minimum=1)
-        for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
-    ]
-    train, micro, gas = counts
-    if args.effective_batch_size:
-        train, micro, gas = args.effective_batch_size, micro or 1, None  # the config's micro-batch size stays
-    world = args.world_size or (train // (micro * gas) if None not in (train, micro, gas) else 1)
-    micro = micro or (train // ((gas or 1) * world) if train else 1)
-    k = train or micro * (gas or 1) * world
-    if gas is not None:
-        _check_batch_geometry(
-            k, micro, gas, world, f"fix the config, --effective-batch-size or --world-size (world size {world} here)"
-        )
-    settings = _Settings.of(
-        **options,
-        effective_batch_size=k,
-        micro_batch_size=micro,
-        num_replicas=world,
-        same_size=args.pipeline,
-        same_length=args.pipeline,
-    )
-    seqlens, source = lengths or _read_seqlens(args.seqlens)
-    plan = _pack(seqlens, settings, None, args.epoch or 0)
-    if plan.num_batches == 0:
-        raise ValueError(_empty_plan_message(plan))
-    unit = _check_choice("lr_scaling_unit", lr["lr_scaling_unit"], _LRUnit)
-    factors, b_ref = _lr_factors(
-        plan._amounts(unit), _check_reference(lr["lr_scaling_reference"]), _check_lr_method(lr["lr_scaling_method"]), k
-    )
-    lr.update(factors=factors, reference_value=b_ref)
-    return plan, lr, seqlens, source
-
-
-def _main(argv=None) -> int:
-    """``python varbatch.py plan ...``: prints the plan; returns the exit code (0, or 2 on bad input)."""
-    args = _cli_parser()[0].parse_args(argv)
-    try:
-        plan, lr, seqlens, source = _cli_plan(args)
-    except (OSError, ValueError, TypeError) as error:
-        text = f"{error.filename}: {error.strerror}" if isinstance(error, OSError) and error.filename else str(error)
-        print(f"varbatch: error: {' '.join(text.split())}", file=sys.stderr)
-        return 2
-    s, factors, k = plan.settings, lr["factors"], plan.effective_batch_size
-    totals = plan.totals()
-    totals["lr_factor"] = {
-        **_distribution(factors),
-        "unit": lr["lr_scaling_unit"],
-        "method": str(lr["lr_scaling_method"]),
-        "reference_value": lr["reference_value"],
-        "reference": "train_batch_size" if lr["lr_scaling_reference"] is None else lr["lr_scaling_reference"],
-    }
-    sizes, rows = plan.microbatch_sizes(), []
-    for b in range(min(args.batches if args.batches is not None else 10, plan.num_batches) or plan.num_batches):
-        n, pad = sizes[b * k : (b + 1) * k], plan.padded_seqlens[b * k : (b + 1) * k]
-        slots = int((n * pad).sum())
-        rows.append(
-            {
-                "batch": b,
-                "sequences": int(plan.batch_sizes[b]),
-                "microbatch_sizes": n.tolist(),
-                "padded_seqlens": pad.tolist(),
-                "real_tokens": int(plan.batch_tokens[b]),
-                "padded_tokens": slots,
-                "padding": 1 - int(plan.batch_tokens[b]) / slots,
-                "lr_factor": float(factors[b]),
-            }
-        )
-    if args.json:
-        print(
-            json.dumps(
-                {
-                    "settings": {
-                        **dataclasses.asdict(s),
-                        "seqlens": source,
-                        "num_samples": len(seqlens),
-                        "epoch": plan.epoch,
-                        **{key: lr[key] for key in _LR_DEFAULTS},
-                    },
-                    "totals": totals,
-                    "batches": rows,
-                    "dropped_ids": {reason: ids.tolist() for reason, ids in plan.dropped.items()},
-                },
-                indent=2,
-            )
-        )
-        return 0
-    short = lambda v: (
-        str(v[0]) if len(set(v)) == 1 else ",".join(map(str, v[:6])) + (f",...(+{len(v) - 6})" if len(v) > 6 else "")
-    )
-    cells = [("batch", "B", "micro-batches", "B per micro-batch", "padded S", "real tokens", "padding %", "LR factor")]
-    cells += [
-        (
-            str(r["batch"]),
-            str(r["sequences"]),
-            str(k),
-            short(r["microbatch_sizes"]),
-            short(r["padded_seqlens"]),
-            str(r["real_tokens"]),
-            f"{100 * r['padding']:.1f}",
-            f"{r['lr_factor']:.3g}",
-        )
-        for r in rows
-    ]
-    widths = [max(len(row[c]) for row in cells) for c in range(len(cells[0]))]
-    print(
-        f"plan: {len(seqlens)} samples ({source}), max_tokens={s.max_tokens} ({s.budget} budget), order {s.order}, "
-        f"{k} micro-batch{'es' if k > 1 else ''} per batch, epoch {plan.epoch}, "
-        f"{'pipeline (same-size, same-length micro-batches)' if s.same_length else 'regular (DDP)'}\n"
-    )
-    print("\n".join("  ".join(cell.rjust(w) for cell, w in zip(row, widths)).rstrip() for row in cells))
-    if len(rows) < plan.num_batches:
-        print(f"... {plan.num_batches - len(rows)} more batches (--batches 0 lists all)")
-    print(f"\n{_format_totals(totals)}")
-    for reason, ids in plan.dropped.items():
-        if len(ids):
-            print(f"dropped as {reason}: {_format_ids(ids)}")
-    return 0
-
-
-if __name__ == "__main__":
-    try:
-        raise SystemExit(_main())
-    except BrokenPipeError:  # stdout closed early (`| head`): not an error of ours
-        os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
-        raise SystemExit(1)
