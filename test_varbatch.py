@@ -1858,6 +1858,41 @@ def test_deepspeed_glue_called_again_detaches_the_scheduler_it_replaces():
     _check_lr(1, expected, optimizer.param_groups[0]["lr"])
 
 
+def test_deepspeed_glue_counts_a_skip_at_a_pass_start_that_nothing_read():
+    """fp16 overflows skip the last update of epoch 0 and the first of epoch 1 in a loop that never asks the scheduler
+    (DeepSpeed's fp16 optimizer steps the torch optimizer only without an overflow): every update still uses the LR of
+    the batch it trains, because the engine's forward passes look at the sampler's pass before its first skip."""
+    engine = _Engine(_glue_config(sequence_picking_order="random"), optimizer=_optimizer(_BASE_LR))
+    engine.module, engine.skipped_steps = torch.nn.Linear(1, 1), 0
+    seqlens = _lengths(40, 1, 8, seed=31)
+    loader, _, _ = varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
+        [torch.ones(n) for n in seqlens], engine, dataset_seqlens=seqlens
+    )
+    sampler, gas = loader.variable_batch_sampler, engine.gradient_accumulation_steps()
+    plans = [sampler.plan_for_epoch(epoch) for epoch in range(2)]
+    overflow = {(0, plans[0].num_batches - 1), (1, 0)}
+    assert plans[1].batch_sizes[0] != plans[1].batch_sizes[1], "batches 0 and 1 have one size: the test could not fail"
+    applied = []  # registered after the scheduler's pre-step hook: the LR each update uses
+    engine.optimizer.register_step_pre_hook(lambda opt, args, kwargs: applied.append(opt.param_groups[0]["lr"]))
+    expected = []
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        for i, _ in enumerate(loader):
+            engine.module(torch.ones(1, 1))
+            if i % gas < gas - 1:
+                continue
+            b = i // gas
+            if (epoch, b) in overflow:
+                engine.skipped_steps += 1
+                continue
+            expected.append(_BASE_LR * plans[epoch].batch_sizes[b] / plans[epoch].batch_sizes.mean())
+            engine.optimizer.step()
+            engine.lr_scheduler.step()
+    assert len(applied) == len(expected)
+    for t, (x, y) in enumerate(zip(expected, applied)):
+        _check_lr(t, x, y)
+
+
 # -- an exception from the wrapped schedule reaches the caller (issue 17, section 4) ---------------
 
 

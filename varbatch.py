@@ -1923,10 +1923,11 @@ class VariableBatchSizeLR(LRScheduler):
                 )
 
     def _install_hooks(self, optimizer: Optimizer) -> None:
-        """Hooks the optimizer: before a step the position catches up; the steps and backward passes are counted.
+        """Hooks the optimizer: the position catches up before each step; steps and backward passes are counted.
 
         The training between two step() calls: optimizer steps, and backward passes (a gradient accumulated into
-        one parameter), which tell an update that AMP skipped from a second step() for one update.
+        one parameter), which tell an update that AMP skipped from a second step() for one update. A backward
+        pass catches the position up too, so a loop that reads the optimizer's LR before its update reads the batch's.
         """
         self._optimizer_steps, self._backwards = 0, 0
         self._hooks = [
@@ -1965,10 +1966,12 @@ class VariableBatchSizeLR(LRScheduler):
         """``(epoch, batch)`` of the batch trained now (see NOTE [the scheduler counts batches]).
 
         The one method that reads the position: `get_lr`, the properties,
-        `get_last_lr`, `step` and the optimizer's pre-step hook call it. A pass
-        of the sampler not seen yet points it at that pass's first batch; the
-        steps the engine skipped since the last look move it on; when it moved,
-        the optimizer gets the LRs of the batch (before the update uses them).
+        `get_last_lr`, `step` and the hooks (before an optimizer step, after a
+        backward pass, before an engine's forward pass) call it. A pass of the
+        sampler not seen yet is the new anchor: its first batch; the steps the
+        engine skipped since the last look move the position on, as each
+        `step` does; when it moved, the optimizer gets the LRs of the batch
+        (so the update uses them, also in a loop that never asks this scheduler).
         """
         moved = self._follow_new_pass()
         skipped = self._skipped_seen if self._skipped is None else self._skipped()
@@ -2177,7 +2180,7 @@ class VariableBatchSizeLR(LRScheduler):
 
     def _count_backward(self, param) -> None:
         self._backwards += 1
-        self._current_batch()  # a pass started: the optimizer's LRs are the batch's before the update
+        self._current_batch()  # see _install_hooks
 
     def _remove_hooks(self) -> None:
         """Removes this scheduler's hooks (the DeepSpeed glue replaces it): it no longer moves the optimizer's LRs."""
