@@ -1171,9 +1171,11 @@ class _Position:
     """Where a sampler stands: its last pass, and how far that pass got.
 
     Invariant: ``last.start <= steps_done <= T`` (T: the step inputs of
-    ``last.epoch``); ``finished`` once all T are handed out (or restored), and
-    then the next iteration yields the next epoch. ``handed`` counts the step
-    inputs every pass handed out (the scheduler's one-step-per-update check reads it).
+    ``last.epoch``), and ``finished`` only with ``steps_done == T``: set once an
+    iteration (or a restored position) reached the epoch's end, never by
+    set_epoch (not even for an empty epoch); then the next iteration yields the
+    next epoch. ``handed`` counts the step inputs every pass handed out (the
+    scheduler's one-step-per-update check reads it).
     """
 
     last: _Pass = _Pass()
@@ -1966,7 +1968,7 @@ class VariableBatchSizeLR(LRScheduler):
         """``(epoch, batch)`` of the batch trained now (see NOTE [the scheduler counts batches]).
 
         The one method that reads the position: `get_lr`, the properties,
-        `get_last_lr`, `step` and the hooks (before an optimizer step, after a
+        `get_last_lr`, `step`, `state_dict` and the hooks (before an optimizer step, after a
         backward pass, before an engine's forward pass) call it. A pass of the
         sampler not seen yet is the new anchor: its first batch; the steps the
         engine skipped since the last look move the position on, as each
@@ -2215,6 +2217,7 @@ class VariableBatchSizeLR(LRScheduler):
     def state_dict(self):
         """Torch's position and LRs, the batch position, and the wrapped scheduler's state: plain data but for
         what that scheduler keeps (MultiStepLR's milestones are a Counter: save with torch.save, not JSON)."""
+        self._current_batch()  # the position of the batch trained now, also right after a pass started
         state = {key: copy.deepcopy(value) for key, value in super().state_dict().items() if key in self._STATE}
         return {
             **state,
