@@ -1775,10 +1775,10 @@ class VariableBatchSizeLR(LRScheduler):
     batch of the last sampler pass this scheduler has seen, plus its steps
     since, plus the steps an engine skipped since (`_current_batch`). It cannot
     be read from where the loader is: HF Accelerate's loop (``DataLoaderShard``
-    in ``accelerate/data_loader.py`` fetches the next batch before yielding the
-    current one, to know which is last) and Lightning's (its data fetcher in
-    ``loops/fetchers.py`` prefetches one batch) read one batch ahead, and loader
-    workers further, so the loader's position is ahead of the batch being trained.
+    in ``accelerate/data_loader.py`` fetches the next batch before it yields the
+    current one, to know which is last) and Lightning's (``_PrefetchDataFetcher``
+    in ``loops/fetchers.py``, for the same reason) read one batch ahead, and
+    loader workers further, so the loader's position is ahead of the batch trained.
 
     NOTE [the unit trap]: DeepSpeed's ``B_ref`` is ``train_batch_size``, a count
     of micro-batches, against ``B_t`` in sequences: the LR comes out about
