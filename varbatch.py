@@ -1269,6 +1269,54 @@ class _StepInputKey(typing.NamedTuple):
     step_input: int  # g, its index among the epoch's step inputs of all ranks (see the dealing rule)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Pass:
+    """The record of a sampler's last pass, written where a pass starts: set_epoch, an iteration, load_state_dict.
+
+    A `VariableBatchSizeLR` reads it: a pass ``number`` it has not seen points
+    its LR at the pass's first batch, so the sampler never calls its schedulers.
+
+    Attributes:
+        number: passes started so far (an iterator of an older pass is stale).
+        epoch, start: the epoch of the pass and its first step input.
+        restored: the position came from load_state_dict, and no iteration has started since.
+    """
+
+    number: int = 0
+    epoch: int = 0
+    start: int = 0
+    restored: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class _Position:
+    """Where a sampler stands: its last pass, and how far that pass got.
+
+    Invariant: ``last.start <= steps_done <= T`` (T: the step inputs of
+    ``last.epoch``), and ``finished`` only with ``steps_done == T``: set once an
+    iteration (or a restored position) reached the epoch's end, never by
+    set_epoch (not even for an empty epoch); then the next iteration yields the
+    next epoch. ``handed`` counts the step inputs every pass handed out (the
+    scheduler's one-step-per-update check reads it).
+    """
+
+    last: _Pass = _Pass()
+    steps_done: int = 0
+    finished: bool = False
+    handed: int = 0
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next iteration yields: the last pass's, or the next once it finished."""
+        return self.last.epoch + self.finished
+
+    def next_start(self) -> tuple[int, int]:
+        """``(epoch, step input)`` where the next pass starts: a restored position, else the epoch's first."""
+        if self.last.restored and not self.finished:
+            return self.epoch, self.last.start
+        return self.epoch, 0
+
+
 class VariableBatchSampler(Sampler[list[int]]):
     """Yields this rank's step inputs of a token-budget plan, a new plan every epoch.
 
@@ -1353,21 +1401,22 @@ class VariableBatchSampler(Sampler[list[int]]):
         return sampler
 
     def _setup(self, planner: _Planner, rank: int, verbose: bool) -> None:
-        s = planner.settings
-        self._planner, self.settings, self.seqlens, self.rank, self.verbose = planner, s, planner.seqlens, rank, verbose
-        self.num_replicas, self.micro_batch_size, self.effective_batch_size = (
-            s.num_replicas,
-            s.micro_batch_size,
-            s.effective_batch_size,
-        )
-        self.gradient_accumulation_steps, self.same_length = s.gradient_accumulation_steps, s.same_length
-        # The position: step inputs handed out (`steps_done`) in the epoch of the last pass (`_epoch`), and
-        # whether it handed out all of them (`_finished`); a pass starts at `_start` (set by load_state_dict).
-        self._epoch = self.steps_done = self._start = self._pass = self._handed = 0
-        self._followers: list = []  # weak references to the LR schedulers that follow this sampler's passes
-        self._finished = False
+        settings = planner.settings
+        self._planner = planner
+        self.settings = settings
+        self.seqlens = planner.seqlens
+        self.rank = rank
+        self.verbose = verbose
+        self.num_replicas = settings.num_replicas
+        self.micro_batch_size = settings.micro_batch_size
+        self.effective_batch_size = settings.effective_batch_size
+        self.gradient_accumulation_steps = settings.gradient_accumulation_steps
+        self.same_length = settings.same_length
+        self._position = _Position()
         self._plans: dict[int, Plan] = {}
-        self._logged, self._lens, self._restored, self._alone = set(), {}, False, False
+        self._logged: set[int] = set()  # the epochs whose plan was logged
+        self._lens: dict[int, int] = {}  # epoch -> the len() given for it (see _check_cut)
+        self._alone = False
         if self.plan_for_epoch(0).num_batches == 0:  # checked before training: later epochs never raise
             raise ValueError(_empty_plan_message(self._plans[0]))
 
@@ -1380,48 +1429,44 @@ class VariableBatchSampler(Sampler[list[int]]):
             self._plans[epoch] = self._planner(epoch)
         return self._plans[epoch]
 
-    def _new_pass(self, epoch: int, start: int, restored: bool = False) -> None:
-        """A pass over ``epoch`` from step input ``start`` begins (an older iterator goes stale; ``restored``: by
-        load_state_dict); the schedulers following this sampler point their LR at its first batch, whatever epoch
-        the loop numbers it."""
-        self._pass += 1
-        for realign in [ref() for ref in self._followers]:
-            if realign is not None:
-                realign(epoch, start, restored)
-
-    def __getstate__(self) -> dict:  # a copy has no followers (they follow this sampler; see VariableBatchSizeLR)
-        return {**self.__dict__, "_followers": []}
+    def _start_pass(self, epoch: int, start: int, *, restored: bool = False, finished: bool = False) -> None:
+        """Writes the record of a pass over ``epoch`` from step input ``start``: an older iterator goes stale."""
+        record = _Pass(self._position.last.number + 1, epoch, start, restored)
+        self._position = _Position(record, steps_done=start, finished=finished, handed=self._position.handed)
 
     def _steps(self, epoch: int) -> int:
         """This rank's step inputs in ``epoch`` (the same on every rank)."""
         return self.plan_for_epoch(epoch).num_batches * self.gradient_accumulation_steps
 
-    epoch = property(
-        lambda self: self._epoch + self._finished,
-        doc="The epoch the next iteration yields: the last "
-        "one's, or the next once all its step inputs were handed out (also with its iterator not exhausted).",
-    )
+    @property
+    def epoch(self) -> int:
+        """The epoch the next iteration yields: the last one's, or the next once all its step inputs were handed
+        out (also with its iterator not exhausted)."""
+        return self._position.epoch
 
-    def _next_start(self) -> tuple[int, int]:
-        """``(epoch, step input)`` where the next pass starts: the restored or left position, or the next epoch."""
-        return self.epoch, 0 if self._finished else self._start
+    @property
+    def steps_done(self) -> int:
+        """Step inputs of the last pass's epoch handed out (or restored)."""
+        return self._position.steps_done
 
-    plan = property(
-        lambda self: self.plan_for_epoch(self.epoch), doc="The plan of the epoch the next iteration yields."
-    )
+    @property
+    def plan(self) -> Plan:
+        """The plan of the epoch the next iteration yields."""
+        return self.plan_for_epoch(self.epoch)
 
     def set_epoch(self, epoch: int) -> None:
         """Sets the epoch of the next iteration (a new order in ``random``/``bucket``)."""
-        if _check_int("epoch", epoch) < self.epoch and self._restored:
+        last = self._position.last
+        if _check_int("epoch", epoch) < self.epoch and last.restored:
             raise ValueError(
                 f"set_epoch({epoch}) after load_state_dict() restored epoch {self.epoch} would replay an "
                 f"earlier epoch; pass the epoch being trained (HF Accelerate's prepared loader passes its "
-                f"own count of passes, 0 after a restart, unless you call loader.set_epoch(epoch))"
+                f"own count of passes, 0 after a restart, unless you call loader.set_epoch(epoch); see the "
+                f"README, 'Use with torchrun, DeepSpeed, Accelerate, Lightning')"
             )
-        if epoch != self._epoch or self._finished:  # else: the epoch of the last pass, left or restored mid-way
+        if epoch != last.epoch or self._position.finished:  # else: the last pass's epoch, left or restored mid-way
             self._check_cut(RuntimeError)
-            self._epoch, self.steps_done, self._start, self._finished = epoch, 0, 0, False
-            self._new_pass(epoch, 0)
+            self._start_pass(epoch, 0, restored=last.restored)  # a restored run's epochs go back only once it ran
 
     def __len__(self) -> int:
         """Step inputs per epoch on this rank (the same on every rank), of the epoch the next iteration yields."""
@@ -1435,13 +1480,16 @@ class VariableBatchSampler(Sampler[list[int]]):
         once (Lightning, unless told to reload the loader) stops every epoch at
         the first one's and leaves the rest of a longer epoch untrained.
         """
-        total = self._steps(self._epoch)
-        stale = [e for e, n in self._lens.items() if e != self._epoch and n == self.steps_done]
-        if 0 < self.steps_done < total and stale:
+        epoch, done = self._position.last.epoch, self._position.steps_done
+        total = self._steps(epoch)
+        stale = [e for e, n in self._lens.items() if e != epoch and n == done]
+        if 0 < done < total and stale:
             message = (
-                f"epoch {self._epoch}'s iteration stopped after {self.steps_done} of its {total} step inputs, the "
+                f"epoch {epoch}'s iteration stopped after {done} of its {total} step inputs, the "
                 f"len(loader) of epoch {stale[0]}: a trainer that reads len(loader) once cut it short and "
-                f"its other samples were not trained; Lightning: Trainer(reload_dataloaders_every_n_epochs=1)"
+                f"its other samples were not trained; reload the loader every epoch (Lightning: "
+                f"Trainer(reload_dataloaders_every_n_epochs=1); see the README, 'Use with torchrun, DeepSpeed, "
+                f"Accelerate, Lightning')"
             )
             if error is RuntimeError:
                 raise RuntimeError(message)
@@ -1465,7 +1513,7 @@ class VariableBatchSampler(Sampler[list[int]]):
         def amount(plan, skip):
             return int(plan._amounts(unit)[skip:].sum())
 
-        done = 0 if self._finished else self.steps_done
+        done = 0 if self._position.finished else self.steps_done
         total = amount(self.plan, done // self.gradient_accumulation_steps)
         if self.settings.order in ("dataloader", "seqlen") or self._planner.fixed is not None:
             return total + (epochs - 1) * amount(self.plan, 0)  # one plan for every epoch: plan it once
@@ -1480,6 +1528,15 @@ class VariableBatchSampler(Sampler[list[int]]):
                 f"scheduler_for_variable_batch_size or make_dataloader, which have them"
             )
 
+    def _check_world(self) -> None:
+        """Raises when torch.distributed came up with more ranks after a sampler that deals to 1 was made."""
+        if self._alone and _world()[1] > 1:
+            raise RuntimeError(
+                f"this VariableBatchSampler was made before torch.distributed was initialized, so it "
+                f"deals to 1 rank, but the job now has {_world()[1]}: every rank would train every "
+                f"sample; make it after init_process_group, or pass num_replicas and rank"
+            )
+
     def _iter_keys(self, every_rank: bool = False) -> Iterator[tuple]:
         """Keys of this rank's step inputs of the epoch, from the resume position (with ``every_rank``, all ranks').
 
@@ -1490,29 +1547,27 @@ class VariableBatchSampler(Sampler[list[int]]):
         epoch, also when the iterator is not exhausted (trainers stop at len()).
         """
         self._check_cut(RuntimeError)
-        if self._alone and _world()[1] > 1:
-            raise RuntimeError(
-                f"this VariableBatchSampler was made before torch.distributed was initialized, so it "
-                f"deals to 1 rank, but the job now has {_world()[1]}: every rank would train every "
-                f"sample; make it after init_process_group, or pass num_replicas and rank"
-            )
-        epoch, start = self._next_start()
-        self._restored, self._epoch, self.steps_done, self._start = False, epoch, start, 0
-        self._new_pass(epoch, start)
+        self._check_world()
+        epoch, start = self._position.next_start()
         total = self._steps(epoch)
-        self._finished = start >= total  # an empty epoch is done at once
-        plan, passes, m, ranks = self.plan_for_epoch(epoch), self._pass, self.micro_batch_size, self.num_replicas
+        self._start_pass(epoch, start, finished=start >= total)  # an empty epoch is done at once
+        passes = self._position.last.number
+        plan = self.plan_for_epoch(epoch)
+        m, ranks = self.micro_batch_size, self.num_replicas
         seqlens = self.seqlens
         if epoch not in self._logged and _on_rank_zero(self.rank):  # once per trained epoch, for the whole job
             self._logged.add(epoch)
             _log_plan(plan, self.verbose)
         try:
             for t in range(start, total):
-                for g in range(t * ranks, (t + 1) * ranks) if every_rank else [t * ranks + self.rank]:
+                dealt = range(t * ranks, (t + 1) * ranks) if every_rank else [t * ranks + self.rank]
+                for g in dealt:
                     if g % ranks == self.rank:
-                        if self._pass != passes:  # set_epoch() or another pass since: this one is stale
+                        if self._position.last.number != passes:  # set_epoch() or another pass since: it is stale
                             return
-                        self.steps_done, self._handed, self._finished = t + 1, self._handed + 1, t + 1 == total
+                        self._position = dataclasses.replace(
+                            self._position, steps_done=t + 1, finished=t + 1 == total, handed=self._position.handed + 1
+                        )
                     ids = plan.sample_ids[plan.microbatch_offsets[g * m] : plan.microbatch_offsets[(g + 1) * m]]
                     yield _StepInputKey(
                         sample_ids=tuple(ids.tolist()),
@@ -1524,7 +1579,7 @@ class VariableBatchSampler(Sampler[list[int]]):
                         step_input=g,
                     )
         except GeneratorExit:  # the consumer dropped the pass: the last epoch of a run has no next pass to raise in
-            if self._pass == passes:
+            if self._position.last.number == passes:
                 self._check_cut(RuntimeWarning)
             raise
 
@@ -1548,14 +1603,12 @@ class VariableBatchSampler(Sampler[list[int]]):
         ``steps_done`` defaults to ``self.steps_done``, exact without worker
         processes; with workers the loader prefetches: pass what your loop trained.
         """
-        done = (
-            self.steps_done
-            if steps_done is None
-            else _check_int(
-                "steps_done", steps_done, 0, self._steps(self._epoch), "the step inputs of the epoch trained"
-            )
-        )
-        return {"epoch": self._epoch, "steps_done": done, "rank": self.rank, "settings": self._state_settings()}
+        epoch = self._position.last.epoch
+        if steps_done is None:
+            done = self.steps_done
+        else:
+            done = _check_int("steps_done", steps_done, 0, self._steps(epoch), "the step inputs of the epoch trained")
+        return {"epoch": epoch, "steps_done": done, "rank": self.rank, "settings": self._state_settings()}
 
     def load_state_dict(self, state_dict: Mapping) -> None:
         """Restores a `state_dict`: the next iteration continues where it stopped."""
@@ -1563,9 +1616,7 @@ class VariableBatchSampler(Sampler[list[int]]):
         epoch = _check_int("epoch", state_dict["epoch"], minimum=0)
         total = self._steps(epoch)
         steps = _check_int("steps_done", state_dict["steps_done"], minimum=0, maximum=total)
-        self._epoch, self.steps_done, self._start, self._finished = epoch, steps, steps, steps == total
-        self._restored = True
-        self._new_pass(epoch, steps, restored=True)
+        self._start_pass(epoch, steps, restored=True, finished=steps == total)
 
 
 class _KeyDataset(Dataset):
@@ -1883,6 +1934,15 @@ class VariableBatchSizeLR(LRScheduler):
     (of any epoch, from a restored position) points the LR at its first batch,
     as ``step(0)`` at an epoch start does; an engine's skipped steps count too.
 
+    NOTE [the scheduler counts batches]: the batch trained now is the first
+    batch of the last sampler pass this scheduler has seen, plus its steps
+    since, plus the steps an engine skipped since (`_current_batch`). It cannot
+    be read from where the loader is: HF Accelerate's loop (``DataLoaderShard``
+    in ``accelerate/data_loader.py`` fetches the next batch before it yields the
+    current one, to know which is last) and Lightning's (``_PrefetchDataFetcher``
+    in ``loops/fetchers.py``, for the same reason) read one batch ahead, and
+    loader workers further, so the loader's position is ahead of the batch trained.
+
     NOTE [the unit trap]: DeepSpeed's ``B_ref`` is ``train_batch_size``, a count
     of micro-batches, against ``B_t`` in sequences: the LR comes out about
     ``max_tokens / mean seqlen`` times the configured one. It stays the default
@@ -1908,6 +1968,9 @@ class VariableBatchSizeLR(LRScheduler):
             ``dataloader`` is searched for a sampler too.
         lr_scaling_method: ``"linear"``, ``"sqrt"``, ``"none"``/None or a callable.
         lr_scaling_unit: ``"sequences"`` or ``"tokens"``; clock, clock_step: see the NOTE.
+
+    Raises:
+        TypeError: a ReduceLROnPlateau (it steps on a metric, not on batches), or a VariableBatchSizeLR.
     """
 
     _STATE = (
@@ -1936,6 +1999,37 @@ class VariableBatchSizeLR(LRScheduler):
         clock="steps",
         clock_step=1,
     ):
+        optimizer = self._unwrap(lr_scheduler)
+        # (`is None`, never truthiness: a sampler whose epoch is empty has len() 0)
+        found = _find_sampler(batch_sizes)
+        self._sampler = found if found is not None else _find_sampler(dataloader)
+        self.lr_scaling_unit = _check_choice("lr_scaling_unit", lr_scaling_unit, _LRUnit)
+        self.lr_scaling_method = _check_lr_method(lr_scaling_method)
+        self.base_batch_size = _check_reference(base_batch_size, "base_batch_size")
+        self.clock, self.clock_step = _check_clock(clock, clock_step)
+        self.verbose = bool(verbose)
+        self._check_last_epoch(last_epoch, optimizer)
+        self._check_batch_sizes(batch_sizes)
+        # The position: the plan's epoch and batch, what the clock counted, the engine's skipped steps seen, and
+        # the sampler's last pass seen (see NOTE [the scheduler counts batches]).
+        self._epoch, self._batch = 0, 0
+        self._seen, self._skipped_seen = 0, 0
+        self._skipped = None  # the engine's count of skipped steps (see _follow_skipped_steps)
+        self._pass_seen = None if self._sampler is None else self._sampler._position.last.number
+        self._loaded = False  # restored by load_state_dict and not stepped since (see _keeps_position)
+        self._reported = -1  # the last epoch whose LR factors were logged
+        self._install_hooks(optimizer)
+        self._step_count = 0
+        self._anchor(*self._next_pass_start())
+        self._seen_at_step = self._training_seen()
+        self._unscaled = [group["lr"] for group in optimizer.param_groups]
+        super().__init__(optimizer, last_epoch)  # torch's first step: the LRs of batch 0
+        factors, b_ref = self._factors(self._epoch)
+        if _is_unit_trap(factors.mean(), self.base_batch_size is None) and self._rank_zero():
+            warnings.warn(_lr_warning(factors.mean(), b_ref, self.lr_scaling_unit), stacklevel=2)
+
+    def _unwrap(self, lr_scheduler: Any) -> Optimizer:
+        """Keeps the scheduler to wrap (None for an optimizer: a constant LR) and returns the torch optimizer."""
         if isinstance(lr_scheduler, VariableBatchSizeLR):
             raise TypeError(
                 "lr_scheduler is a VariableBatchSizeLR already: wrapping it would scale the LR twice; wrap "
@@ -1953,65 +2047,68 @@ class VariableBatchSizeLR(LRScheduler):
             and hasattr(lr_scheduler, "optimizer")
             and not hasattr(lr_scheduler, "param_groups")
         )
-        self._base = lr_scheduler if wraps else None
-        optimizer = _torch_optimizer(lr_scheduler.optimizer if wraps else lr_scheduler)
-        # (`is None`, never truthiness: a sampler whose epoch is empty has len() 0)
-        found = _find_sampler(batch_sizes)
-        self._sampler = found if found is not None else _find_sampler(dataloader)
-        self.lr_scaling_unit = _check_choice("lr_scaling_unit", lr_scaling_unit, _LRUnit)
-        self.lr_scaling_method = _check_lr_method(lr_scaling_method)
-        self.base_batch_size = _check_reference(base_batch_size, "base_batch_size")
-        (self.clock, self.clock_step), self.verbose = _check_clock(clock, clock_step), bool(verbose)
-        if _check_int("last_epoch", last_epoch, minimum=-1) != -1 and any(
-            "initial_lr" not in group for group in optimizer.param_groups
-        ):
+        if wraps:
+            self._base = lr_scheduler
+            return _torch_optimizer(lr_scheduler.optimizer)
+        self._base = None
+        return _torch_optimizer(lr_scheduler)
+
+    def _check_last_epoch(self, last_epoch: Any, optimizer: Optimizer) -> None:
+        """Raises unless ``last_epoch`` is -1, or resumes a schedule the optimizer's param groups remember."""
+        if _check_int("last_epoch", last_epoch, minimum=-1) == -1:
+            return
+        if any("initial_lr" not in group for group in optimizer.param_groups):
             raise ValueError(
                 f"last_epoch={last_epoch} resumes a schedule whose param groups hold 'initial_lr', but "
                 f"these do not; make it with last_epoch=-1 and resume with load_state_dict()"
             )
-        if self._sampler is None:
-            if isinstance(batch_sizes, (str, bytes)) or not hasattr(batch_sizes, "__len__") or not len(batch_sizes):
+
+    def _check_batch_sizes(self, batch_sizes: Any) -> None:
+        """Keeps listed batch sizes when there is no sampler; raises on options that need the plans."""
+        if self._sampler is not None:
+            for name, value in (("lr_scaling_unit", self.lr_scaling_unit), ("clock", self.clock)):
+                if value == "tokens":
+                    self._sampler._check_tokens_known(f"{name}='tokens'")
+            return
+        if isinstance(batch_sizes, (str, bytes)) or not hasattr(batch_sizes, "__len__") or not len(batch_sizes):
+            raise ValueError(
+                f"batch_sizes should be a VariableBatchSampler, a loader made with one, or a non-empty "
+                f"sequence of batch sizes, but got batch_sizes={batch_sizes!r}"
+            )
+        self._listed = _as_counts(batch_sizes, "batch_sizes", fix="pass the size of every batch")
+        for name, value in (
+            ("lr_scaling_unit", self.lr_scaling_unit != "sequences"),
+            ("clock", self.clock != "steps"),
+            ("base_batch_size", self.base_batch_size is None),
+        ):
+            if value:
                 raise ValueError(
-                    f"batch_sizes should be a VariableBatchSampler, a loader made with one, or a non-empty "
-                    f"sequence of batch sizes, but got batch_sizes={batch_sizes!r}"
+                    f"{name}={getattr(self, name)!r} needs the plans (their tokens and "
+                    f"train_batch_size); pass the VariableBatchSampler as batch_sizes, not a list"
                 )
-            self._listed = _as_counts(batch_sizes, "batch_sizes", fix="pass the size of every batch")
-            for name, value in (
-                ("lr_scaling_unit", self.lr_scaling_unit != "sequences"),
-                ("clock", self.clock != "steps"),
-                ("base_batch_size", self.base_batch_size is None),
-            ):
-                if value:
-                    raise ValueError(
-                        f"{name}={getattr(self, name)!r} needs the plans (their tokens and "
-                        f"train_batch_size); pass the VariableBatchSampler as batch_sizes, not a list"
-                    )
-        for name, value in (("lr_scaling_unit", self.lr_scaling_unit), ("clock", self.clock)):
-            if value == "tokens" and self._sampler is not None:
-                self._sampler._check_tokens_known(f"{name}='tokens'")
-        # Position: the plan's epoch and batch, what the clock counted, DeepSpeed's skipped steps seen.
-        self._epoch, self._batch, self._seen, self._skipped_seen = 0, 0, 0, 0
-        self._skipped, self._reported, self._optimizer_steps = None, -1, 0
-        # The training between two step() calls: optimizer steps, and backward passes (a gradient accumulated into
-        # one parameter), which tell an update that AMP skipped from a second step() for one update.
-        self._backwards, self._hooks = 0, [optimizer.register_step_post_hook(_weakly(self._count_optimizer_step))]
-        param = next(
-            (p for group in optimizer.param_groups for p in group["params"] if p.requires_grad and p.is_leaf), None
-        )
+
+    def _install_hooks(self, optimizer: Optimizer) -> None:
+        """Hooks the optimizer: the position catches up before each step; steps and backward passes are counted.
+
+        The training between two step() calls: optimizer steps, and backward passes (a gradient accumulated into
+        one parameter), which tell an update that AMP skipped from a second step() for one update. A backward
+        pass catches the position up too, so a loop that reads the optimizer's LR before its update reads the batch's.
+        """
+        self._optimizer_steps, self._backwards = 0, 0
+        self._hooks = [
+            optimizer.register_step_pre_hook(_weakly(self._catch_up)),
+            optimizer.register_step_post_hook(_weakly(self._count_optimizer_step)),
+        ]
+        self._counts_backwards = False
+        groups = optimizer.param_groups
+        param = next((p for group in groups for p in group["params"] if p.requires_grad and p.is_leaf), None)
+        if param is None:
+            return
         try:
-            if param is not None:
-                self._hooks.append(param.register_post_accumulate_grad_hook(_weakly(self._count_backward)))
+            self._hooks.append(param.register_post_accumulate_grad_hook(_weakly(self._count_backward)))
+            self._counts_backwards = True
         except RuntimeError:  # a tensor subclass without such hooks: new step inputs stand in for backward passes
             pass
-        self._step_count, self._counts_backwards, self._keep = 0, len(self._hooks) == 2, False
-        self._realign()
-        self._follow()
-        self._seen_at_step = (0, 0, self._sampler._handed if self._sampler is not None else 0)
-        self._unscaled = [group["lr"] for group in optimizer.param_groups]
-        super().__init__(optimizer, last_epoch)  # torch's first step: the LRs of batch 0
-        factors, b_ref = self._factors(self._epoch)
-        if self.base_batch_size is None and not 0.5 <= factors.mean() <= 2.0 and self._rank_zero():
-            warnings.warn(_lr_warning(factors.mean(), b_ref, self.lr_scaling_unit), stacklevel=2)
 
     def _sizes(self, epoch: int, unit: str | None = None) -> np.ndarray:
         if self._sampler is None:
@@ -2030,26 +2127,96 @@ class VariableBatchSizeLR(LRScheduler):
     def _rank_zero(self) -> bool:
         return _on_rank_zero(self._sampler.rank if self._sampler is not None else 0)
 
+    def _current_batch(self) -> tuple[int, int]:
+        """``(epoch, batch)`` of the batch trained now (see NOTE [the scheduler counts batches]).
+
+        The one method that reads the position: `get_lr`, the properties,
+        `get_last_lr`, `step`, `state_dict` and the hooks (before an optimizer step, after a
+        backward pass, before an engine's forward pass) call it. A pass of the
+        sampler not seen yet is the new anchor: its first batch; the steps the
+        engine skipped since the last look move the position on, as each
+        `step` does; when it moved, the optimizer gets the LRs of the batch
+        (so the update uses them, also in a loop that never asks this scheduler).
+        """
+        moved = self._follow_new_pass()
+        skipped = self._skipped_seen if self._skipped is None else self._skipped()
+        if skipped != self._skipped_seen:
+            self._advance(skipped - self._skipped_seen)
+            self._skipped_seen = skipped
+            moved = True
+        if moved and self._step_count:
+            self._write()
+        return self._epoch, self._batch
+
+    def _follow_new_pass(self) -> bool:
+        """Points at the first batch of the sampler's last pass if this scheduler has not seen it; True if it moved."""
+        last = None if self._sampler is None else self._sampler._position.last
+        if last is None or last.number == self._pass_seen:
+            return False
+        self._pass_seen = last.number
+        if self._keeps_position(last):
+            return False
+        self._anchor(last.epoch, last.start)
+        return True
+
+    def _keeps_position(self, last: _Pass) -> bool:
+        """Whether the pass ``last`` leaves this scheduler where it is.
+
+        NOTE [a restored scheduler over a fresh sampler]: resuming mid-epoch by
+        skipping batches (HF Accelerate's skip_first_batches or its stateful
+        loader) restores the scheduler alone and passes over the epoch from its
+        start, dropping what was trained: so until its next step, a scheduler
+        restored by load_state_dict keeps its position against a pass from the
+        start of its own epoch. A restored sampler's pass (``last.restored``)
+        starts where training stopped, and is followed at once.
+        """
+        return self._loaded and not last.restored and (last.epoch, last.start) == (self._epoch, 0)
+
+    def _next_pass_start(self) -> tuple[int, int]:
+        """``(epoch, step input)`` where the sampler's next pass starts (listed batch sizes: the list's start)."""
+        if self._sampler is None:
+            return self._epoch, 0
+        return self._sampler._position.next_start()
+
+    def _anchor(self, epoch: int, start: int) -> None:
+        """Points at the batch of step input ``start`` of ``epoch``, in the next epoch with a batch if that one has
+        none; the steps an engine skipped so far belong to batches before it."""
+        self._loaded = False
+        steps_per_batch = 1 if self._sampler is None else self._sampler.gradient_accumulation_steps
+        self._epoch, self._batch = epoch, start // steps_per_batch
+        self._advance(0)
+        if self._skipped is not None:
+            self._skipped_seen = self._skipped()
+
+    def _advance(self, batches: int) -> None:
+        """Moves the batch index ``batches`` on, into the next epochs' plans (skipping empty ones)."""
+        self._batch += batches
+        for _ in range(1000):
+            if self._batch < len(self._sizes(self._epoch)):
+                return
+            self._epoch, self._batch = self._epoch + 1, self._batch - len(self._sizes(self._epoch))
+        raise RuntimeError("a thousand epochs in a row have no batch; use more data or a smaller min_batch_size")
+
     @property
     def batch_size(self) -> int:
         """``B_t``: the size of the batch trained at the current step, in ``lr_scaling_unit``."""
-        self._sync()
-        return int(self._sizes(self._epoch)[self._batch % len(self._sizes(self._epoch))])
+        epoch, batch = self._current_batch()
+        sizes = self._sizes(epoch)
+        return int(sizes[batch % len(sizes)])
 
     @property
     def lr_factor(self) -> float:
         """``s(B_t / B_ref)`` at the current step."""
-        self._sync()
-        return float(self._factors(self._epoch, self._batch % len(self._sizes(self._epoch)))[0][0])
+        epoch, batch = self._current_batch()
+        return float(self._factors(epoch, batch % len(self._sizes(epoch)))[0][0])
 
     @property
     def steps_in_epoch(self) -> int:
         """Batches of the current epoch trained (stepped, or skipped by the engine)."""
-        self._sync()
-        return self._batch
+        return self._current_batch()[1]
 
     def get_last_lr(self):
-        self._sync()
+        self._current_batch()
         return super().get_last_lr()
 
     def get_lr(self):
@@ -2061,100 +2228,25 @@ class VariableBatchSizeLR(LRScheduler):
             group["lr"] = lr
         self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 
-    def _advance(self, batches: int) -> None:
-        """Moves the batch index ``batches`` on, into the next epochs' plans (skipping empty ones)."""
-        self._batch += batches
-        for _ in range(1000):
-            if self._batch < len(self._sizes(self._epoch)):
-                return
-            self._epoch, self._batch = self._epoch + 1, self._batch - len(self._sizes(self._epoch))
-        raise RuntimeError("a thousand epochs in a row have no batch; use more data or a smaller min_batch_size")
-
-    def _realign(self, epoch: int | None = None, start: int = 0, restored: bool = True) -> None:
-        """Points at the batch of step input ``start`` of ``epoch`` (default: where the sampler's next pass starts),
-        in the next epoch with a batch if that one has none; the sampler calls it when a pass starts.
-
-        NOTE [a restored scheduler over a fresh sampler]: resuming mid-epoch by skipping
-        batches (HF Accelerate's skip_first_batches or its stateful loader) passes over the
-        epoch from its start and drops what was trained: until its next step, a restored
-        scheduler keeps its position against a pass from the start of its own epoch. A
-        restored sampler (``restored``) is followed at once.
-        """
-        sampler = self._sampler
-        if self._keep and not restored and sampler is not None and (epoch, start) == (self._epoch, 0):
-            return
-        self._keep = False
-        if sampler is None:  # listed batch sizes: the list from its start
-            self._batch = 0
-        else:
-            epoch, start = sampler._next_start() if epoch is None else (epoch, start)
-            self._epoch, self._batch = epoch, start // sampler.gradient_accumulation_steps
-        self._advance(0)
-        if self._skipped is not None:  # skips reported so far belong to batches before this one
-            self._skipped_seen = self._skipped()
-        if self._step_count:
-            self._write()
-
     def step(self, epoch=None):
         """Advances to the next batch (``step()``), or points at the batch the sampler's next pass starts with
         (``step(0)``)."""
         if self._step_count == 0:  # torch's initial step, from __init__
             return super().step()
-        self._sync()
-        self._keep = False
+        self._current_batch()
+        self._loaded = False
         if epoch is not None:
             if isinstance(epoch, bool) or not isinstance(epoch, numbers.Integral) or epoch != 0:
                 raise ValueError(
                     f"VariableBatchSizeLR.step takes no argument (the next batch) or 0 (realign at an epoch "
                     f"start), but got epoch={epoch!r}; call step() after every optimizer step"
                 )
-            return self._realign()
-        # Since the last step(), an optimizer step, or a batch's backward passes (an update AMP skipped); else a
-        # wrapper steps this scheduler twice per update (HF Accelerate's prepared scheduler steps once per process)
-        # or a loop steps it per step input.
-        seen = (self._optimizer_steps, self._backwards, self._sampler._handed if self._sampler is not None else 0)
-        last, gas = self._seen_at_step, self._sampler.gradient_accumulation_steps if self._sampler is not None else 0
-        if gas and seen[0] == last[0] and (seen[1] - last[1] < gas if self._counts_backwards else seen[2] == last[2]):
-            raise RuntimeError(
-                f"VariableBatchSizeLR.step() was called twice for one optimizer step (since the last "
-                f"call: no optimizer step, {seen[1] - last[1]} of a batch's {gas} backward passes): call "
-                f"it once per optimizer step (HF Accelerate: keep it out of accelerator.prepare(), whose "
-                f"wrapper steps once per process; under accelerator.accumulate(), step it only when "
-                f"accelerator.sync_gradients)"
-            )
-        # NOTE [the wrapped scheduler steps first]: torch's step() takes the new LRs from get_lr(),
-        # the wrapped schedule's LR times the next batch's factor: so the wrapped scheduler steps,
-        # on its own unscaled LRs, before torch's step. If it raises, nothing here has moved.
-        if self._epoch != self._reported and self._rank_zero():  # once per trained epoch
-            self._reported = self._epoch
-            factors, b_ref = self._factors(self._epoch)
-            _logger.info(
-                "epoch %d: LR factor mean %.3g, min %.3g, max %.3g (B_ref=%g %s)",
-                self._epoch,
-                factors.mean(),
-                factors.min(),
-                factors.max(),
-                b_ref,
-                self.lr_scaling_unit,
-            )
+            self._anchor(*self._next_pass_start())
+            return self._write()
+        seen = self._check_one_step_per_update()
+        self._log_factors_once()
         size = int(self._sizes(self._epoch, "tokens" if self.clock == "tokens" else "sequences")[self._batch])
-        ticks = 1 if self.clock == "steps" else (self._seen + size) // self.clock_step - self._seen // self.clock_step
-        if self._base is not None and ticks:
-            groups, state = self.optimizer.param_groups, copy.deepcopy(self._base.state_dict())
-            scaled = [group["lr"] for group in groups]
-            try:
-                for group, lr in zip(groups, self._unscaled):  # chainable schedulers compute from the current LR
-                    group["lr"] = lr
-                with warnings.catch_warnings():  # torch's step-order check, which this class's own step makes
-                    warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
-                    for _ in range(ticks):
-                        self._base.step()
-            except BaseException:
-                self._base.load_state_dict(state)
-                for group, lr in zip(groups, scaled):
-                    group["lr"] = lr
-                raise
-            self._unscaled = [group["lr"] for group in groups]
+        self._step_wrapped(self._clock_ticks(size))
         self._seen, self._seen_at_step = self._seen + size, seen
         self._advance(1)
         super().step()
@@ -2169,51 +2261,110 @@ class VariableBatchSizeLR(LRScheduler):
                 self._last_lr,
             )
 
-    def _follow(self) -> None:
-        """Follows the sampler's passes: a pass of any epoch, from any position, sets the batch index (see `_realign`)."""
-        if self._sampler is not None:
-            followers = [ref for ref in self._sampler._followers if ref() is not None]
-            self._sampler._followers = [*followers, weakref.WeakMethod(self._realign)]
+    def _training_seen(self) -> tuple[int, int, int]:
+        """What the hooks and the sampler counted: optimizer steps, backward passes, step inputs handed out."""
+        handed = 0 if self._sampler is None else self._sampler._position.handed
+        return self._optimizer_steps, self._backwards, handed
 
-    def __setstate__(self, state: dict) -> None:  # a copy follows its own copy of the sampler
-        self.__dict__.update(state)
-        self._follow()
+    def _check_one_step_per_update(self) -> tuple[int, int, int]:
+        """Raises unless the model trained since the last step(); returns what `_training_seen` counts now.
+
+        Trained: an optimizer step, or a batch's backward passes (an update AMP
+        skipped); else a wrapper steps this scheduler twice per update (HF
+        Accelerate's prepared scheduler steps once per process) or a loop steps
+        it per step input.
+        """
+        seen = self._training_seen()
+        if self._sampler is None:  # listed batch sizes: no batches to count
+            return seen
+        last, gas = self._seen_at_step, self._sampler.gradient_accumulation_steps
+        backwards = seen[1] - last[1]
+        if self._counts_backwards:
+            trained = backwards >= gas
+        else:  # new step inputs stand in for backward passes
+            trained = seen[2] != last[2]
+        if seen[0] == last[0] and not trained:
+            raise RuntimeError(
+                f"VariableBatchSizeLR.step() was called twice for one optimizer step (since the last "
+                f"call: no optimizer step, {backwards} of a batch's {gas} backward passes): call it once "
+                f"per optimizer step; HF Accelerate: keep it out of accelerator.prepare() and, under "
+                f"accelerator.accumulate(), step it only when accelerator.sync_gradients (see the README, "
+                f"'Use with torchrun, DeepSpeed, Accelerate, Lightning')"
+            )
+        return seen
+
+    def _log_factors_once(self) -> None:
+        """Logs the LR factors of the epoch trained, once per epoch (rank 0)."""
+        if self._epoch == self._reported or not self._rank_zero():
+            return
+        self._reported = self._epoch
+        factors, b_ref = self._factors(self._epoch)
+        _logger.info(
+            "epoch %d: LR factor mean %.3g, min %.3g, max %.3g (B_ref=%g %s)",
+            self._epoch,
+            factors.mean(),
+            factors.min(),
+            factors.max(),
+            b_ref,
+            self.lr_scaling_unit,
+        )
+
+    def _clock_ticks(self, size: int) -> int:
+        """The wrapped schedule's steps for a batch of ``size`` tokens or samples (see NOTE [clocks])."""
+        if self.clock == "steps":
+            return 1
+        return (self._seen + size) // self.clock_step - self._seen // self.clock_step
+
+    def _step_wrapped(self, ticks: int) -> None:
+        """Steps the wrapped scheduler ``ticks`` times.
+
+        NOTE [the wrapped scheduler steps first]: torch's step() takes the new
+        LRs from get_lr(), the wrapped schedule's LR times the next batch's
+        factor: so the wrapped scheduler steps, on its own unscaled LRs (a
+        chainable scheduler computes from the LR in the optimizer), before
+        torch's step. An exception from it reaches the caller and ends the
+        training: this scheduler has not moved, the optimizer holds the unscaled LRs.
+        """
+        if self._base is None or not ticks:
+            return
+        groups = self.optimizer.param_groups
+        for group, lr in zip(groups, self._unscaled):
+            group["lr"] = lr
+        with warnings.catch_warnings():  # torch's step-order check, which this class's own step makes
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+            for _ in range(ticks):
+                self._base.step()
+        self._unscaled = [group["lr"] for group in groups]
+
+    def _catch_up(self, *hook_args) -> None:
+        """A pre-step (or pre-forward) hook: the update uses the LR of the batch trained (see `_current_batch`)."""
+        self._current_batch()
 
     def _count_optimizer_step(self, optimizer, args, kwargs) -> None:
         self._optimizer_steps += 1
 
     def _count_backward(self, param) -> None:
         self._backwards += 1
+        self._current_batch()  # see _install_hooks
 
-    def _detach(self) -> None:
-        """Removes this scheduler's hooks and stops following its sampler (the DeepSpeed glue replaces it)."""
+    def _remove_hooks(self) -> None:
+        """Removes this scheduler's hooks (the DeepSpeed glue replaces it): it no longer moves the optimizer's LRs."""
         for handle in self._hooks:
             handle.remove()
-        if self._sampler is not None:
-            self._sampler._followers = [ref for ref in self._sampler._followers if ref() not in (None, self._realign)]
 
-    def _follow_skipped_steps(self, skipped: Callable[[], int]) -> None:
+    def _follow_skipped_steps(self, skipped: Callable[[], int], module: Any = None) -> None:
         """Makes the LR follow the batch trained when an engine skips steps.
 
         On an fp16 overflow DeepSpeed skips the optimizer step *and* this
-        scheduler's step, but the data moves on: before each optimizer step the
-        batch index moves on by the steps skipped since (``skipped()`` counts
-        them; the position reads it whenever it is asked for); the wrapped
-        schedule stays where DeepSpeed left it.
+        scheduler's step, but the data moves on: ``skipped()`` counts the
+        skipped steps, and the position moves on by those since it last looked
+        (`_current_batch`); the wrapped schedule stays where DeepSpeed left it.
+        A skip belongs to the pass it happens in: ``module``'s forward passes
+        look too, so a pass is seen before the first of its steps is skipped.
         """
         self._skipped, self._skipped_seen = skipped, skipped()
-        self._hooks.append(self.optimizer.register_step_pre_hook(_weakly(self._before_optimizer_step)))
-
-    def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
-        self._sync()
-
-    def _sync(self) -> None:
-        """Moves the batch index on by the steps the engine skipped since the last look (see above)."""
-        skipped = self._skipped_seen if self._skipped is None else self._skipped()
-        if skipped != self._skipped_seen:
-            self._advance(skipped - self._skipped_seen)
-            self._skipped_seen = skipped
-            self._write()
+        if isinstance(module, torch.nn.Module):
+            self._hooks.append(module.register_forward_pre_hook(_weakly(self._catch_up)))
 
     def _state_settings(self) -> dict:
         return {
@@ -2229,6 +2380,7 @@ class VariableBatchSizeLR(LRScheduler):
     def state_dict(self):
         """Torch's position and LRs, the batch position, and the wrapped scheduler's state: plain data but for
         what that scheduler keeps (MultiStepLR's milestones are a Counter: save with torch.save, not JSON)."""
+        self._current_batch()  # the position of the batch trained now, also right after a pass started
         state = {key: copy.deepcopy(value) for key, value in super().state_dict().items() if key in self._STATE}
         return {
             **state,
@@ -2246,8 +2398,10 @@ class VariableBatchSizeLR(LRScheduler):
         if self._base is not None:
             self._base.load_state_dict(copy.deepcopy(state_dict["base_lr_scheduler"]))
         super().load_state_dict({key: copy.deepcopy(state_dict[key]) for key in self._STATE})
+        # The sampler's passes so far came before the state: a pass from now on is followed, or kept against.
+        self._pass_seen = None if self._sampler is None else self._sampler._position.last.number
         self._write()
-        self._keep = True  # see _realign
+        self._loaded = True  # see _keeps_position
 
 
 def lr_scheduler_for_variable_batch_size(
@@ -2777,7 +2931,7 @@ def get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
     pipeline = grid is not None and hasattr(engine, "train_batch")
     base = engine.lr_scheduler if getattr(engine, "lr_scheduler", None) is not None else engine.optimizer
     if isinstance(base, VariableBatchSizeLR):  # called again: scale the original schedule, not the scaled one
-        base._detach()
+        base._remove_hooks()
         for group, lr in zip(base.optimizer.param_groups, base._unscaled):
             group["lr"] = lr
         base = base._base if base._base is not None else base.optimizer
@@ -2807,5 +2961,7 @@ def get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
         _check_ranks_agree(loader.variable_batch_sampler)
     if scheduler is not None:
         engine.lr_scheduler = scheduler
-        scheduler._follow_skipped_steps(lambda: int(getattr(engine, "skipped_steps", 0)))
+        scheduler._follow_skipped_steps(
+            lambda: int(getattr(engine, "skipped_steps", 0)), getattr(engine, "module", None)
+        )
     return loader, scheduler, io_kwargs
