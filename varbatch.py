@@ -20,6 +20,23 @@ DeepSpeed's signatures); ``plan_batches`` -> ``Plan``, ``VariableBatchSampler``,
 ``Plan.dropped`` with a reason; every rank computes the same plan. Needs numpy
 and torch (DeepSpeed only inside the functions that use it).
 Tests: ``python -m pytest test_varbatch.py``.
+
+Reading path: the definitions that carry the technique, in file order (about
+900 lines); the rest is validation, reports and launcher glue.
+
+1. ``_Settings``: every plan option, checked once.
+2. ``Plan``: what one epoch's packing is, as plain data.
+3. ``_picking_order``, ``_pack_rows`` with ``_greedy_rows``, and ``_pack``: the
+   order samples are picked in, the packer's loop and its invariant, the steps of a plan.
+4. ``_lr_factor`` and ``_lr_factors``: the LR rule, ``s(B / B_ref)``.
+5. ``PaddedCollate``: a step input as one padded ``B x S`` tensor.
+6. The dealing rule (the comment under "The batch sampler"), ``_Position``
+   and ``VariableBatchSampler._iter_keys``: which rank trains which step input.
+7. ``_Loader`` (NOTE [the loader deals itself]) and ``make_dataloader``.
+8. ``VariableBatchSizeLR``: its docstring's NOTEs, ``_current_batch`` (the
+   position: ``_follow_new_pass``, ``_keeps_position``, ``_anchor``) and ``step``.
+9. ``get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed``: the
+   DeepSpeed entry point, engine to loader and scheduler.
 """
 
 from __future__ import annotations
