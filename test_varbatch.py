@@ -300,6 +300,27 @@ def test_varbatch_follows_the_style_rules():
         pytest.fail(f"{len(offences)} places break the style rules:\n" + "\n".join(offences), pytrace=False)
 
 
+def test_varbatch_uses_no_name_before_its_definition():
+    """A reader of varbatch.py top to bottom never meets a module-level name before its definition."""
+    tree = ast.parse(Path(_ROOT, "varbatch.py").read_text(encoding="utf-8"))
+    defined = {}  # module-level name -> the line of its first definition
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            defined.setdefault(node.name, node.lineno)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                if isinstance(target, ast.Name):
+                    defined.setdefault(target.id, node.lineno)
+    early = [
+        f"line {name.lineno}: {name.id} (defined at line {defined[name.id]})"
+        for node in tree.body
+        for name in ast.walk(node)
+        if isinstance(name, ast.Name) and defined.get(name.id, 0) > node.lineno
+    ]
+    assert not early, "names used before their definition:\n" + "\n".join(early)
+
+
 def _reading_path_lines(source: str) -> tuple[int, list[str]]:
     """The lines of the definitions the module docstring's reading path names, and the names it cannot find.
 
