@@ -224,8 +224,8 @@ if can_alarm:
 stopped_groups = set()
 arrays = {}
 for job in json.load(sys.stdin):
-    if job.get("group") in stopped_groups:
-        print(json.dumps({"skipped": True}), flush=True)
+    if job.get("group") in stopped_groups:  # a smaller job of its group hit the cap: this one would too
+        print(json.dumps({"times": [], "stopped": True, "skipped": True}), flush=True)
         continue
     if job["path"] not in arrays:
         arrays[job["path"]] = np.load(job["path"])
