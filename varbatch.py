@@ -41,6 +41,7 @@ Reading path: the definitions that carry the technique, in file order (about
 
 from __future__ import annotations
 
+import contextvars
 import copy
 import dataclasses
 import difflib
@@ -51,6 +52,7 @@ import logging
 import math
 import numbers
 import os
+import sys
 import typing
 import warnings
 import weakref
@@ -303,6 +305,11 @@ class _Settings:
         return 1
 
     @property
+    def step_input_bound(self) -> int:
+        """The padded budget's bound on one step input's ``B x S`` tensor: ``micro_batch_size x max_tokens``."""
+        return self.micro_batch_size * self.max_tokens
+
+    @property
     def padding_group(self) -> int:
         """Adjacent micro-batches padded to one S: a batch (same_length) or a step input."""
         return self.effective_batch_size if self.same_length else self.micro_batch_size
@@ -420,7 +427,7 @@ class Plan:
         per_input = settings.micro_batch_size  # micro-batches per step input
         tensor_tokens = (sizes * self.padded_seqlens).reshape(-1, per_input).sum(axis=1)  # B x S of each step input
         real, padded = int(self.batch_tokens.sum()), int(tensor_tokens.sum())
-        largest = {"sequences": 0, "padded_seqlen": 0, "tokens": 0, "bound": per_input * settings.max_tokens}
+        largest = {"sequences": 0, "padded_seqlen": 0, "tokens": 0, "bound": settings.step_input_bound}
         if len(tensor_tokens):
             big = int(np.argmax(tensor_tokens))
             largest["sequences"] = int(sizes.reshape(-1, per_input)[big].sum())
@@ -1074,6 +1081,19 @@ def pad_sample(sample, length, pad_value=0, fields=None):
     return type(sample)(*padded) if hasattr(sample, "_fields") else type(sample)(padded)  # namedtuples too
 
 
+# NOTE [same-length lengths reach PaddedCollate]: in same-length mode the samples
+# reach the collate padded to their batch's longest seqlen, so their real lengths
+# can no longer be measured. A collate_fn with a `seqlens` parameter gets them as an
+# argument; any other (a lambda, a partial, a class, a wrapper of a wrapper) may
+# call PaddedCollate without them. So `_LoadStepInput` sets this variable to the
+# plan's lengths around the collate call (in the loader's worker, in the thread
+# that runs the collate), and PaddedCollate given no seqlens takes them from it.
+# A context variable, not a global: each thread sees its own, and a collate run
+# inside another is restored by `reset`. Unpadded samples are measured as before:
+# their lengths in the tensor are what the collate made of them (BOS/EOS included).
+_PADDED_SEQLENS = contextvars.ContextVar("varbatch_padded_seqlens", default=None)
+
+
 class _PaddedBatch(tuple):
     """`PaddedCollate`'s ``(*fields, seqlens)``: its type tells `seqlens_from_padded` what the last item is."""
 
@@ -1088,7 +1108,10 @@ class PaddedCollate:
     dicts a dict of padded fields plus ``seqlens_key`` (None leaves it out, e.g.
     for ``model(**batch)``). ``seqlens`` (``B``, int64) are the lengths
     `make_dataloader` passes (the plan's, also for samples padded to their
-    batch's S in same-length mode), else the first sequence field's.
+    batch's S in same-length mode), else the first sequence field's. Called
+    without ``seqlens`` inside varbatch's loader in same-length mode, by any
+    collate_fn, it takes the plan's (see NOTE [same-length lengths reach
+    PaddedCollate]) and refuses another number of samples than the step input's.
 
     Example:
         >>> x, lens = PaddedCollate()([torch.ones(2, 4), torch.ones(3, 4)])
@@ -1127,10 +1150,7 @@ class PaddedCollate:
                     torch.nn.utils.rnn.pad_sequence(tensors, batch_first=True, padding_value=value)
                 )  # B x S x ...
         if seqlens is None:
-            sequence = next((v for (_, v), t in zip(columns, out) if isinstance(t, torch.Tensor) and t.dim() > 1), None)
-            if sequence is None:
-                raise ValueError("PaddedCollate found no field with a sequence dimension; pass seqlens")
-            seqlens = [torch.as_tensor(v).shape[0] for v in sequence]
+            seqlens = self._lengths(columns, out, len(samples))
         if len(seqlens) != len(samples):
             raise ValueError(f"PaddedCollate got {len(seqlens)} seqlens for {len(samples)} samples")
         lengths = torch.as_tensor(list(seqlens), dtype=torch.int64)
@@ -1138,6 +1158,23 @@ class PaddedCollate:
             return _PaddedBatch((*out, lengths))
         batch = {key: tensor for (key, _), tensor in zip(columns, out)}
         return {**batch, self.seqlens_key: lengths} if self.seqlens_key is not None else batch
+
+    @staticmethod
+    def _lengths(columns: list, out: list, count: int) -> list[int]:
+        """The plan's lengths of ``count`` samples varbatch padded, else the first sequence field's, measured."""
+        planned = _PADDED_SEQLENS.get()
+        if planned is not None:
+            if len(planned) != count:
+                raise ValueError(
+                    f"PaddedCollate got {count} samples in same-length mode, where they arrive padded to their "
+                    f"batch's longest seqlen, but the step input has {len(planned)}: it cannot tell their real "
+                    f"lengths; pass seqlens= (a collate_fn with a seqlens parameter gets the step input's)"
+                )
+            return list(planned)
+        sequence = next((v for (_, v), t in zip(columns, out) if isinstance(t, torch.Tensor) and t.dim() > 1), None)
+        if sequence is None:
+            raise ValueError("PaddedCollate found no field with a sequence dimension; pass seqlens")
+        return [torch.as_tensor(v).shape[0] for v in sequence]
 
     def __repr__(self):
         return f"PaddedCollate(pad_value={self.pad_value!r}, seqlens_key={self.seqlens_key!r})"
@@ -1173,6 +1210,26 @@ def seqlens_from_padded(batch, pad_value=0, seqlens_key="seqlens"):
         )
     real = (tensor != pad_value).reshape(tensor.shape[0], tensor.shape[1], -1).any(dim=2)  # B x S
     return [int(x) for x in (real * torch.arange(1, tensor.shape[1] + 1)).max(dim=1).values]
+
+
+def _padded_tensor(batch: Any, depth: int = 0) -> torch.Tensor | None:
+    """The ``B x S (x ...)`` tensor of a collated step input, or None where none is seen.
+
+    The batch itself; a dict's ``input_ids``, else its first field with a
+    sequence dimension; a tuple's first (PaddedCollate's output, ``(x, lengths)``),
+    two levels deep. Fields only, never the samples: lists are not looked into.
+    """
+    if isinstance(batch, torch.Tensor):
+        return batch if batch.dim() > 1 else None
+    if depth == 2:
+        return None
+    if isinstance(batch, Mapping):
+        fields = [batch["input_ids"]] if isinstance(batch.get("input_ids"), torch.Tensor) else batch.values()
+    elif isinstance(batch, tuple):
+        fields = batch
+    else:
+        return None
+    return next((t for t in (_padded_tensor(field, depth + 1) for field in fields) if t is not None), None)
 
 
 # =============================================================================
@@ -1565,6 +1622,7 @@ class VariableBatchSampler(Sampler[list[int]]):
         """
         self._check_cut(RuntimeError)
         self._check_world()
+        finalizing = sys.is_finalizing  # held by the generator: the module's `sys` is None at interpreter exit
         epoch, start = self._position.next_start()
         total = self._steps(epoch)
         self._start_pass(epoch, start, finished=start >= total)  # an empty epoch is done at once
@@ -1596,7 +1654,9 @@ class VariableBatchSampler(Sampler[list[int]]):
                         step_input=g,
                     )
         except GeneratorExit:  # the consumer dropped the pass: the last epoch of a run has no next pass to raise in
-            if self._position.last.number == passes:
+            # An iterator alive at interpreter exit (a loop that stopped at a step count) is closed while the
+            # module's globals are being cleared: nothing of varbatch can run then, and a cut is past reporting.
+            if self._position.last.number == passes and not finalizing():
                 self._check_cut(RuntimeWarning)
             raise
 
@@ -1735,13 +1795,18 @@ class _RestoresAtOnce:
 
 class _LoadStepInput:
     """The loader's collate: loads the samples of a step-input key, checks that the key was dealt to this rank,
-    pads the samples in same-length mode and collates them (in the loader's workers, if it has any)."""
+    pads the samples in same-length mode and collates them (in the loader's workers, if it has any).
 
-    def __init__(self, dataset, collate_fn=None, sample_padding_fn=None, num_replicas=1, rank=0):
+    ``step_input_bound`` (the padded budget's ``micro_batch_size x max_tokens``,
+    None under the sum budget) is checked against the collated tensor.
+    """
+
+    def __init__(self, dataset, collate_fn=None, sample_padding_fn=None, num_replicas=1, rank=0, step_input_bound=None):
         self.dataset = dataset
         self.collate_fn = collate_fn
         self.sample_padding_fn = sample_padding_fn
         self.num_replicas, self.rank = num_replicas, rank  # the dealing this rank's step inputs follow
+        self.step_input_bound = step_input_bound
         self._last_seen = (None, -1)  # ((epoch, pass number), step input g) of the last key this copy got
         try:  # a collate_fn with a `seqlens` parameter gets the plan's real lengths
             self.pass_seqlens = collate_fn is not None and "seqlens" in inspect.signature(collate_fn).parameters
@@ -1797,9 +1862,44 @@ class _LoadStepInput:
                 )
         if self.collate_fn is None:
             return samples
-        if self.pass_seqlens and key.seqlens is not None:
-            return self.collate_fn(samples, seqlens=list(key.seqlens))
-        return self.collate_fn(samples)
+        padded = _PADDED_SEQLENS.set(key.seqlens if key.pad_to else None)  # NOTE [same-length lengths reach ...]
+        try:
+            if self.pass_seqlens and key.seqlens is not None:
+                batch = self.collate_fn(samples, seqlens=list(key.seqlens))
+            else:
+                batch = self.collate_fn(samples)
+        finally:
+            _PADDED_SEQLENS.reset(padded)
+        if self.step_input_bound is not None:
+            self._check_budget(batch, key)
+        return batch
+
+    def _check_budget(self, batch: Any, key: _StepInputKey) -> None:
+        """Raises when the collated step input's ``B x S`` tensor is over the padded budget's bound.
+
+        NOTE [a collate that adds tokens]: the plan bounds the tensors its
+        seqlens describe; a collate_fn that adds tokens the seqlens do not count
+        (BOS/EOS: TRL appends EOS; padding to a multiple of 8) makes larger ones,
+        the memory bound the budget promised is gone. This is an error, not a
+        warning: the seqlens are wrong about the data (as for a sample longer
+        than its planned length, which `pad_sample` refuses), such a collate
+        shows it within the first step inputs, and an exception raised in a
+        loader worker reaches the training process once (torch re-raises it
+        there), where a warning would print once in every worker process, out of
+        reach of the user's warning filters. Under the sum budget the tensor is
+        not bounded (``B x S`` may exceed ``max_tokens`` by design): there the
+        seqlens must count the same tokens, or the real tokens exceed the sum.
+        """
+        tensor = _padded_tensor(batch)
+        if tensor is None or tensor.shape[0] * tensor.shape[1] <= self.step_input_bound:
+            return
+        raise ValueError(
+            f"step input {key.step_input} of epoch {key.epoch} was collated into a {tensor.shape[0]} x "
+            f"{tensor.shape[1]} tensor of {tensor.shape[0] * tensor.shape[1]} tokens, over the padded budget's "
+            f"micro_batch_size x max_tokens = {self.step_input_bound}: collate_fn adds tokens the seqlens do not "
+            f"count (BOS/EOS, padding to a multiple); count them in the seqlens (e.g. [len(ids) + 1 for ids in "
+            f"tokenized] for an EOS the collate appends)"
+        )
 
 
 def _check_ranks_agree(sampler: VariableBatchSampler) -> None:
@@ -1884,8 +1984,14 @@ def make_dataloader(
         if hasattr(dataloader_class, "load_state_dict"):
             bases = (_RestoresAtOnce, *bases)
         loader_class = type(f"_{dataloader_class.__name__}", bases, {})
+    settings = batch_sampler.settings
     load_step_input = _LoadStepInput(
-        dataset, collate_fn, sample_padding_fn, num_replicas=batch_sampler.num_replicas, rank=batch_sampler.rank
+        dataset,
+        collate_fn,
+        sample_padding_fn,
+        num_replicas=batch_sampler.num_replicas,
+        rank=batch_sampler.rank,
+        step_input_bound=settings.step_input_bound if settings.budget == "padded" else None,
     )
     loader = loader_class(
         _KeyDataset(),
