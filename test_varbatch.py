@@ -707,6 +707,14 @@ def test_a_collate_that_adds_tokens_the_seqlens_count_trains_every_step_input(ca
         assert largest > 64 and (largest <= 2 * 64 or case == "the sum budget")
 
 
+def test_readme_says_the_seqlens_count_what_the_collate_adds():
+    """The README's step 1 and its padded budget name the condition of the bound (issue 18, item 6)."""
+    readme = Path(_ROOT, "README.md").read_text(encoding="utf-8")
+    step_1 = readme[readme.index("For your own data, step 1") :].split("\n\n")[0]
+    assert "[len(ids) + 1 for ids in tokenized]" in step_1 and "count every token your `collate_fn` adds" in step_1
+    assert "bounds every tensor a forward pass sees (seqlens that count what the collate adds)" in readme
+
+
 # =============================================================================
 # 2. Order
 # =============================================================================
@@ -2814,6 +2822,92 @@ def test_loss_weights_give_the_full_batch_gradient(unit):
             assert torch.allclose(got, want, rtol=1e-10, atol=1e-12), f"batch {b}: {got} != {want}"
         unweighted_differs |= not all(torch.allclose(g, w) for g, w in zip(gradient(weighted=False), expected))
     assert unweighted_differs, "the data never has micro-batches of different sizes: the test proves nothing"
+
+
+def _causal_lm_collate(samples):
+    """HF causal-LM inputs: input_ids, attention_mask, labels (-100 on padding)."""
+    ids = torch.nn.utils.rnn.pad_sequence(samples, batch_first=True, padding_value=0)
+    mask = torch.nn.utils.rnn.pad_sequence([torch.ones(len(s), dtype=torch.int64) for s in samples], batch_first=True)
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def test_hf_trainer_num_items_in_batch_alone_gives_the_batch_token_mean(tmp_path):
+    """The README's rule (issue 18, item 8): under HF Trainer a *ForCausalLM model's loss, divided by the Trainer's
+    num_items_in_batch, already gives the gradient of the batch's token mean over accumulation steps; no
+    micro_batch_loss_weight. GPT2LMHeadModel gets no loss type (the README's exception)."""
+    transformers = pytest.importorskip("transformers")
+    vocab, gas = 64, 2
+    seqlens = _lengths(96, 5, 40, seed=8)
+    generator = torch.Generator().manual_seed(1)
+    dataset = [torch.randint(1, vocab, (n,), generator=generator) for n in seqlens]
+    sampler = VariableBatchSampler(seqlens, 256, budget="padded", order="bucket", gradient_accumulation_steps=gas)
+    loader = make_dataloader(dataset, sampler, collate_fn=_causal_lm_collate)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        num_hidden_layers=1,
+        hidden_size=16,
+        intermediate_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=vocab,
+        max_position_embeddings=64,
+    )
+    model = transformers.LlamaForCausalLM(config)
+    reference = copy.deepcopy(model)
+    seen, grads = [], []
+
+    class Trainer(transformers.Trainer):
+        def get_train_dataloader(self):
+            return loader
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            seen.append({key: value.clone() for key, value in inputs.items()})
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    class Grab(transformers.TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=1,
+        gradient_accumulation_steps=gas,
+        max_grad_norm=0.0,
+        logging_strategy="no",
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        remove_unused_columns=False,
+        dataloader_pin_memory=False,
+    )
+    Trainer(model=model, args=args, callbacks=[Grab()]).train()
+    assert len(grads) == 1 and len(seen) == gas
+    total, count = 0.0, 0
+    for inputs in seen:  # the batch's token mean: every label token of both step inputs, shifted
+        logits = reference(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
+        labels = inputs["labels"][:, 1:]
+        total = total + torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, vocab), labels.reshape(-1), ignore_index=-100, reduction="sum"
+        )
+        count += int((labels != -100).sum())
+    (total / count).backward()
+    want = torch.cat([p.grad.flatten() for p in reference.parameters()])
+    error = float((grads[0] - want).norm() / want.norm())
+    assert error < 1e-5, f"the Trainer's gradient is {error:.2g} off the batch token mean's"
+    shares = [int((inputs["labels"][:, 1:] != -100).sum()) / count * gas for inputs in seen]
+    assert max(abs(share - 1) for share in shares) > 0.01, "a weight would change nothing: the test proves nothing"
+    assert model.loss_type == "ForCausalLM"
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=vocab))
+    assert gpt2.loss_type is None
+
+
+def test_readme_says_when_to_weight_the_loss_and_when_the_trainer_does():
+    """The README's loss weighting passage names HF Trainer's num_items_in_batch and its loss_type condition."""
+    readme = Path(_ROOT, "README.md").read_text(encoding="utf-8")
+    passage = readme[readme.index("**Loss weighting.**") :].split("\n\n")[0]
+    for words in ("num_items_in_batch", "*ForCausalLM", "loss_type", "GPT2LMHeadModel", "compute_loss"):
+        assert words in passage, f"the README's loss weighting passage does not name {words}"
 
 
 # =============================================================================

@@ -16,9 +16,10 @@ Public names: DeepSpeed's ``batch_by_seqlens``, ``scale_lr``,
 DeepSpeed's signatures); ``plan_batches`` -> ``Plan``, ``VariableBatchSampler``,
 ``make_dataloader``, ``PaddedCollate``, ``pad_sample``, ``seqlens_from_padded``,
 ``micro_batch_loss_weight``. Guarantees: no micro-batch costs more than
-``max_tokens``; every sample is trained once per epoch or listed in
-``Plan.dropped`` with a reason; every rank computes the same plan. Needs numpy
-and torch (DeepSpeed only inside the functions that use it).
+``max_tokens`` (in the seqlens given: they count what the collate adds); every
+sample is trained once per epoch or listed in ``Plan.dropped`` with a reason;
+every rank computes the same plan. Needs numpy and torch (DeepSpeed only
+inside the functions that use it).
 Tests: ``python -m pytest test_varbatch.py``.
 
 Reading path: the definitions that carry the technique, in file order (about
@@ -807,11 +808,13 @@ def plan_batches(
     """Packs one epoch of samples into micro-batches and batches under a token budget.
 
     Args:
-        seqlens: the token count of every sample of the dataset (``L_i >= 1``).
+        seqlens: the token count of every sample of the dataset (``L_i >= 1``),
+            as the collate function makes it: BOS/EOS it adds included.
         max_tokens: the budget of one micro-batch: with ``budget="sum"`` the sum
             of its seqlens (DeepSpeed's meaning); with ``"padded"``, ``n x S``,
             its padded ``B x S`` tensor (S: the longest sample of its step
-            input; of its batch when ``same_length``).
+            input; of its batch when ``same_length``), a bound on the tensors a
+            forward pass sees as far as the seqlens count their tokens.
         effective_batch_size: ``k``, micro-batches per batch (one optimizer step):
             micro-batches per step input x accumulation steps x data-parallel ranks.
         sample_ids: the samples to pack (curriculum filtering; in ``dataloader``
@@ -974,6 +977,15 @@ def micro_batch_loss_weight(count, batch_count, *, num_replicas=1, gradient_accu
     over ranks and accumulation steps (DDP, DeepSpeed) divide by ``num_replicas
     x gradient_accumulation_steps``, which the weight undoes (1 and 1 for a
     plain loop that sums ``loss.backward()`` calls).
+
+    Weight only a loss that is a mean over its own step input. HF Trainer
+    already weights an HF model's loss: it divides each step input's loss sum
+    by ``num_items_in_batch``, the label tokens of the whole batch, and undoes
+    the averages, which gives the batch token mean's gradient; a weight on top
+    makes it wrong. It does so for ``*ForCausalLM`` models (or
+    ``model.loss_type = "ForCausalLM"``; GPT2LMHeadModel is not recognised);
+    a custom model or a ``compute_loss`` returning a per-step-input mean needs
+    the weight, with ``count`` the step input's label tokens (README: "Loss weighting").
 
     Example:
         >>> micro_batch_loss_weight(3, 12), micro_batch_loss_weight(3, 12, num_replicas=2)
@@ -1401,7 +1413,8 @@ class VariableBatchSampler(Sampler[list[int]]):
     rank r takes step inputs r, r + R, ... Every rank yields ``len(sampler)``,
     so no collective waits forever; iterating to the end advances the epoch.
     Tune ``max_tokens`` for memory (``budget="padded"``: the padded tensor's
-    size); ``order="bucket"`` with the padded budget gives random batches with
+    size, with seqlens that count what the collate adds; `make_dataloader`'s
+    loader refuses a tensor over it); ``order="bucket"`` with the padded budget gives random batches with
     little padding; ``bucket_size`` trades padding (larger) for randomness.
 
     Args:
@@ -1941,7 +1954,11 @@ def make_dataloader(
     In same-length mode every sample is first padded with
     ``sample_padding_fn(sample, length)`` to its batch's longest seqlen. A
     ``collate_fn`` with a ``seqlens`` parameter (as `PaddedCollate`) gets the
-    plan's real lengths of its samples, also when they arrive padded. Works with
+    plan's real lengths of its samples, also when they arrive padded; any other
+    that calls `PaddedCollate` without them gets them there in same-length mode
+    (see NOTE [same-length lengths reach PaddedCollate]). Under the padded budget
+    a collated tensor (see `_padded_tensor`) over ``micro_batch_size x
+    max_tokens`` is an error: the seqlens must count what ``collate_fn`` adds. Works with
     workers (also spawned), ``pin_memory`` and ``persistent_workers``, under
     torchrun, DeepSpeed, HF Accelerate's ``prepare`` and Lightning (see README);
     ``dataloader_class`` (a DataLoader subclass, e.g. torchdata's
@@ -1953,7 +1970,8 @@ def make_dataloader(
     Raises:
         TypeError, ValueError: another sampler, same-length mode without
         ``sample_padding_fn``, a dataset of another size than the seqlens, or a
-        DataLoader option the sampler decides (batch size, shuffling);
+        DataLoader option the sampler decides (batch size, shuffling); while
+        iterating, ValueError: a collated tensor over the padded budget;
         RuntimeError: the processes planned differently.
     """
     if not isinstance(batch_sampler, VariableBatchSampler):
