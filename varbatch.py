@@ -1414,8 +1414,9 @@ class VariableBatchSampler(Sampler[list[int]]):
     so no collective waits forever; iterating to the end advances the epoch.
     Tune ``max_tokens`` for memory (``budget="padded"``: the padded tensor's
     size, with seqlens that count what the collate adds; `make_dataloader`'s
-    loader refuses a tensor over it); ``order="bucket"`` with the padded budget gives random batches with
-    little padding; ``bucket_size`` trades padding (larger) for randomness.
+    loader refuses a tensor over it); ``order="bucket"`` with the padded budget
+    gives random batches with little padding; ``bucket_size`` trades padding
+    (larger) for randomness.
 
     Args:
         seqlens, max_tokens: token count of every sample; budget of one micro-batch.
@@ -1895,8 +1896,9 @@ class _LoadStepInput:
         (BOS/EOS: TRL appends EOS; padding to a multiple of 8) makes larger ones,
         the memory bound the budget promised is gone. This is an error, not a
         warning: the seqlens are wrong about the data (as for a sample longer
-        than its planned length, which `pad_sample` refuses), such a collate
-        shows it within the first step inputs, and an exception raised in a
+        than its planned length, which `pad_sample` refuses), a collate that
+        adds tokens to every sample shows it within the first step inputs
+        (packed up to the budget), and an exception raised in a
         loader worker reaches the training process once (torch re-raises it
         there), where a warning would print once in every worker process, out of
         reach of the user's warning filters. Under the sum budget the tensor is
