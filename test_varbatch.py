@@ -620,6 +620,101 @@ def test_a_samples_len_means_nothing(kind):
     assert sorted(i for ids in planned for i in ids) == list(range(30))
 
 
+# -- a collate that adds tokens the seqlens do not count (issue 18, item 6) -----------------------
+
+
+def _eos_collate(samples, form):
+    """Appends an EOS token (-1) to every sample, as TRL's collator does, and returns the batch as ``form``."""
+    batch = PaddedCollate()([torch.cat([torch.as_tensor(s), torch.tensor([-1])]) for s in samples])
+    x, lengths = batch
+    forms = {
+        "PaddedCollate's": batch,
+        "a tensor": x,
+        "(x, lengths)": (x, lengths),
+        "a dict's input_ids": {"seqlens": lengths, "input_ids": x},
+        "a dict's first sequence field": {"label": lengths, "tokens": x, "mask": x != 0},
+        "nested tuples": ((lengths, x), x),
+    }
+    return forms[form]
+
+
+def _first_over(plan, seqlens, bound):
+    """The first step input (of one micro-batch) whose tensor is over ``bound`` once an EOS is appended."""
+    sizes = [len(ids) * (max(seqlens[i] for i in ids) + 1) for ids in plan.microbatches()]
+    return next((t for t, size in enumerate(sizes) if size > bound), len(sizes))
+
+
+def _error_after(loader):
+    """``(step inputs yielded, message)`` of the ValueError iterating ``loader`` raises (message None: none).
+
+    The exception's traceback is dropped at once: it holds the loader's iterator in a reference cycle (torch's
+    re-raising frame holds the exception), and the garbage collector's shutdown of its worker processes waits
+    out torch's timeouts (10 s); freed by reference counting, the iterator shuts them down at once."""
+    yielded = 0
+    try:
+        for _ in loader:
+            yielded += 1
+    except ValueError as error:
+        error.__traceback__ = None
+        return yielded, str(error)
+    return yielded, None
+
+
+@pytest.mark.parametrize(
+    ("form", "workers"),
+    [
+        ("PaddedCollate's", 0),
+        ("PaddedCollate's", 2),
+        ("a tensor", 0),
+        ("(x, lengths)", 0),
+        ("a dict's input_ids", 0),
+        ("a dict's first sequence field", 2),
+        ("nested tuples", 0),
+    ],
+)
+def test_a_collate_that_adds_tokens_is_refused_at_its_first_step_input_over_the_padded_budget(form, workers):
+    """budget='padded': a collated tensor over micro_batch_size x max_tokens stops the loader at that step input,
+    naming the cause (the audit: 95 of 256 step inputs over, the largest 1.66x, silently)."""
+    seqlens = _lengths(256, 2, 30, seed=3)
+    sampler = VariableBatchSampler(seqlens, 64, budget="padded", order="bucket", seed=1)
+    first = _first_over(sampler.plan, seqlens, 64)
+    assert first < sampler.plan.num_batches, "no step input goes over: the test proves nothing"
+    collate = functools.partial(_eos_collate, form=form)
+    loader = make_dataloader(_id_dataset(seqlens), sampler, collate_fn=collate, num_workers=workers)
+    yielded, message = _error_after(loader)
+    assert yielded == first and "collate_fn adds tokens the seqlens do not count" in message
+    assert f"step input {first} of epoch 0" in message and "max_tokens = 64" in message
+
+
+@pytest.mark.parametrize("case", ["the seqlens count the EOS", "the sum budget", "two micro-batches per step input"])
+def test_a_collate_that_adds_tokens_the_seqlens_count_trains_every_step_input(case):
+    """Siblings that go on: seqlens that count what the collate adds (the README's step 1), the sum budget (it
+    bounds sums, not tensors), and step inputs of two micro-batches, bounded by 2 x max_tokens."""
+    seqlens = _lengths(256, 2, 30, seed=3)
+    planned = [n + 1 for n in seqlens] if case == "the seqlens count the EOS" else seqlens
+    options = dict(budget="sum" if case == "the sum budget" else "padded", order="bucket", seed=1)
+    if case == "two micro-batches per step input":
+        planned = [n + 1 for n in seqlens]
+        options["micro_batch_size"] = 2
+    sampler = VariableBatchSampler(planned, 64, **options)
+    collate = functools.partial(_eos_collate, form="PaddedCollate's")
+    batches = list(make_dataloader(_id_dataset(seqlens), sampler, collate_fn=collate))
+    assert len(batches) == sampler.plan_for_epoch(0).num_batches
+    largest = max(x.shape[0] * x.shape[1] for x, _ in batches)
+    if case == "the seqlens count the EOS":
+        assert largest <= 64
+    else:  # over max_tokens: within the bound of two micro-batches, or unbounded under the sum budget
+        assert largest > 64 and (largest <= 2 * 64 or case == "the sum budget")
+
+
+def test_readme_says_the_seqlens_count_what_the_collate_adds():
+    """The README's step 1 and its padded budget name the condition of the bound (issue 18, item 6)."""
+    readme = Path(_ROOT, "README.md").read_text(encoding="utf-8")
+    step_1 = readme[readme.index("For your own data, step 1") :].split("\n\n")[0]
+    assert "[len(ids) + 1 for ids in tokenized]" in step_1 and "count every token your `collate_fn` adds" in step_1
+    assert "bounds every tensor a forward pass sees (seqlens that count what the collate adds)" in readme
+
+
 # =============================================================================
 # 2. Order
 # =============================================================================
@@ -794,6 +889,84 @@ def test_a_collate_with_a_seqlens_parameter_gets_the_real_lengths():
     assert [tuple(x.shape) for (x, _), _ in batches] == [(2, 6), (2, 6)]
 
 
+def _wrap(samples):
+    """A user's wrapper without a seqlens parameter (issue 18, item 7)."""
+    x, lengths = PaddedCollate()(samples)
+    return x, lengths
+
+
+def _wrap_wrapper(samples):
+    return _wrap([s.float() for s in samples])
+
+
+class _WrappingCollate:
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __call__(self, samples):
+        return self.inner(samples)
+
+
+def _wrap_with(collate, samples):
+    return collate(samples)
+
+
+_WRAPPERS = {
+    "a function": _wrap,
+    "a lambda": lambda samples: tuple(PaddedCollate()(samples)),
+    "functools.partial": functools.partial(_wrap_with, PaddedCollate(seqlens_key=None)),
+    "a class with __call__": _WrappingCollate(PaddedCollate()),
+    "nested wrappers": _WrappingCollate(_wrap_wrapper),
+}
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("wrapper", list(_WRAPPERS))
+def test_a_collate_without_a_seqlens_parameter_gets_the_real_lengths(wrapper, workers):
+    """Same-length mode: PaddedCollate called without seqlens inside any collate_fn reports the plan's real
+    lengths, not the batch's S (the audit: 19 of 19 step inputs at padded lengths)."""
+    seqlens = _lengths(64, 2, 20, seed=7)
+    sampler = VariableBatchSampler(
+        seqlens, 64, gradient_accumulation_steps=2, budget="padded", same_size=True, same_length=True
+    )
+    collate = _WRAPPERS[wrapper]
+    loader = make_dataloader(
+        _id_dataset(seqlens), sampler, collate_fn=collate, sample_padding_fn=pad_sample, num_workers=workers
+    )
+    batches = [batch[:2] for batch in loader]
+    plan = sampler.plan_for_epoch(0)
+    assert len(batches) == len(plan.microbatches())
+    padded = 0
+    for b, (x, lengths) in enumerate(batches):
+        assert x.shape[1] == plan.batch_max_seqlens[b // 2]
+        assert lengths.tolist() == [seqlens[i] for i in _ids_of(x.long())]
+        padded += (lengths != x.shape[1]).any().item()
+    assert padded, "every sample is as long as its batch's longest: the test proves nothing"
+
+
+def test_padded_collate_refuses_to_guess_the_lengths_of_other_samples_than_the_step_inputs():
+    """Same-length mode: PaddedCollate given another number of samples than the step input's, without seqlens,
+    refuses (it cannot tell their real lengths); unpadded samples, and outside a loader, are measured."""
+    seqlens = [2, 6, 3, 6, 5, 4, 1, 6]
+    options = dict(budget="padded", same_size=True, same_length=True)
+
+    def halves(samples):
+        return PaddedCollate()(samples[: len(samples) // 2])
+
+    loader = make_dataloader(
+        _id_dataset(seqlens),
+        VariableBatchSampler(seqlens, 12, **options),
+        collate_fn=halves,
+        sample_padding_fn=pad_sample,
+    )
+    with pytest.raises(ValueError, match=r"PaddedCollate got 1 samples in same-length mode.*pass seqlens="):
+        list(loader)
+    eos = functools.partial(_eos_collate, form="(x, lengths)")  # unpadded: the collate's lengths, EOS included
+    batches = list(make_dataloader(_id_dataset(seqlens), VariableBatchSampler(seqlens, 12), collate_fn=eos))
+    assert [n.tolist() for _, n in batches] == [[seqlens[i] + 1 for i in _ids_of(x)] for x, _ in batches]
+    assert _wrap([torch.ones(3), torch.ones(5)])[1].tolist() == [3, 5]
+
+
 def test_dict_samples_in_pipeline_mode():
     """Same-length mode pads dict samples field by field (labels with -100) and reports their real lengths."""
     seqlens = _lengths(24, 1, 10, seed=13)
@@ -966,6 +1139,38 @@ def test_make_dataloader_with_workers():
         for ids, (x, lens) in zip(expected, got):
             assert _ids_of(x) == ids
             assert lens.tolist() == [seqlens[i] for i in ids]
+
+
+_STOPS_MID_EPOCH = """
+import torch, varbatch
+lengths = list(range(3, 60)) * 4
+dataset = [torch.ones(n) for n in lengths]
+iterators = []
+for workers in (0, 2):  # a loop that stopped mid-epoch, its loader's iterator alive at exit
+    sampler = varbatch.VariableBatchSampler(lengths, 128, order="bucket")
+    loader = varbatch.make_dataloader(dataset, sampler, collate_fn=varbatch.PaddedCollate(), num_workers=workers)
+    iterators.append(iter(loader))
+    next(iterators[-1])
+sampler = varbatch.VariableBatchSampler(lengths, 128, order="random", gradient_accumulation_steps=2)
+keys = iter(sampler)  # the sampler's own iterator
+next(keys)
+loader = varbatch.make_dataloader(dataset, sampler, collate_fn=varbatch.PaddedCollate())
+data_iter = iter(loader)  # DeepSpeed style: engine.train_batch(data_iter) until a step count
+for step in range(3):
+    next(data_iter)
+    next(data_iter)
+print("stopped")
+"""
+
+
+def test_a_loop_that_stops_mid_epoch_exits_cleanly():
+    """Iterators alive at interpreter exit (without and with workers, the sampler's own, a DeepSpeed-style
+    stop at a step count) close silently (issue 18, item 9: 'Exception ignored in: <generator ... _iter_keys>')."""
+    done = subprocess.run(
+        [sys.executable, "-c", _STOPS_MID_EPOCH], cwd=_ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0 and done.stdout == "stopped\n", done.stderr[-800:]
+    assert done.stderr == "", done.stderr[-800:]
 
 
 # -- padding and collate ---------------------------------------------------------------------------
@@ -2617,6 +2822,92 @@ def test_loss_weights_give_the_full_batch_gradient(unit):
             assert torch.allclose(got, want, rtol=1e-10, atol=1e-12), f"batch {b}: {got} != {want}"
         unweighted_differs |= not all(torch.allclose(g, w) for g, w in zip(gradient(weighted=False), expected))
     assert unweighted_differs, "the data never has micro-batches of different sizes: the test proves nothing"
+
+
+def _causal_lm_collate(samples):
+    """HF causal-LM inputs: input_ids, attention_mask, labels (-100 on padding)."""
+    ids = torch.nn.utils.rnn.pad_sequence(samples, batch_first=True, padding_value=0)
+    mask = torch.nn.utils.rnn.pad_sequence([torch.ones(len(s), dtype=torch.int64) for s in samples], batch_first=True)
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def test_hf_trainer_num_items_in_batch_alone_gives_the_batch_token_mean(tmp_path):
+    """The README's rule (issue 18, item 8): under HF Trainer a *ForCausalLM model's loss, divided by the Trainer's
+    num_items_in_batch, already gives the gradient of the batch's token mean over accumulation steps; no
+    micro_batch_loss_weight. GPT2LMHeadModel gets no loss type (the README's exception)."""
+    transformers = pytest.importorskip("transformers")
+    vocab, gas = 64, 2
+    seqlens = _lengths(96, 5, 40, seed=8)
+    generator = torch.Generator().manual_seed(1)
+    dataset = [torch.randint(1, vocab, (n,), generator=generator) for n in seqlens]
+    sampler = VariableBatchSampler(seqlens, 256, budget="padded", order="bucket", gradient_accumulation_steps=gas)
+    loader = make_dataloader(dataset, sampler, collate_fn=_causal_lm_collate)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        num_hidden_layers=1,
+        hidden_size=16,
+        intermediate_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=vocab,
+        max_position_embeddings=64,
+    )
+    model = transformers.LlamaForCausalLM(config)
+    reference = copy.deepcopy(model)
+    seen, grads = [], []
+
+    class Trainer(transformers.Trainer):
+        def get_train_dataloader(self):
+            return loader
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            seen.append({key: value.clone() for key, value in inputs.items()})
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    class Grab(transformers.TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=1,
+        gradient_accumulation_steps=gas,
+        max_grad_norm=0.0,
+        logging_strategy="no",
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        remove_unused_columns=False,
+        dataloader_pin_memory=False,
+    )
+    Trainer(model=model, args=args, callbacks=[Grab()]).train()
+    assert len(grads) == 1 and len(seen) == gas
+    total, count = 0.0, 0
+    for inputs in seen:  # the batch's token mean: every label token of both step inputs, shifted
+        logits = reference(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
+        labels = inputs["labels"][:, 1:]
+        total = total + torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, vocab), labels.reshape(-1), ignore_index=-100, reduction="sum"
+        )
+        count += int((labels != -100).sum())
+    (total / count).backward()
+    want = torch.cat([p.grad.flatten() for p in reference.parameters()])
+    error = float((grads[0] - want).norm() / want.norm())
+    assert error < 1e-5, f"the Trainer's gradient is {error:.2g} off the batch token mean's"
+    shares = [int((inputs["labels"][:, 1:] != -100).sum()) / count * gas for inputs in seen]
+    assert max(abs(share - 1) for share in shares) > 0.01, "a weight would change nothing: the test proves nothing"
+    assert model.loss_type == "ForCausalLM"
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=vocab))
+    assert gpt2.loss_type is None
+
+
+def test_readme_says_when_to_weight_the_loss_and_when_the_trainer_does():
+    """The README's loss weighting passage names HF Trainer's num_items_in_batch and its loss_type condition."""
+    readme = Path(_ROOT, "README.md").read_text(encoding="utf-8")
+    passage = readme[readme.index("**Loss weighting.**") :].split("\n\n")[0]
+    for words in ("num_items_in_batch", "*ForCausalLM", "loss_type", "GPT2LMHeadModel", "compute_loss"):
+        assert words in passage, f"the README's loss weighting passage does not name {words}"
 
 
 # =============================================================================

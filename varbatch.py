@@ -16,9 +16,10 @@ Public names: DeepSpeed's ``batch_by_seqlens``, ``scale_lr``,
 DeepSpeed's signatures); ``plan_batches`` -> ``Plan``, ``VariableBatchSampler``,
 ``make_dataloader``, ``PaddedCollate``, ``pad_sample``, ``seqlens_from_padded``,
 ``micro_batch_loss_weight``. Guarantees: no micro-batch costs more than
-``max_tokens``; every sample is trained once per epoch or listed in
-``Plan.dropped`` with a reason; every rank computes the same plan. Needs numpy
-and torch (DeepSpeed only inside the functions that use it).
+``max_tokens`` (in the seqlens given: they count what the collate adds); every
+sample is trained once per epoch or listed in ``Plan.dropped`` with a reason;
+every rank computes the same plan. Needs numpy and torch (DeepSpeed only
+inside the functions that use it).
 Tests: ``python -m pytest test_varbatch.py``.
 
 Reading path: the definitions that carry the technique, in file order (about
@@ -41,6 +42,7 @@ Reading path: the definitions that carry the technique, in file order (about
 
 from __future__ import annotations
 
+import contextvars
 import copy
 import dataclasses
 import difflib
@@ -51,6 +53,7 @@ import logging
 import math
 import numbers
 import os
+import sys
 import typing
 import warnings
 import weakref
@@ -303,6 +306,11 @@ class _Settings:
         return 1
 
     @property
+    def step_input_bound(self) -> int:
+        """The padded budget's bound on one step input's ``B x S`` tensor: ``micro_batch_size x max_tokens``."""
+        return self.micro_batch_size * self.max_tokens
+
+    @property
     def padding_group(self) -> int:
         """Adjacent micro-batches padded to one S: a batch (same_length) or a step input."""
         return self.effective_batch_size if self.same_length else self.micro_batch_size
@@ -420,7 +428,7 @@ class Plan:
         per_input = settings.micro_batch_size  # micro-batches per step input
         tensor_tokens = (sizes * self.padded_seqlens).reshape(-1, per_input).sum(axis=1)  # B x S of each step input
         real, padded = int(self.batch_tokens.sum()), int(tensor_tokens.sum())
-        largest = {"sequences": 0, "padded_seqlen": 0, "tokens": 0, "bound": per_input * settings.max_tokens}
+        largest = {"sequences": 0, "padded_seqlen": 0, "tokens": 0, "bound": settings.step_input_bound}
         if len(tensor_tokens):
             big = int(np.argmax(tensor_tokens))
             largest["sequences"] = int(sizes.reshape(-1, per_input)[big].sum())
@@ -800,11 +808,13 @@ def plan_batches(
     """Packs one epoch of samples into micro-batches and batches under a token budget.
 
     Args:
-        seqlens: the token count of every sample of the dataset (``L_i >= 1``).
+        seqlens: the token count of every sample of the dataset (``L_i >= 1``),
+            as the collate function makes it: BOS/EOS it adds included.
         max_tokens: the budget of one micro-batch: with ``budget="sum"`` the sum
             of its seqlens (DeepSpeed's meaning); with ``"padded"``, ``n x S``,
             its padded ``B x S`` tensor (S: the longest sample of its step
-            input; of its batch when ``same_length``).
+            input; of its batch when ``same_length``), a bound on the tensors a
+            forward pass sees as far as the seqlens count their tokens.
         effective_batch_size: ``k``, micro-batches per batch (one optimizer step):
             micro-batches per step input x accumulation steps x data-parallel ranks.
         sample_ids: the samples to pack (curriculum filtering; in ``dataloader``
@@ -968,6 +978,15 @@ def micro_batch_loss_weight(count, batch_count, *, num_replicas=1, gradient_accu
     x gradient_accumulation_steps``, which the weight undoes (1 and 1 for a
     plain loop that sums ``loss.backward()`` calls).
 
+    Weight only a loss that is a mean over its own step input. HF Trainer
+    already weights an HF model's loss: it divides each step input's loss sum
+    by ``num_items_in_batch``, the label tokens of the whole batch, and undoes
+    the averages, which gives the batch token mean's gradient; a weight on top
+    makes it wrong. It does so for ``*ForCausalLM`` models (or
+    ``model.loss_type = "ForCausalLM"``; GPT2LMHeadModel is not recognised);
+    a custom model or a ``compute_loss`` returning a per-step-input mean needs
+    the weight, with ``count`` the step input's label tokens (README: "Loss weighting").
+
     Example:
         >>> micro_batch_loss_weight(3, 12), micro_batch_loss_weight(3, 12, num_replicas=2)
         (0.25, 0.5)
@@ -1074,6 +1093,19 @@ def pad_sample(sample, length, pad_value=0, fields=None):
     return type(sample)(*padded) if hasattr(sample, "_fields") else type(sample)(padded)  # namedtuples too
 
 
+# NOTE [same-length lengths reach PaddedCollate]: in same-length mode the samples
+# reach the collate padded to their batch's longest seqlen, so their real lengths
+# can no longer be measured. A collate_fn with a `seqlens` parameter gets them as an
+# argument; any other (a lambda, a partial, a class, a wrapper of a wrapper) may
+# call PaddedCollate without them. So `_LoadStepInput` sets this variable to the
+# plan's lengths around the collate call (in the loader's worker, in the thread
+# that runs the collate), and PaddedCollate given no seqlens takes them from it.
+# A context variable, not a global: each thread sees its own, and a collate run
+# inside another is restored by `reset`. Unpadded samples are measured as before:
+# their lengths in the tensor are what the collate made of them (BOS/EOS included).
+_PADDED_SEQLENS = contextvars.ContextVar("varbatch_padded_seqlens", default=None)
+
+
 class _PaddedBatch(tuple):
     """`PaddedCollate`'s ``(*fields, seqlens)``: its type tells `seqlens_from_padded` what the last item is."""
 
@@ -1088,7 +1120,10 @@ class PaddedCollate:
     dicts a dict of padded fields plus ``seqlens_key`` (None leaves it out, e.g.
     for ``model(**batch)``). ``seqlens`` (``B``, int64) are the lengths
     `make_dataloader` passes (the plan's, also for samples padded to their
-    batch's S in same-length mode), else the first sequence field's.
+    batch's S in same-length mode), else the first sequence field's. Called
+    without ``seqlens`` inside varbatch's loader in same-length mode, by any
+    collate_fn, it takes the plan's (see NOTE [same-length lengths reach
+    PaddedCollate]) and refuses another number of samples than the step input's.
 
     Example:
         >>> x, lens = PaddedCollate()([torch.ones(2, 4), torch.ones(3, 4)])
@@ -1127,10 +1162,7 @@ class PaddedCollate:
                     torch.nn.utils.rnn.pad_sequence(tensors, batch_first=True, padding_value=value)
                 )  # B x S x ...
         if seqlens is None:
-            sequence = next((v for (_, v), t in zip(columns, out) if isinstance(t, torch.Tensor) and t.dim() > 1), None)
-            if sequence is None:
-                raise ValueError("PaddedCollate found no field with a sequence dimension; pass seqlens")
-            seqlens = [torch.as_tensor(v).shape[0] for v in sequence]
+            seqlens = self._lengths(columns, out, len(samples))
         if len(seqlens) != len(samples):
             raise ValueError(f"PaddedCollate got {len(seqlens)} seqlens for {len(samples)} samples")
         lengths = torch.as_tensor(list(seqlens), dtype=torch.int64)
@@ -1138,6 +1170,23 @@ class PaddedCollate:
             return _PaddedBatch((*out, lengths))
         batch = {key: tensor for (key, _), tensor in zip(columns, out)}
         return {**batch, self.seqlens_key: lengths} if self.seqlens_key is not None else batch
+
+    @staticmethod
+    def _lengths(columns: list, out: list, count: int) -> list[int]:
+        """The plan's lengths of ``count`` samples varbatch padded, else the first sequence field's, measured."""
+        planned = _PADDED_SEQLENS.get()
+        if planned is not None:
+            if len(planned) != count:
+                raise ValueError(
+                    f"PaddedCollate got {count} samples in same-length mode, where they arrive padded to their "
+                    f"batch's longest seqlen, but the step input has {len(planned)}: it cannot tell their real "
+                    f"lengths; pass seqlens= (a collate_fn with a seqlens parameter gets the step input's)"
+                )
+            return list(planned)
+        sequence = next((v for (_, v), t in zip(columns, out) if isinstance(t, torch.Tensor) and t.dim() > 1), None)
+        if sequence is None:
+            raise ValueError("PaddedCollate found no field with a sequence dimension; pass seqlens")
+        return [torch.as_tensor(v).shape[0] for v in sequence]
 
     def __repr__(self):
         return f"PaddedCollate(pad_value={self.pad_value!r}, seqlens_key={self.seqlens_key!r})"
@@ -1173,6 +1222,26 @@ def seqlens_from_padded(batch, pad_value=0, seqlens_key="seqlens"):
         )
     real = (tensor != pad_value).reshape(tensor.shape[0], tensor.shape[1], -1).any(dim=2)  # B x S
     return [int(x) for x in (real * torch.arange(1, tensor.shape[1] + 1)).max(dim=1).values]
+
+
+def _padded_tensor(batch: Any, depth: int = 0) -> torch.Tensor | None:
+    """The ``B x S (x ...)`` tensor of a collated step input, or None where none is seen.
+
+    The batch itself; a dict's ``input_ids``, else its first field with a
+    sequence dimension; a tuple's first (PaddedCollate's output, ``(x, lengths)``),
+    two levels deep. Fields only, never the samples: lists are not looked into.
+    """
+    if isinstance(batch, torch.Tensor):
+        return batch if batch.dim() > 1 else None
+    if depth == 2:
+        return None
+    if isinstance(batch, Mapping):
+        fields = [batch["input_ids"]] if isinstance(batch.get("input_ids"), torch.Tensor) else batch.values()
+    elif isinstance(batch, tuple):
+        fields = batch
+    else:
+        return None
+    return next((t for t in (_padded_tensor(field, depth + 1) for field in fields) if t is not None), None)
 
 
 # =============================================================================
@@ -1344,8 +1413,10 @@ class VariableBatchSampler(Sampler[list[int]]):
     rank r takes step inputs r, r + R, ... Every rank yields ``len(sampler)``,
     so no collective waits forever; iterating to the end advances the epoch.
     Tune ``max_tokens`` for memory (``budget="padded"``: the padded tensor's
-    size); ``order="bucket"`` with the padded budget gives random batches with
-    little padding; ``bucket_size`` trades padding (larger) for randomness.
+    size, with seqlens that count what the collate adds; `make_dataloader`'s
+    loader refuses a tensor over it); ``order="bucket"`` with the padded budget
+    gives random batches with little padding; ``bucket_size`` trades padding
+    (larger) for randomness.
 
     Args:
         seqlens, max_tokens: token count of every sample; budget of one micro-batch.
@@ -1565,6 +1636,7 @@ class VariableBatchSampler(Sampler[list[int]]):
         """
         self._check_cut(RuntimeError)
         self._check_world()
+        finalizing = sys.is_finalizing  # held by the generator: the module's `sys` is None at interpreter exit
         epoch, start = self._position.next_start()
         total = self._steps(epoch)
         self._start_pass(epoch, start, finished=start >= total)  # an empty epoch is done at once
@@ -1596,7 +1668,9 @@ class VariableBatchSampler(Sampler[list[int]]):
                         step_input=g,
                     )
         except GeneratorExit:  # the consumer dropped the pass: the last epoch of a run has no next pass to raise in
-            if self._position.last.number == passes:
+            # An iterator alive at interpreter exit (a loop that stopped at a step count) is closed while the
+            # module's globals are being cleared: nothing of varbatch can run then, and a cut is past reporting.
+            if self._position.last.number == passes and not finalizing():
                 self._check_cut(RuntimeWarning)
             raise
 
@@ -1735,13 +1809,18 @@ class _RestoresAtOnce:
 
 class _LoadStepInput:
     """The loader's collate: loads the samples of a step-input key, checks that the key was dealt to this rank,
-    pads the samples in same-length mode and collates them (in the loader's workers, if it has any)."""
+    pads the samples in same-length mode and collates them (in the loader's workers, if it has any).
 
-    def __init__(self, dataset, collate_fn=None, sample_padding_fn=None, num_replicas=1, rank=0):
+    ``step_input_bound`` (the padded budget's ``micro_batch_size x max_tokens``,
+    None under the sum budget) is checked against the collated tensor.
+    """
+
+    def __init__(self, dataset, collate_fn=None, sample_padding_fn=None, num_replicas=1, rank=0, step_input_bound=None):
         self.dataset = dataset
         self.collate_fn = collate_fn
         self.sample_padding_fn = sample_padding_fn
         self.num_replicas, self.rank = num_replicas, rank  # the dealing this rank's step inputs follow
+        self.step_input_bound = step_input_bound
         self._last_seen = (None, -1)  # ((epoch, pass number), step input g) of the last key this copy got
         try:  # a collate_fn with a `seqlens` parameter gets the plan's real lengths
             self.pass_seqlens = collate_fn is not None and "seqlens" in inspect.signature(collate_fn).parameters
@@ -1797,9 +1876,45 @@ class _LoadStepInput:
                 )
         if self.collate_fn is None:
             return samples
-        if self.pass_seqlens and key.seqlens is not None:
-            return self.collate_fn(samples, seqlens=list(key.seqlens))
-        return self.collate_fn(samples)
+        padded = _PADDED_SEQLENS.set(key.seqlens if key.pad_to else None)  # NOTE [same-length lengths reach ...]
+        try:
+            if self.pass_seqlens and key.seqlens is not None:
+                batch = self.collate_fn(samples, seqlens=list(key.seqlens))
+            else:
+                batch = self.collate_fn(samples)
+        finally:
+            _PADDED_SEQLENS.reset(padded)
+        if self.step_input_bound is not None:
+            self._check_budget(batch, key)
+        return batch
+
+    def _check_budget(self, batch: Any, key: _StepInputKey) -> None:
+        """Raises when the collated step input's ``B x S`` tensor is over the padded budget's bound.
+
+        NOTE [a collate that adds tokens]: the plan bounds the tensors its
+        seqlens describe; a collate_fn that adds tokens the seqlens do not count
+        (BOS/EOS: TRL appends EOS; padding to a multiple of 8) makes larger ones,
+        the memory bound the budget promised is gone. This is an error, not a
+        warning: the seqlens are wrong about the data (as for a sample longer
+        than its planned length, which `pad_sample` refuses), a collate that
+        adds tokens to every sample shows it within the first step inputs
+        (packed up to the budget), and an exception raised in a
+        loader worker reaches the training process once (torch re-raises it
+        there), where a warning would print once in every worker process, out of
+        reach of the user's warning filters. Under the sum budget the tensor is
+        not bounded (``B x S`` may exceed ``max_tokens`` by design): there the
+        seqlens must count the same tokens, or the real tokens exceed the sum.
+        """
+        tensor = _padded_tensor(batch)
+        if tensor is None or tensor.shape[0] * tensor.shape[1] <= self.step_input_bound:
+            return
+        raise ValueError(
+            f"step input {key.step_input} of epoch {key.epoch} was collated into a {tensor.shape[0]} x "
+            f"{tensor.shape[1]} tensor of {tensor.shape[0] * tensor.shape[1]} tokens, over the padded budget's "
+            f"micro_batch_size x max_tokens = {self.step_input_bound}: collate_fn adds tokens the seqlens do not "
+            f"count (BOS/EOS, padding to a multiple); count them in the seqlens (e.g. [len(ids) + 1 for ids in "
+            f"tokenized] for an EOS the collate appends)"
+        )
 
 
 def _check_ranks_agree(sampler: VariableBatchSampler) -> None:
@@ -1841,7 +1956,11 @@ def make_dataloader(
     In same-length mode every sample is first padded with
     ``sample_padding_fn(sample, length)`` to its batch's longest seqlen. A
     ``collate_fn`` with a ``seqlens`` parameter (as `PaddedCollate`) gets the
-    plan's real lengths of its samples, also when they arrive padded. Works with
+    plan's real lengths of its samples, also when they arrive padded; any other
+    that calls `PaddedCollate` without them gets them there in same-length mode
+    (see NOTE [same-length lengths reach PaddedCollate]). Under the padded budget
+    a collated tensor (see `_padded_tensor`) over ``micro_batch_size x
+    max_tokens`` is an error: the seqlens must count what ``collate_fn`` adds. Works with
     workers (also spawned), ``pin_memory`` and ``persistent_workers``, under
     torchrun, DeepSpeed, HF Accelerate's ``prepare`` and Lightning (see README);
     ``dataloader_class`` (a DataLoader subclass, e.g. torchdata's
@@ -1853,7 +1972,8 @@ def make_dataloader(
     Raises:
         TypeError, ValueError: another sampler, same-length mode without
         ``sample_padding_fn``, a dataset of another size than the seqlens, or a
-        DataLoader option the sampler decides (batch size, shuffling);
+        DataLoader option the sampler decides (batch size, shuffling); while
+        iterating, ValueError: a collated tensor over the padded budget;
         RuntimeError: the processes planned differently.
     """
     if not isinstance(batch_sampler, VariableBatchSampler):
@@ -1884,8 +2004,14 @@ def make_dataloader(
         if hasattr(dataloader_class, "load_state_dict"):
             bases = (_RestoresAtOnce, *bases)
         loader_class = type(f"_{dataloader_class.__name__}", bases, {})
+    settings = batch_sampler.settings
     load_step_input = _LoadStepInput(
-        dataset, collate_fn, sample_padding_fn, num_replicas=batch_sampler.num_replicas, rank=batch_sampler.rank
+        dataset,
+        collate_fn,
+        sample_padding_fn,
+        num_replicas=batch_sampler.num_replicas,
+        rank=batch_sampler.rank,
+        step_input_bound=settings.step_input_bound if settings.budget == "padded" else None,
     )
     loader = loader_class(
         _KeyDataset(),
