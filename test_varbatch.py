@@ -5516,11 +5516,15 @@ _RECIPE_RECORDER = textwrap.dedent("""
         inputs.append([keys[0].epoch, list(keys[0].sample_ids)])
         return load(self, keys)
 
-    def record_lr(optimizer, args, kwargs):
+    def record_lr(optimizer, args, kwargs):  # after the optimizer's own pre-step hooks (varbatch's may write the LR)
         lrs.append([group["lr"] for group in optimizer.param_groups])
 
+    def hook_optimizer(optimizer, args, kwargs):  # a global hook runs before those: it adds record_lr after them
+        if record_lr not in optimizer._optimizer_step_pre_hooks.values():
+            optimizer.register_step_pre_hook(record_lr)
+
     varbatch._LoadStepInput.__call__ = recording
-    hook = register_optimizer_step_pre_hook(record_lr)
+    hook = register_optimizer_step_pre_hook(hook_optimizer)
     try:
         sys.argv = [recipe]
         run = runpy.run_path(recipe, run_name="__main__")
