@@ -20,6 +20,8 @@ import math
 import os
 import pickle
 import re
+import runpy
+import shutil
 import signal
 import socket
 import subprocess
@@ -5692,6 +5694,7 @@ def test_deepspeed_style_script_runs_unchanged_on_varbatch_with_zero_stage_1(tmp
 _README = Path(varbatch.__file__).with_name("README.md")
 _README_TEST_COMMAND = "python -m pytest -q test_varbatch.py"
 _README_SMALL_EXAMPLE = ["--num-samples", "600", "--epochs", "3"]  # 24 steps: `--max-steps 20` stops in epoch 2
+_README_RECORDED = ("hf_trainer.py", "trl_sft.py")  # recipes the tests run under _RECIPE_RECORDER, and check
 
 
 def _readme_steps():
@@ -5751,7 +5754,10 @@ def test_readme_commands_run_and_print_what_it_shows(tmp_path):
     for kind, text, expected in steps:
         if kind == "launched":  # the program, saved as the script its `# run:` command names
             text, program = text
-            (tmp_path / next(word for word in text.split() if word.endswith(".py"))).write_text(program)
+            script = next(word for word in text.split() if word.endswith(".py"))
+            if script in _README_RECORDED:
+                continue  # run under the recorder by the tests below
+            (tmp_path / script).write_text(program)
         if kind != "program":  # a free port for each launch (the launchers' default one may be taken)
             text = re.sub(r"^(deepspeed|torchrun)\b(?!.*--master)", rf"\1 --master_port {_free_port()}", text)
         if text.startswith("python bench.py") and "--quick" not in text:
@@ -5781,6 +5787,133 @@ def test_readme_commands_run_and_print_what_it_shows(tmp_path):
             assert [line.rstrip() for line in got] == [line.rstrip() for line in expected.rstrip("\n").splitlines()], (
                 f"README output of {text!r} differs:\n{done.stdout}{done.stderr}"
             )
+
+
+# The README's HF Trainer and TRL SFTTrainer recipes run as they are under a recorder (`python recorder.py
+# RECIPE OUT`, or their `# run:` launcher with recorder.py before the script), which notes the samples of every
+# step input varbatch's loader loads and the LR of every optimizer step, and saves them per rank with the plans of
+# the recipe's epochs. The check: every planned sample once per epoch (rank r the plan's step inputs r, r + R, ...)
+# and update n at the recipes' LR, learning_rate x cosine(n / horizon) x sqrt(B_b / mean B), B in real tokens.
+_RECIPE_RECORDER = textwrap.dedent("""
+    import json, os, runpy, sys
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+    import varbatch
+
+    recipe, out = sys.argv[1], sys.argv[2]
+    inputs, lrs = [], []
+    load = varbatch._LoadStepInput.__call__
+
+    def recording(self, keys):
+        inputs.append([keys[0].epoch, list(keys[0].sample_ids)])
+        return load(self, keys)
+
+    def record_lr(optimizer, args, kwargs):  # after the optimizer's own pre-step hooks (varbatch's may write the LR)
+        lrs.append([group["lr"] for group in optimizer.param_groups])
+
+    def hook_optimizer(optimizer, args, kwargs):  # a global hook runs before those: it adds record_lr after them
+        if record_lr not in optimizer._optimizer_step_pre_hooks.values():
+            optimizer.register_step_pre_hook(record_lr)
+
+    varbatch._LoadStepInput.__call__ = recording
+    hook = register_optimizer_step_pre_hook(hook_optimizer)
+    try:
+        sys.argv = [recipe]
+        run = runpy.run_path(recipe, run_name="__main__")
+    finally:
+        varbatch._LoadStepInput.__call__ = load
+        hook.remove()
+    trainer, sampler = run["trainer"], run["trainer"].sampler
+    plans = [sampler.plan_for_epoch(epoch) for epoch in range(run["epochs"])]
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"rank{sampler.rank}.json"), "w") as f:
+        json.dump(dict(ranks=sampler.num_replicas, micro_batch_size=sampler.micro_batch_size, inputs=inputs,
+                       lr=trainer.args.learning_rate, lrs=lrs, plans=[dict(microbatches=p.microbatches(),
+                       batch_tokens=p.batch_tokens.tolist()) for p in plans]), f)
+""")
+
+
+def _readme_recipe(script):
+    """The ``# run:`` command and the program of the README's recipe saved as ``script``."""
+    for kind, text, _ in _readme_steps():
+        if kind == "launched" and script in text[0].split():
+            return text
+    raise AssertionError(f"the README lost its {script} recipe")
+
+
+def _check_recipe_records(out):
+    """The recorded ranks of a recipe's run (see _RECIPE_RECORDER) against its plans; returns them by rank."""
+    ranks = [json.loads(path.read_text()) for path in sorted(Path(out).glob("rank*.json"))]
+    assert ranks and len(ranks) == ranks[0]["ranks"], f"{len(ranks)} ranks recorded"
+    plans, mbs = ranks[0]["plans"], ranks[0]["micro_batch_size"]
+    horizon = sum(len(plan["batch_tokens"]) for plan in plans)
+    for rank, record in enumerate(ranks):
+        n = 0
+        for epoch, plan in enumerate(plans):
+            micro = plan["microbatches"]
+            step_inputs = [[i for ids in micro[j : j + mbs] for i in ids] for j in range(0, len(micro), mbs)]
+            got = [ids for e, ids in record["inputs"] if e == epoch]
+            assert got == step_inputs[rank :: len(ranks)], f"rank {rank} epoch {epoch}: not the plan's step inputs"
+            mean = np.mean(plan["batch_tokens"])
+            for b, tokens in enumerate(plan["batch_tokens"]):
+                want = record["lr"] * 0.5 * (1 + math.cos(math.pi * n / horizon)) * math.sqrt(tokens / mean)
+                assert record["lrs"][n] == pytest.approx([want] * len(record["lrs"][n]), rel=1e-9), (
+                    f"rank {rank} epoch {epoch} update {b}: LR {record['lrs'][n]}, planned {want}"
+                )
+                n += 1
+        assert len(record["lrs"]) == n, f"rank {rank}: {len(record['lrs'])} updates, {n} planned"
+    for epoch, plan in enumerate(plans):  # the ranks' shares make the whole epoch
+        trained = sorted(i for record in ranks for e, ids in record["inputs"] if e == epoch for i in ids)
+        assert trained == sorted(i for ids in plan["microbatches"] for i in ids), (
+            f"epoch {epoch}: not every sample once"
+        )
+    return ranks
+
+
+@pytest.mark.parametrize("script, resumes", [("hf_trainer.py", True), ("trl_sft.py", False)])
+def test_readme_hf_recipes_train_every_planned_sample_once(tmp_path, monkeypatch, script, resumes):
+    """The README's HF Trainer and TRL recipes on 1 process (in this process: one transformers import): every
+    planned sample once per epoch at the plan's LRs; the HF one, run again without its last checkpoint, resumes in
+    epoch 1 and trains the rest of the run as the first run did."""
+    pytest.importorskip("trl" if script == "trl_sft.py" else "transformers")
+    (tmp_path / script).write_text(_readme_recipe(script)[1])
+    (tmp_path / "recorder.py").write_text(_RECIPE_RECORDER)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["recorder.py", script, "first"])
+    runpy.run_path("recorder.py", run_name="__main__")
+    (first,) = _check_recipe_records(tmp_path / "first")
+    if not resumes:
+        return
+    checkpoints = sorted((tmp_path / "out").glob("checkpoint-*"), key=lambda path: int(path.name.split("-")[1]))
+    assert len(checkpoints) == 2, [path.name for path in checkpoints]  # one per epoch
+    shutil.rmtree(checkpoints[-1])
+    monkeypatch.setattr(sys, "argv", ["recorder.py", script, "resumed"])
+    runpy.run_path("recorder.py", run_name="__main__")
+    resumed = json.loads((tmp_path / "resumed" / "rank0.json").read_text())
+    done = int(checkpoints[0].name.split("-")[1])  # the updates of epoch 0
+    assert resumed["inputs"] == [step for step in first["inputs"] if step[0] == 1], "not the rest of the run"
+    assert np.array(resumed["lrs"]) == pytest.approx(np.array(first["lrs"][done:]), rel=1e-12), "LRs differ"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", _README_RECORDED)
+def test_readme_hf_recipes_on_two_processes(tmp_path, script):
+    """The README's HF Trainer and TRL recipes under their `# run:` command (2 processes): every planned sample
+    once per epoch, each rank its share, at the plan's LRs."""
+    pytest.importorskip("trl" if script == "trl_sft.py" else "transformers")
+    command, program = _readme_recipe(script)
+    (tmp_path / script).write_text(program)
+    (tmp_path / "recorder.py").write_text(_RECIPE_RECORDER)
+    command = re.sub(r"^(torchrun)\b(?!.*--master)", rf"\1 --master_port {_free_port()}", command)
+    command = command.replace(f" {script}", f" recorder.py {script} records", 1)
+    env = dict(
+        os.environ,
+        PYTHONPATH=_ROOT,
+        OMP_NUM_THREADS="1",
+        PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+    )
+    done = _run(["bash", "-c", command], timeout=300, cwd=tmp_path, env=env)
+    assert done.returncode == 0, f"{command!r} exited {done.returncode}:\n{done.stderr[-3000:]}"
+    assert len(_check_recipe_records(tmp_path / "records")) == 2
 
 
 # -- launchers: HF Accelerate and Lightning (issue 11) ---------------------------------------------
