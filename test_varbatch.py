@@ -2180,8 +2180,12 @@ for epoch in range(2):
     loader.variable_batch_sampler.set_epoch(epoch)
     for i, (x, lengths) in enumerate(loader):
         if i % gas == 0:
-            starts.append([epoch, i // gas, scheduler.steps_in_epoch, scheduler.get_last_lr()[0]])
-        engine.backward(engine(x).sum())
+            before = engine.get_lr()[0]  # what a loop that never asks the scheduler reads before its forward pass
+            starts.append([epoch, i // gas, scheduler.steps_in_epoch, scheduler.get_last_lr()[0], before])
+        loss = engine(x).sum()
+        if i % gas == 0:
+            starts[-1].append(engine.get_lr()[0])  # after the forward pass, as DeepSpeed's monitor logs it
+        engine.backward(loss)
         if i % gas == gas - 1:
             engine.optimizer.overflow = batch in overflow_at  # what DeepSpeed's fp16 optimizer sets
         engine.step()
@@ -2260,10 +2264,11 @@ def test_fp16_overflow_lr_follows_the_batch_trained(overflow_run):
 def test_fp16_overflow_scheduler_position_follows_the_batches(overflow_run):
     """After skipped steps, steps_in_epoch and get_last_lr() at a batch's start are that batch's."""
     out, batches, expected = overflow_run
-    assert [(e, b) for e, b, _, _ in out["starts"]] == batches
-    for j, (e, b, steps_in_epoch, last_lr) in enumerate(out["starts"]):
+    assert [(e, b) for e, b, *_ in out["starts"]] == batches
+    for j, (e, b, steps_in_epoch, last_lr, _, engine_lr) in enumerate(out["starts"]):
         assert steps_in_epoch == b, f"epoch {e}, batch {b}: steps_in_epoch={steps_in_epoch}"
         _check_lr(j, expected[j], last_lr)
+        _check_lr(j, expected[j], engine_lr)
 
 
 # -- AMP: torch's GradScaler skips an update, the loader has read ahead -----------------------------

@@ -2474,7 +2474,11 @@ class VariableBatchSizeLR(LRScheduler):
         skipped steps, and the position moves on by those since it last looked
         (`_current_batch`); the wrapped schedule stays where DeepSpeed left it.
         A skip belongs to the pass it happens in: ``module``'s forward passes
-        look too, so a pass is seen before the first of its steps is skipped.
+        look too, so a pass is seen before the first of its steps is skipped,
+        and the optimizer holds the LR of the batch from its first forward pass
+        on (``engine.get_lr()``, which DeepSpeed's monitor logs in
+        ``engine.step()``); between a skipped step and the next forward pass
+        only `get_last_lr` has it (nothing of this scheduler runs there).
         """
         self._skipped, self._skipped_seen = skipped, skipped()
         if isinstance(module, torch.nn.Module):
