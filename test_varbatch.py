@@ -2640,6 +2640,88 @@ def test_hf_trainer_lr_follows_the_batch_after_skipped_updates(tmp_path, gas, sa
     assert not off, f"updates {off} of {len(updates)} at another batch's LR"
 
 
+def _lightning_amp_run(tmp_path, *, accumulate, sampler_gas, skips):
+    """Lightning on one CPU device with a real GradScaler (its 16-mixed plugin) over varbatch's loader and scheduler
+    (interval "step"); the loss is inf at the step inputs ``skips``. Returns (sampler, [(LR, [(epoch, sample id)])]
+    per optimizer step, the error fit() raised or None)."""
+    pl = pytest.importorskip("pytorch_lightning")
+    seqlens = _lengths(120, 3, 40)
+    sampler = VariableBatchSampler(seqlens, 128, order="bucket", seed=0, gradient_accumulation_steps=sampler_gas)
+    updates, trained = [], []
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net, self.step_inputs = torch.nn.Linear(1, 1), 0
+
+        def train_dataloader(self):
+            return make_dataloader(
+                [torch.full((n, 1), float(i)) for i, n in enumerate(seqlens)],
+                sampler,
+                collate_fn=lambda samples: samples,
+            )
+
+        def configure_optimizers(self):
+            optimizer = torch.optim.SGD(self.parameters(), lr=_BASE_LR)
+            scheduler = VariableBatchSizeLR(optimizer, "mean", sampler)
+            optimizer.register_step_pre_hook(lambda o, a, k: updates.append((o.param_groups[0]["lr"], trained[:])))
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+        def training_step(self, samples, batch_idx):
+            trained.extend((self.current_epoch, int(sample[0, 0])) for sample in samples)
+            self.step_inputs += 1
+            loss = self.net(torch.cat(samples) / 200).pow(2).mean()
+            return loss * (math.inf if self.step_inputs - 1 in skips else 1.0)
+
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            if (batch_idx + 1) % accumulate == 0:  # after every update, real or skipped
+                trained.clear()
+
+    scaler = torch.amp.GradScaler("cpu")
+    plugin = pl.plugins.precision.MixedPrecision("16-mixed", "cpu", scaler=scaler)  # precision="16-mixed": bf16 on CPU
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=2,
+        accumulate_grad_batches=accumulate,
+        plugins=[plugin],
+        reload_dataloaders_every_n_epochs=1,
+        default_root_dir=str(tmp_path),
+        enable_checkpointing=False,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    try:
+        trainer.fit(Module())
+    except RuntimeError as error:
+        return sampler, updates, error
+    return sampler, updates, None
+
+
+@pytest.mark.parametrize(
+    "accumulate, sampler_gas, skips",
+    [(1, 1, (0, 1, 9)), (1, 2, ()), (2, 1, ())],
+    ids=["skips at step inputs 0, 1, 9", "sampler accumulates 2, Lightning 1", "Lightning accumulates 2, sampler 1"],
+)
+def test_lightning_amp_lr_follows_the_batch_after_skipped_updates(tmp_path, accumulate, sampler_gas, skips):
+    """Lightning steps the scheduler for updates its GradScaler skipped too: every optimizer step is still at
+    base_lr x B_b / mean(B) of its batch; accumulate_grad_batches that disagrees with the sampler's stops within the
+    first updates, naming both numbers."""
+    sampler, updates, error = _lightning_amp_run(tmp_path, accumulate=accumulate, sampler_gas=sampler_gas, skips=skips)
+    if accumulate != sampler_gas:
+        # (a fresh GradScaler may skip the first update: with Lightning's 1 of the sampler's 2 step inputs, that
+        # is the double step's error, which names the accumulation too)
+        assert error is not None and f"gradient_accumulation_steps is {sampler_gas}" in str(error), error
+        assert "accumulate_grad_batches" in str(error) and len(updates) <= 3, (len(updates), error)
+        return
+    assert error is None, error
+    steps = sum(sampler.plan_for_epoch(epoch).num_batches for epoch in range(2))
+    assert len(updates) == steps - len(skips)
+    off = _updates_off(sampler, updates)
+    assert not off, f"updates {off} of {len(updates)} at another batch's LR"
+
+
 # -- horizons and clocks: schedules over epochs of different lengths (issue 12) --------------------
 
 # 500 lengths whose random-order plans hold 67, 68, 68, 68 and 67 batches in epochs 0..4

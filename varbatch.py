@@ -2347,7 +2347,9 @@ class VariableBatchSizeLR(LRScheduler):
         Trained: an optimizer step, or a batch's backward passes (an update AMP
         skipped); else a wrapper steps this scheduler twice per update (HF
         Accelerate's prepared scheduler steps once per process) or a loop steps
-        it per step input.
+        it per step input (under accumulation, or accumulating fewer step inputs
+        than the sampler and skipping an update: the same calls). The backward
+        passes per optimizer step are checked too (`_check_accumulation`).
         """
         seen = self._training_seen()
         if self._sampler is None:  # listed batch sizes: no batches to count
@@ -2364,8 +2366,11 @@ class VariableBatchSizeLR(LRScheduler):
                 f"VariableBatchSizeLR.step() was called twice for one optimizer step (since the last "
                 f"call: no optimizer step, {backwards} of a batch's {gas} backward passes): call it once "
                 f"per optimizer step; HF Accelerate: keep it out of accelerator.prepare() and, under "
-                f"accelerator.accumulate(), step it only when accelerator.sync_gradients (see the README, "
-                f"'Use with torchrun, DeepSpeed, Accelerate, Lightning')"
+                f"accelerator.accumulate(), step it only when accelerator.sync_gradients; or the loop "
+                f"accumulates fewer step inputs per update than the sampler, whose gradient_accumulation_steps is "
+                f"{gas} (HF Trainer: TrainingArguments.gradient_accumulation_steps; Lightning: "
+                f"accumulate_grad_batches): make them one number (see the README, 'Use with torchrun, DeepSpeed, "
+                f"Accelerate, Lightning')"
             )
         return seen
 
