@@ -2535,10 +2535,11 @@ def test_plain_loop_accumulation_that_disagrees_is_an_error(sampler_gas, loop_ga
     assert "accumulate_grad_batches" in message and "backward() twice" in message, message
 
 
-def _hf_trainer_run(tmp_path, *, gas, sampler_gas, skips, accelerated):
-    """HF Trainer (tiny GPT-2 from a config, CPU, adamw_torch) over varbatch's loader and scheduler (constant LR x
-    the batch factor), with a real GradScaler and an inf loss at the updates ``skips``; the scheduler wraps
-    Accelerate's optimizer if ``accelerated``. Returns (sampler, [(LR, [(epoch, sample id)])] per real update,
+def _hf_trainer_run(tmp_path, *, gas, sampler_gas, skips, accelerated, optim="adamw_torch"):
+    """HF Trainer (tiny GPT-2 from a config, CPU) over varbatch's loader and scheduler (constant LR x the batch
+    factor), with a real GradScaler and an inf loss at the updates ``skips``; the scheduler wraps Accelerate's
+    optimizer if ``accelerated``. ``optim="adamw_torch_fused"`` (HF's default) takes the scaler's found_inf itself:
+    it is stepped for a skipped update, and HF steps the scheduler then. Returns (sampler, [(LR, [(epoch, sample id)])] per real update,
     the trainer's updates, the error train() raised or None)."""
     transformers = pytest.importorskip("transformers")
     seqlens = _lengths(160, 5, 40)
@@ -2591,7 +2592,7 @@ def _hf_trainer_run(tmp_path, *, gas, sampler_gas, skips, accelerated):
         num_train_epochs=2,
         gradient_accumulation_steps=gas,
         learning_rate=_BASE_LR,
-        optim="adamw_torch",  # the fused default takes the scaler's found_inf itself: no update is skipped for HF
+        optim=optim,
         max_grad_norm=0.0,
         logging_strategy="no",
         save_strategy="no",
@@ -2615,27 +2616,33 @@ def _hf_trainer_run(tmp_path, *, gas, sampler_gas, skips, accelerated):
 
 
 @pytest.mark.parametrize(
-    "gas, sampler_gas, skips, accelerated",
-    [(1, 1, (0, 7), True), (2, 2, (3,), False), (2, 1, (), False)],
+    "gas, sampler_gas, skips, accelerated, optim",
+    [
+        (1, 1, (0, 7), True, "adamw_torch"),
+        (2, 2, (3,), False, "adamw_torch"),
+        (1, 1, (0, 7), False, "adamw_torch_fused"),
+        (2, 1, (), False, "adamw_torch"),
+    ],
     ids=[
         "skips at updates 0 and 7, over Accelerate's optimizer",
         "accumulation 2, a skip at update 3",
+        "fused AdamW, stepped on its skips",
         "loop accumulates 2, sampler 1",
     ],
 )
-def test_hf_trainer_lr_follows_the_batch_after_skipped_updates(tmp_path, gas, sampler_gas, skips, accelerated):
+def test_hf_trainer_lr_follows_the_batch_after_skipped_updates(tmp_path, gas, sampler_gas, skips, accelerated, optim):
     """HF Trainer skips lr_scheduler.step() for an update GradScaler skipped: every real update is still at
     base_lr x B_b / mean(B) of the batch b it trains, also over Accelerate's AcceleratedOptimizer (its inner
     optimizer's hooks fire); accumulation that disagrees with the sampler's stops within the first updates."""
     sampler, updates, steps, error = _hf_trainer_run(
-        tmp_path, gas=gas, sampler_gas=sampler_gas, skips=skips, accelerated=accelerated
+        tmp_path, gas=gas, sampler_gas=sampler_gas, skips=skips, accelerated=accelerated, optim=optim
     )
     if gas != sampler_gas:
         assert error is not None and "gradient_accumulation_steps is 1" in str(error), error
         assert "accumulates 2 backward passes" in str(error) and len(updates) <= 3, (len(updates), error)
         return
     assert error is None, error
-    assert len(updates) == steps - len(skips) > 0
+    assert len(updates) == steps - (0 if "fused" in optim else len(skips)) > 0
     off = _updates_off(sampler, updates)
     assert not off, f"updates {off} of {len(updates)} at another batch's LR"
 
