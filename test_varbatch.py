@@ -2539,8 +2539,8 @@ def _hf_trainer_run(tmp_path, *, gas, sampler_gas, skips, accelerated, optim="ad
     """HF Trainer (tiny GPT-2 from a config, CPU) over varbatch's loader and scheduler (constant LR x the batch
     factor), with a real GradScaler and an inf loss at the updates ``skips``; the scheduler wraps Accelerate's
     optimizer if ``accelerated``. ``optim="adamw_torch_fused"`` (HF's default) takes the scaler's found_inf itself:
-    it is stepped for a skipped update, and HF steps the scheduler then. Returns (sampler, [(LR, [(epoch, sample id)])] per real update,
-    the trainer's updates, the error train() raised or None)."""
+    it is stepped for a skipped update, and HF steps the scheduler then. Returns (sampler, [(LR, [(epoch, sample
+    id)])] per optimizer step, the trainer's updates, the error train() raised or None)."""
     transformers = pytest.importorskip("transformers")
     seqlens = _lengths(160, 5, 40)
     for seed in range(100):  # epochs of one length: HF Trainer reads len() once (a longer epoch is cut)

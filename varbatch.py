@@ -1945,9 +1945,8 @@ def _weakly(method: Callable) -> Callable:
     return hook
 
 
-_DISAGREEING_UPDATES = (
-    3  # updates in a row whose accumulation disagrees before it is an error (see _check_accumulation)
-)
+# Updates in a row whose accumulation disagrees with the sampler's before it is an error (see _check_accumulation).
+_DISAGREEING_UPDATES = 3
 
 
 class VariableBatchSizeLR(LRScheduler):
@@ -2376,7 +2375,8 @@ class VariableBatchSizeLR(LRScheduler):
 
     def _check_accumulation(self, steps: int, backwards: int) -> None:
         """Raises when the loop accumulates another number of step inputs per update than the sampler, at
-        ``_DISAGREEING_UPDATES`` updates in a row (``steps`` optimizer steps, ``backwards`` passes since the last `step`).
+        ``_DISAGREEING_UPDATES`` updates in a row (``steps`` optimizer steps and ``backwards`` passes since the
+        last `step`).
 
         NOTE [accumulation that disagrees]: a loop that accumulates G' step
         inputs where the sampler's plan has G per batch trains other batches
