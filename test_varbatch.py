@@ -2535,6 +2535,17 @@ def test_plain_loop_accumulation_that_disagrees_is_an_error(sampler_gas, loop_ga
     assert "accumulate_grad_batches" in message and "backward() twice" in message, message
 
 
+def test_skips_with_one_update_between_three_times_over_are_refused_as_accumulation_that_disagrees():
+    """Skipped updates 3, 5 and 7 with one real update between them, the scheduler not stepped for them: the same
+    calls as a loop that accumulates 2 step inputs where the sampler has 1, refused as that (see NOTE [accumulation
+    that disagrees]); two such skips are followed."""
+    assert _alternating({3, 5, 7}) and not _alternating({3, 5})
+    sampler, updates = _plain_amp_loop({3, 5}, idiom="scale")
+    assert not _updates_off(sampler, updates)
+    with pytest.raises(RuntimeError, match="accumulates 2 backward passes per optimizer step"):
+        _plain_amp_loop({3, 5, 7}, idiom="scale")
+
+
 def _hf_trainer_run(tmp_path, *, gas, sampler_gas, skips, accelerated, optim="adamw_torch"):
     """HF Trainer (tiny GPT-2 from a config, CPU) over varbatch's loader and scheduler (constant LR x the batch
     factor), with a real GradScaler and an inf loss at the updates ``skips``; the scheduler wraps Accelerate's
