@@ -2035,12 +2035,18 @@ def make_dataloader(
 
 
 def _torch_optimizer(optimizer: Any) -> Optimizer:
-    """The torch `Optimizer` inside DeepSpeed's wrappers (ZeRO stages, fp16, bf16)."""
+    """The torch `Optimizer` inside DeepSpeed's wrappers (ZeRO stages, fp16, bf16) and HF Accelerate's.
+
+    Accelerate's ``AcceleratedOptimizer`` (``accelerate/optimizer.py``) is an `Optimizer` in type only: it never runs
+    ``Optimizer.__init__``, so it has no step hooks; the optimizer it steps is its ``.optimizer``.
+    """
     for _ in range(8):
-        if isinstance(optimizer, Optimizer):
+        if isinstance(optimizer, Optimizer) and hasattr(optimizer, "_optimizer_step_pre_hooks"):
             return optimizer
         optimizer = getattr(optimizer, "optimizer", None)
-    raise TypeError("expected a torch Optimizer, an LR scheduler, or a DeepSpeed optimizer wrapper around one")
+    raise TypeError(
+        "expected a torch Optimizer, an LR scheduler, or a DeepSpeed or HF Accelerate optimizer wrapper around one"
+    )
 
 
 def _find_sampler(obj: Any, depth: int = 0) -> VariableBatchSampler | None:
@@ -2065,6 +2071,10 @@ def _weakly(method: Callable) -> Callable:
     return hook
 
 
+# Updates in a row whose accumulation disagrees with the sampler's before it is an error (see _check_accumulation).
+_DISAGREEING_UPDATES = 3
+
+
 class VariableBatchSizeLR(LRScheduler):
     """Scales any LR schedule by the size of each batch: ``lr_t = schedule(t) x s(B_t / B_ref)``.
 
@@ -2079,7 +2089,9 @@ class VariableBatchSizeLR(LRScheduler):
 
     NOTE [the scheduler counts batches]: the batch trained now is the first
     batch of the last sampler pass this scheduler has seen, plus its steps
-    since, plus the steps an engine skipped since (`_current_batch`). It cannot
+    since, plus the steps an engine skipped since, plus the batches the loop
+    trained without an update and without a step (NOTE [skipped updates]), in
+    `_current_batch`. It cannot
     be read from where the loader is: HF Accelerate's loop (``DataLoaderShard``
     in ``accelerate/data_loader.py`` fetches the next batch before it yields the
     current one, to know which is last) and Lightning's (``_PrefetchDataFetcher``
@@ -2238,6 +2250,8 @@ class VariableBatchSizeLR(LRScheduler):
         pass catches the position up too, so a loop that reads the optimizer's LR before its update reads the batch's.
         """
         self._optimizer_steps, self._backwards = 0, 0
+        self._backwards_placed = 0  # the backward passes counted before the current batch's (see _advance)
+        self._disagreements = 0  # updates in a row whose accumulation disagreed (see _check_accumulation)
         self._hooks = [
             optimizer.register_step_pre_hook(_weakly(self._catch_up)),
             optimizer.register_step_post_hook(_weakly(self._count_optimizer_step)),
@@ -2278,8 +2292,10 @@ class VariableBatchSizeLR(LRScheduler):
         backward pass, before an engine's forward pass) call it. A pass of the
         sampler not seen yet is the new anchor: its first batch; the steps the
         engine skipped since the last look move the position on, as each
-        `step` does; when it moved, the optimizer gets the LRs of the batch
-        (so the update uses them, also in a loop that never asks this scheduler).
+        `step` does, and so do the batches the loop trained without an update
+        and without a `step` (`_follow_skipped_updates`); when it moved, the
+        optimizer gets the LRs of the batch (so the update uses them, also in a
+        loop that never asks this scheduler).
         """
         moved = self._follow_new_pass()
         skipped = self._skipped_seen if self._skipped is None else self._skipped()
@@ -2287,6 +2303,7 @@ class VariableBatchSizeLR(LRScheduler):
             self._advance(skipped - self._skipped_seen)
             self._skipped_seen = skipped
             moved = True
+        moved = self._follow_skipped_updates() or moved
         if moved and self._step_count:
             self._write()
         return self._epoch, self._batch
@@ -2332,13 +2349,53 @@ class VariableBatchSizeLR(LRScheduler):
             self._skipped_seen = self._skipped()
 
     def _advance(self, batches: int) -> None:
-        """Moves the batch index ``batches`` on, into the next epochs' plans (skipping empty ones)."""
+        """Moves the batch index ``batches`` on, into the next epochs' plans (skipping empty ones); the backward
+        passes counted so far belong to the batches before it."""
+        self._backwards_placed = self._backwards
         self._batch += batches
         for _ in range(1000):
             if self._batch < len(self._sizes(self._epoch)):
                 return
             self._epoch, self._batch = self._epoch + 1, self._batch - len(self._sizes(self._epoch))
         raise RuntimeError("a thousand epochs in a row have no batch; use more data or a smaller min_batch_size")
+
+    def _follow_skipped_updates(self) -> bool:
+        """Moves the position on by the batches the loop trained without an update and without a `step`; True if it
+        moved.
+
+        NOTE [skipped updates]: torch's GradScaler skips an update whose
+        gradients hold inf/nan (it never calls ``optimizer.step()``), and many
+        loops then skip ``scheduler.step()`` too: HF Trainer (``trainer.py``
+        steps the scheduler only if not ``accelerator.optimizer_step_was_skipped``)
+        and the idiom "step the scheduler if the scale did not drop". The data
+        moves on all the same, so the batch trained is read from the training:
+        a backward pass that arrives after the current batch's G (its
+        gradient_accumulation_steps) backward passes, with no `step` since,
+        belongs to the next batch: the position moves on one batch, and the
+        wrapped schedule stays (as for DeepSpeed's skipped steps). A loop that
+        steps this scheduler for skipped updates too (Lightning), or an
+        optimizer that is stepped on an overflow (a fused one takes
+        ``found_inf`` itself), moves it by `step` as usual. The LR is written at
+        that backward pass, so a loop that reads it before the forward pass
+        after a skipped update reads the skipped batch's until then (the update
+        uses the right one). Backward passes are counted on one parameter (its
+        post-accumulate-grad hook); where it has none (a tensor subclass),
+        skipped updates are followed only through `step`: the step inputs
+        handed out cannot stand in here, because loaders read ahead (see NOTE
+        [the scheduler counts batches]). A loop that calls backward() twice per
+        step input looks like an update skipped at every step:
+        `_check_accumulation` stops it within the first updates.
+        """
+        if not self._counts_backwards or self._sampler is None:
+            return False
+        gas = self._sampler.gradient_accumulation_steps
+        since = self._backwards - self._backwards_placed
+        batches = (since - 1) // gas  # whole batches before the one the last backward pass belongs to
+        if batches <= 0:
+            return False
+        self._advance(batches)
+        self._backwards_placed -= since - batches * gas  # the current batch's passes so far
+        return True
 
     @property
     def batch_size(self) -> int:
@@ -2415,7 +2472,9 @@ class VariableBatchSizeLR(LRScheduler):
         Trained: an optimizer step, or a batch's backward passes (an update AMP
         skipped); else a wrapper steps this scheduler twice per update (HF
         Accelerate's prepared scheduler steps once per process) or a loop steps
-        it per step input.
+        it per step input (under accumulation, or accumulating fewer step inputs
+        than the sampler and skipping an update: the same calls). The backward
+        passes per optimizer step are checked too (`_check_accumulation`).
         """
         seen = self._training_seen()
         if self._sampler is None:  # listed batch sizes: no batches to count
@@ -2424,6 +2483,7 @@ class VariableBatchSizeLR(LRScheduler):
         backwards = seen[1] - last[1]
         if self._counts_backwards:
             trained = backwards >= gas
+            self._check_accumulation(seen[0] - last[0], backwards)
         else:  # new step inputs stand in for backward passes
             trained = seen[2] != last[2]
         if seen[0] == last[0] and not trained:
@@ -2431,10 +2491,51 @@ class VariableBatchSizeLR(LRScheduler):
                 f"VariableBatchSizeLR.step() was called twice for one optimizer step (since the last "
                 f"call: no optimizer step, {backwards} of a batch's {gas} backward passes): call it once "
                 f"per optimizer step; HF Accelerate: keep it out of accelerator.prepare() and, under "
-                f"accelerator.accumulate(), step it only when accelerator.sync_gradients (see the README, "
-                f"'Use with torchrun, DeepSpeed, Accelerate, Lightning')"
+                f"accelerator.accumulate(), step it only when accelerator.sync_gradients; or the loop "
+                f"accumulates fewer step inputs per update than the sampler, whose gradient_accumulation_steps is "
+                f"{gas} (HF Trainer: TrainingArguments.gradient_accumulation_steps; Lightning: "
+                f"accumulate_grad_batches): make them one number (see the README, 'Use with torchrun, DeepSpeed, "
+                f"Accelerate, Lightning')"
             )
         return seen
+
+    def _check_accumulation(self, steps: int, backwards: int) -> None:
+        """Raises when the loop accumulates another number of step inputs per update than the sampler, at
+        ``_DISAGREEING_UPDATES`` updates in a row (``steps`` optimizer steps and ``backwards`` passes since the
+        last `step`).
+
+        NOTE [accumulation that disagrees]: a loop that accumulates G' step
+        inputs where the sampler's plan has G per batch trains other batches
+        than the LR follows. One rule tells it from skipped updates (NOTE
+        [skipped updates]): between two `step` calls with an optimizer step,
+        the backward passes are not G per optimizer step. A skip does that at
+        one update (a fresh GradScaler skips several in a row at the start, with
+        no optimizer step between them: one update of 2G, 3G, ... passes), a
+        disagreement at every update: three in a row are an error. Calls with
+        no optimizer step (a skipped update the loop steps this scheduler for)
+        or no backward pass (a loop that steps without one) tell nothing. Skips
+        with exactly one update between them, three times over, look the same
+        as G' = 2G, and are refused too.
+        """
+        if not steps or not backwards:
+            return
+        gas = self._sampler.gradient_accumulation_steps
+        if backwards == steps * gas:
+            self._disagreements = 0
+            return
+        self._disagreements += 1
+        if self._disagreements < _DISAGREEING_UPDATES:
+            return
+        per_step = backwards / steps
+        loop = int(per_step) if per_step.is_integer() else per_step
+        raise RuntimeError(
+            f"the loop accumulates {loop} backward passes per optimizer step ({_DISAGREEING_UPDATES} updates in a "
+            f"row), but the sampler's gradient_accumulation_steps is {gas}: make them one number (HF Trainer: "
+            f"TrainingArguments.gradient_accumulation_steps; Lightning: Trainer(accumulate_grad_batches=...); "
+            f"Accelerate: Accelerator(gradient_accumulation_steps=...); see the README, 'Use with torchrun, "
+            f"DeepSpeed, Accelerate, Lightning'); a loop that calls backward() twice per step input (two losses) "
+            f"must call it once, on their sum"
+        )
 
     def _log_factors_once(self) -> None:
         """Logs the LR factors of the epoch trained, once per epoch (rank 0)."""
@@ -2487,8 +2588,9 @@ class VariableBatchSizeLR(LRScheduler):
         self._optimizer_steps += 1
 
     def _count_backward(self, param) -> None:
+        self._current_batch()  # a pass that started before this backward pass counts it as its own
         self._backwards += 1
-        self._current_batch()  # see _install_hooks
+        self._current_batch()  # see _install_hooks and NOTE [skipped updates]
 
     def _remove_hooks(self) -> None:
         """Removes this scheduler's hooks (the DeepSpeed glue replaces it): it no longer moves the optimizer's LRs."""
@@ -2503,7 +2605,11 @@ class VariableBatchSizeLR(LRScheduler):
         skipped steps, and the position moves on by those since it last looked
         (`_current_batch`); the wrapped schedule stays where DeepSpeed left it.
         A skip belongs to the pass it happens in: ``module``'s forward passes
-        look too, so a pass is seen before the first of its steps is skipped.
+        look too, so a pass is seen before the first of its steps is skipped,
+        and the optimizer holds the LR of the batch from its first forward pass
+        on (``engine.get_lr()``, which DeepSpeed's monitor logs in
+        ``engine.step()``); between a skipped step and the next forward pass
+        only `get_last_lr` has it (nothing of this scheduler runs there).
         """
         self._skipped, self._skipped_seen = skipped, skipped()
         if isinstance(module, torch.nn.Module):
