@@ -1443,7 +1443,7 @@ class VariableBatchSampler(Sampler[list[int]]):
         self._plans: dict[int, Plan] = {}
         self._logged: set[int] = set()  # the epochs whose plan was logged
         self._lens: dict[int, int] = {}  # epoch -> the len() given for it (see _check_cut)
-        self._len_read: tuple[range, int] | None = None  # the epochs of a pass, the len() a loader gave last for it
+        self._set_by_loop: int | None = None  # the epoch the loop last set itself (see _check_len_read)
         self._alone = False
         if self.plan_for_epoch(0).num_batches == 0:  # checked before training: later epochs never raise
             raise ValueError(_empty_plan_message(self._plans[0]))
@@ -1486,6 +1486,11 @@ class VariableBatchSampler(Sampler[list[int]]):
 
     def set_epoch(self, epoch: int) -> None:
         """Sets the epoch of the next iteration (a new order in ``random``/``bucket``)."""
+        self._set_epoch(epoch)
+        self._set_by_loop = epoch  # the loop set it itself (see _check_len_read)
+
+    def _set_epoch(self, epoch: int) -> None:
+        """`set_epoch`, as a launcher calls it through the loader."""
         last = self._position.last
         if _check_int("epoch", epoch) < self.epoch and last.restored:
             raise ValueError(
@@ -1530,45 +1535,46 @@ class VariableBatchSampler(Sampler[list[int]]):
         epochs]): from the epoch the next iteration yields to the end of its group of ``epochs``."""
         return range(self.epoch, (self.epoch // epochs + 1) * epochs)
 
-    def _loader_len(self, epochs: int) -> int:
-        """len() of a loader whose pass spans ``epochs``: this rank's step inputs of the epochs its next pass yields,
-        kept as the len() a loop may stop that pass at (see `_check_len_read`)."""
+    def _loader_len(self, epochs: int) -> tuple[range, int]:
+        """The epochs the next pass of a loader whose pass spans ``epochs`` yields, and this rank's step inputs in
+        them: its len()."""
         span = self._pass_epochs(epochs)
-        steps = len(self) if epochs == 1 else sum(self._steps(e) for e in span)
-        self._len_read = (span, steps)
-        return steps
+        return span, len(self) if epochs == 1 else sum(self._steps(e) for e in span)
 
-    def _check_len_read(self, span: range, start: int) -> None:
-        """Raises at the start of a pass longer than the len() a loader gave last, for another pass.
+    def _check_len_read(self, span: range, start: int, first_len: tuple[range, int] | None) -> None:
+        """Raises at the start of a pass longer than the first len() its loader gave, for another pass.
 
         NOTE [a loop that read len() for another epoch]: HF Trainer (its
-        set_initial_training_values) and Lightning without reloading (its fit
-        loop's num_training_batches) read len(loader) once, before epoch 0, and
-        stop every later epoch there: a longer epoch is cut and its last samples
-        are never trained. The cut cannot be seen while it happens (the loop
-        just stops asking), only predicted here, before the pass's first step
-        input: the pass is longer than the last len() read, which was read for
-        another pass. A plain loop that read len(loader) once but iterates every
-        epoch to its end is refused too (it cannot be told apart in time): it
-        reads len(loader) again at the epoch's start, or sizes with `horizon`.
-        Only a loader's len() counts (torch's DataLoader, Accelerate's prepared
-        loader): not the sampler's own, nor the one DeepSpeed's loader reads
-        once and then iterates every epoch to its end.
+        set_initial_training_values) reads len(loader) once, before epoch 0,
+        and Lightning without reloading (its fit loop's num_training_batches)
+        keeps the first it read: both stop every later epoch there, so a longer
+        epoch is cut and its last samples are never trained. The cut cannot be
+        seen while it happens (the loop just stops asking), only foreseen here,
+        before the pass's first step input. Such trainers number their epochs
+        themselves and never call the sampler's set_epoch (they reach it through
+        the loader, if at all: Lightning's _set_sampler_epoch, Accelerate's
+        DataLoaderShard), so a loop that set this epoch on the sampler itself,
+        the torch idiom of a loop that iterates every epoch to its end, is
+        trusted. A plain loop that read len(loader) in an earlier epoch and
+        sets no epoch is refused too: it cannot be told apart in time, and
+        calling sampler.set_epoch(epoch) fixes it. A new loader (Lightning's
+        reloading) has no len() of another epoch; DeepSpeed's loader reads
+        len() once and iterates every epoch to its end: its len() is not kept.
         """
-        if self._len_read is None:
+        if first_len is None or self._set_by_loop == span.start:
             return
-        read_for, given = self._len_read
+        read_for, given = first_len
         steps = sum(self._steps(e) for e in span) - start
         if read_for == span or steps <= given:
             return
         what = f"epoch {span.start}" if len(span) == 1 else f"epochs {span.start}-{span[-1]}"
         raise RuntimeError(
-            f"{what} has {steps} step inputs on this rank, more than the len(loader)={given} read last, for "
-            f"another pass: a loop that stops at the len() it read once would leave {steps - given} of them "
-            f"untrained; let one loader pass yield the run (make_dataloader(..., epochs=N), HF Trainer: with "
-            f"TrainingArguments(num_train_epochs=1)) or read len(loader) at each epoch's start (Lightning: "
-            f"Trainer(reload_dataloaders_every_n_epochs=1)); see the README, 'Use with torchrun, DeepSpeed, "
-            f"Accelerate, Lightning'"
+            f"{what} has {steps} step inputs on this rank, more than the len(loader)={given} it gave first, "
+            f"for epoch {read_for.start}: a loop that stops at the len() it read once would leave {steps - given} "
+            f"of them untrained; let one loader pass yield the run (make_dataloader(..., epochs=N); HF Trainer: "
+            f"with TrainingArguments(num_train_epochs=1)), or make the loader anew every epoch (Lightning: "
+            f"Trainer(reload_dataloaders_every_n_epochs=1)); a loop that iterates every epoch to its end calls "
+            f"sampler.set_epoch(epoch); see the README, 'Use with torchrun, DeepSpeed, Accelerate, Lightning'"
         )
 
     def horizon(self, epochs: int = 1, unit: _Clock = "steps") -> int:
@@ -1613,7 +1619,9 @@ class VariableBatchSampler(Sampler[list[int]]):
                 f"sample; make it after init_process_group, or pass num_replicas and rank"
             )
 
-    def _iter_keys(self, every_rank: bool = False, epochs: int = 1) -> Iterator[tuple]:
+    def _iter_keys(
+        self, every_rank: bool = False, epochs: int = 1, first_len: tuple[range, int] | None = None
+    ) -> Iterator[tuple]:
         """Keys of this rank's step inputs of the epoch, from the resume position (with ``every_rank``, all ranks').
 
         The one dealing rule (see above). A key is a `_StepInputKey`: the step
@@ -1622,13 +1630,13 @@ class VariableBatchSampler(Sampler[list[int]]):
         follows this rank's keys; after its last one the sampler is at the next
         epoch, also when the iterator is not exhausted (trainers stop at len()).
         With ``epochs > 1`` the pass goes on through the epochs of its group
-        (see NOTE [one pass over several epochs]).
+        (see NOTE [one pass over several epochs]); ``first_len``: the first len() its loader gave.
         """
         self._check_cut(RuntimeError)
         self._check_world()
         epoch, start = self._position.next_start()
         span = self._pass_epochs(epochs)
-        self._check_len_read(span, start)
+        self._check_len_read(span, start, first_len)
         self._start_pass(epoch, start, finished=start >= self._steps(epoch), epochs=len(span))  # empty: done at once
         passes = self._position.last.number
         try:
@@ -1728,32 +1736,33 @@ class _StepInputKeys(DistributedSampler):
 
     A `DistributedSampler` in type only (its ``__init__`` is not called): see NOTE [the loader deals itself]. Its
     state is ``sampler``'s, which torchdata's StatefulDataLoader saves with the loader's. A pass yields ``epochs``
-    epochs of ``sampler`` (see NOTE [one pass over several epochs]); ``loop_len`` (False for DeepSpeed's loader,
-    which reads len() once and iterates every epoch to its end): a loop may stop a pass at its len().
+    epochs of ``sampler`` (see NOTE [one pass over several epochs]); ``lens`` is the loader's record, shared by
+    its keys, of the first len() it gave (see `VariableBatchSampler._check_len_read`); None for DeepSpeed's loader.
     """
 
-    def __init__(
-        self, sampler: VariableBatchSampler, *, every_rank: bool, batched: bool, epochs: int = 1, loop_len: bool = True
-    ):
+    def __init__(self, sampler: VariableBatchSampler, *, every_rank: bool, batched: bool, epochs: int = 1, lens=None):
         self.variable_batch_sampler = sampler
         self.every_rank = every_rank
         self.batched = batched
         self.epochs = epochs
-        self.loop_len = loop_len
+        self.lens = lens
 
     def __iter__(self):
-        keys = self.variable_batch_sampler._iter_keys(every_rank=self.every_rank, epochs=self.epochs)
+        first_len = None if self.lens is None else self.lens.get("first")
+        keys = self.variable_batch_sampler._iter_keys(self.every_rank, self.epochs, first_len)
         if self.batched:
             return ([key] for key in keys)
         return keys
 
     def __len__(self):
         sampler = self.variable_batch_sampler
-        steps = sampler._loader_len(self.epochs) if self.loop_len else len(sampler)
+        span, steps = sampler._loader_len(self.epochs)
+        if self.lens is not None:
+            self.lens.setdefault("first", (span, steps))
         return steps * sampler.num_replicas if self.every_rank else steps
 
     def set_epoch(self, epoch):  # the loader's epoch k is the sampler's epochs k x epochs, ...
-        self.variable_batch_sampler.set_epoch(epoch * self.epochs)
+        self.variable_batch_sampler._set_epoch(epoch * self.epochs)
 
     def state_dict(self):
         return self.variable_batch_sampler.state_dict()
@@ -1985,20 +1994,21 @@ def make_dataloader(
         if hasattr(dataloader_class, "load_state_dict"):
             bases = (_RestoresAtOnce, *bases)
         loader_class = type(f"_{dataloader_class.__name__}", bases, {})
+    lens = {}  # the first len() the loader gave (see NOTE [a loop that read len() for another epoch])
     load_step_input = _LoadStepInput(
         dataset, collate_fn, sample_padding_fn, num_replicas=batch_sampler.num_replicas, rank=batch_sampler.rank
     )
     loader = loader_class(
         _KeyDataset(),
         batch_size=1,
-        sampler=_StepInputKeys(batch_sampler, every_rank=True, batched=False, epochs=epochs),
+        sampler=_StepInputKeys(batch_sampler, every_rank=True, batched=False, epochs=epochs, lens=lens),
         num_workers=num_workers,
         pin_memory=pin_memory,
         collate_fn=load_step_input,
         **dataloader_kwargs,
     )
     # see NOTE [the loader deals itself]
-    loader._local = _StepInputKeys(batch_sampler, every_rank=False, batched=True, epochs=epochs)
+    loader._local = _StepInputKeys(batch_sampler, every_rank=False, batched=True, epochs=epochs, lens=lens)
     loader.variable_batch_sampler = batch_sampler
     if batch_sampler.num_replicas > 1 and _world()[1] > 1:  # one plan dealt over ranks: every process planned it?
         _check_ranks_agree(batch_sampler)
@@ -2661,7 +2671,7 @@ def _loader_and_scheduler(
             dataset=loader.dataset,
             batch_size=1,
             pin_memory=loader.pin_memory,
-            data_sampler=_StepInputKeys(sampler, every_rank=False, batched=False, loop_len=False),
+            data_sampler=_StepInputKeys(sampler, every_rank=False, batched=False),
             collate_fn=loader.collate_fn,
             num_local_io_workers=loader.num_workers,
         ),
