@@ -1761,7 +1761,7 @@ class _StepInputKeys(DistributedSampler):
             self.lens.setdefault("first", (span, steps))
         return steps * sampler.num_replicas if self.every_rank else steps
 
-    def set_epoch(self, epoch):  # the loader's epoch k is the sampler's epochs k x epochs, ...
+    def set_epoch(self, epoch):  # a launcher's, through the loader: its epoch k starts at the sampler's k x epochs
         self.variable_batch_sampler._set_epoch(epoch * self.epochs)
 
     def state_dict(self):
