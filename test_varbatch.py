@@ -1824,6 +1824,250 @@ def test_an_empty_plan_is_refused_with_counts_that_add_up(case):
     assert f"epoch {case['epoch']}" in message
 
 
+# -- a loop that read len() for another epoch: refused before it cuts, or one pass for the run (issue 18, item 4)
+
+
+def _longer_second_epoch(lengths, max_tokens, **options):
+    """A seed whose epoch 1 has more batches than epoch 0."""
+    for seed in range(200):
+        sampler = VariableBatchSampler(lengths, max_tokens, seed=seed, **options)
+        if sampler.plan_for_epoch(1).num_batches > sampler.plan_for_epoch(0).num_batches:
+            return seed
+    raise AssertionError("no seed with a longer epoch 1")
+
+
+def _len_once_sampler():
+    lengths = _lengths(120, 1, 40, seed=8)
+    return VariableBatchSampler(lengths, 70, order="random", seed=_longer_second_epoch(lengths, 70, order="random"))
+
+
+_LEN_READS = ["len(loader) once", "len(loader), set_epoch", "a new loader", "len(sampler) once", "deepspeed_io"]
+
+
+@pytest.mark.parametrize("reads", _LEN_READS)
+def test_a_pass_longer_than_the_first_len_its_loader_gave_is_refused_at_its_start(reads):
+    """A loop that read len(loader) in epoch 0 and sets no epoch itself is refused at the start of a longer epoch 1,
+    before its first step input; one that calls sampler.set_epoch, a new loader every epoch, the sampler's own len()
+    and DeepSpeed's loader (it reads len() once and iterates to the end) are not."""
+    sampler = _len_once_sampler()
+    loaders = [make_dataloader(_id_dataset(sampler.seqlens), sampler, collate_fn=varbatch.PaddedCollate())]
+    deepspeed_sampler = varbatch._StepInputKeys(sampler, every_rank=False, batched=False)
+    len({"len(sampler) once": sampler, "deepspeed_io": deepspeed_sampler}.get(reads, loaders[0]))
+    trained = {0: 0, 1: 0}
+    for epoch in (0, 1):
+        if reads == "len(loader), set_epoch":
+            sampler.set_epoch(epoch)
+            len(loaders[-1])
+        if reads == "a new loader" and epoch:
+            loaders.append(make_dataloader(_id_dataset(sampler.seqlens), sampler, collate_fn=varbatch.PaddedCollate()))
+            len(loaders[-1])
+        try:
+            for _ in loaders[-1]:
+                trained[epoch] += 1
+        except RuntimeError as error:
+            assert reads == "len(loader) once" and epoch == 1 and trained[1] == 0
+            assert "epochs=N" in str(error) and "reload_dataloaders_every_n_epochs=1" in str(error)
+            return
+    assert reads != "len(loader) once", "a longer epoch after len(loader) of epoch 0 was not refused"
+    assert trained == {e: sampler.plan_for_epoch(e).num_batches for e in (0, 1)}
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_loader_pass_over_several_epochs_yields_each_epoch_whole_per_rank(workers):
+    """make_dataloader(epochs=3): one pass is the 3 epochs back to back on each of 2 ranks (len() counts them all), the
+    keys carry their epoch (the dealing check holds, also with workers), state_dict is per epoch; set_epoch(k) is 3k."""
+    lengths = _lengths(80, 1, 40, seed=8)
+    samplers = [VariableBatchSampler(lengths, 70, order="random", seed=4, num_replicas=2, rank=r) for r in (0, 1)]
+    loaders = [
+        make_dataloader(_id_dataset(lengths), s, collate_fn=varbatch.PaddedCollate(), epochs=3, num_workers=workers)
+        for s in samplers
+    ]
+    steps = [samplers[0]._steps(e) for e in range(3)]
+    assert len(loaders[0]) == sum(steps) and len(samplers[0]) == steps[0]
+    assert len(set(steps)) > 1, "the epochs have one length: the case could not fail"
+    for sampler, loader in zip(samplers, loaders):
+        got = [_ids_of(x) for x, _ in loader]
+        assert len(got) == sum(steps)
+        for e in range(3):
+            plan, k = sampler.plan_for_epoch(e), sampler.micro_batch_size
+            mine = [plan.microbatch(g) for g in range(sampler.rank, plan.num_microbatches, 2)]
+            assert got[sum(steps[:e]) : sum(steps[: e + 1])] == [m.tolist() for m in mine][: steps[e] * k]
+        assert (sampler.epoch, sampler.state_dict()["epoch"], sampler.steps_done) == (3, 2, steps[2])
+    loaders[0].sampler.set_epoch(1)
+    assert samplers[0].epoch == 3 and len(loaders[0]) == sum(samplers[0]._steps(e) for e in range(3, 6))
+
+
+# -- HF Trainer (transformers imported inside the tests: its import takes seconds) ------------------
+
+
+class _HFRecorder:
+    """Per real optimizer update: the LR applied and the (epoch, sample ids) of the step inputs it trained."""
+
+    def __init__(self, sampler):
+        self.sampler, self.pending, self.updates, self.trained = sampler, [], [], []
+
+    def collate(self, samples):
+        ids = torch.nn.utils.rnn.pad_sequence([s["input_ids"] for s in samples], batch_first=True, padding_value=0)
+        mask = torch.nn.utils.rnn.pad_sequence([torch.ones(len(s["input_ids"]), dtype=torch.int64) for s in samples])
+        return {
+            "input_ids": ids,
+            "attention_mask": mask.T,
+            "labels": ids.masked_fill(mask.T == 0, -100),
+            "idx": torch.tensor([s["idx"] for s in samples]),
+            "epoch": torch.tensor(self.sampler.state_dict()["epoch"]),
+        }
+
+    def hook(self, optimizer, args, kwargs):  # a torch optimizer pre-step hook: one per real update
+        self.updates.append((optimizer.param_groups[0]["lr"], list(self.pending)))
+
+
+def _hf_lengths():
+    return torch.randint(5, 40, (96,), generator=torch.Generator().manual_seed(0)).tolist()
+
+
+def _hf_trainer(tmp_path, lengths, *, order, seed, epochs=2, loader_epochs=1, prepared=False, **arguments):
+    """An HF Trainer subclass over varbatch's loader and scheduler (the optimizer's constant LR x the batch factor);
+    with ``loader_epochs`` > 1 one loader pass is the run and the Trainer runs one epoch of it."""
+    import transformers
+
+    sampler = VariableBatchSampler(lengths, 256, budget="padded", order=order, seed=seed)
+    record = _HFRecorder(sampler)
+    tokens = torch.randint(0, 63, (sum(lengths),), generator=torch.Generator().manual_seed(1)).split(lengths)
+    data = [{"idx": i, "input_ids": ids} for i, ids in enumerate(tokens)]
+    run_pass = {} if loader_epochs == 1 else {"epochs": loader_epochs}  # the default as main had it
+    loader = make_dataloader(data, sampler, collate_fn=record.collate, **run_pass)
+    made = []
+
+    class VarbatchTrainer(transformers.Trainer):
+        def get_train_dataloader(self):
+            if prepared and not made:
+                made.append(self.accelerator.prepare(loader))
+            return made[0] if prepared else loader
+
+        def create_scheduler(self, num_training_steps, optimizer=None):
+            if self.lr_scheduler is None:
+                torch_optimizer = self.optimizer.optimizer  # Accelerate's AcceleratedOptimizer wraps it
+                self.lr_scheduler = VariableBatchSizeLR(torch_optimizer, "mean", sampler)
+                torch_optimizer.register_step_pre_hook(record.hook)
+            return self.lr_scheduler
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            idx, epoch = inputs.pop("idx"), int(inputs.pop("epoch"))
+            record.pending.extend((epoch, int(i)) for i in idx)
+            record.trained.extend((epoch, int(i)) for i in idx)
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    class Clear(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            record.pending.clear()
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        num_hidden_layers=1, hidden_size=16, intermediate_size=32, num_attention_heads=2, vocab_size=64
+    )
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path),
+        num_train_epochs=epochs if loader_epochs == 1 else 1,
+        learning_rate=1e-3,
+        lr_scheduler_type="constant",
+        logging_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        remove_unused_columns=False,
+        dataloader_pin_memory=False,
+        **{"save_strategy": "no", **arguments},
+    )
+    trainer = VarbatchTrainer(model=transformers.LlamaForCausalLM(config), args=args, callbacks=[Clear()])
+    return trainer, sampler, record
+
+
+def _hf_updates_off(sampler, record, lr=1e-3):
+    """Real updates whose LR is not lr x B_b / mean(B) of the one batch b whose samples they trained."""
+    off = 0
+    for applied, pending in record.updates:
+        (epoch,) = {e for e, _ in pending}
+        plan = sampler.plan_for_epoch(epoch)
+        where = {int(i): j // plan.effective_batch_size for j, mb in enumerate(plan.microbatches()) for i in mb}
+        (batch,) = {where[i] for _, i in pending}
+        off += not math.isclose(applied, lr * plan.batch_sizes[batch] / plan.batch_sizes.mean(), rel_tol=1e-6)
+    return off
+
+
+def _hf_never_and_twice(sampler, trained, epochs):
+    """Per epoch, the planned samples never trained and the samples trained more than once."""
+    counts = collections.Counter(trained)
+    never = sum(
+        len(set(sampler.plan_for_epoch(e).sample_ids.tolist()) - {i for ep, i in counts if ep == e}) for e in epochs
+    )
+    return never, sum(n > 1 for n in counts.values())
+
+
+@pytest.mark.parametrize("loader_epochs", [1, 2])
+def test_hf_trainer_trains_every_epoch_whole_or_refuses_before_the_cut_epoch(tmp_path, loader_epochs):
+    """HF Trainer reads len(loader) once: with one loader pass for the run (epochs=2) both epochs, epoch 1 the longer,
+    are trained whole at their batches' LRs; with a pass per epoch it is refused before any sample of epoch 1."""
+    pytest.importorskip("transformers")
+    lengths = _hf_lengths()
+    seed = _longer_second_epoch(lengths, 256, budget="padded", order="random")
+    trainer, sampler, record = _hf_trainer(tmp_path, lengths, order="random", seed=seed, loader_epochs=loader_epochs)
+    if loader_epochs == 1:
+        with pytest.raises(RuntimeError, match=r"epochs=N.*num_train_epochs=1"):
+            trainer.train()
+        assert record.trained and not [1 for e, _ in record.trained if e == 1], "refused inside the cut epoch"
+        return
+    trainer.train()
+    assert _hf_never_and_twice(sampler, record.trained, (0, 1)) == (0, 0)
+    assert trainer.state.global_step == sampler.plan_for_epoch(0).num_batches + sampler.plan_for_epoch(1).num_batches
+    assert _hf_updates_off(sampler, record) == 0
+
+
+@pytest.mark.parametrize("loader_epochs", [1, 2])
+def test_lightning_without_reloading_is_refused_before_the_cut_epoch(loader_epochs):
+    """Lightning reads len(loader) once unless it reloads: refused at the longer epoch 1's start, before its first
+    sample (naming the setting); with one loader pass for the run (epochs=2, max_epochs=1) both epochs whole."""
+    pl = pytest.importorskip("pytorch_lightning")
+    lengths = _lengths(200, 3, 40)
+    sampler = VariableBatchSampler(
+        lengths, 128, order="random", seed=_longer_second_epoch(lengths, 128, order="random")
+    )
+    data = [torch.full((n, 1), float(i)) for i, n in enumerate(lengths)]
+    run_pass = {} if loader_epochs == 1 else {"epochs": loader_epochs}  # the default as main had it
+    trained = []
+
+    class Model(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(1, 1)
+
+        def train_dataloader(self):
+            return make_dataloader(data, sampler, collate_fn=varbatch.PaddedCollate(), **run_pass)
+
+        def training_step(self, batch, index):
+            trained.extend((sampler.state_dict()["epoch"], int(v)) for v in batch[0][:, 0, 0])
+            return (self.layer(batch[0] * 0) ** 2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=3 - loader_epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    if loader_epochs == 1:
+        with pytest.raises(RuntimeError, match=r"reload_dataloaders_every_n_epochs=1"):
+            trainer.fit(Model())
+        assert trained and not [1 for e, _ in trained if e == 1], "refused inside the cut epoch"
+        return
+    trainer.fit(Model())
+    assert _hf_never_and_twice(sampler, trained, (0, 1)) == (0, 0)
+
+
 # -- drops are logged once per trained epoch -------------------------------------------------------
 
 
@@ -3604,6 +3848,87 @@ def test_a_sampler_restored_after_the_scheduler_is_followed_at_once(restored_at)
     optimizer.step()
     _check_lr(k, unscaled * sizes[b] / sizes.mean(), applied[0])
     _check_lr(k, unscaled * sizes[b] / sizes.mean(), scheduler.get_last_lr()[0])
+
+
+def _run_pass_lrs(order, state=None, skip=0, stop=None):
+    """One pass of a make_dataloader(epochs=2) loader (the run's two epochs) from a fresh sampler: the LR of each
+    update, its first ``skip`` updates dropped (as skip_first_batches does), stopping after ``stop`` updates; the
+    scheduler restored from ``state`` first. Returns (LRs, the scheduler's state at the stop, the sampler)."""
+    sampler, _, optimizer, scheduler = _skip_resume_setup(order)
+    loader = make_dataloader(_id_dataset(sampler.seqlens), sampler, epochs=2)
+    if state is not None:
+        scheduler.load_state_dict(state)
+    gas, lrs = sampler.gradient_accumulation_steps, []
+    for i, _ in enumerate(loader):
+        if i < skip * gas:
+            continue
+        if i % gas == 0:
+            lrs.append(optimizer.param_groups[0]["lr"])
+        if i % gas == gas - 1:
+            optimizer.step()
+            scheduler.step()
+            if len(lrs) == stop:
+                break
+    return lrs, json.loads(json.dumps(scheduler.state_dict())), sampler
+
+
+@pytest.mark.parametrize("order", ["random", "bucket"])
+def test_a_restored_scheduler_over_a_loader_pass_of_the_run_resumed_by_skipping_keeps_its_lr(order):
+    """HF Trainer's resume with make_dataloader(epochs=2): the scheduler restored at epoch 1, a fresh sampler's pass
+    from epoch 0 dropping the updates trained (global_step x G step inputs): every remaining LR is the run's."""
+    expected, _, sampler = _run_pass_lrs(order)
+    n0, k = sampler.plan_for_epoch(0).num_batches, 4
+    assert len(expected) == n0 + sampler.plan_for_epoch(1).num_batches
+    first, state, _ = _run_pass_lrs(order, stop=n0 + k)
+    assert first == expected[: n0 + k] and (state["_epoch"], state["_batch"]) == (1, k)
+    got, _, resumed = _run_pass_lrs(order, state=state, skip=n0 + k)
+    sizes = resumed.plan_for_epoch(1).batch_sizes
+    assert sizes[k] != sizes[0], "batch k has batch 0's size: the case could not fail"
+    assert len(got) == len(expected) - n0 - k
+    for t, (x, y) in enumerate(zip(expected[n0 + k :], got), start=n0 + k):
+        _check_lr(t, x, y)
+
+
+def test_a_restored_scheduler_refuses_a_fresh_sampler_that_replays_an_earlier_epoch():
+    """The scheduler restored in epoch 1, its sampler not (HF Trainer's checkpoints hold none): the fresh sampler's pass
+    over epoch 0 is refused at the first batch, before the optimizer steps, naming the fixes."""
+    stopped = _skip_resume_setup("random")
+    _skip_resume_epoch(*stopped, 0)
+    _skip_resume_epoch(*stopped, 1, stop=3)
+    _, loader, optimizer, scheduler = _skip_resume_setup("random")
+    scheduler.load_state_dict(json.loads(json.dumps(stopped[3].state_dict())))
+    before = [p.detach().clone() for group in optimizer.param_groups for p in group["params"]]
+    with pytest.raises(RuntimeError, match=r"restored at epoch 1, batch 3.*sampler.load_state_dict.*epochs=N"):
+        for _ in loader:
+            optimizer.step()
+    assert all(torch.equal(p, q) for p, q in zip(before, (p for g in optimizer.param_groups for p in g["params"])))
+
+
+@pytest.mark.parametrize("order", ["bucket", "dataloader"])
+def test_hf_trainer_resume_in_a_later_epoch_trains_the_rest_once_or_refuses(tmp_path, order):
+    """HF Trainer resumed from a checkpoint in epoch 1: with one loader pass for the run (epochs=2) the rest of epoch 1
+    is trained once at its batches' LRs; with a pass per epoch it is refused at the first batch, naming the fix."""
+    pytest.importorskip("transformers")
+    lengths = _hf_lengths()
+    common = dict(order=order, seed=0, save_strategy="steps")
+    probe = VariableBatchSampler(lengths, 256, budget="padded", order=order, seed=0)
+    n0, n1 = probe.plan_for_epoch(0).num_batches, probe.plan_for_epoch(1).num_batches
+    at = n0 + 5  # a checkpoint in epoch 1, at batch 5
+    first, sampler, record = _hf_trainer(
+        tmp_path / "a", lengths, loader_epochs=2, max_steps=at, save_steps=at, **common
+    )
+    first.train()
+    checkpoint = str(tmp_path / "a" / f"checkpoint-{at}")
+    refused, _, refused_record = _hf_trainer(tmp_path / "b", lengths, save_steps=500, **common)
+    with pytest.raises(RuntimeError, match=r"restored at epoch 1, batch 5.*epochs=N"):
+        refused.train(resume_from_checkpoint=checkpoint)
+    assert not refused_record.updates, "updates trained before the refusal"
+    resumed, _, resumed_record = _hf_trainer(tmp_path / "c", lengths, loader_epochs=2, save_steps=500, **common)
+    resumed.train(resume_from_checkpoint=checkpoint)
+    trained = record.trained + resumed_record.trained
+    assert len(resumed_record.updates) == n0 + n1 - at
+    assert _hf_never_and_twice(sampler, trained, (0, 1)) == (0, 0)
+    assert _hf_updates_off(sampler, resumed_record) == 0
 
 
 _SKIP_FIRST_BATCHES_SCRIPT = """
@@ -6558,6 +6883,52 @@ def test_accelerate_settings_that_redeal_are_refused_at_the_first_batch(tmp_path
     assert rc != 0
     assert any(setting in (error or "") for error in errors), (errors, output[-2000:])
     assert sum(len(r) for r in records) <= 4, "trained on after the first batch"
+
+
+_HF_RESUME_SCRIPT = """
+import json, os, sys, pathlib, torch
+torch.distributed.init_process_group("gloo")
+import test_varbatch as T
+out, rank = pathlib.Path(sys.argv[1]), torch.distributed.get_rank()
+lengths = T._hf_lengths()
+common = dict(order="bucket", seed=0, prepared=True, save_strategy="steps")
+first, sampler, record = T._hf_trainer(out / "a", lengths, loader_epochs=2, max_steps=AT, save_steps=AT, **common)
+first.train()
+checkpoint = str(out / "a" / f"checkpoint-{AT}")
+refused, _, refused_record = T._hf_trainer(out / "b", lengths, save_steps=500, **common)
+try:
+    refused.train(resume_from_checkpoint=checkpoint)
+    error = None
+except RuntimeError as raised:
+    error = str(raised)
+resumed, _, resumed_record = T._hf_trainer(out / "c", lengths, loader_epochs=2, save_steps=500, **common)
+resumed.train(resume_from_checkpoint=checkpoint)
+json.dump({"trained": record.trained + resumed_record.trained, "updates": len(resumed_record.updates),
+           "lrs_off": T._hf_updates_off(sampler, resumed_record), "error": error,
+           "refused_updates": len(refused_record.updates)}, open(out / f"rank{rank}.json", "w"))
+"""
+
+
+@pytest.mark.slow
+def test_hf_trainer_resume_in_a_later_epoch_on_two_processes(tmp_path):
+    """HF Trainer on 2 processes with an Accelerate-prepared loader, resumed at epoch 1 batch 3: with one loader pass
+    for the run every sample of both epochs once over the ranks, the LRs of their batches; with a pass per epoch
+    refused at the first batch on every rank."""
+    pytest.importorskip("transformers")
+    probe = VariableBatchSampler(_hf_lengths(), 256, budget="padded", order="bucket", seed=0, num_replicas=2, rank=0)
+    n0, n1 = probe.plan_for_epoch(0).num_batches, probe.plan_for_epoch(1).num_batches
+    script = tmp_path / "resume.py"
+    script.write_text(_HF_RESUME_SCRIPT.replace("AT", str(n0 + 3)))
+    env = dict(os.environ, PYTHONPATH=_ROOT, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master-port"]
+    done = _run([*command, str(_free_port()), str(script), str(tmp_path)], timeout=600, cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stdout[-1500:] + done.stderr[-3000:]
+    runs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    trained = [tuple(pair) for run in runs for pair in run["trained"]]
+    assert _hf_never_and_twice(probe, trained, (0, 1)) == (0, 0)
+    assert [run["updates"] for run in runs] == [n0 + n1 - n0 - 3] * 2
+    assert [run["lrs_off"] for run in runs] == [0, 0]
+    assert all("epochs=N" in (run["error"] or "") and run["refused_updates"] == 0 for run in runs), runs
 
 
 # -- Lightning -----------------------------------------------------------------------------------

@@ -1351,7 +1351,7 @@ class _StepInputKey(typing.NamedTuple):
     pad_to: int  # the batch's longest seqlen in same-length mode, else 0 (no padding)
     epoch: int
     pass_number: int  # the sampler's pass that dealt it (a new pass over an epoch gets a new number)
-    pass_start: int  # this rank's step input t that the pass started at
+    pass_start: int  # this rank's step input t that the pass started at in this epoch (0 in its later epochs)
     step_input: int  # g, its index among the epoch's step inputs of all ranks (see the dealing rule)
 
 
@@ -1366,35 +1366,45 @@ class _Pass:
         number: passes started so far (an iterator of an older pass is stale).
         epoch, start: the epoch of the pass and its first step input.
         restored: the position came from load_state_dict, and no iteration has started since.
+        epochs: the epochs the pass yields back to back from ``epoch`` (see NOTE [one pass over several epochs]).
     """
 
     number: int = 0
     epoch: int = 0
     start: int = 0
     restored: bool = False
+    epochs: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
 class _Position:
     """Where a sampler stands: its last pass, and how far that pass got.
 
-    Invariant: ``last.start <= steps_done <= T`` (T: the step inputs of
-    ``last.epoch``), and ``finished`` only with ``steps_done == T``: set once an
-    iteration (or a restored position) reached the epoch's end, never by
-    set_epoch (not even for an empty epoch); then the next iteration yields the
-    next epoch. ``handed`` counts the step inputs every pass handed out (the
-    scheduler's one-step-per-update check reads it).
+    Invariant: ``steps_done <= T`` (T: the step inputs of ``steps_epoch``, the
+    pass's epoch ``last.epoch`` plus the ``crossed`` epochs it yielded whole
+    before), ``last.start <= steps_done`` while ``crossed == 0``, and
+    ``finished`` only with ``steps_done == T``: set once an iteration (or a
+    restored position) reached the epoch's end, never by set_epoch (not even
+    for an empty epoch); then the next iteration yields the next epoch.
+    ``handed`` counts the step inputs every pass handed out (the scheduler's
+    one-step-per-update check reads it).
     """
 
     last: _Pass = _Pass()
     steps_done: int = 0
     finished: bool = False
     handed: int = 0
+    crossed: int = 0
+
+    @property
+    def steps_epoch(self) -> int:
+        """The epoch ``steps_done`` counts in."""
+        return self.last.epoch + self.crossed
 
     @property
     def epoch(self) -> int:
-        """The epoch the next iteration yields: the last pass's, or the next once it finished."""
-        return self.last.epoch + self.finished
+        """The epoch the next iteration yields: the last one's, or the next once it finished."""
+        return self.steps_epoch + self.finished
 
     def next_start(self) -> tuple[int, int]:
         """``(epoch, step input)`` where the next pass starts: a restored position, else the epoch's first."""
@@ -1504,6 +1514,7 @@ class VariableBatchSampler(Sampler[list[int]]):
         self._plans: dict[int, Plan] = {}
         self._logged: set[int] = set()  # the epochs whose plan was logged
         self._lens: dict[int, int] = {}  # epoch -> the len() given for it (see _check_cut)
+        self._set_by_loop: int | None = None  # the epoch the loop last set itself (see _check_len_read)
         self._alone = False
         if self.plan_for_epoch(0).num_batches == 0:  # checked before training: later epochs never raise
             raise ValueError(_empty_plan_message(self._plans[0]))
@@ -1517,9 +1528,11 @@ class VariableBatchSampler(Sampler[list[int]]):
             self._plans[epoch] = self._planner(epoch)
         return self._plans[epoch]
 
-    def _start_pass(self, epoch: int, start: int, *, restored: bool = False, finished: bool = False) -> None:
+    def _start_pass(
+        self, epoch: int, start: int, *, restored: bool = False, finished: bool = False, epochs: int = 1
+    ) -> None:
         """Writes the record of a pass over ``epoch`` from step input ``start``: an older iterator goes stale."""
-        record = _Pass(self._position.last.number + 1, epoch, start, restored)
+        record = _Pass(self._position.last.number + 1, epoch, start, restored, epochs)
         self._position = _Position(record, steps_done=start, finished=finished, handed=self._position.handed)
 
     def _steps(self, epoch: int) -> int:
@@ -1544,6 +1557,11 @@ class VariableBatchSampler(Sampler[list[int]]):
 
     def set_epoch(self, epoch: int) -> None:
         """Sets the epoch of the next iteration (a new order in ``random``/``bucket``)."""
+        self._set_epoch(epoch)
+        self._set_by_loop = epoch  # the loop set it itself (see _check_len_read)
+
+    def _set_epoch(self, epoch: int) -> None:
+        """`set_epoch`, as a launcher calls it through the loader."""
         last = self._position.last
         if _check_int("epoch", epoch) < self.epoch and last.restored:
             raise ValueError(
@@ -1552,7 +1570,7 @@ class VariableBatchSampler(Sampler[list[int]]):
                 f"own count of passes, 0 after a restart, unless you call loader.set_epoch(epoch); see the "
                 f"README, 'Use with torchrun, DeepSpeed, Accelerate, Lightning')"
             )
-        if epoch != last.epoch or self._position.finished:  # else: the last pass's epoch, left or restored mid-way
+        if epoch != self._position.steps_epoch or self._position.finished:  # else: left or restored mid-way
             self._check_cut(RuntimeError)
             self._start_pass(epoch, 0, restored=last.restored)  # a restored run's epochs go back only once it ran
 
@@ -1568,7 +1586,7 @@ class VariableBatchSampler(Sampler[list[int]]):
         once (Lightning, unless told to reload the loader) stops every epoch at
         the first one's and leaves the rest of a longer epoch untrained.
         """
-        epoch, done = self._position.last.epoch, self._position.steps_done
+        epoch, done = self._position.steps_epoch, self._position.steps_done
         total = self._steps(epoch)
         stale = [e for e, n in self._lens.items() if e != epoch and n == done]
         if 0 < done < total and stale:
@@ -1582,6 +1600,53 @@ class VariableBatchSampler(Sampler[list[int]]):
             if error is RuntimeError:
                 raise RuntimeError(message)
             warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+    def _pass_epochs(self, epochs: int) -> range:
+        """The epochs the next pass yields when a loader pass spans ``epochs`` (see NOTE [one pass over several
+        epochs]): from the epoch the next iteration yields to the end of its group of ``epochs``."""
+        return range(self.epoch, (self.epoch // epochs + 1) * epochs)
+
+    def _loader_len(self, epochs: int) -> tuple[range, int]:
+        """The epochs the next pass of a loader whose pass spans ``epochs`` yields, and this rank's step inputs in
+        them: its len()."""
+        span = self._pass_epochs(epochs)
+        return span, len(self) if epochs == 1 else sum(self._steps(e) for e in span)
+
+    def _check_len_read(self, span: range, start: int, first_len: tuple[range, int] | None) -> None:
+        """Raises at the start of a pass longer than the first len() its loader gave, for another pass.
+
+        NOTE [a loop that read len() for another epoch]: HF Trainer (its
+        set_initial_training_values) reads len(loader) once, before epoch 0,
+        and Lightning without reloading (its fit loop's num_training_batches)
+        keeps the first it read: both stop every later epoch there, so a longer
+        epoch is cut and its last samples are never trained. The cut cannot be
+        seen while it happens (the loop just stops asking), only foreseen here,
+        before the pass's first step input. Such trainers number their epochs
+        themselves and never call the sampler's set_epoch (they reach it through
+        the loader, if at all: Lightning's _set_sampler_epoch, Accelerate's
+        DataLoaderShard), so a loop that set this epoch on the sampler itself,
+        the torch idiom of a loop that iterates every epoch to its end, is
+        trusted. A plain loop that read len(loader) in an earlier epoch and
+        sets no epoch is refused too: it cannot be told apart in time, and
+        calling sampler.set_epoch(epoch) fixes it. A new loader (Lightning's
+        reloading) has no len() of another epoch; DeepSpeed's loader reads
+        len() once and iterates every epoch to its end: its len() is not kept.
+        """
+        if first_len is None or self._set_by_loop == span.start:
+            return
+        read_for, given = first_len
+        steps = sum(self._steps(e) for e in span) - start
+        if read_for == span or steps <= given:
+            return
+        what = f"epoch {span.start}" if len(span) == 1 else f"epochs {span.start}-{span[-1]}"
+        raise RuntimeError(
+            f"{what} has {steps} step inputs on this rank, more than the len(loader)={given} it gave first, "
+            f"for epoch {read_for.start}: a loop that stops at the len() it read once would leave {steps - given} "
+            f"of them untrained; let one loader pass yield the run (make_dataloader(..., epochs=N); HF Trainer: "
+            f"with TrainingArguments(num_train_epochs=1)), or make the loader anew every epoch (Lightning: "
+            f"Trainer(reload_dataloaders_every_n_epochs=1)); a loop that iterates every epoch to its end calls "
+            f"sampler.set_epoch(epoch); see the README, 'Use with torchrun, DeepSpeed, Accelerate, Lightning'"
+        )
 
     def horizon(self, epochs: int = 1, unit: _Clock = "steps") -> int:
         """Optimizer steps (or real tokens, or samples) from the current position to the end of ``epochs`` epochs.
@@ -1625,7 +1690,9 @@ class VariableBatchSampler(Sampler[list[int]]):
                 f"sample; make it after init_process_group, or pass num_replicas and rank"
             )
 
-    def _iter_keys(self, every_rank: bool = False) -> Iterator[tuple]:
+    def _iter_keys(
+        self, every_rank: bool = False, epochs: int = 1, first_len: tuple[range, int] | None = None
+    ) -> Iterator[tuple]:
         """Keys of this rank's step inputs of the epoch, from the resume position (with ``every_rank``, all ranks').
 
         The one dealing rule (see above). A key is a `_StepInputKey`: the step
@@ -1633,46 +1700,62 @@ class VariableBatchSampler(Sampler[list[int]]):
         the pass dealt it, by which `_LoadStepInput` checks the dealing. The position
         follows this rank's keys; after its last one the sampler is at the next
         epoch, also when the iterator is not exhausted (trainers stop at len()).
+        With ``epochs > 1`` the pass goes on through the epochs of its group
+        (see NOTE [one pass over several epochs]); ``first_len``: the first len() its loader gave.
         """
         self._check_cut(RuntimeError)
         self._check_world()
         finalizing = sys.is_finalizing  # held by the generator: the module's `sys` is None at interpreter exit
         epoch, start = self._position.next_start()
-        total = self._steps(epoch)
-        self._start_pass(epoch, start, finished=start >= total)  # an empty epoch is done at once
+        span = self._pass_epochs(epochs)
+        self._check_len_read(span, start, first_len)
+        self._start_pass(epoch, start, finished=start >= self._steps(epoch), epochs=len(span))  # empty: done at once
         passes = self._position.last.number
-        plan = self.plan_for_epoch(epoch)
-        m, ranks = self.micro_batch_size, self.num_replicas
-        seqlens = self.seqlens
-        if epoch not in self._logged and _on_rank_zero(self.rank):  # once per trained epoch, for the whole job
-            self._logged.add(epoch)
-            _log_plan(plan, self.verbose)
         try:
-            for t in range(start, total):
-                dealt = range(t * ranks, (t + 1) * ranks) if every_rank else [t * ranks + self.rank]
-                for g in dealt:
-                    if g % ranks == self.rank:
-                        if self._position.last.number != passes:  # set_epoch() or another pass since: it is stale
-                            return
-                        self._position = dataclasses.replace(
-                            self._position, steps_done=t + 1, finished=t + 1 == total, handed=self._position.handed + 1
-                        )
-                    ids = plan.sample_ids[plan.microbatch_offsets[g * m] : plan.microbatch_offsets[(g + 1) * m]]
-                    yield _StepInputKey(
-                        sample_ids=tuple(ids.tolist()),
-                        seqlens=None if seqlens is None else tuple(seqlens[ids].tolist()),
-                        pad_to=int(plan.padded_seqlens[g * m]) if self.same_length else 0,
-                        epoch=epoch,
-                        pass_number=passes,
-                        pass_start=start,
-                        step_input=g,
+            for epoch in span:
+                if epoch > span.start:  # the next epoch of a pass over several, from its first step input
+                    if self._position.last.number != passes:
+                        return
+                    self._position = dataclasses.replace(
+                        self._position, steps_done=0, finished=self._steps(epoch) == 0, crossed=epoch - span.start
                     )
+                    start = 0
+                yield from self._epoch_keys(epoch, start, passes, every_rank)
         except GeneratorExit:  # the consumer dropped the pass: the last epoch of a run has no next pass to raise in
             # An iterator alive at interpreter exit (a loop that stopped at a step count) is closed while the
             # module's globals are being cleared: nothing of varbatch can run then, and a cut is past reporting.
             if self._position.last.number == passes and not finalizing():
                 self._check_cut(RuntimeWarning)
             raise
+
+    def _epoch_keys(self, epoch: int, start: int, passes: int, every_rank: bool) -> Iterator[tuple]:
+        """The keys of `_iter_keys`' pass number ``passes`` in ``epoch`` from step input ``start``."""
+        total = self._steps(epoch)
+        plan = self.plan_for_epoch(epoch)
+        m, ranks = self.micro_batch_size, self.num_replicas
+        seqlens = self.seqlens
+        if epoch not in self._logged and _on_rank_zero(self.rank):  # once per trained epoch, for the whole job
+            self._logged.add(epoch)
+            _log_plan(plan, self.verbose)
+        for t in range(start, total):
+            dealt = range(t * ranks, (t + 1) * ranks) if every_rank else [t * ranks + self.rank]
+            for g in dealt:
+                if g % ranks == self.rank:
+                    if self._position.last.number != passes:  # set_epoch() or another pass since: it is stale
+                        return
+                    self._position = dataclasses.replace(
+                        self._position, steps_done=t + 1, finished=t + 1 == total, handed=self._position.handed + 1
+                    )
+                ids = plan.sample_ids[plan.microbatch_offsets[g * m] : plan.microbatch_offsets[(g + 1) * m]]
+                yield _StepInputKey(
+                    sample_ids=tuple(ids.tolist()),
+                    seqlens=None if seqlens is None else tuple(seqlens[ids].tolist()),
+                    pad_to=int(plan.padded_seqlens[g * m]) if self.same_length else 0,
+                    epoch=epoch,
+                    pass_number=passes,
+                    pass_start=start,
+                    step_input=g,
+                )
 
     def __iter__(self) -> Iterator[list[int]]:
         return (list(key.sample_ids) for key in self._iter_keys())
@@ -1694,7 +1777,7 @@ class VariableBatchSampler(Sampler[list[int]]):
         ``steps_done`` defaults to ``self.steps_done``, exact without worker
         processes; with workers the loader prefetches: pass what your loop trained.
         """
-        epoch = self._position.last.epoch
+        epoch = self._position.steps_epoch
         if steps_done is None:
             done = self.steps_done
         else:
@@ -1726,27 +1809,34 @@ class _StepInputKeys(DistributedSampler):
     (a batch sampler's batch of one), else the keys themselves (a sampler a loader batches by one).
 
     A `DistributedSampler` in type only (its ``__init__`` is not called): see NOTE [the loader deals itself]. Its
-    state is ``sampler``'s, which torchdata's StatefulDataLoader saves with the loader's.
+    state is ``sampler``'s, which torchdata's StatefulDataLoader saves with the loader's. A pass yields ``epochs``
+    epochs of ``sampler`` (see NOTE [one pass over several epochs]); ``lens`` is the loader's record, shared by
+    its keys, of the first len() it gave (see `VariableBatchSampler._check_len_read`); None for DeepSpeed's loader.
     """
 
-    def __init__(self, sampler: VariableBatchSampler, *, every_rank: bool, batched: bool):
+    def __init__(self, sampler: VariableBatchSampler, *, every_rank: bool, batched: bool, epochs: int = 1, lens=None):
         self.variable_batch_sampler = sampler
         self.every_rank = every_rank
         self.batched = batched
+        self.epochs = epochs
+        self.lens = lens
 
     def __iter__(self):
-        keys = self.variable_batch_sampler._iter_keys(every_rank=self.every_rank)
+        first_len = None if self.lens is None else self.lens.get("first")
+        keys = self.variable_batch_sampler._iter_keys(self.every_rank, self.epochs, first_len)
         if self.batched:
             return ([key] for key in keys)
         return keys
 
     def __len__(self):
-        if self.every_rank:
-            return len(self.variable_batch_sampler) * self.variable_batch_sampler.num_replicas
-        return len(self.variable_batch_sampler)
+        sampler = self.variable_batch_sampler
+        span, steps = sampler._loader_len(self.epochs)
+        if self.lens is not None:
+            self.lens.setdefault("first", (span, steps))
+        return steps * sampler.num_replicas if self.every_rank else steps
 
-    def set_epoch(self, epoch):
-        self.variable_batch_sampler.set_epoch(epoch)
+    def set_epoch(self, epoch):  # a launcher's, through the loader: its epoch k starts at the sampler's k x epochs
+        self.variable_batch_sampler._set_epoch(epoch * self.epochs)
 
     def state_dict(self):
         return self.variable_batch_sampler.state_dict()
@@ -1949,6 +2039,7 @@ def make_dataloader(
     num_workers=0,
     pin_memory=False,
     dataloader_class=None,
+    epochs=1,
     **dataloader_kwargs,
 ) -> DataLoader:
     """A `DataLoader` over ``batch_sampler``'s step inputs: ``collate_fn(samples)`` for each (the list without one).
@@ -1968,6 +2059,24 @@ def make_dataloader(
     is ``batch_sampler``. Under torch.distributed with ``num_replicas > 1`` it is
     a collective: every process calls it, and the processes check that they
     planned the same epoch (see `_check_ranks_agree`).
+
+    With ``epochs=N`` one pass of the loader yields N epochs of the sampler
+    back to back, and ``len(loader)`` counts them all: a trainer that reads
+    ``len()`` once and numbers its own epochs (HF Trainer, with
+    ``num_train_epochs=1``) then trains the run's N epochs as one.
+
+    NOTE [one pass over several epochs]: HF Trainer reads len(loader) once and
+    runs that many steps every epoch, and resumes by skipping ``global_step x
+    G`` step inputs of a fresh loader's pass (its _init_training_state and
+    accelerate's skip_first_batches), both from epoch 0's length; its
+    checkpoints hold no sampler state. With its one epoch the run's N, its
+    max_steps is the horizon and its skip lands where training stopped: the
+    pass starts at epoch 0 and the restored scheduler keeps its position
+    against it (NOTE [a restored scheduler over a fresh sampler]). The
+    loader's epoch k is the sampler's epochs kN .. kN + N - 1 (its set_epoch
+    maps k to kN); a pass from a position inside such a group ends at the
+    group's end. Each key carries its own epoch, so the dealing check and the
+    sampler's state_dict stay per epoch.
 
     Raises:
         TypeError, ValueError: another sampler, same-length mode without
@@ -1997,6 +2106,7 @@ def make_dataloader(
             "sample_padding_fn is None, but same-length mode pads every sample of a batch to the batch's "
             "max seqlen; pass sample_padding_fn=varbatch.pad_sample or your own fn(sample, length)"
         )
+    epochs = _check_int("epochs", epochs, minimum=1)
     if dataloader_class is None:
         loader_class = _Loader
     else:  # varbatch's dealing over the given class (and, for a stateful one, a sampler restored at once)
@@ -2005,6 +2115,7 @@ def make_dataloader(
             bases = (_RestoresAtOnce, *bases)
         loader_class = type(f"_{dataloader_class.__name__}", bases, {})
     settings = batch_sampler.settings
+    lens = {}  # the first len() the loader gave (see NOTE [a loop that read len() for another epoch])
     load_step_input = _LoadStepInput(
         dataset,
         collate_fn,
@@ -2016,13 +2127,14 @@ def make_dataloader(
     loader = loader_class(
         _KeyDataset(),
         batch_size=1,
-        sampler=_StepInputKeys(batch_sampler, every_rank=True, batched=False),
+        sampler=_StepInputKeys(batch_sampler, every_rank=True, batched=False, epochs=epochs, lens=lens),
         num_workers=num_workers,
         pin_memory=pin_memory,
         collate_fn=load_step_input,
         **dataloader_kwargs,
     )
-    loader._local = _StepInputKeys(batch_sampler, every_rank=False, batched=True)  # see NOTE [the loader deals itself]
+    # see NOTE [the loader deals itself]
+    loader._local = _StepInputKeys(batch_sampler, every_rank=False, batched=True, epochs=epochs, lens=lens)
     loader.variable_batch_sampler = batch_sampler
     if batch_sampler.num_replicas > 1 and _world()[1] > 1:  # one plan dealt over ranks: every process planned it?
         _check_ranks_agree(batch_sampler)
@@ -2316,6 +2428,7 @@ class VariableBatchSizeLR(LRScheduler):
         self._pass_seen = last.number
         if self._keeps_position(last):
             return False
+        self._check_replay(last)
         self._anchor(last.epoch, last.start)
         return True
 
@@ -2327,10 +2440,32 @@ class VariableBatchSizeLR(LRScheduler):
         loader) restores the scheduler alone and passes over the epoch from its
         start, dropping what was trained: so until its next step, a scheduler
         restored by load_state_dict keeps its position against a pass from the
-        start of its own epoch. A restored sampler's pass (``last.restored``)
-        starts where training stopped, and is followed at once.
+        start of its own epoch, or of an earlier one when the pass goes on
+        through its epoch (NOTE [one pass over several epochs]). A restored
+        sampler's pass (``last.restored``) starts where training stopped, and
+        is followed at once.
         """
-        return self._loaded and not last.restored and (last.epoch, last.start) == (self._epoch, 0)
+        covers = last.epoch <= self._epoch < last.epoch + last.epochs
+        return self._loaded and not last.restored and last.start == 0 and covers
+
+    def _check_replay(self, last: _Pass) -> None:
+        """Raises when a restored scheduler sees a pass of a sampler that was not restored begin an earlier epoch.
+
+        The pass would train that epoch's batches again, at their LRs, and the
+        restored schedule would run on from its own step: the sampler lost its
+        position (HF Trainer's checkpoints hold none; a fresh sampler starts at
+        epoch 0), so the data and the LR no longer follow the run.
+        """
+        if not self._loaded or last.restored or last.epoch >= self._epoch:
+            return
+        raise RuntimeError(
+            f"this VariableBatchSizeLR was restored at epoch {self._epoch}, batch {self._batch}, but its "
+            f"sampler was not: its new pass starts epoch {last.epoch} from the beginning and would train it "
+            f"again; restore the sampler too (sampler.load_state_dict), or let one loader pass yield the run "
+            f"(HF Trainer: make_dataloader(..., epochs=N) with TrainingArguments(num_train_epochs=1), so its "
+            f"skip of the trained batches lands where training stopped); see the README, 'Use with torchrun, "
+            f"DeepSpeed, Accelerate, Lightning'"
+        )
 
     def _next_pass_start(self) -> tuple[int, int]:
         """``(epoch, step input)`` where the sampler's next pass starts (listed batch sizes: the list's start)."""
