@@ -1539,6 +1539,10 @@ class VariableBatchSampler(Sampler[list[int]]):
         """This rank's step inputs in ``epoch`` (the same on every rank)."""
         return self.plan_for_epoch(epoch).num_batches * self.gradient_accumulation_steps
 
+    def _steps_in(self, epochs: range) -> int:
+        """This rank's step inputs in the whole ``epochs``."""
+        return sum(self._steps(epoch) for epoch in epochs)
+
     @property
     def epoch(self) -> int:
         """The epoch the next iteration yields: the last one's, or the next once all its step inputs were handed
@@ -1610,7 +1614,7 @@ class VariableBatchSampler(Sampler[list[int]]):
         """The epochs the next pass of a loader whose pass spans ``epochs`` yields, and this rank's step inputs in
         them: its len()."""
         span = self._pass_epochs(epochs)
-        return span, len(self) if epochs == 1 else sum(self._steps(e) for e in span)
+        return span, len(self) if epochs == 1 else self._steps_in(span)
 
     def _check_len_read(self, span: range, start: int, first_len: tuple[range, int] | None) -> None:
         """Raises at the start of a pass longer than the first len() its loader gave, for another pass.
@@ -1635,7 +1639,7 @@ class VariableBatchSampler(Sampler[list[int]]):
         if first_len is None or self._set_by_loop == span.start:
             return
         read_for, given = first_len
-        steps = sum(self._steps(e) for e in span) - start
+        steps = self._steps_in(span) - start
         if read_for == span or steps <= given:
             return
         what = f"epoch {span.start}" if len(span) == 1 else f"epochs {span.start}-{span[-1]}"
