@@ -4107,6 +4107,108 @@ def test_state_dicts_are_plain_data_also_from_numpy_settings():
     assert plain.state_dict() == states["sampler"]
 
 
+# -- HF Trainer resumed over a restored sampler inside the run's one loader pass (the README recipe's callback) ---
+
+
+def _hf_recipe_resume_run(out, lengths, *, loader_epochs, max_steps=False, stop=None, resume=None):
+    """HF Trainer over make_dataloader(..., epochs=loader_epochs) with num_train_epochs=1, resumed as the README's
+    recipe does: a callback saves the sampler's position into each checkpoint, the sampler is restored from it
+    before train(), ignore_data_skip=True; a cosine over the Trainer's num_training_steps (its max_steps: from
+    len(loader), or ``max_steps`` = sampler.horizon). Stops after ``stop`` updates, saving a checkpoint there."""
+    import transformers
+
+    sampler = VariableBatchSampler(lengths, 256, budget="padded", order="random", seed=0)
+    horizon = sampler.horizon(loader_epochs)
+    if resume is not None:
+        sampler.load_state_dict(torch.load(f"{resume}/sampler.pt"))
+    record = _HFRecorder(sampler)
+    tokens = torch.randint(0, 63, (sum(lengths),), generator=torch.Generator().manual_seed(1)).split(lengths)
+    data = [{"idx": i, "input_ids": ids} for i, ids in enumerate(tokens)]
+    loader = make_dataloader(data, sampler, collate_fn=record.collate, epochs=loader_epochs)
+
+    class VarbatchTrainer(transformers.Trainer):
+        def get_train_dataloader(self):
+            return loader
+
+        def create_scheduler(self, num_training_steps, optimizer=None):
+            if self.lr_scheduler is None:
+                n = num_training_steps
+                cosine = torch.optim.lr_scheduler.LambdaLR(
+                    self.optimizer, lambda t: 0.5 * (1 + math.cos(math.pi * min(t, n) / n))
+                )
+                self.lr_scheduler = VariableBatchSizeLR(cosine, "mean", sampler)
+                self.optimizer.optimizer.register_step_pre_hook(record.hook)
+            return self.lr_scheduler
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            idx, epoch = inputs.pop("idx"), int(inputs.pop("epoch"))
+            record.pending.extend((epoch, int(i)) for i in idx)
+            record.trained.extend((epoch, int(i)) for i in idx)
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    class SaveSampler(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            record.pending.clear()
+            control.should_training_stop = control.should_training_stop or state.global_step == stop
+
+        def on_save(self, args, state, control, **kwargs):
+            path = f"{args.output_dir}/checkpoint-{state.global_step}"
+            os.makedirs(path, exist_ok=True)
+            torch.save(sampler.state_dict(), f"{path}/sampler.pt")
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        num_hidden_layers=1, hidden_size=16, intermediate_size=32, num_attention_heads=2, vocab_size=64
+    )
+    args = transformers.TrainingArguments(
+        output_dir=str(out),
+        num_train_epochs=1,
+        max_steps=horizon if max_steps else -1,
+        learning_rate=1e-3,
+        logging_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        remove_unused_columns=False,
+        dataloader_pin_memory=False,
+        save_strategy="steps",
+        save_steps=stop or 10_000,
+        ignore_data_skip=True,
+    )
+    trainer = VarbatchTrainer(model=transformers.LlamaForCausalLM(config), args=args, callbacks=[SaveSampler()])
+    trainer.train(resume_from_checkpoint=None if resume is None else str(resume))
+    return trainer, sampler, record
+
+
+@pytest.mark.parametrize("loader_epochs, max_steps", [(2, True), (3, False)])
+def test_hf_trainer_resumed_over_a_restored_sampler_inside_a_loader_pass_of_the_run(tmp_path, loader_epochs, max_steps):
+    """The README recipe's resume (sampler position in the checkpoint, ignore_data_skip) with make_dataloader(...,
+    epochs=N) and num_train_epochs=1, a checkpoint in epoch 1: the resumed run trains the rest of the run once, the
+    update n at 1e-3 x cosine(n / horizon) x B_b / mean B of batch n of the run, max_steps from len(loader) or set."""
+    pytest.importorskip("transformers")
+    lengths = _hf_lengths()
+    probe = VariableBatchSampler(lengths, 256, budget="padded", order="random", seed=0)
+    batches = [probe.plan_for_epoch(e).num_batches for e in range(loader_epochs)]
+    assert len(set(batches)) > 1, "the epochs have one length: the case could not fail"
+    at = batches[0] + 5  # a checkpoint in epoch 1, at its batch 5
+    _, _, first = _hf_recipe_resume_run(tmp_path, lengths, loader_epochs=loader_epochs, max_steps=max_steps, stop=at)
+    assert len(first.updates) == at
+    resumed, _, rest = _hf_recipe_resume_run(
+        tmp_path, lengths, loader_epochs=loader_epochs, max_steps=max_steps, resume=tmp_path / f"checkpoint-{at}"
+    )
+    assert _hf_never_and_twice(probe, first.trained + rest.trained, range(loader_epochs)) == (0, 0)
+    assert len(rest.updates) == sum(batches) - at and resumed.state.global_step == sum(batches)
+    run = [(e, b) for e in range(loader_epochs) for b in range(batches[e])]  # the run's batches, in order
+    for n, (applied, pending) in enumerate(first.updates + rest.updates):
+        epoch, batch = run[n]
+        plan, k = probe.plan_for_epoch(epoch), probe.effective_batch_size
+        samples = [i for j in range(batch * k, (batch + 1) * k) for i in plan.microbatch(j).tolist()]
+        assert sorted(pending) == sorted((epoch, i) for i in samples), f"update {n}: not batch {batch} of {epoch}"
+        sizes = plan.batch_sizes
+        want = 1e-3 * 0.5 * (1 + math.cos(math.pi * n / sum(batches))) * sizes[batch] / sizes.mean()
+        _check_lr(n, want, applied)
+
+
 # =============================================================================
 # 9. Bad input: one table per entry point
 # =============================================================================

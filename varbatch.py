@@ -1605,16 +1605,30 @@ class VariableBatchSampler(Sampler[list[int]]):
                 raise RuntimeError(message)
             warnings.warn(message, RuntimeWarning, stacklevel=3)
 
+    def _loader_epoch(self, epochs: int) -> range:
+        """The loader epoch the next iteration is in when a loader pass spans ``epochs`` (see NOTE [one pass over
+        several epochs]): the group of ``epochs`` epochs that holds the epoch it yields."""
+        first = self.epoch // epochs * epochs
+        return range(first, first + epochs)
+
     def _pass_epochs(self, epochs: int) -> range:
-        """The epochs the next pass yields when a loader pass spans ``epochs`` (see NOTE [one pass over several
-        epochs]): from the epoch the next iteration yields to the end of its group of ``epochs``."""
-        return range(self.epoch, (self.epoch // epochs + 1) * epochs)
+        """The epochs the next pass yields when a loader pass spans ``epochs``: from the epoch the next iteration
+        yields to the end of its loader epoch."""
+        return range(self.epoch, self._loader_epoch(epochs).stop)
 
     def _loader_len(self, epochs: int) -> tuple[range, int]:
-        """The epochs the next pass of a loader whose pass spans ``epochs`` yields, and this rank's step inputs in
-        them: its len()."""
-        span = self._pass_epochs(epochs)
-        return span, len(self) if epochs == 1 else self._steps_in(span)
+        """The epochs a loader whose pass spans ``epochs`` counts in its len(), and this rank's step inputs in them.
+
+        The whole loader epoch, wherever the sampler stands in it, as len()
+        counts a whole epoch of a restored sampler: a trainer that reads len()
+        once counts its steps from that epoch's start (HF Trainer's max_steps
+        and the epochs it has trained, from its global_step, when it resumes
+        over a sampler restored inside the run's one loader epoch).
+        """
+        if epochs == 1:
+            return self._pass_epochs(1), len(self)
+        span = self._loader_epoch(epochs)
+        return span, self._steps_in(span)
 
     def _check_len_read(self, span: range, start: int, first_len: tuple[range, int] | None) -> None:
         """Raises at the start of a pass longer than the first len() its loader gave, for another pass.
@@ -2079,8 +2093,12 @@ def make_dataloader(
     against it (NOTE [a restored scheduler over a fresh sampler]). The
     loader's epoch k is the sampler's epochs kN .. kN + N - 1 (its set_epoch
     maps k to kN); a pass from a position inside such a group ends at the
-    group's end. Each key carries its own epoch, so the dealing check and the
-    sampler's state_dict stay per epoch.
+    group's end, and len() counts the whole group wherever the sampler stands
+    in it: the README recipe's resume, which restores the sampler from its
+    checkpoint with ignore_data_skip=True, leaves the Trainer's arithmetic
+    (max_steps from len(), the epochs trained from global_step) at the run's.
+    Each key carries its own epoch, so the dealing check and the sampler's
+    state_dict stay per epoch.
 
     Raises:
         TypeError, ValueError: another sampler, same-length mode without
