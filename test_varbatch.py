@@ -1925,12 +1925,14 @@ def _hf_lengths():
     return torch.randint(5, 40, (96,), generator=torch.Generator().manual_seed(0)).tolist()
 
 
-def _hf_trainer(tmp_path, lengths, *, order, seed, epochs=2, loader_epochs=1, prepared=False, **arguments):
+def _hf_trainer(
+    tmp_path, lengths, *, order, seed, epochs=2, loader_epochs=1, prepared=False, sampler_options=(), **arguments
+):
     """An HF Trainer subclass over varbatch's loader and scheduler (the optimizer's constant LR x the batch factor);
     with ``loader_epochs`` > 1 one loader pass is the run and the Trainer runs one epoch of it."""
     import transformers
 
-    sampler = VariableBatchSampler(lengths, 256, budget="padded", order=order, seed=seed)
+    sampler = VariableBatchSampler(lengths, 256, budget="padded", order=order, seed=seed, **dict(sampler_options))
     record = _HFRecorder(sampler)
     tokens = torch.randint(0, 63, (sum(lengths),), generator=torch.Generator().manual_seed(1)).split(lengths)
     data = [{"idx": i, "input_ids": ids} for i, ids in enumerate(tokens)]
@@ -4207,6 +4209,42 @@ def test_hf_trainer_resumed_over_a_restored_sampler_inside_a_loader_pass_of_the_
         sizes = plan.batch_sizes
         want = 1e-3 * 0.5 * (1 + math.cos(math.pi * n / sum(batches))) * sizes[batch] / sizes.mean()
         _check_lr(n, want, applied)
+
+
+# -- HF Trainer's own resume skip over a loader it did not prepare, on 2 ranks ----------------------------------
+
+_UNDEALT_SKIP = r"skip_first_batches.*ignore_data_skip=True.*README's HF Trainer recipe.*self\.accelerator\.prepare"
+
+
+@pytest.mark.parametrize("skip", [2, 3])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_resume_skip_over_a_loader_that_was_not_prepared_names_the_cause_and_the_fix(rank, skip):
+    """accelerate's skip_first_batches (HF Trainer's resume skip) over an unprepared loader of rank 0 or 1 of 2
+    rebuilds a DataLoader over every rank's step inputs: stopped at the first or second step input, naming
+    skip_first_batches, ignore_data_skip=True with the README recipe's sampler state, and accelerator.prepare."""
+    accelerate = pytest.importorskip("accelerate")
+    sampler = VariableBatchSampler(_lengths(80, 1, 40, seed=8), 70, num_replicas=2, rank=rank, order="random", seed=4)
+    loader = make_dataloader(_id_dataset(sampler.seqlens), sampler)
+    got = []
+    with pytest.raises(RuntimeError, match=_UNDEALT_SKIP):
+        for step in accelerate.skip_first_batches(loader, skip):
+            got.append(step)
+    assert len(got) <= 1
+
+
+def test_hf_trainer_resumed_by_its_own_skip_over_an_unprepared_loader_of_rank_0_of_2_names_the_fix(tmp_path):
+    """HF Trainer (one process standing for rank 0 of 2, accumulating 2) resumed inside epoch 0 with
+    ignore_data_skip=False over the unprepared loader: refused at its second step input, before an update (the
+    Trainer fetches an update's step inputs first), naming the fix for this trainer."""
+    pytest.importorskip("transformers")
+    replica = {"num_replicas": 2, "rank": 0, "gradient_accumulation_steps": 2}
+    common = dict(order="random", seed=0, save_strategy="steps", gradient_accumulation_steps=2, sampler_options=replica)
+    first, _, _ = _hf_trainer(tmp_path / "a", _hf_lengths(), max_steps=3, save_steps=3, **common)
+    first.train()
+    resumed, _, record = _hf_trainer(tmp_path / "b", _hf_lengths(), save_steps=500, **common)
+    with pytest.raises(RuntimeError, match=_UNDEALT_SKIP):
+        resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-3"))
+    assert not record.updates
 
 
 # =============================================================================

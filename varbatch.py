@@ -1353,6 +1353,7 @@ class _StepInputKey(typing.NamedTuple):
     pass_number: int  # the sampler's pass that dealt it (a new pass over an epoch gets a new number)
     pass_start: int  # this rank's step input t that the pass started at in this epoch (0 in its later epochs)
     step_input: int  # g, its index among the epoch's step inputs of all ranks (see the dealing rule)
+    every_rank: bool = False  # from the view of every rank's step inputs that launchers deal (see `_StepInputKeys`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1842,6 +1843,8 @@ class _StepInputKeys(DistributedSampler):
     def __iter__(self):
         first_len = None if self.lens is None else self.lens.get("first")
         keys = self.variable_batch_sampler._iter_keys(self.every_rank, self.epochs, first_len)
+        if self.every_rank:  # marked, so that the dealing check can tell a view that was not dealt
+            keys = (key._replace(every_rank=True) for key in keys)
         if self.batched:
             return ([key] for key in keys)
         return keys
@@ -1960,11 +1963,31 @@ class _LoadStepInput:
         self._last_seen = (this_pass, g)
         if not dealt:
             raise RuntimeError(
-                f"rank {rank} got step input {g} of epoch {key.epoch}, not {expected}: something re-dealt varbatch's "
-                f"loader, which deals the step inputs to its num_replicas={ranks} ranks itself (rank r trains r, "
-                f"r + {ranks}, ...); turn the launcher's dealing off (HF Accelerate: dispatch_batches=False and "
-                f'split_batches=False), see the README section "Use with torchrun, DeepSpeed, Accelerate, Lightning"'
+                f"rank {rank} got step input {g} of epoch {key.epoch}, not {expected}: " + self._misdealt(key)
             )
+
+    def _misdealt(self, key: _StepInputKey) -> str:
+        """The cause and the fix of a step input this rank should not get: the view of every rank's step inputs
+        iterated without varbatch's dealing (HF Trainer's resume skip over a loader it did not prepare), or a
+        launcher that re-dealt this rank's own step inputs."""
+        ranks = self.num_replicas
+        see = 'see the README section "Use with torchrun, DeepSpeed, Accelerate, Lightning"'
+        if not key.every_rank:
+            return (
+                f"something re-dealt varbatch's loader, which deals the step inputs to its num_replicas={ranks} "
+                f"ranks itself (rank r trains r, r + {ranks}, ...); turn the launcher's dealing off (HF Accelerate: "
+                f"dispatch_batches=False and split_batches=False), {see}"
+            )
+        return (
+            f"this process iterates every rank's step inputs, the view varbatch's loader shows launchers (its "
+            f"batch_sampler), without dealing them to its num_replicas={ranks} ranks: a DataLoader rebuilt from a "
+            f"loader that was not prepared, as accelerate's skip_first_batches makes (HF Trainer calls it to resume "
+            f"from a checkpoint inside an epoch, unless ignore_data_skip=True), or an Accelerator that deals to "
+            f"another number of processes; HF Trainer: save the sampler's position in each checkpoint and restore "
+            f"it, with TrainingArguments(ignore_data_skip=True), as the README's HF Trainer recipe does, or return "
+            f"self.accelerator.prepare(loader) from get_train_dataloader, whose skip deals; HF Accelerate: one "
+            f"process per rank, dispatch_batches=False and split_batches=False; {see}"
+        )
 
     def __call__(self, keys):
         (key,) = keys  # the loader batches the keys by one
