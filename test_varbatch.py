@@ -3316,6 +3316,65 @@ def test_clock_lr_is_the_closed_form(schedule, clock, clock_step):
     assert seen_before // clock_step == total
 
 
+# -- the LR read between an update AMP skipped and the next backward pass (NOTE [a discarded update]) -------------
+
+
+def _discarded_update_run(skips, gas, *, state=None, skip=0, save_at=None):
+    """A plain AMP loop over one make_dataloader(epochs=2) pass: GradScaler skips the updates ``skips``, the loop
+    steps the scheduler only if the scale kept and calls zero_grad() after every update; the first ``skip``
+    updates' step inputs are dropped (a resume by skipping), the scheduler restored from ``state`` first. Returns
+    (sampler, [(get_last_lr() at the start of each update, [(epoch, sample id) it trains])], [(the LR each optimizer
+    step applies, its samples)], the scheduler's state saved after update ``save_at``'s zero_grad())."""
+    seqlens = _lengths(200, 3, 40)
+    sampler = VariableBatchSampler(seqlens, 128, order="bucket", seed=0, gradient_accumulation_steps=gas)
+    dataset = [torch.full((n, 1), float(i)) for i, n in enumerate(seqlens)]
+    loader = make_dataloader(dataset, sampler, collate_fn=lambda samples: samples, epochs=2)
+    model = torch.nn.Linear(1, 1)
+    optimizer = torch.optim.Adam(model.parameters(), lr=_BASE_LR)
+    scheduler = VariableBatchSizeLR(optimizer, "mean", sampler)
+    if state is not None:
+        scheduler.load_state_dict(state)
+    scaler = torch.amp.GradScaler("cpu")
+    reads, applied, trained, saved = [], [], [], None
+    optimizer.register_step_pre_hook(lambda opt, args, kwargs: applied.append((opt.param_groups[0]["lr"], trained[:])))
+    for i, samples in enumerate(loader):
+        update = i // gas
+        if update < skip:
+            continue
+        if i % gas == 0:
+            reads.append(scheduler.get_last_lr()[0])  # before the forward pass: the LR a loop logs there
+        trained.extend((sampler.state_dict()["epoch"], int(sample[0, 0])) for sample in samples)
+        loss = model(torch.cat(samples) / 200).pow(2).mean()
+        scaler.scale(loss * (math.inf if update in skips else 1.0)).backward()
+        if i % gas < gas - 1:
+            continue
+        reads[-1] = (reads[-1], trained[:])
+        scale = scaler.get_scale()
+        scaler.step(optimizer)
+        scaler.update()
+        if scaler.get_scale() >= scale:
+            scheduler.step()
+        optimizer.zero_grad()
+        if update == save_at:
+            saved = json.loads(json.dumps(scheduler.state_dict()))
+        trained.clear()
+    return sampler, reads, applied, saved
+
+
+@pytest.mark.parametrize("gas", [1, 2])
+@pytest.mark.parametrize("skips", [{3}, {0, 1, 2}, {5, 9}])
+def test_the_lr_read_after_a_discarded_update_is_the_next_batchs(gas, skips):
+    """GradScaler skips ``skips``, the loop does not step the scheduler for them and calls zero_grad(): get_last_lr()
+    before each update's forward pass is base_lr x B_b / mean(B) of the batch b the update trains (not the skipped
+    batch's), and so is every applied LR."""
+    sampler, reads, applied, _ = _discarded_update_run(skips, gas)
+    assert len(reads) == sum(sampler.plan_for_epoch(e).num_batches for e in range(2))
+    assert len(applied) == len(reads) - len(skips)
+    assert not _updates_off(sampler, applied)
+    off = _updates_off(sampler, reads)
+    assert not off, f"skips {sorted(skips)}: the LR read at updates {off} is another batch's"
+
+
 # =============================================================================
 # 6. Loss weights
 # =============================================================================
@@ -4209,6 +4268,23 @@ def test_hf_trainer_resumed_over_a_restored_sampler_inside_a_loader_pass_of_the_
         sizes = plan.batch_sizes
         want = 1e-3 * 0.5 * (1 + math.cos(math.pi * n / sum(batches))) * sizes[batch] / sizes.mean()
         _check_lr(n, want, applied)
+
+
+# -- a checkpoint saved right after a discarded update (NOTE [a discarded update]) ------------------------------
+
+
+@pytest.mark.parametrize("gas", [1, 2])
+def test_a_checkpoint_saved_after_a_discarded_update_resumes_at_the_next_batch(gas):
+    """The scheduler's state saved after zero_grad() of an update GradScaler skipped (not stepped for), resumed by
+    skipping the trained updates of a fresh loader pass (HF Trainer's own resume): every resumed update at its
+    batch's LR (the state held the skipped batch, one behind, for the rest of the pass)."""
+    at = 7
+    sampler, _, applied, state = _discarded_update_run({at}, gas, save_at=at)
+    assert state is not None and not _updates_off(sampler, applied)
+    _, _, resumed, _ = _discarded_update_run(set(), gas, state=state, skip=at + 1)
+    assert len(resumed) == len(applied) - at  # the updates after the skipped one
+    off = _updates_off(sampler, resumed)
+    assert not off, f"resumed updates {off} of {len(resumed)} at another batch's LR"
 
 
 # -- HF Trainer's own resume skip over a loader it did not prepare, on 2 ranks ----------------------------------

@@ -2408,6 +2408,8 @@ class VariableBatchSizeLR(LRScheduler):
         """
         self._optimizer_steps, self._backwards = 0, 0
         self._backwards_placed = 0  # the backward passes counted before the current batch's (see _advance)
+        self._steps_placed = 0  # the optimizer steps counted when the current batch became current
+        self._discarded = False  # the current batch's update is over without an optimizer step (_follow_discarded)
         self._disagreements = 0  # updates in a row whose accumulation disagreed (see _check_accumulation)
         self._hooks = [
             optimizer.register_step_pre_hook(_weakly(self._catch_up)),
@@ -2416,6 +2418,7 @@ class VariableBatchSizeLR(LRScheduler):
         self._counts_backwards = False
         groups = optimizer.param_groups
         param = next((p for group in groups for p in group["params"] if p.requires_grad and p.is_leaf), None)
+        self._counted = param  # the parameter whose backward passes are counted (the optimizer holds it anyway)
         if param is None:
             return
         try:
@@ -2450,7 +2453,8 @@ class VariableBatchSizeLR(LRScheduler):
         sampler not seen yet is the new anchor: its first batch; the steps the
         engine skipped since the last look move the position on, as each
         `step` does, and so do the batches the loop trained without an update
-        and without a `step` (`_follow_skipped_updates`); when it moved, the
+        and without a `step` (`_follow_skipped_updates`); a batch whose update
+        was discarded is read one batch on (`_follow_discarded`); when it moved, the
         optimizer gets the LRs of the batch (so the update uses them, also in a
         loop that never asks this scheduler).
         """
@@ -2461,8 +2465,11 @@ class VariableBatchSizeLR(LRScheduler):
             self._skipped_seen = skipped
             moved = True
         moved = self._follow_skipped_updates() or moved
+        moved = self._follow_discarded() or moved
         if moved and self._step_count:
             self._write()
+        if self._discarded:
+            return self._moved_on(self._epoch, self._batch, 1)
         return self._epoch, self._batch
 
     def _follow_new_pass(self) -> bool:
@@ -2528,16 +2535,22 @@ class VariableBatchSizeLR(LRScheduler):
         if self._skipped is not None:
             self._skipped_seen = self._skipped()
 
-    def _advance(self, batches: int) -> None:
-        """Moves the batch index ``batches`` on, into the next epochs' plans (skipping empty ones); the backward
-        passes counted so far belong to the batches before it."""
-        self._backwards_placed = self._backwards
-        self._batch += batches
+    def _moved_on(self, epoch: int, batch: int, batches: int) -> tuple[int, int]:
+        """``(epoch, batch)`` moved ``batches`` on, into the next epochs' plans (skipping empty ones)."""
+        batch += batches
         for _ in range(1000):
-            if self._batch < len(self._sizes(self._epoch)):
-                return
-            self._epoch, self._batch = self._epoch + 1, self._batch - len(self._sizes(self._epoch))
+            if batch < len(self._sizes(epoch)):
+                return epoch, batch
+            epoch, batch = epoch + 1, batch - len(self._sizes(epoch))
         raise RuntimeError("a thousand epochs in a row have no batch; use more data or a smaller min_batch_size")
+
+    def _advance(self, batches: int) -> None:
+        """Moves the batch index ``batches`` on; the backward passes and optimizer steps counted so far belong to
+        the batches before it."""
+        self._backwards_placed = self._backwards
+        self._steps_placed = self._optimizer_steps
+        self._discarded = False
+        self._epoch, self._batch = self._moved_on(self._epoch, self._batch, batches)
 
     def _follow_skipped_updates(self) -> bool:
         """Moves the position on by the batches the loop trained without an update and without a `step`; True if it
@@ -2556,9 +2569,9 @@ class VariableBatchSizeLR(LRScheduler):
         steps this scheduler for skipped updates too (Lightning), or an
         optimizer that is stepped on an overflow (a fused one takes
         ``found_inf`` itself), moves it by `step` as usual. The LR is written at
-        that backward pass, so a loop that reads it before the forward pass
-        after a skipped update reads the skipped batch's until then (the update
-        uses the right one). Backward passes are counted on one parameter (its
+        that backward pass, or once the loop cleared the skipped update's
+        gradients (NOTE [a discarded update]); the update uses the right one
+        in any case. Backward passes are counted on one parameter (its
         post-accumulate-grad hook); where it has none (a tensor subclass),
         skipped updates are followed only through `step`: the step inputs
         handed out cannot stand in here, because loaders read ahead (see NOTE
@@ -2576,6 +2589,33 @@ class VariableBatchSizeLR(LRScheduler):
         self._advance(batches)
         self._backwards_placed -= since - batches * gas  # the current batch's passes so far
         return True
+
+    def _follow_discarded(self) -> bool:
+        """Marks the current batch's update as over when its gradients were cleared without an optimizer step;
+        True if it marked it.
+
+        NOTE [a discarded update]: after an update AMP skipped, the loop
+        clears the gradients (``optimizer.zero_grad()``, which sets them to
+        None: torch's default, and HF Trainer's ``model.zero_grad()``): the
+        batch's G backward passes are counted, no optimizer step since, and the
+        counted parameter's gradient is None, so that batch is done and the
+        next one is trained now (NOTE [skipped updates] would see it only at
+        its first backward pass). Until the position moves (the next backward
+        pass, or a `step` for the skipped update) the batch trained now is
+        read one batch on: `get_last_lr`, the properties and `state_dict` (a
+        checkpoint saved there resumes at the next batch) have its LR and
+        position. Gradients zeroed in place (``set_to_none=False``) or never
+        cleared tell nothing; a read before ``zero_grad()`` (HF Trainer logs
+        the LR there) has the skipped batch's, the LR its update would have
+        used; nothing of varbatch runs at a read of ``optimizer.param_groups``.
+        """
+        if self._discarded or not self._counts_backwards or self._sampler is None:
+            return False
+        passes = self._backwards - self._backwards_placed
+        if passes < self._sampler.gradient_accumulation_steps or self._optimizer_steps != self._steps_placed:
+            return False
+        self._discarded = self._counted.grad is None
+        return self._discarded
 
     @property
     def batch_size(self) -> int:
@@ -2809,8 +2849,9 @@ class VariableBatchSizeLR(LRScheduler):
     def state_dict(self):
         """Torch's position and LRs, the batch position, and the wrapped scheduler's state: plain data but for
         what that scheduler keeps (MultiStepLR's milestones are a Counter: save with torch.save, not JSON)."""
-        self._current_batch()  # the position of the batch trained now, also right after a pass started
+        epoch, batch = self._current_batch()  # the batch trained now, also right after a pass started
         state = {key: copy.deepcopy(value) for key, value in super().state_dict().items() if key in self._STATE}
+        state["_epoch"], state["_batch"] = epoch, batch  # see NOTE [a discarded update]
         return {
             **state,
             "settings": self._state_settings(),
@@ -2829,6 +2870,7 @@ class VariableBatchSizeLR(LRScheduler):
         super().load_state_dict({key: copy.deepcopy(state_dict[key]) for key in self._STATE})
         # The sampler's passes so far came before the state: a pass from now on is followed, or kept against.
         self._pass_seen = None if self._sampler is None else self._sampler._position.last.number
+        self._advance(0)  # the training counted so far came before the state
         self._write()
         self._loaded = True  # see _keeps_position
 
