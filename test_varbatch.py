@@ -1926,10 +1926,21 @@ def _hf_lengths():
 
 
 def _hf_trainer(
-    tmp_path, lengths, *, order, seed, epochs=2, loader_epochs=1, prepared=False, sampler_options=(), **arguments
+    tmp_path,
+    lengths,
+    *,
+    order,
+    seed,
+    epochs=2,
+    loader_epochs=1,
+    prepared=False,
+    sampler_options=(),
+    skips=(),
+    **arguments,
 ):
     """An HF Trainer subclass over varbatch's loader and scheduler (the optimizer's constant LR x the batch factor);
-    with ``loader_epochs`` > 1 one loader pass is the run and the Trainer runs one epoch of it."""
+    with ``loader_epochs`` > 1 one loader pass is the run and the Trainer runs one epoch of it; the loss is inf at
+    the updates ``skips`` (give its accelerator a GradScaler, and a non-fused optim, to skip them)."""
     import transformers
 
     sampler = VariableBatchSampler(lengths, 256, budget="padded", order=order, seed=seed, **dict(sampler_options))
@@ -1957,7 +1968,8 @@ def _hf_trainer(
             idx, epoch = inputs.pop("idx"), int(inputs.pop("epoch"))
             record.pending.extend((epoch, int(i)) for i in idx)
             record.trained.extend((epoch, int(i)) for i in idx)
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            return loss * math.inf if self.state.global_step in skips else loss
 
     class Clear(transformers.TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
@@ -1972,13 +1984,12 @@ def _hf_trainer(
         num_train_epochs=epochs if loader_epochs == 1 else 1,
         learning_rate=1e-3,
         lr_scheduler_type="constant",
-        logging_strategy="no",
         report_to=[],
         use_cpu=True,
         disable_tqdm=True,
         remove_unused_columns=False,
         dataloader_pin_memory=False,
-        **{"save_strategy": "no", **arguments},
+        **{"save_strategy": "no", "logging_strategy": "no", **arguments},
     )
     trainer = VarbatchTrainer(model=transformers.LlamaForCausalLM(config), args=args, callbacks=[Clear()])
     return trainer, sampler, record
@@ -4285,6 +4296,49 @@ def test_a_checkpoint_saved_after_a_discarded_update_resumes_at_the_next_batch(g
     assert len(resumed) == len(applied) - at  # the updates after the skipped one
     off = _updates_off(sampler, resumed)
     assert not off, f"resumed updates {off} of {len(resumed)} at another batch's LR"
+
+
+def test_hf_trainer_logs_each_updates_lr_and_resumes_exactly_from_a_checkpoint_at_a_skipped_update(tmp_path):
+    """HF Trainer with a real GradScaler and a non-fused AdamW skips update at - 1 (it does not step the scheduler
+    for it) and saves a checkpoint right after it, in epoch 1 of a make_dataloader(epochs=2) pass: every logged
+    learning_rate is its update's batch's (the skipped one's too: the LR its update would have used), and the run
+    resumed by the Trainer's own skip trains the rest once at its batches' LRs."""
+    pytest.importorskip("transformers")
+    lengths = _hf_lengths()
+    common = dict(order="random", seed=0, loader_epochs=2, save_strategy="steps", optim="adamw_torch")
+    probe = VariableBatchSampler(lengths, 256, budget="padded", order="random", seed=0)
+    at, total = probe.plan_for_epoch(0).num_batches + 4, sum(probe.plan_for_epoch(e).num_batches for e in (0, 1))
+    first, sampler, record = _hf_trainer(
+        tmp_path / "a",
+        lengths,
+        max_steps=at,
+        save_steps=at,
+        skips={at - 1},
+        max_grad_norm=0.0,
+        logging_steps=1,
+        logging_strategy="steps",
+        **common,
+    )
+    first.accelerator.scaler = torch.amp.GradScaler("cpu")  # Accelerate makes none on CPU
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model: more threads only contend
+    try:
+        first.train()
+        resumed, _, rest = _hf_trainer(tmp_path / "b", lengths, save_steps=10_000, **common)
+        resumed.accelerator.scaler = torch.amp.GradScaler("cpu")  # the checkpoint holds the scaler's state
+        resumed.train(resume_from_checkpoint=str(tmp_path / "a" / f"checkpoint-{at}"))
+    finally:
+        torch.set_num_threads(threads)
+    assert len(record.updates) == at - 1 and len(rest.updates) == total - at, "the skip did not happen"
+    run = [(e, b) for e in (0, 1) for b in range(probe.plan_for_epoch(e).num_batches)]
+    logged = [(entry["step"], entry["learning_rate"]) for entry in first.state.log_history if "learning_rate" in entry]
+    assert [step for step, _ in logged] == list(range(1, at + 1))
+    for step, lr in logged:
+        epoch, batch = run[step - 1]
+        sizes = probe.plan_for_epoch(epoch).batch_sizes
+        _check_lr(step - 1, 1e-3 * sizes[batch] / sizes.mean(), lr)
+    assert _hf_updates_off(sampler, record) == 0 and _hf_updates_off(sampler, rest) == 0
+    assert _hf_never_and_twice(sampler, record.trained + rest.trained, (0, 1)) == (0, 0)
 
 
 # -- HF Trainer's own resume skip over a loader it did not prepare, on 2 ranks ----------------------------------
