@@ -2638,7 +2638,7 @@ loader, scheduler, _ = varbatch.get_dataloader_and_lr_scheduler_for_variable_bat
     dataloader_collate_fn=varbatch.PaddedCollate())
 applied = []  # the LR of every optimizer step, as the update uses it
 optimizer.register_step_post_hook(lambda opt, args, kwargs: applied.append(opt.param_groups[0]["lr"]))
-starts, batch = [], 0
+starts, after, batch = [], [], 0
 gas = engine.gradient_accumulation_steps()
 for epoch in range(2):
     loader.variable_batch_sampler.set_epoch(epoch)
@@ -2654,9 +2654,10 @@ for epoch in range(2):
             engine.optimizer.overflow = batch in overflow_at  # what DeepSpeed's fp16 optimizer sets
         engine.step()
         if i % gas == gas - 1:
+            after.append([engine.get_lr()[0], scheduler.get_last_lr()[0]])  # the first: what the monitor logged
             engine.optimizer.overflow = False
             batch += 1
-print(json.dumps(dict(starts=starts, applied=applied, skipped=engine.skipped_steps,
+print(json.dumps(dict(starts=starts, after=after, applied=applied, skipped=engine.skipped_steps,
                       schedule_steps=schedule.last_epoch)))
 torch.distributed.destroy_process_group()  # torch 2.13 may abort at exit (SIGABRT) with a gloo group left
 """
@@ -2733,6 +2734,17 @@ def test_fp16_overflow_scheduler_position_follows_the_batches(overflow_run):
         assert steps_in_epoch == b, f"epoch {e}, batch {b}: steps_in_epoch={steps_in_epoch}"
         _check_lr(j, expected[j], last_lr)
         _check_lr(j, expected[j], engine_lr)
+
+
+def test_fp16_overflow_lr_read_right_after_a_skipped_step(overflow_run):
+    """Right after engine.step(): get_last_lr() is the next batch's LR, skipped step or not; engine.get_lr() (what
+    DeepSpeed's monitor logs at the end of engine.step) is the next batch's after a step taken and the skipped
+    batch's after a skipped one (nothing of varbatch runs inside the engine between its skip and that read)."""
+    out, batches, expected = overflow_run
+    assert len(out["after"]) == len(batches)
+    for j, (engine_lr, last_lr) in enumerate(out["after"][:-1]):
+        _check_lr(j, expected[j + 1], last_lr)
+        _check_lr(j, expected[j] if j in _OVERFLOW_AT else expected[j + 1], engine_lr)
 
 
 # -- AMP: torch's GradScaler skips an update, the loader has read ahead -----------------------------
