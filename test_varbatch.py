@@ -7339,3 +7339,39 @@ def test_stateful_dataloader_restores_the_sampler_at_load_state_dict(stop, worke
     rest = train(sampler, loader)
     assert len(head) + len(rest) == len(full), f"{len(head)} + {len(rest)} batches for {len(full)}"
     assert head + rest == full
+
+
+_HF_UNPREPARED_RESUME_SCRIPT = """
+import json, pathlib, sys, torch
+torch.distributed.init_process_group("gloo")
+import test_varbatch as T
+out, rank = pathlib.Path(sys.argv[1]), torch.distributed.get_rank()
+common = dict(order="bucket", seed=0, save_strategy="steps", gradient_accumulation_steps=2,
+              sampler_options={"gradient_accumulation_steps": 2})
+first, _, _ = T._hf_trainer(out / "a", T._hf_lengths(), max_steps=1, save_steps=1, **common)
+first.train()
+resumed, _, record = T._hf_trainer(out / "b", T._hf_lengths(), save_steps=500, **common)
+try:
+    resumed.train(resume_from_checkpoint=str(out / "a" / "checkpoint-1"))  # in epoch 0: 2 step inputs skipped
+    error = None
+except RuntimeError as raised:
+    error = str(raised)
+json.dump({"error": error, "updates": len(record.updates)}, open(out / f"rank{rank}.json", "w"))
+torch.distributed.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_hf_trainer_resumed_by_its_own_skip_over_an_unprepared_loader_on_two_processes(tmp_path):
+    """HF Trainer on 2 processes over varbatch's loader as it is (not prepared), resumed inside epoch 0 with
+    ignore_data_skip=False: every rank stops at its first or second step input, before an update, naming the fix."""
+    pytest.importorskip("transformers")
+    script = tmp_path / "resume.py"
+    script.write_text(_HF_UNPREPARED_RESUME_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=_ROOT, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master-port"]
+    done = _run([*command, str(_free_port()), str(script), str(tmp_path)], timeout=300, cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stdout[-1500:] + done.stderr[-3000:]
+    runs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [run["updates"] for run in runs] == [0, 0], runs
+    assert all(re.search(_UNDEALT_SKIP, run["error"] or "") for run in runs), runs
