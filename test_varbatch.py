@@ -4260,7 +4260,12 @@ def _hf_recipe_resume_run(out, lengths, *, loader_epochs, max_steps=False, stop=
         ignore_data_skip=True,
     )
     trainer = VarbatchTrainer(model=transformers.LlamaForCausalLM(config), args=args, callbacks=[SaveSampler()])
-    trainer.train(resume_from_checkpoint=None if resume is None else str(resume))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model: more threads only contend
+    try:
+        trainer.train(resume_from_checkpoint=None if resume is None else str(resume))
+    finally:
+        torch.set_num_threads(threads)
     return trainer, sampler, record
 
 
