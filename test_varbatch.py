@@ -2925,10 +2925,13 @@ def _updates_off(sampler, updates, base_lr=_BASE_LR):
     return off
 
 
-def _plain_amp_loop(skips, *, idiom, fused=False, sampler_gas=1, loop_gas=1, backwards_per_input=1, epochs=2):
+def _plain_amp_loop(
+    skips, *, idiom, fused=False, sampler_gas=1, loop_gas=1, backwards_per_input=1, epochs=2, set_to_none=True
+):
     """A plain torch AMP loop over 2 epochs: the loss is inf at the updates ``skips`` (GradScaler skips them);
-    ``idiom`` "scale" steps the scheduler only if the scale did not drop, "always" after every update. Returns
-    (sampler, [(LR at each optimizer step, [(epoch, sample id) it trains])])."""
+    ``idiom`` "scale" steps the scheduler only if the scale did not drop, "always" after every update; zero_grad
+    sets the gradients to None, or zeroes them in place. Returns (sampler, [(LR at each optimizer step, [(epoch,
+    sample id) it trains])])."""
     seqlens = _lengths(200, 3, 40)
     sampler = VariableBatchSampler(seqlens, 128, order="bucket", seed=0, gradient_accumulation_steps=sampler_gas)
     dataset = [torch.full((n, 1), float(i)) for i, n in enumerate(seqlens)]
@@ -2953,7 +2956,7 @@ def _plain_amp_loop(skips, *, idiom, fused=False, sampler_gas=1, loop_gas=1, bac
             scaler.update()
             if idiom == "always" or scaler.get_scale() >= scale:
                 scheduler.step()
-            optimizer.zero_grad()
+            optimizer.zero_grad(set_to_none=set_to_none)
             trained.clear()
             update += 1
     return sampler, updates
@@ -2977,11 +2980,12 @@ def _alternating(skips):
 @example(skips={0, 5, 9, 20}, idiom="scale", fused=False)
 @example(skips={0, 1, 2, 3}, idiom="scale", fused=False)  # a fresh GradScaler: several skips in a row at the start
 @example(skips={3}, idiom="scale", fused=True)
+@example(skips={3, 5, 7}, idiom="scale", fused=False)  # one update between skips, three times over
 def test_plain_amp_lr_follows_the_batch_after_skipped_updates(skips, idiom, fused):
     """GradScaler skips the updates ``skips``, the loop steps the scheduler only if the scale did not drop (or after
     every update), the optimizer is fused (stepped on an overflow) or not: every optimizer step's LR is
-    base_lr x B_b / mean(B) of the batch b it trains."""
-    assume(not (idiom == "scale" and not fused and _alternating(skips)))
+    base_lr x B_b / mean(B) of the batch b it trains (skips with one update between them too: zero_grad() sets
+    the gradients to None, see NOTE [a discarded update])."""
     sampler, updates = _plain_amp_loop(skips, idiom=idiom, fused=fused)
     steps = sum(sampler.plan_for_epoch(epoch).num_batches for epoch in range(2))
     assert len(updates) == steps - (0 if fused else len(skips))
@@ -3012,14 +3016,17 @@ def test_plain_loop_accumulation_that_disagrees_is_an_error(sampler_gas, loop_ga
 
 
 def test_skips_with_one_update_between_three_times_over_are_refused_as_accumulation_that_disagrees():
-    """Skipped updates 3, 5 and 7 with one real update between them, the scheduler not stepped for them: the same
-    calls as a loop that accumulates 2 step inputs where the sampler has 1, refused as that (see NOTE [accumulation
-    that disagrees]); two such skips are followed."""
+    """Skipped updates 3, 5 and 7 with one real update between them, the scheduler not stepped for them, in a loop
+    that zeroes the gradients in place: the same calls as a loop that accumulates 2 step inputs where the sampler
+    has 1, refused as that (see NOTE [accumulation that disagrees]); two such skips are followed, and three when
+    zero_grad() sets the gradients to None (torch's default: the skipped update is seen discarded)."""
     assert _alternating({3, 5, 7}) and not _alternating({3, 5})
-    sampler, updates = _plain_amp_loop({3, 5}, idiom="scale")
+    sampler, updates = _plain_amp_loop({3, 5}, idiom="scale", set_to_none=False)
     assert not _updates_off(sampler, updates)
     with pytest.raises(RuntimeError, match="accumulates 2 backward passes per optimizer step"):
-        _plain_amp_loop({3, 5, 7}, idiom="scale")
+        _plain_amp_loop({3, 5, 7}, idiom="scale", set_to_none=False)
+    sampler, updates = _plain_amp_loop({3, 5, 7}, idiom="scale")
+    assert not _updates_off(sampler, updates)
 
 
 def _hf_trainer_run(tmp_path, *, gas, sampler_gas, skips, accelerated, optim="adamw_torch"):
@@ -3109,12 +3116,14 @@ def _hf_trainer_run(tmp_path, *, gas, sampler_gas, skips, accelerated, optim="ad
         (2, 2, (3,), False, "adamw_torch"),
         (1, 1, (0, 7), False, "adamw_torch_fused"),
         (2, 1, (), False, "adamw_torch"),
+        (1, 1, (3, 5, 7), False, "adamw_torch"),
     ],
     ids=[
         "skips at updates 0 and 7, over Accelerate's optimizer",
         "accumulation 2, a skip at update 3",
         "fused AdamW, stepped on its skips",
         "loop accumulates 2, sampler 1",
+        "skips at 3, 5 and 7, one update between (its zero_grad discards them)",
     ],
 )
 def test_hf_trainer_lr_follows_the_batch_after_skipped_updates(tmp_path, gas, sampler_gas, skips, accelerated, optim):

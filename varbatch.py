@@ -2410,6 +2410,7 @@ class VariableBatchSizeLR(LRScheduler):
         self._backwards_placed = 0  # the backward passes counted before the current batch's (see _advance)
         self._steps_placed = 0  # the optimizer steps counted when the current batch became current
         self._discarded = False  # the current batch's update is over without an optimizer step (_follow_discarded)
+        self._discarded_passes = 0  # the backward passes of such updates, moved past (see _check_accumulation)
         self._disagreements = 0  # updates in a row whose accumulation disagreed (see _check_accumulation)
         self._hooks = [
             optimizer.register_step_pre_hook(_weakly(self._catch_up)),
@@ -2422,6 +2423,7 @@ class VariableBatchSizeLR(LRScheduler):
         if param is None:
             return
         try:
+            self._hooks.append(param.register_hook(_weakly(self._before_backward)))
             self._hooks.append(param.register_post_accumulate_grad_hook(_weakly(self._count_backward)))
             self._counts_backwards = True
         except RuntimeError:  # a tensor subclass without such hooks: new step inputs stand in for backward passes
@@ -2586,6 +2588,8 @@ class VariableBatchSizeLR(LRScheduler):
         batches = (since - 1) // gas  # whole batches before the one the last backward pass belongs to
         if batches <= 0:
             return False
+        if self._discarded:  # the first of them: its passes trained no update (see _check_accumulation)
+            self._discarded_passes += gas
         self._advance(batches)
         self._backwards_placed -= since - batches * gas  # the current batch's passes so far
         return True
@@ -2604,10 +2608,12 @@ class VariableBatchSizeLR(LRScheduler):
         pass, or a `step` for the skipped update) the batch trained now is
         read one batch on: `get_last_lr`, the properties and `state_dict` (a
         checkpoint saved there resumes at the next batch) have its LR and
-        position. Gradients zeroed in place (``set_to_none=False``) or never
-        cleared tell nothing; a read before ``zero_grad()`` (HF Trainer logs
-        the LR there) has the skipped batch's, the LR its update would have
-        used; nothing of varbatch runs at a read of ``optimizer.param_groups``.
+        position; the next backward pass sees it at the latest, before its
+        gradient is accumulated (`_before_backward`). Gradients zeroed in place
+        (``set_to_none=False``) or never cleared tell nothing; a read before
+        ``zero_grad()`` (HF Trainer logs the LR there) has the skipped batch's,
+        the LR its update would have used; nothing of varbatch runs at a read
+        of ``optimizer.param_groups``.
         """
         if self._discarded or not self._counts_backwards or self._sampler is None:
             return False
@@ -2681,10 +2687,11 @@ class VariableBatchSizeLR(LRScheduler):
                 self._last_lr,
             )
 
-    def _training_seen(self) -> tuple[int, int, int]:
-        """What the hooks and the sampler counted: optimizer steps, backward passes, step inputs handed out."""
+    def _training_seen(self) -> tuple[int, int, int, int]:
+        """What the hooks and the sampler counted: optimizer steps, backward passes, step inputs handed out, and
+        the backward passes of discarded updates."""
         handed = 0 if self._sampler is None else self._sampler._position.handed
-        return self._optimizer_steps, self._backwards, handed
+        return self._optimizer_steps, self._backwards, handed, self._discarded_passes
 
     def _check_one_step_per_update(self) -> tuple[int, int, int]:
         """Raises unless the model trained since the last step(); returns what `_training_seen` counts now.
@@ -2703,7 +2710,7 @@ class VariableBatchSizeLR(LRScheduler):
         backwards = seen[1] - last[1]
         if self._counts_backwards:
             trained = backwards >= gas
-            self._check_accumulation(seen[0] - last[0], backwards)
+            self._check_accumulation(seen[0] - last[0], backwards - (seen[3] - last[3]))
         else:  # new step inputs stand in for backward passes
             trained = seen[2] != last[2]
         if seen[0] == last[0] and not trained:
@@ -2733,9 +2740,13 @@ class VariableBatchSizeLR(LRScheduler):
         no optimizer step between them: one update of 2G, 3G, ... passes), a
         disagreement at every update: three in a row are an error. Calls with
         no optimizer step (a skipped update the loop steps this scheduler for)
-        or no backward pass (a loop that steps without one) tell nothing. Skips
-        with exactly one update between them, three times over, look the same
-        as G' = 2G, and are refused too.
+        or no backward pass (a loop that steps without one) tell nothing, and
+        the passes of an update whose gradients the loop cleared without an
+        optimizer step (NOTE [a discarded update]) are no part of the next
+        one's: a loop accumulating G' step inputs never clears them between.
+        Skips with exactly one update between them, three times over, in a loop
+        that zeroes gradients in place (``set_to_none=False``) look the same as
+        G' = 2G, and are refused too.
         """
         if not steps or not backwards:
             return
@@ -2806,6 +2817,11 @@ class VariableBatchSizeLR(LRScheduler):
 
     def _count_optimizer_step(self, optimizer, args, kwargs) -> None:
         self._optimizer_steps += 1
+
+    def _before_backward(self, grad) -> None:
+        """A hook on the counted parameter's gradient before it is accumulated: an update whose gradients the loop
+        cleared is seen here at the latest (NOTE [a discarded update])."""
+        self._current_batch()
 
     def _count_backward(self, param) -> None:
         self._current_batch()  # a pass that started before this backward pass counts it as its own
