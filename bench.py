@@ -446,6 +446,124 @@ def _all_modes():
                     yield k, shape, budget, order
 
 
+# One epoch as a DataLoader consumes it, against a plain BatchSampler epoch (issue 19).
+EPOCH_REPEATS = 3  # interleaved rounds per row; each side's fastest counts
+EPOCH_HEADLINE = (("free", "padded", "bucket"),)  # the recommended mode: the <= 1.0x rows, at k = 1 and 8
+
+
+def _sampler_kwargs(k: int, shape: str, budget: str, order: str) -> dict:
+    """VariableBatchSampler keyword arguments of one mode on one rank: k micro-batches as accumulation steps."""
+    kwargs = _mode_kwargs(k, shape, budget, order)
+    kwargs["gradient_accumulation_steps"] = kwargs.pop("effective_batch_size")
+    return dict(kwargs, num_replicas=1, rank=0)
+
+
+def _plain_epoch(num_samples: int, batch_size: int) -> list[list[int]]:
+    """One epoch of the plain sampler a DataLoader(shuffle=True, batch_size=B) uses."""
+    sampler = torch.utils.data.RandomSampler(range(num_samples))
+    return list(torch.utils.data.BatchSampler(sampler, batch_size, drop_last=False))
+
+
+def _sampler_epoch(seqlens: np.ndarray, max_tokens: int, kwargs: dict) -> list[list[int]]:
+    """One epoch of varbatch's sampler as a DataLoader consumes it: the plan, then this rank's step inputs."""
+    return list(varbatch.VariableBatchSampler(seqlens, max_tokens, **kwargs))
+
+
+def _plain_batch_size(seqlens: np.ndarray, max_tokens: int) -> int:
+    """B of the plain side: max_tokens // mean length (the same tokens per step on average)."""
+    return max(1, max_tokens // round(float(seqlens.mean())))
+
+
+def _interleaved_best(calls: dict, repeats: int) -> dict:
+    """The fastest of ``repeats`` rounds of each call, the calls taking turns within a round."""
+    best = {name: float("inf") for name in calls}
+    for _ in range(repeats):
+        for name, call in calls.items():
+            best[name] = min(best[name], _best_time(call, 1))
+    return best
+
+
+def _epoch_rows(quick: bool) -> list[tuple]:
+    """(k, shape, budget, order, N, with plan_batches alone) of each row of 1e, the headline rows first."""
+    headline_sizes = (100_000,) if quick else (1_000_000, 10_000_000)
+    rows = [(k, *mode, n, True) for n in headline_sizes for mode in EPOCH_HEADLINE for k in (1, 8)]
+    if not quick:
+        headline = {(k, *mode) for mode in EPOCH_HEADLINE for k in (1, 8)}
+        rows += [(*mode, 1_000_000, False) for mode in _all_modes() if mode not in headline]
+    return rows
+
+
+def _epoch_table(quick: bool, results: dict) -> str:
+    """1e: list(VariableBatchSampler(...)) vs list(BatchSampler(RandomSampler)) of the same N, side by side."""
+    rows_to_run = _epoch_rows(quick)
+    lengths = long_tailed_seqlens(max(row[4] for row in rows_to_run), seed=7)
+    batch_size = _plain_batch_size(lengths, PAD_MAX_TOKENS)
+    repeats = 2 if quick else EPOCH_REPEATS
+    rows = []
+    for k, shape, budget, order, n, with_plan in rows_to_run:
+        _progress(f"epoch: N={_fmt_n(n)} k={k} {shape} {budget} {order}, {repeats} interleaved rounds")
+        seqlens = lengths[:n]
+        calls = {
+            "plain": functools.partial(_plain_epoch, n, batch_size),
+            "varbatch": functools.partial(
+                _sampler_epoch, seqlens, PAD_MAX_TOKENS, _sampler_kwargs(k, shape, budget, order)
+            ),
+        }
+        if with_plan:
+            kwargs = _mode_kwargs(k, shape, budget, order)
+            calls["plan"] = functools.partial(varbatch.plan_batches, seqlens, PAD_MAX_TOKENS, **kwargs)
+        best = _interleaved_best(calls, repeats)
+        ratio = best["varbatch"] / best["plain"]
+        plan_ratio = best["plan"] / best["plain"] if with_plan else None
+        results.setdefault("epoch", {})[(k, shape, budget, order, n)] = dict(
+            best, ratio=ratio, plan_ratio=plan_ratio, headline=with_plan
+        )
+        rows.append(
+            [
+                k,
+                shape,
+                budget,
+                order,
+                _fmt_n(n),
+                _fmt_time(best["plain"]),
+                _fmt_time(best["varbatch"]),
+                f"{ratio:.2f}x",
+                _fmt_time(best.get("plan")),
+                "-" if plan_ratio is None else f"{plan_ratio:.2f}x",
+            ]
+        )
+    out = ["", "### 1e. One epoch as a DataLoader consumes it, vs a plain BatchSampler epoch", ""]
+    out.append(
+        f"Long-tailed lengths (as in 2), max_tokens={PAD_MAX_TOKENS}. varbatch: "
+        "`list(VariableBatchSampler(seqlens, max_tokens, gradient_accumulation_steps=k, num_replicas=1, "
+        "rank=0, ...))`, the plan and this rank's step inputs as lists (k micro-batches per step as "
+        "accumulation steps on one rank: every step input listed); plain: "
+        f"`list(BatchSampler(RandomSampler(range(N)), B={batch_size}, drop_last=False))`, B = max_tokens "
+        f"// mean length; plan_batches: the plan alone. Each side's fastest of {repeats} interleaved "
+        "rounds, in this process. Targets: the padded bucket rows (k = 1 and 8) <= 1.0x the plain epoch "
+        "and plan_batches <= 0.6x; every other mode <= 1.5x."
+    )
+    out.append("")
+    out.append(
+        _table(
+            [
+                "k",
+                "shape",
+                "budget",
+                "order",
+                "N",
+                "plain epoch",
+                "varbatch epoch",
+                "varbatch / plain",
+                "plan_batches",
+                "plan / plain",
+            ],
+            rows,
+        )
+    )
+    return "\n".join(out)
+
+
 def bench_modes(quick: bool, ds_cap: float, results: dict) -> str:
     """Every mode: DeepSpeed vs varbatch at N=2000 (where DeepSpeed has the mode), then
     varbatch alone at 1M and 10M (100k in --quick) with the growth between them."""
@@ -546,6 +664,7 @@ def bench_modes(quick: bool, ds_cap: float, results: dict) -> str:
     if large:
         headers += [f"N={_fmt_n(large)}", f"growth exponent {_fmt_n(small)}..{_fmt_n(large)}"]
     out.append(_table(headers, rows))
+    out.append(_epoch_table(quick, results))
     return "\n".join(out)
 
 
