@@ -922,6 +922,108 @@ def _padding_table(
     return table
 
 
+# Randomness: how many sample pairs that share a micro-batch share one again next epoch (issue 19).
+RANDOMNESS_SIZES = (2000, 1_000_000)
+
+
+def _microbatch_of(num_samples: int, sample_ids: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """Per sample, the index of its micro-batch in one epoch (int32; -1 where the epoch left it out)."""
+    of = np.full(num_samples, -1, dtype=np.int32)
+    of[sample_ids] = np.repeat(np.arange(len(sizes), dtype=np.int32), sizes)
+    return of
+
+
+def _pairs(counts: np.ndarray) -> int:
+    """Pairs of samples inside groups of these sizes: sum of C(n, 2)."""
+    counts = counts.astype(np.int64)
+    return int((counts * (counts - 1) // 2).sum())
+
+
+def _repeat_share(first: np.ndarray, second: np.ndarray) -> dict:
+    """Of the pairs sharing a micro-batch in ``first``, the share sharing one again in ``second``, and the
+    share random micro-batches of ``second``'s sizes would give (``first``/``second``: `_microbatch_of`).
+
+    Pairs are counted per (micro-batch in first, micro-batch in second) combination, sum of C(count, 2):
+    one sort of N keys, no pair list. Random: a random permutation of all N samples fills ``second``'s
+    micro-batches, so any pair lands together with chance sum_j C(m_j, 2) / C(N, 2).
+    """
+    pairs = _pairs(np.bincount(first[first >= 0]))
+    both = (first >= 0) & (second >= 0)
+    keys = first[both].astype(np.int64) * (int(second.max()) + 1) + second[both]
+    again = _pairs(np.unique(keys, return_counts=True)[1])
+    num_samples = len(first)
+    random_share = _pairs(np.bincount(second[second >= 0])) / (num_samples * (num_samples - 1) / 2)
+    share = again / pairs if pairs else float("nan")
+    ratio = share / random_share if random_share else float("nan")
+    return dict(pairs=pairs, again=again, share=share, random=random_share, ratio=ratio)
+
+
+def _plan_microbatch_of(plan: varbatch.Plan, num_samples: int) -> np.ndarray:
+    return _microbatch_of(num_samples, plan.sample_ids, plan.microbatch_sizes())
+
+
+def _fmt_share(share: float) -> str:
+    return "-" if not math.isfinite(share) else f"{100 * share:.3g}%"
+
+
+def _randomness_table(quick: bool, results: dict) -> str:
+    """2d: for every order x budget x mode, pairs that share a micro-batch in epoch 0 and again in epoch 1."""
+    sizes = (2000, 20_000) if quick else RANDOMNESS_SIZES
+    rows = []
+    for n in sizes:
+        seqlens = long_tailed_seqlens(n, seed=8)
+        _progress(f"randomness: N={_fmt_n(n)}, every order x budget x mode, epochs 0 and 1")
+        for order in ORDERS:
+            for budget in BUDGETS:
+                for pipeline in (False, True):
+                    mode = "pipeline" if pipeline else "DDP"
+                    of = [
+                        _plan_microbatch_of(
+                            varbatch.plan_batches(
+                                seqlens,
+                                PAD_MAX_TOKENS,
+                                effective_batch_size=PAD_EFFECTIVE_BATCH_SIZE,
+                                budget=budget,
+                                order=order,
+                                same_size=pipeline,
+                                same_length=pipeline,
+                                epoch=epoch,
+                            ),
+                            n,
+                        )
+                        for epoch in (0, 1)
+                    ]
+                    r = _repeat_share(*of)
+                    results.setdefault("randomness", {})[(order, budget, mode, n)] = r
+                    rows.append(
+                        [
+                            _fmt_n(n),
+                            order,
+                            budget,
+                            mode,
+                            f"{r['pairs']:,}",
+                            _fmt_share(r["share"]),
+                            _fmt_share(r["random"]),
+                            _fmt_ratio(r["ratio"]),
+                        ]
+                    )
+    out = ["", "### 2d. Randomness: sample pairs that share a micro-batch again in the next epoch", ""]
+    out.append(
+        f"Long-tailed lengths as above, {' and '.join(f'{n:,}' for n in sizes)} sequences, "
+        f"max_tokens={PAD_MAX_TOKENS}, effective_batch_size={PAD_EFFECTIVE_BATCH_SIZE}, default bucket_size "
+        "and seed. Of the pairs of samples that share a micro-batch in epoch 0, the share that share one "
+        "again in epoch 1; random: the share if epoch 1's micro-batches (the same sizes) were filled with a "
+        "random permutation of all samples, sum of C(m, 2) over them / C(N, 2). The deterministic orders "
+        "repeat every pair (100%) by design. Target: the bucket order at most 10x random at "
+        f"N = {RANDOMNESS_SIZES[0]:,} and {RANDOMNESS_SIZES[1]:,}."
+    )
+    out.append("")
+    out.append(
+        _table(["N", "order", "budget", "mode", "pairs in epoch 0", "again in epoch 1", "random", "vs random"], rows)
+    )
+    return "\n".join(out)
+
+
 def bench_padding(quick: bool, ds_cap: float, results: dict) -> str:
     n = 20_000 if quick else 200_000
     num_chunks = 1 if quick else 10
@@ -1017,6 +1119,7 @@ def bench_padding(quick: bool, ds_cap: float, results: dict) -> str:
             "uniform",
         )
     )
+    out.append(_randomness_table(quick, results))
     return "\n".join(out)
 
 
