@@ -586,7 +586,8 @@ def _epoch_table(quick: bool, results: dict) -> str:
 
 def bench_modes(quick: bool, ds_cap: float, results: dict) -> str:
     """Every mode: DeepSpeed vs varbatch at N=2000 (where DeepSpeed has the mode), then
-    varbatch alone at 1M and 10M (100k in --quick) with the growth between them."""
+    varbatch alone at 1M and 10M (100k in --quick) with the growth between them, then
+    (1e) one epoch of the sampler against a plain BatchSampler epoch in every mode."""
     out = ["### 1c. DeepSpeed vs varbatch at N=2,000, every mode DeepSpeed has (sum budget)", ""]
     n_ds = 2000
     lengths = uniform_seqlens(n_ds)
@@ -1920,7 +1921,8 @@ def bench_peers(quick: bool, results: dict) -> str:
         f"Fixed-B samplers take B = max_tokens // mean length = {_plain_batch_size(seqlens, PAD_MAX_TOKENS)}; "
         "lhotse gets one in-memory MonoCut per sample whose duration is its length, max_duration=max_tokens "
         "(its budget is n x the longest cut, checked before the cut that ends a batch is added), shuffle=True, "
-        "its default buckets and buffer. Epoch: the sampler built over inputs prepared beforehand (a lengths "
+        "its default buckets and buffer (it reads the CutSet in the same order every epoch and shuffles within that "
+        "buffer, which its randomness column shows). Epoch: the sampler built over inputs prepared beforehand (a lengths "
         "array or list, the CutSet: not timed) and one epoch listed as a DataLoader consumes it; the fastest "
         "of epochs 0 and 1 (the peers take turns; epoch 0's time includes building the sampler). Memory: "
         "in a fresh process, the inputs' RSS, then the peak RSS one epoch adds, consumed step by step (as "
