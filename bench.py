@@ -1713,7 +1713,7 @@ def bench_datapath(quick: bool, results: dict) -> str:
 # timed: what a user's code already has), the sampler over them (timed with the
 # first epoch), one epoch's micro-batches, and the sample ids of one of them.
 
-PEERS_N = 1_000_000
+PEERS_SIZES = (1_000_000, 2000)  # memory is measured at the first; --quick runs the last only
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1871,36 +1871,33 @@ def _peer_epochs(peers: dict, seqlens: np.ndarray, max_tokens: int) -> dict:
 def _peer_memory_cells(memory: dict | str | None, num_samples: int) -> list[str]:
     """The inputs' RSS, what one epoch adds, and that per sample; or why not measured."""
     if memory is None:
-        return ["not measured in --quick", "-", "-"]
+        return ["-", "-", "-"]
     if isinstance(memory, str):
         return [memory, "-", "-"]
     per_sample = "-" if memory["adds"] is None else f"{memory['adds'] / num_samples:.0f}"
     return [_mib(memory["inputs"]), _mib(memory["adds"]), per_sample]
 
 
-def bench_peers(quick: bool, results: dict) -> str:
-    """varbatch beside lhotse's DynamicBucketingSampler and HF's LengthGroupedSampler, when installed."""
-    n = 2000 if quick else PEERS_N
+def _peer_rows(peers: dict, n: int, with_memory: bool, results: dict) -> list[list]:
+    """The peers table's rows at N = n: every peer's epochs in turns, then (with_memory) its memory."""
     seqlens = long_tailed_seqlens(n)
-    notes = {key: _missing(peer.needs) for key, peer in PEERS.items()}
-    peers = {key: peer for key, peer in PEERS.items() if notes[key] is None}
     runs = _peer_epochs(peers, seqlens, PAD_MAX_TOKENS)
     rows = []
     for key, peer in peers.items():
         epoch_s = min(runs[key]["seconds"])
         memory = None
-        if not quick:
+        if with_memory:
             _progress(f"peers: peak memory of one epoch of {peer.name}, in a subprocess")
-            job = dict(what=key, lengths="long-tailed", n=n, max_tokens=PAD_MAX_TOKENS)
-            memory = _run_peak_job(job)
+            memory = _run_peak_job(dict(what=key, lengths="long-tailed", n=n, max_tokens=PAD_MAX_TOKENS))
         first, second = runs[key]["epochs"]
         stats = _padding_stats(seqlens, first, 1, PAD_MAX_TOKENS, pipeline=False)
         randomness = _repeat_share(
             *(_microbatch_of(n, np.concatenate(mbs), [len(mb) for mb in mbs]) for mbs in (first, second))
         )
-        results.setdefault("peers", {})[key] = dict(stats, seconds=epoch_s, memory=memory, randomness=randomness)
+        results.setdefault("peers", {})[(key, n)] = dict(stats, seconds=epoch_s, memory=memory, randomness=randomness)
         rows.append(
             [
+                _fmt_n(n),
                 peer.name,
                 _fmt_time(epoch_s),
                 _fmt_ratio(epoch_s / min(runs["plain"]["seconds"])),
@@ -1915,20 +1912,33 @@ def bench_peers(quick: bool, results: dict) -> str:
                 _fmt_ratio(randomness["ratio"]),
             ]
         )
+    return rows
+
+
+def bench_peers(quick: bool, results: dict) -> str:
+    """varbatch beside lhotse's DynamicBucketingSampler and HF's LengthGroupedSampler, when installed."""
+    sizes = (PEERS_SIZES[-1],) if quick else PEERS_SIZES
+    notes = {key: _missing(peer.needs) for key, peer in PEERS.items()}
+    peers = {key: peer for key, peer in PEERS.items() if notes[key] is None}
+    rows = []
+    for n in sizes:
+        rows += _peer_rows(peers, n, with_memory=not quick and n == sizes[0], results=results)
+    batch_sizes = ", ".join(f"{_plain_batch_size(long_tailed_seqlens(n), PAD_MAX_TOKENS)} at {n:,}" for n in sizes)
     out = ["## 6. Peers: the samplers a user would pick instead", ""]
     out.append(
-        f"{n:,} long-tailed lengths (as in 2), max_tokens={PAD_MAX_TOKENS}, one rank, all in this process. "
-        f"Fixed-B samplers take B = max_tokens // mean length = {_plain_batch_size(seqlens, PAD_MAX_TOKENS)}; "
+        f"{' and '.join(f'{n:,}' for n in sizes)} long-tailed lengths (as in 2; the small set is a fine-tuning "
+        f"set's size), max_tokens={PAD_MAX_TOKENS}, one rank, all in this process. Fixed-B samplers take "
+        f"B = max_tokens // mean length ({batch_sizes}); "
         "lhotse gets one in-memory MonoCut per sample whose duration is its length, max_duration=max_tokens "
         "(its budget is n x the longest cut, checked before the cut that ends a batch is added), shuffle=True, "
         "its default buckets and buffer (it reads the CutSet in the same order every epoch and shuffles "
         "within that buffer, which its randomness column shows). Epoch: the sampler built over inputs "
         "prepared beforehand (a lengths array or list, the CutSet: not timed) and one epoch listed as a "
-        "DataLoader consumes it; the fastest "
-        "of epochs 0 and 1 (the peers take turns; epoch 0's time includes building the sampler). Memory: "
-        "in a fresh process, the inputs' RSS, then the peak RSS one epoch adds, consumed step by step (as "
-        "in 4). real / padded, over budget: each micro-batch padded to its longest (n x S) against "
-        "max_tokens. Randomness as in 2d, epochs 0 and 1."
+        "DataLoader consumes it; the fastest of epochs 0 and 1 (the peers take turns; epoch 0's time "
+        f"includes building the sampler). Memory, at {PEERS_SIZES[0]:,} in the full run only: in a fresh process, the "
+        "inputs' RSS, then the peak RSS one epoch adds, consumed step by step (as in 4). real / padded, "
+        "over budget: each micro-batch padded to its longest (n x S) against max_tokens. Randomness as in "
+        "2d, epochs 0 and 1."
     )
     missing = [f"{PEERS[key].name}: {note}" for key, note in notes.items() if note]
     present = [f"{PEERS[key].needs} {_package_version(PEERS[key].needs)}" for key in peers if PEERS[key].needs]
@@ -1941,6 +1951,7 @@ def bench_peers(quick: bool, results: dict) -> str:
     out.append(
         _table(
             [
+                "N",
                 "sampler",
                 "epoch",
                 "vs plain",
@@ -2071,7 +2082,7 @@ def _peer_targets(results: dict) -> list[list]:
     """6's row: which peers the run compared with."""
     if "peers" not in results:
         return []
-    compared = [PEERS[key].name for key in results["peers"] if PEERS[key].needs]
+    compared = list(dict.fromkeys(PEERS[key].name for key, _ in results["peers"] if PEERS[key].needs))
     missing = [PEERS[key].needs for key in results.get("peers_missing", [])]
     measured = ", ".join(compared) or "none"
     if missing:
