@@ -9,17 +9,30 @@ a shared machine):
    mode at 1M (effective_batch_size 1 and 8, same-size off/on, the pipeline's
    same-length shapes, sum and padded budgets, every order) and the costliest
    order of each at 10M, with fitted growth exponents. DeepSpeed runs in a
-   subprocess with a time cap per call.
+   subprocess with a time cap per call. Then (1e) one epoch of
+   `list(VariableBatchSampler(...))` (the plan and this rank's step inputs, as a
+   DataLoader consumes them) against a plain
+   `list(BatchSampler(RandomSampler(range(N)), B))` epoch of the same N, side by
+   side, in every mode, on long-tailed lengths (issue 19's speed targets).
 2. Padding efficiency (real tokens / padded B x S slots) and budget overshoot
    (padded size / max_tokens) on long-tailed lengths, for DeepSpeed's planner and
-   every varbatch order x budget, in DDP and pipeline (same-shape) modes.
+   every varbatch order x budget, in DDP and pipeline (same-shape) modes; then
+   (2d) randomness: of the sample pairs that share a micro-batch in one epoch,
+   the share that share one again in the next, beside the share random
+   micro-batches of the same sizes would give, at N = 2,000 and 1M.
 3. Training throughput on this CPU: token-budget batches vs fixed-size batches
    padded to their longest sample, at the same peak padded tensor size: real
    tokens per second and held-out loss after a fixed number of real tokens.
-4. Peak memory (RSS) of planning 10M sequences, in a subprocess.
+4. Memory: the peak bytes per sample that planning one epoch of 10M sequences
+   adds, in a fresh process, extrapolated to 100M; the full run also plans 100M
+   lengths once, in a subprocess, where /proc/meminfo shows enough memory.
 5. The data path: iterating `make_dataloader` with `PaddedCollate` over a plan
    vs a plain DataLoader over the same list of batches with a pad_sequence
    collate (issue 10's target: at most 1.2x).
+6. Peers: varbatch's sampler beside lhotse's `DynamicBucketingSampler` and HF
+   transformers' `LengthGroupedSampler` (fixed-count) and a plain
+   `BatchSampler`, on the same 1M lengths: epoch time, peak memory, padding
+   efficiency, overshoot and randomness.
 
 Usage:
     python bench.py                 # full run, markdown tables on stdout (minutes)
@@ -30,12 +43,17 @@ Usage:
 Progress goes to stderr, tables to stdout. Nothing here asserts a time: the
 "Targets" table at the end reports each target next to its measurement.
 DeepSpeed and matplotlib are optional: without DeepSpeed its columns are left
-out; matplotlib is imported only by --plot (``pip install matplotlib``).
+out; matplotlib is imported only by --plot (``pip install matplotlib``). The
+peers of section 6 are optional dependencies of the benchmark alone (varbatch
+and its tests never import them): lhotse (``pip install lhotse``) and
+transformers (in requirements.txt, for the README's recipes) each add a row,
+and where one is missing the section says so and leaves its row out.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import importlib.util
 import json
@@ -73,7 +91,7 @@ DS_CHUNK = 2000
 ORDERS = typing.get_args(varbatch._Order)
 BUDGETS = typing.get_args(varbatch._Budget)
 
-SECTIONS = ("speed", "modes", "padding", "training", "memory", "datapath")
+SECTIONS = ("speed", "modes", "padding", "training", "memory", "datapath", "peers")
 
 
 # =============================================================================
@@ -446,9 +464,130 @@ def _all_modes():
                     yield k, shape, budget, order
 
 
+# One epoch as a DataLoader consumes it, against a plain BatchSampler epoch (issue 19).
+EPOCH_REPEATS = 3  # interleaved rounds per row; each side's fastest counts
+EPOCH_HEADLINE = (("free", "padded", "bucket"),)  # the recommended mode: the <= 1.0x rows, at k = 1 and 8
+EPOCH_SIZES = (1_000_000, 10_000_000)  # of the headline rows; every other mode at the first
+EPOCH_QUICK_SIZE = 100_000  # --quick: the headline rows only, at this N
+
+
+def _sampler_kwargs(k: int, shape: str, budget: str, order: str) -> dict:
+    """VariableBatchSampler keyword arguments of one mode on one rank: k micro-batches as accumulation steps."""
+    kwargs = _mode_kwargs(k, shape, budget, order)
+    kwargs["gradient_accumulation_steps"] = kwargs.pop("effective_batch_size")
+    return dict(kwargs, num_replicas=1, rank=0)
+
+
+def _plain_epoch(num_samples: int, batch_size: int) -> list[list[int]]:
+    """One epoch of the plain sampler a DataLoader(shuffle=True, batch_size=B) uses."""
+    sampler = torch.utils.data.RandomSampler(range(num_samples))
+    return list(torch.utils.data.BatchSampler(sampler, batch_size, drop_last=False))
+
+
+def _sampler_epoch(seqlens: np.ndarray, max_tokens: int, kwargs: dict) -> list[list[int]]:
+    """One epoch of varbatch's sampler as a DataLoader consumes it: the plan, then this rank's step inputs."""
+    return list(varbatch.VariableBatchSampler(seqlens, max_tokens, **kwargs))
+
+
+def _plain_batch_size(seqlens: np.ndarray, max_tokens: int) -> int:
+    """B of the plain side: max_tokens // mean length (the same tokens per step on average)."""
+    return max(1, max_tokens // round(float(seqlens.mean())))
+
+
+def _interleaved_best(calls: dict, repeats: int) -> dict:
+    """The fastest of ``repeats`` rounds of each call, the calls taking turns within a round."""
+    best = {name: float("inf") for name in calls}
+    for _ in range(repeats):
+        for name, call in calls.items():
+            best[name] = min(best[name], _best_time(call, 1))
+    return best
+
+
+def _epoch_rows(quick: bool) -> list[tuple]:
+    """(k, shape, budget, order, N, with plan_batches alone) of each row of 1e, the headline rows first."""
+    headline_sizes = (EPOCH_QUICK_SIZE,) if quick else EPOCH_SIZES
+    rows = [(k, *mode, n, True) for n in headline_sizes for mode in EPOCH_HEADLINE for k in (1, 8)]
+    if not quick:
+        headline = {(k, *mode) for mode in EPOCH_HEADLINE for k in (1, 8)}
+        rows += [(*mode, EPOCH_SIZES[0], False) for mode in _all_modes() if mode not in headline]
+    return rows
+
+
+def _epoch_table(quick: bool, results: dict) -> str:
+    """1e: list(VariableBatchSampler(...)) vs list(BatchSampler(RandomSampler)) of the same N, side by side."""
+    rows_to_run = _epoch_rows(quick)
+    lengths = long_tailed_seqlens(max(row[4] for row in rows_to_run), seed=7)
+    batch_size = _plain_batch_size(lengths, PAD_MAX_TOKENS)
+    repeats = 2 if quick else EPOCH_REPEATS
+    rows = []
+    for k, shape, budget, order, n, with_plan in rows_to_run:
+        _progress(f"epoch: N={_fmt_n(n)} k={k} {shape} {budget} {order}, {repeats} interleaved rounds")
+        seqlens = lengths[:n]
+        calls = {
+            "plain": functools.partial(_plain_epoch, n, batch_size),
+            "varbatch": functools.partial(
+                _sampler_epoch, seqlens, PAD_MAX_TOKENS, _sampler_kwargs(k, shape, budget, order)
+            ),
+        }
+        if with_plan:
+            kwargs = _mode_kwargs(k, shape, budget, order)
+            calls["plan"] = functools.partial(varbatch.plan_batches, seqlens, PAD_MAX_TOKENS, **kwargs)
+        best = _interleaved_best(calls, repeats)
+        ratio = best["varbatch"] / best["plain"]
+        plan_ratio = best["plan"] / best["plain"] if with_plan else None
+        results.setdefault("epoch", {})[(k, shape, budget, order, n)] = dict(
+            best, ratio=ratio, plan_ratio=plan_ratio, headline=with_plan
+        )
+        rows.append(
+            [
+                k,
+                shape,
+                budget,
+                order,
+                _fmt_n(n),
+                _fmt_time(best["plain"]),
+                _fmt_time(best["varbatch"]),
+                f"{ratio:.2f}x",
+                _fmt_time(best.get("plan")),
+                "-" if plan_ratio is None else f"{plan_ratio:.2f}x",
+            ]
+        )
+    out = ["", "### 1e. One epoch as a DataLoader consumes it, vs a plain BatchSampler epoch", ""]
+    out.append(
+        f"Long-tailed lengths (as in 2), max_tokens={PAD_MAX_TOKENS}. varbatch: "
+        "`list(VariableBatchSampler(seqlens, max_tokens, gradient_accumulation_steps=k, num_replicas=1, "
+        "rank=0, ...))`, the plan and this rank's step inputs as lists (k micro-batches per step as "
+        "accumulation steps on one rank: every step input listed); plain: "
+        f"`list(BatchSampler(RandomSampler(range(N)), B={batch_size}, drop_last=False))`, B = max_tokens "
+        f"// mean length; plan_batches: the plan alone. Each side's fastest of {repeats} interleaved "
+        "rounds, in this process. Targets: the padded bucket rows (k = 1 and 8) <= 1.0x the plain epoch "
+        "and plan_batches <= 0.6x; every other mode <= 1.5x."
+    )
+    out.append("")
+    out.append(
+        _table(
+            [
+                "k",
+                "shape",
+                "budget",
+                "order",
+                "N",
+                "plain epoch",
+                "varbatch epoch",
+                "varbatch / plain",
+                "plan_batches",
+                "plan / plain",
+            ],
+            rows,
+        )
+    )
+    return "\n".join(out)
+
+
 def bench_modes(quick: bool, ds_cap: float, results: dict) -> str:
     """Every mode: DeepSpeed vs varbatch at N=2000 (where DeepSpeed has the mode), then
-    varbatch alone at 1M and 10M (100k in --quick) with the growth between them."""
+    varbatch alone at 1M and 10M (100k in --quick) with the growth between them, then
+    (1e) one epoch of the sampler against a plain BatchSampler epoch in every mode."""
     out = ["### 1c. DeepSpeed vs varbatch at N=2,000, every mode DeepSpeed has (sum budget)", ""]
     n_ds = 2000
     lengths = uniform_seqlens(n_ds)
@@ -546,6 +685,7 @@ def bench_modes(quick: bool, ds_cap: float, results: dict) -> str:
     if large:
         headers += [f"N={_fmt_n(large)}", f"growth exponent {_fmt_n(small)}..{_fmt_n(large)}"]
     out.append(_table(headers, rows))
+    out.append(_epoch_table(quick, results))
     return "\n".join(out)
 
 
@@ -803,6 +943,108 @@ def _padding_table(
     return table
 
 
+# Randomness: how many sample pairs that share a micro-batch share one again next epoch (issue 19).
+RANDOMNESS_SIZES = (2000, 1_000_000)
+
+
+def _microbatch_of(num_samples: int, sample_ids: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """Per sample, the index of its micro-batch in one epoch (int32; -1 where the epoch left it out)."""
+    of = np.full(num_samples, -1, dtype=np.int32)
+    of[sample_ids] = np.repeat(np.arange(len(sizes), dtype=np.int32), sizes)
+    return of
+
+
+def _pairs(counts: np.ndarray) -> int:
+    """Pairs of samples inside groups of these sizes: sum of C(n, 2)."""
+    counts = counts.astype(np.int64)
+    return int((counts * (counts - 1) // 2).sum())
+
+
+def _repeat_share(first: np.ndarray, second: np.ndarray) -> dict:
+    """Of the pairs sharing a micro-batch in ``first``, the share sharing one again in ``second``, and the
+    share random micro-batches of ``second``'s sizes would give (``first``/``second``: `_microbatch_of`).
+
+    Pairs are counted per (micro-batch in first, micro-batch in second) combination, sum of C(count, 2):
+    one sort of N keys, no pair list. Random: a random permutation of all N samples fills ``second``'s
+    micro-batches, so any pair lands together with chance sum_j C(m_j, 2) / C(N, 2).
+    """
+    pairs = _pairs(np.bincount(first[first >= 0]))
+    both = (first >= 0) & (second >= 0)
+    keys = first[both].astype(np.int64) * (int(second.max()) + 1) + second[both]
+    again = _pairs(np.unique(keys, return_counts=True)[1])
+    num_samples = len(first)
+    random_share = _pairs(np.bincount(second[second >= 0])) / (num_samples * (num_samples - 1) / 2)
+    share = again / pairs if pairs else float("nan")
+    ratio = share / random_share if random_share else float("nan")
+    return dict(pairs=pairs, again=again, share=share, random=random_share, ratio=ratio)
+
+
+def _plan_microbatch_of(plan: varbatch.Plan, num_samples: int) -> np.ndarray:
+    return _microbatch_of(num_samples, plan.sample_ids, plan.microbatch_sizes())
+
+
+def _fmt_share(share: float) -> str:
+    return "-" if not math.isfinite(share) else f"{100 * share:.3g}%"
+
+
+def _randomness_table(quick: bool, results: dict) -> str:
+    """2d: for every order x budget x mode, pairs that share a micro-batch in epoch 0 and again in epoch 1."""
+    sizes = RANDOMNESS_SIZES[:1] if quick else RANDOMNESS_SIZES
+    rows = []
+    for n in sizes:
+        seqlens = long_tailed_seqlens(n, seed=8)
+        _progress(f"randomness: N={_fmt_n(n)}, every order x budget x mode, epochs 0 and 1")
+        for order in ORDERS:
+            for budget in BUDGETS:
+                for pipeline in (False, True):
+                    mode = "pipeline" if pipeline else "DDP"
+                    of = [
+                        _plan_microbatch_of(
+                            varbatch.plan_batches(
+                                seqlens,
+                                PAD_MAX_TOKENS,
+                                effective_batch_size=PAD_EFFECTIVE_BATCH_SIZE,
+                                budget=budget,
+                                order=order,
+                                same_size=pipeline,
+                                same_length=pipeline,
+                                epoch=epoch,
+                            ),
+                            n,
+                        )
+                        for epoch in (0, 1)
+                    ]
+                    r = _repeat_share(*of)
+                    results.setdefault("randomness", {})[(order, budget, mode, n)] = r
+                    rows.append(
+                        [
+                            _fmt_n(n),
+                            order,
+                            budget,
+                            mode,
+                            f"{r['pairs']:,}",
+                            _fmt_share(r["share"]),
+                            _fmt_share(r["random"]),
+                            _fmt_ratio(r["ratio"]),
+                        ]
+                    )
+    out = ["", "### 2d. Randomness: sample pairs that share a micro-batch again in the next epoch", ""]
+    out.append(
+        f"Long-tailed lengths as above, {' and '.join(f'{n:,}' for n in sizes)} sequences, "
+        f"max_tokens={PAD_MAX_TOKENS}, effective_batch_size={PAD_EFFECTIVE_BATCH_SIZE}, default bucket_size "
+        "and seed. Of the pairs of samples that share a micro-batch in epoch 0, the share that share one "
+        "again in epoch 1; random: the share if epoch 1's micro-batches (the same sizes) were filled with a "
+        "random permutation of all samples, sum of C(m, 2) over them / C(N, 2). The deterministic orders "
+        "repeat every pair (100%) by design. Target: the bucket order at most 10x random at "
+        f"N = {RANDOMNESS_SIZES[0]:,} and {RANDOMNESS_SIZES[1]:,}."
+    )
+    out.append("")
+    out.append(
+        _table(["N", "order", "budget", "mode", "pairs in epoch 0", "again in epoch 1", "random", "vs random"], rows)
+    )
+    return "\n".join(out)
+
+
 def bench_padding(quick: bool, ds_cap: float, results: dict) -> str:
     n = 20_000 if quick else 200_000
     num_chunks = 1 if quick else 10
@@ -898,6 +1140,7 @@ def bench_padding(quick: bool, ds_cap: float, results: dict) -> str:
             "uniform",
         )
     )
+    out.append(_randomness_table(quick, results))
     return "\n".join(out)
 
 
@@ -1127,17 +1370,28 @@ def bench_training(quick: bool, results: dict) -> str:
 # =============================================================================
 # 4. Memory
 # =============================================================================
+# Each measurement runs in a fresh process (bench.py imported there), which
+# reads its own peak RSS: VmHWM on Linux, reset to the current RSS before the
+# measured call (/proc/self/clear_refs), so that the peak it reads after the call
+# is the call's own, not that of importing torch. (resource.getrusage's ru_maxrss
+# is the fallback elsewhere; on Linux a child's ru_maxrss also counts the
+# parent's peak at the time of exec, i.e. the bench's.)
 
-_RSS_WORKER = r"""
-import json, resource, sys, time
+MEMORY_TARGET_BYTES = 16  # per sample, added by planning one epoch (issue 19)
+MEMORY_FAR_N = 100_000_000  # the 100M extrapolation, and the full run's one plan of that many lengths
+MEMORY_FAR_SECONDS = 10.0
+MEMORY_LENGTHS_CHUNK = 10_000_000  # lengths are drawn in chunks of this many (a float64 temporary each)
+
+_PEAK_WORKER = r"""
+import json, sys
 sys.path.insert(0, sys.argv[1])
-import numpy as np
-import varbatch
-n = int(sys.argv[2])
-kwargs = json.loads(sys.argv[3])
-seqlens = np.random.default_rng(0).integers(10, 500, n, dtype=np.int64)
+import bench
+print(json.dumps(bench._peak_job(json.loads(sys.argv[2]))), flush=True)
+"""
 
-def status(key):  # kB fields of /proc/self/status (Linux); None elsewhere
+
+def _proc_status(key: str) -> int | None:
+    """A kB field of /proc/self/status (Linux) in bytes; None elsewhere."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
@@ -1145,42 +1399,157 @@ def status(key):  # kB fields of /proc/self/status (Linux); None elsewhere
                     return int(line.split()[1]) * 1024
     except OSError:
         return None
+    return None
 
-# The peak RSS of this process's own memory map: VmHWM on Linux. (ru_maxrss of
-# resource.getrusage is the fallback elsewhere; on Linux a child's ru_maxrss also
-# counts the parent's peak at the time of exec, i.e. the bench's, not the planner's.)
-def peak_rss():
-    hwm = status("VmHWM")
+
+def _peak_rss() -> int:
+    """This process's peak RSS so far: VmHWM, else ru_maxrss."""
+    hwm = _proc_status("VmHWM")
     if hwm is not None:
         return hwm
+    import resource
+
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
 
-peak_import = peak_rss()
-# Importing torch peaks above what planning needs: reset the peak (Linux
-# clear_refs 5) to the current RSS, so that the peak read after planning is the
-# planner's own.
-rss_before = status("VmRSS")
-try:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    reset = rss_before is not None
-except OSError:
-    reset = False
-start = time.perf_counter()
-plan = varbatch.plan_batches(seqlens, 4096, **kwargs)
-seconds = time.perf_counter() - start
-print(json.dumps({"rss_before": rss_before if reset else None, "peak": peak_rss(), "peak_import": peak_import,
-                  "reset": reset, "seconds": seconds, "microbatches": plan.num_microbatches}))
-"""
+
+def _reset_peak() -> bool:
+    """Resets VmHWM to the current RSS (Linux clear_refs 5); False where that is not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return _proc_status("VmRSS") is not None
+
+
+def _job_seqlens(kind: str, num_samples: int) -> np.ndarray:
+    """The lengths of a memory job: 'uniform' (item 1's) or 'long-tailed' (item 2's), drawn in chunks."""
+    if kind == "uniform":
+        return uniform_seqlens(num_samples)
+    if num_samples <= MEMORY_LENGTHS_CHUNK:
+        return long_tailed_seqlens(num_samples)
+    seqlens = np.empty(num_samples, dtype=np.int64)
+    for i, start in enumerate(range(0, num_samples, MEMORY_LENGTHS_CHUNK)):
+        stop = min(num_samples, start + MEMORY_LENGTHS_CHUNK)
+        seqlens[start:stop] = long_tailed_seqlens(stop - start, seed=i)
+    return seqlens
+
+
+def _peak_job(job: dict) -> dict:
+    """Runs in the worker: one plan (``what="plan"``) or one epoch of a peer, consumed step by step as a
+    DataLoader does (nothing held), and what it added to the peak RSS over the inputs prepared before it."""
+    peak_import = _peak_rss()
+    seqlens = _job_seqlens(job["lengths"], job["n"])
+    rss_lengths = _proc_status("VmRSS")
+    if job["what"] == "plan":
+        inputs = None
+    else:
+        peer = PEERS[job["what"]]
+        inputs = peer.prepare(seqlens, job["max_tokens"])
+    rss_before = _proc_status("VmRSS")
+    reset = _reset_peak()
+    start = time.perf_counter()
+    if job["what"] == "plan":
+        varbatch.plan_batches(seqlens, job["max_tokens"], **job["kwargs"])
+    else:
+        for _ in peer.iterate(peer.make(inputs), 0):
+            pass
+    seconds = time.perf_counter() - start
+    peak = _peak_rss()
+    adds = peak - rss_before if reset else None
+    inputs_bytes = None if rss_before is None or rss_lengths is None else rss_before - rss_lengths
+    return dict(
+        peak_import=peak_import, rss_before=rss_before, peak=peak, adds=adds, inputs=inputs_bytes, seconds=seconds
+    )
+
+
+def _run_peak_job(job: dict, timeout: float = 600) -> dict | str:
+    """`_peak_job` in a fresh process: its result, or why it failed."""
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _PEAK_WORKER, _HERE, json.dumps(job)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired:
+        return f"stopped after {timeout:g} s"
+    if done.returncode != 0:
+        return f"failed (exit {done.returncode}: {(done.stderr.strip().splitlines() or ['?'])[-1]})"
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def _mib(num_bytes: int | None) -> str:
     return "-" if num_bytes is None else f"{num_bytes / 2**20:,.0f} MiB"
 
 
+def _mem_available() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (Linux); None elsewhere."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _far_plan(results: dict) -> tuple[list | None, str]:
+    """The full run's one plan of 100M long-tailed lengths (padded budget, bucket order), if memory allows:
+    (its row, a note)."""
+    measured = [r["adds"] / r["n"] for r in results.get("memory", {}).values() if r.get("adds") is not None]
+    per_sample = max(measured, default=100.0)  # bytes per sample the plan adds, as measured at 10M
+    need = int(MEMORY_FAR_N * (8 + per_sample) * 1.25 + 2**30)  # lengths (int64) + the plan, a margin, imports
+    available = _mem_available()
+    name = "k=1, free, padded, bucket (long-tailed, max_tokens 16384)"
+    if available is None:
+        return None, f"{_fmt_n(MEMORY_FAR_N)} lengths not planned: free memory unknown (no /proc/meminfo)."
+    if available < need:
+        return None, (
+            f"{_fmt_n(MEMORY_FAR_N)} lengths not planned: they would need ~{need / 2**30:.1f} GiB "
+            f"({_fmt_n(MEMORY_FAR_N)} x (8 B of lengths + {per_sample:.0f} B per sample, the most measured "
+            "above) + 25% + 1 GiB), and "
+            f"MemAvailable is {available / 2**30:.1f} GiB."
+        )
+    _progress(f"memory: planning {_fmt_n(MEMORY_FAR_N)} long-tailed lengths in a subprocess")
+    job = dict(
+        what="plan",
+        lengths="long-tailed",
+        n=MEMORY_FAR_N,
+        max_tokens=PAD_MAX_TOKENS,
+        kwargs=dict(budget="padded", order="bucket"),
+    )
+    r = _run_peak_job(job, timeout=600)
+    if isinstance(r, str):
+        return [name, _fmt_n(MEMORY_FAR_N), r] + ["-"] * 6, ""
+    results["memory_far"] = dict(r, n=MEMORY_FAR_N, name=name)
+    return _memory_row(name, MEMORY_FAR_N, r, measured_at=True), (
+        f"MemAvailable was {available / 2**30:.1f} GiB before it (~{need / 2**30:.1f} GiB estimated)."
+    )
+
+
+def _memory_row(name: str, n: int, r: dict, measured_at: bool = False) -> list:
+    adds = r["adds"]
+    per_sample = None if adds is None else adds / n
+    far = "measured" if measured_at else "-" if per_sample is None else _mib(per_sample * MEMORY_FAR_N)
+    return [
+        name,
+        _fmt_n(n),
+        _fmt_time(r["seconds"]),
+        _mib(r["peak_import"]),
+        _mib(r["rss_before"]),
+        _mib(r["peak"]),
+        _mib(adds),
+        "-" if per_sample is None else f"{per_sample:.1f}",
+        far,
+    ]
+
+
 def bench_memory(quick: bool, results: dict) -> str:
-    if importlib.util.find_spec("resource") is None:  # POSIX only
-        return "## 4. Memory\n\nNot measured: the resource module is POSIX-only."
+    """Peak bytes per sample that planning one epoch adds, at 10M in a fresh process; 100M once if memory allows."""
+    if not os.path.exists("/proc/self/clear_refs") and importlib.util.find_spec("resource") is None:
+        return "## 4. Memory\n\nNot measured: neither /proc (Linux) nor the resource module (POSIX) is here."
     n = 1_000_000 if quick else 10_000_000
     modes = [
         ("k=1, free, sum, dataloader", dict()),
@@ -1192,49 +1561,43 @@ def bench_memory(quick: bool, results: dict) -> str:
     rows = []
     for name, kwargs in modes:
         _progress(f"memory: planning {_fmt_n(n)} sequences ({name}) in a subprocess")
-        done = subprocess.run(
-            [sys.executable, "-c", _RSS_WORKER, _HERE, str(n), json.dumps(kwargs)],
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        if done.returncode != 0:
-            rows.append([name, "failed: " + (done.stderr.strip().splitlines() or ["?"])[-1]] + ["-"] * 5)
+        job = dict(what="plan", lengths="uniform", n=n, max_tokens=SPEED_MAX_TOKENS, kwargs=kwargs)
+        r = _run_peak_job(job)
+        if isinstance(r, str):
+            rows.append([name, _fmt_n(n), r] + ["-"] * 6)
             continue
-        r = json.loads(done.stdout.strip().splitlines()[-1])
-        adds = r["peak"] - r["rss_before"] if r["reset"] else None
-        rows.append(
-            [
-                name,
-                _fmt_time(r["seconds"]),
-                _mib(r["peak_import"]),
-                _mib(r["rss_before"]),
-                _mib(r["peak"]),
-                _mib(adds),
-                "-" if adds is None else f"{adds / n:.0f}",
-            ]
-        )
-        results.setdefault("memory", {})[name] = dict(r, n=n, adds=adds)
+        rows.append(_memory_row(name, n, r))
+        results.setdefault("memory", {})[name] = dict(r, n=n)
+    far_note = f"{_fmt_n(MEMORY_FAR_N)} lengths are planned once in the full run only (not in --quick)."
+    if not quick:
+        far_row, far_note = _far_plan(results)
+        if far_row:
+            rows.append(far_row)
     out = ["## 4. Memory", ""]
     out.append(
-        f"A fresh process imports varbatch (and so torch), draws {n:,} uniform lengths (int64: "
-        f"{n * 8 / 2**20:.0f} MiB) and plans them once. Peak RSS is the process's VmHWM (Linux; "
-        "resource.getrusage's ru_maxrss elsewhere, which on Linux would also count the bench "
-        "process's own peak, inherited at exec). Importing torch peaks above what planning needs, so "
-        "before planning the peak is reset to the current RSS (/proc/self/clear_refs): the peak read "
-        "after planning is then the planner's own."
+        f"A fresh process imports bench.py (and so varbatch and torch), draws the lengths ({_fmt_n(n)} "
+        f"uniform, int64: {n * 8 / 2**20:.0f} MiB; item 1's max_tokens={SPEED_MAX_TOKENS}) and plans them "
+        "once. Peak RSS is the process's VmHWM (Linux; resource.getrusage's ru_maxrss elsewhere). Importing "
+        "torch peaks above what planning needs, so before planning the peak is reset to the current RSS "
+        '(/proc/self/clear_refs): the peak read after planning is the planner\'s own, and "planning adds" '
+        "is that peak less the RSS before planning (memory the allocator kept from the imports can hide "
+        f'some of it). "adds at {_fmt_n(MEMORY_FAR_N)}": bytes per sample x {_fmt_n(MEMORY_FAR_N)}, what '
+        f"every rank of a node would add. Target: at most {MEMORY_TARGET_BYTES} bytes per sample (at 10M), and "
+        f"{_fmt_n(MEMORY_FAR_N)} lengths planned in at most {MEMORY_FAR_SECONDS:g} s. {far_note}"
     )
     out.append("")
     out.append(
         _table(
             [
                 "mode",
+                "N",
                 "plan time",
                 "peak RSS after imports",
                 "RSS before planning",
                 "peak RSS while planning",
                 "planning adds",
-                "bytes per sequence",
+                "bytes per sample",
+                f"adds at {_fmt_n(MEMORY_FAR_N)}",
             ],
             rows,
         )
@@ -1343,6 +1706,274 @@ def bench_datapath(quick: bool, results: dict) -> str:
 
 
 # =============================================================================
+# 6. Peers: the samplers a user would pick instead
+# =============================================================================
+# Optional dependencies of the benchmark only: a peer whose package is missing
+# is left out with a note. Each peer is four steps: inputs from the lengths (not
+# timed: what a user's code already has), the sampler over them (timed with the
+# first epoch), one epoch's micro-batches, and the sample ids of one of them.
+
+PEERS_SIZES = (1_000_000, 2000)  # memory is measured at the first; --quick runs the last only
+
+
+@dataclasses.dataclass(frozen=True)
+class _Peer:
+    """One sampler of the peers table."""
+
+    name: str
+    needs: str | None  # the optional package it needs
+    prepare: typing.Callable  # (seqlens, max_tokens) -> inputs
+    make: typing.Callable  # inputs -> sampler
+    iterate: typing.Callable  # (sampler, epoch) -> epoch's micro-batches
+    ids: typing.Callable  # micro-batch -> its sample ids
+
+
+def _same_sampler(sampler, epoch: int):
+    """A sampler that draws a new order each time it is iterated (its generator moves on)."""
+    return sampler
+
+
+def _epoch_of(sampler, epoch: int):
+    sampler.set_epoch(epoch)
+    return sampler
+
+
+def _plain_sampler(inputs: tuple):
+    num_samples, batch_size = inputs
+    generator = torch.Generator().manual_seed(0)
+    sampler = torch.utils.data.RandomSampler(range(num_samples), generator=generator)
+    return torch.utils.data.BatchSampler(sampler, batch_size, drop_last=False)
+
+
+def _varbatch_sampler(inputs: tuple) -> varbatch.VariableBatchSampler:
+    seqlens, max_tokens = inputs
+    return varbatch.VariableBatchSampler(
+        seqlens, max_tokens, budget="padded", order="bucket", seed=0, num_replicas=1, rank=0
+    )
+
+
+def _hf_prepare(seqlens: np.ndarray, max_tokens: int) -> tuple:
+    return seqlens.tolist(), _plain_batch_size(seqlens, max_tokens)  # the Trainer passes lengths as a list
+
+
+def _hf_sampler(inputs: tuple):
+    """HF Trainer's group_by_length: LengthGroupedSampler under the DataLoader's BatchSampler of B."""
+    from transformers.trainer_pt_utils import LengthGroupedSampler
+
+    lengths, batch_size = inputs
+    generator = torch.Generator().manual_seed(0)
+    grouped = LengthGroupedSampler(batch_size, lengths=lengths, generator=generator)
+    return torch.utils.data.BatchSampler(grouped, batch_size, drop_last=False)
+
+
+def _lhotse_prepare(seqlens: np.ndarray, max_tokens: int):
+    """An in-memory CutSet: one MonoCut per sample, its duration standing for its length (in tokens)."""
+    from lhotse import CutSet, MonoCut
+
+    cuts = (MonoCut(id=str(i), start=0.0, duration=float(n), channel=0) for i, n in enumerate(seqlens.tolist()))
+    return CutSet.from_cuts(cuts), max_tokens
+
+
+def _lhotse_sampler(inputs: tuple):
+    """DynamicBucketingSampler with its defaults (10 buckets, buffer of 20,000 cuts), shuffled, one rank."""
+    import warnings
+
+    from lhotse.dataset import DynamicBucketingSampler
+
+    cuts, max_tokens = inputs
+    with warnings.catch_warnings():  # that an eager CutSet saves no memory: a lazy one would read from disk
+        warnings.simplefilter("ignore")
+        return DynamicBucketingSampler(cuts, max_duration=max_tokens, shuffle=True, seed=0, world_size=1, rank=0)
+
+
+def _lhotse_epoch(sampler, epoch: int):
+    import warnings
+
+    sampler.set_epoch(epoch)
+    with warnings.catch_warnings():  # its guess that the buffer may be small for max_duration
+        warnings.simplefilter("ignore")
+        yield from sampler
+
+
+PEERS = {
+    "plain": _Peer(
+        "plain BatchSampler(RandomSampler), fixed B",
+        None,
+        lambda seqlens, max_tokens: (len(seqlens), _plain_batch_size(seqlens, max_tokens)),
+        _plain_sampler,
+        _same_sampler,
+        list,
+    ),
+    "varbatch": _Peer(
+        "varbatch VariableBatchSampler (padded, bucket)",
+        None,
+        lambda seqlens, max_tokens: (seqlens, max_tokens),
+        _varbatch_sampler,
+        _epoch_of,
+        list,
+    ),
+    "hf": _Peer(
+        "HF transformers LengthGroupedSampler, fixed B",
+        "transformers",
+        _hf_prepare,
+        _hf_sampler,
+        _same_sampler,
+        list,
+    ),
+    "lhotse": _Peer(
+        "lhotse DynamicBucketingSampler",
+        "lhotse",
+        _lhotse_prepare,
+        _lhotse_sampler,
+        _lhotse_epoch,
+        lambda cuts: [int(cut.id) for cut in cuts],
+    ),
+}
+
+
+def _package_version(name: str) -> str:
+    try:
+        from importlib.metadata import version
+
+        return version(name)
+    except Exception:
+        return "?"
+
+
+def _missing(package: str | None) -> str | None:
+    """Why an optional package cannot be used, or None where it imports."""
+    if package is None:
+        return None
+    try:
+        importlib.import_module(package)
+    except ImportError as error:
+        return f"{package} is not installed ({error}); `pip install {package}` adds its row"
+    return None
+
+
+def _peer_epochs(peers: dict, seqlens: np.ndarray, max_tokens: int) -> dict:
+    """Epochs 0 and 1 of every peer, the peers taking turns: seconds and micro-batches (sample ids) of each."""
+    inputs = {key: peer.prepare(seqlens, max_tokens) for key, peer in peers.items()}
+    samplers = {}
+    runs = {key: dict(seconds=[], epochs=[]) for key in peers}
+    for epoch in (0, 1):
+        for key, peer in peers.items():
+            _progress(f"peers: {peer.name}, epoch {epoch}, N={_fmt_n(len(seqlens))}")
+            start = time.perf_counter()
+            if key not in samplers:
+                samplers[key] = peer.make(inputs[key])
+            batches = list(peer.iterate(samplers[key], epoch))
+            runs[key]["seconds"].append(time.perf_counter() - start)
+            runs[key]["epochs"].append([np.asarray(peer.ids(batch), dtype=np.int64) for batch in batches])
+    return runs
+
+
+def _peer_memory_cells(memory: dict | str | None, num_samples: int) -> list[str]:
+    """The inputs' RSS, what one epoch adds, and that per sample; or why not measured."""
+    if memory is None:
+        return ["-", "-", "-"]
+    if isinstance(memory, str):
+        return [memory, "-", "-"]
+    per_sample = "-" if memory["adds"] is None else f"{memory['adds'] / num_samples:.0f}"
+    return [_mib(memory["inputs"]), _mib(memory["adds"]), per_sample]
+
+
+def _peer_rows(peers: dict, n: int, with_memory: bool, results: dict) -> list[list]:
+    """The peers table's rows at N = n: every peer's epochs in turns, then (with_memory) its memory."""
+    seqlens = long_tailed_seqlens(n)
+    runs = _peer_epochs(peers, seqlens, PAD_MAX_TOKENS)
+    rows = []
+    for key, peer in peers.items():
+        epoch_s = min(runs[key]["seconds"])
+        memory = None
+        if with_memory:
+            _progress(f"peers: peak memory of one epoch of {peer.name}, in a subprocess")
+            memory = _run_peak_job(dict(what=key, lengths="long-tailed", n=n, max_tokens=PAD_MAX_TOKENS))
+        first, second = runs[key]["epochs"]
+        stats = _padding_stats(seqlens, first, 1, PAD_MAX_TOKENS, pipeline=False)
+        randomness = _repeat_share(
+            *(_microbatch_of(n, np.concatenate(mbs), [len(mb) for mb in mbs]) for mbs in (first, second))
+        )
+        results.setdefault("peers", {})[(key, n)] = dict(stats, seconds=epoch_s, memory=memory, randomness=randomness)
+        rows.append(
+            [
+                _fmt_n(n),
+                peer.name,
+                _fmt_time(epoch_s),
+                _fmt_ratio(epoch_s / min(runs["plain"]["seconds"])),
+                *_peer_memory_cells(memory, n),
+                stats["microbatches"],
+                f"{stats['samples'] / stats['microbatches']:.1f}",
+                f"{100 * stats['real'] / stats['padded']:.1f}%",
+                f"{stats['over_max']:.2f}",
+                stats["over_count"],
+                _fmt_share(randomness["share"]),
+                _fmt_share(randomness["random"]),
+                _fmt_ratio(randomness["ratio"]),
+            ]
+        )
+    return rows
+
+
+def bench_peers(quick: bool, results: dict) -> str:
+    """varbatch beside lhotse's DynamicBucketingSampler and HF's LengthGroupedSampler, when installed."""
+    sizes = (PEERS_SIZES[-1],) if quick else PEERS_SIZES
+    notes = {key: _missing(peer.needs) for key, peer in PEERS.items()}
+    peers = {key: peer for key, peer in PEERS.items() if notes[key] is None}
+    rows = []
+    for n in sizes:
+        rows += _peer_rows(peers, n, with_memory=not quick and n == sizes[0], results=results)
+    batch_sizes = ", ".join(f"{_plain_batch_size(long_tailed_seqlens(n), PAD_MAX_TOKENS)} at {n:,}" for n in sizes)
+    out = ["## 6. Peers: the samplers a user would pick instead", ""]
+    out.append(
+        f"{' and '.join(f'{n:,}' for n in sizes)} long-tailed lengths (as in 2; the small set is a fine-tuning "
+        f"set's size), max_tokens={PAD_MAX_TOKENS}, one rank, all in this process. Fixed-B samplers take "
+        f"B = max_tokens // mean length ({batch_sizes}); "
+        "lhotse gets one in-memory MonoCut per sample whose duration is its length, max_duration=max_tokens "
+        "(its budget is n x the longest cut, checked before the cut that ends a batch is added), shuffle=True, "
+        "its default buckets and buffer (it reads the CutSet in the same order every epoch and shuffles "
+        "within that buffer, which its randomness column shows). Epoch: the sampler built over inputs "
+        "prepared beforehand (a lengths array or list, the CutSet: not timed) and one epoch listed as a "
+        "DataLoader consumes it; the fastest of epochs 0 and 1 (the peers take turns; epoch 0's time "
+        f"includes building the sampler). Memory, at {PEERS_SIZES[0]:,} in the full run only: in a fresh process, the "
+        "inputs' RSS, then the peak RSS one epoch adds, consumed step by step (as in 4). real / padded, "
+        "over budget: each micro-batch padded to its longest (n x S) against max_tokens. Randomness as in "
+        "2d, epochs 0 and 1."
+    )
+    missing = [f"{PEERS[key].name}: {note}" for key, note in notes.items() if note]
+    present = [f"{PEERS[key].needs} {_package_version(PEERS[key].needs)}" for key in peers if PEERS[key].needs]
+    if present:
+        out += ["", "Versions: " + ", ".join(present) + "."]
+    if missing:
+        out += ["", "Left out: " + "; ".join(missing) + "."]
+    results["peers_missing"] = [key for key, note in notes.items() if note]
+    out.append("")
+    out.append(
+        _table(
+            [
+                "N",
+                "sampler",
+                "epoch",
+                "vs plain",
+                "inputs' RSS",
+                "epoch adds",
+                "bytes per sample",
+                "micro-batches",
+                "samples / mb",
+                "real / padded",
+                "padded / budget max",
+                "mbs over budget",
+                "pairs again next epoch",
+                "random",
+                "vs random",
+            ],
+            rows,
+        )
+    )
+    return "\n".join(out)
+
+
+# =============================================================================
 # Targets and main
 # =============================================================================
 
@@ -1357,6 +1988,108 @@ def _modes_over(modes) -> str:
     for k, shape, _, _ in modes:
         counts[f"k={k} {shape}"] = counts.get(f"k={k} {shape}", 0) + 1
     return ", ".join(f"{name} x {count}" for name, count in counts.items())
+
+
+def _epoch_targets(results: dict) -> list[list]:
+    """1e's rows: the padded bucket epochs <= 1.0x, plan_batches alone <= 0.6x, every other mode <= 1.5x."""
+    rows = []
+    epochs = results.get("epoch", {})
+    headline = {mode: r for mode, r in epochs.items() if r["headline"]}
+    for (k, shape, budget, order, n), r in headline.items():
+        rows.append(
+            [
+                f"one epoch of the sampler, k={k}, {shape}, {budget} budget, {order} order, N={_fmt_n(n)}: <= 1.0x a "
+                "plain BatchSampler epoch",
+                f"{r['ratio']:.2f}x ({_fmt_time(r['varbatch'])} vs {_fmt_time(r['plain'])})",
+                _check(r["ratio"] <= 1.0),
+            ]
+        )
+    for n in sorted({mode[4] for mode in headline}):
+        plans = {mode: r for mode, r in headline.items() if mode[4] == n}
+        worst_mode, worst = max(plans.items(), key=lambda item: item[1]["plan_ratio"])
+        rows.append(
+            [
+                f"plan_batches alone, N={_fmt_n(n)}: <= 0.6x a plain BatchSampler epoch",
+                f"{worst['plan_ratio']:.2f}x at worst (k={worst_mode[0]})",
+                _check(worst["plan_ratio"] <= 0.6),
+            ]
+        )
+    others = {mode: r for mode, r in epochs.items() if not r["headline"]}
+    if others:
+        worst_mode, worst = max(others.items(), key=lambda item: item[1]["ratio"])
+        over = [mode[:4] for mode, r in others.items() if r["ratio"] > 1.5]
+        detail = f"slowest {worst['ratio']:.2f}x (k={worst_mode[0]}, {', '.join(worst_mode[1:4])})"
+        if over:
+            detail += f"; {len(over)} of {len(others)} modes over ({_modes_over(over)})"
+        rows.append(
+            [f"one epoch, every other mode, N={_fmt_n(worst_mode[4])}: <= 1.5x a plain epoch", detail, _check(not over)]
+        )
+    return rows
+
+
+def _memory_targets(results: dict, quick: bool) -> list[list]:
+    """4's rows: bytes per sample planning adds (extrapolated to 100M), and the one plan of 100M."""
+    rows = []
+    for name, r in results.get("memory", {}).items():
+        if r["adds"] is None:
+            rows.append([f"planning adds <= {MEMORY_TARGET_BYTES} B per sample ({name})", "peak not resettable", "n/a"])
+            continue
+        per_sample = r["adds"] / r["n"]
+        rows.append(
+            [
+                f"planning one epoch adds <= {MEMORY_TARGET_BYTES} B per sample, N={_fmt_n(r['n'])} ({name})",
+                f"{per_sample:.1f} B ({_mib(r['adds'])}; {_mib(per_sample * MEMORY_FAR_N)} at "
+                f"{_fmt_n(MEMORY_FAR_N)}; peak RSS {_mib(r['peak'])})",
+                _check(per_sample <= MEMORY_TARGET_BYTES),
+            ]
+        )
+    if "memory" in results:
+        far = results.get("memory_far")
+        label = f"{_fmt_n(MEMORY_FAR_N)} lengths planned in <= {MEMORY_FAR_SECONDS:g} s"
+        if far:
+            measured = f"{_fmt_time(far['seconds'])}, peak RSS {_mib(far['peak'])} ({far['name']})"
+            rows.append([label, measured, _check(far["seconds"] <= MEMORY_FAR_SECONDS)])
+        else:
+            rows.append([label, "not run in --quick" if quick else "not run (see 4)", "n/a"])
+    return rows
+
+
+def _randomness_targets(results: dict) -> list[list]:
+    """2d's rows: the bucket order's pairs again next epoch <= 10x random, and the uniform set's padding."""
+    rows = []
+    randomness = results.get("randomness", {})
+    for n in sorted({key[3] for key in randomness}):
+        bucket = {key[1:3]: r for key, r in randomness.items() if key[0] == "bucket" and key[3] == n}
+        (budget, mode), worst = max(bucket.items(), key=lambda item: item[1]["ratio"])
+        rows.append(
+            [
+                f"bucket order, N={n:,}: pairs sharing a micro-batch again next epoch <= 10x random",
+                f"{_fmt_ratio(worst['ratio'])} at worst ({budget} budget, {mode}: {_fmt_share(worst['share'])} "
+                f"vs {_fmt_share(worst['random'])})",
+                _check(worst["ratio"] <= 10),
+            ]
+        )
+    stats = results.get("uniform", {}).get("padding", {}).get(("varbatch", "bucket", "padded", "DDP"))
+    if stats:
+        eff = stats["real"] / stats["padded"]
+        rows.append(
+            ["bucket + padded budget, DDP, uniform lengths (2c): >= 97% real/padded", f"{eff:.1%}", _check(eff >= 0.97)]
+        )
+    return rows
+
+
+def _peer_targets(results: dict) -> list[list]:
+    """6's row: which peers the run compared with."""
+    if "peers" not in results:
+        return []
+    compared = list(dict.fromkeys(PEERS[key].name for key, _ in results["peers"] if PEERS[key].needs))
+    missing = [PEERS[key].needs for key in results.get("peers_missing", [])]
+    measured = ", ".join(compared) or "none"
+    if missing:
+        measured += f" (not installed: {', '.join(missing)})"
+    return [
+        ["peers side by side when installed (lhotse, HF transformers)", measured, _check(None if missing else True)]
+    ]
 
 
 def targets_table(results: dict, quick: bool) -> str:
@@ -1424,11 +2157,13 @@ def targets_table(results: dict, quick: bool) -> str:
                 _check(r["ratio"] <= 1.2),
             ]
         )
-    for name, r in results.get("memory", {}).items():
-        adds = "" if r["adds"] is None else f" (planning adds {r['adds'] / 2**20:,.0f} MiB)"
-        rows.append([f"peak RSS planning {_fmt_n(r['n'])} ({name})", f"{r['peak'] / 2**20:,.0f} MiB{adds}", "-"])
+    rows += _epoch_targets(results)
+    rows += _randomness_targets(results)
+    rows += _memory_targets(results, quick)
+    rows += _peer_targets(results)
     note = (
-        " (--quick: smaller sizes, so the 1M/10M rows are absent and the padding rows use 20k sequences)"
+        " (--quick: smaller sizes, so the 1M/10M rows are absent, the padding rows use 20k sequences, the "
+        "epoch rows 100k, memory 1M, randomness and the peers 2,000 only)"
         if quick
         else ""
     )
@@ -1488,6 +2223,8 @@ def main(argv=None) -> int:
         print(bench_memory(args.quick, results) + "\n", flush=True)
     if "datapath" in sections:
         print(bench_datapath(args.quick, results) + "\n", flush=True)
+    if "peers" in sections:
+        print(bench_peers(args.quick, results) + "\n", flush=True)
     print(targets_table(results, args.quick) + "\n")
     if args.plot:
         write_plot(args.plot, results, ds_cap)
