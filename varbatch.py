@@ -96,10 +96,11 @@ _DROP_REASONS = ("over_budget", "min_batch_size", "tail", "filtered")
 # `random` and `bucket` never use an unseeded generator: every rank must draw the
 # same order (DeepSpeed's `random` with seed=None draws a different one per rank).
 _DEFAULT_SEED = 0
-# The default window of the `bucket` order (see `_bucket_window`): about this many blocks of
-# micro-batches, and at most 1 / _BUCKET_MIN_WINDOWS of an epoch's samples.
-_BUCKET_WINDOW_BLOCKS = 64
+# The default window of the `bucket` order (the comment above `_bucket_window`): 1 /
+# _BUCKET_MIN_WINDOWS of an epoch's samples, within this many blocks of micro-batches.
+_BUCKET_WINDOW_BLOCKS = (16, 64)
 _BUCKET_MIN_WINDOWS = 3
+_SORT_CHUNK = 2**20  # samples the `bucket` order sorts at a time
 _MAX_TOKENS_LIMIT = 2**31  # sums of up to 2**31 lengths below it stay inside int64
 
 
@@ -478,51 +479,57 @@ def _stable_argsort(values: np.ndarray) -> np.ndarray:
     return np.argsort(_radix_key(values), kind="stable")
 
 
-# The `bucket` order sorts windows of shuffled samples. Its window trades padding for
-# fresh micro-batches. In a window of W samples a micro-batch of B takes length neighbours
-# among a random W of the N: two samples that share one meet again next epoch only when
-# they share a window again (W / N) and stay neighbours in it (~0.6), against (B - 1) /
-# (N - 1) for fully random micro-batches. So the share of pairs that meet again is about
-# 0.6 W / B times the random share at every N, and padding waste falls as W / B grows (a
-# micro-batch spans ~B / W of the length quantiles). Hence a window counted in micro-
-# batches: about 64 blocks' worth of samples (a block: `_Settings.unit_width` micro-
-# batches), ~25x the random share. Measured on long-tailed lengths (lognormal(5.5, 0.9),
-# max_tokens 16384) and uniform 10..499 (max_tokens 4096), real / padded tokens at k = 8:
+# The `bucket` order sorts windows of shuffled samples; its window trades padding for fresh
+# micro-batches. In a window of W samples a micro-batch of B takes length neighbours among a
+# random W of the N: two samples that share one meet again next epoch only when they share
+# a window again (W / N) and stay neighbours in it (~0.4), against about B / N for random
+# micro-batches of the same sizes. So the share of pairs that meet again is ~0.4 W / B times
+# the random share at every N, and a micro-batch spans ~B / W of the length quantiles: the
+# window is counted in blocks (`_Settings.unit_width` micro-batches, B x unit_width samples at
+# the mean length). Measured on long-tailed lengths (lognormal(5.5, 0.9), max_tokens 16384, 1M
+# samples for the share, 200k for padding) and uniform 10..499 (max_tokens 4096, 20k), real /
+# padded B x S slots at k = 8, DDP and pipeline, both budgets:
 #   blocks per window   pairs meeting again / random   long-tailed   uniform
-#   24                  ~11x                           92-93%        94-95%
-#   40                  ~17x                           95%           96-97%
-#   64 (the default)    ~25x                           96-97%        97-98%
-# Jittered sort keys and token-measured windows measured no better on this trade-off. A
-# small dataset is a window or two of 64 blocks, sorted whole: the same micro-batches every
-# epoch (24x, 98% of pairs again at N = 2,000). So a window also holds at most a third of
-# the samples: 8x at N = 2,000, where padding fills ~90% instead of ~96%; small sets are
-# trained for many epochs, large ones for few.
+#   24                  11x                            91-93%        94-95%
+#   40                  17x                            95%           96-97%
+#   64 (the default)    25x                            96-97%        97-98%
+# Sort keys with random jitter and windows cut at token sums fared no better. A set of a few
+# thousand samples is a window or two of 64 blocks, the same micro-batches every epoch (98% of
+# pairs again at N = 2,000), so a window holds at most a third of the samples, down to 16
+# blocks: 8x at N = 2,000 (padding 89% in DDP, from 96% sorted whole). Small sets train for many
+# epochs, large ones for few.
 
 
-def _bucket_window(lens: np.ndarray, settings: _Settings) -> int:
-    """Samples per sorted window of the `bucket` order for packable samples of lengths ``lens``."""
+def _bucket_window(seqlens: np.ndarray, ids: np.ndarray, settings: _Settings) -> int:
+    """Samples per sorted window of the `bucket` order over the packable samples ``ids``."""
     if settings.bucket_size is not None:
         return settings.bucket_size
-    block_tokens = _BUCKET_WINDOW_BLOCKS * settings.unit_width * settings.max_tokens
-    total = max(int(lens.sum(dtype=np.int64)), 1)
-    blocks_worth = -(-block_tokens * len(lens) // total)  # rounded up: at the mean length
-    return max(1, min(blocks_worth, -(-len(lens) // _BUCKET_MIN_WINDOWS)))
+    samples_per_block = settings.unit_width * settings.max_tokens * len(ids) / max(int(seqlens[ids].sum()), 1)
+    smallest, largest = (math.ceil(blocks * samples_per_block) for blocks in _BUCKET_WINDOW_BLOCKS)
+    return max(1, min(largest, max(smallest, math.ceil(len(ids) / _BUCKET_MIN_WINDOWS))))
 
 
-def _sorted_windows(shuffled: np.ndarray, keys: np.ndarray, window: int) -> np.ndarray:
-    """``shuffled`` sorted stably by its lengths ``keys`` inside windows of ``window``, odd windows descending.
+def _sorted_windows(seqlens: np.ndarray, ids: np.ndarray, perm: np.ndarray, window: int) -> np.ndarray:
+    """``ids[perm]`` sorted stably by length inside consecutive windows of ``window``, odd windows descending.
 
-    A micro-batch that spans two windows then joins samples of like length.
+    A micro-batch that spans two windows then joins samples of like length. Sorted
+    `_SORT_CHUNK` samples (whole windows) at a time, so no N-sized int64 array is made.
     """
-    whole = len(shuffled) - len(shuffled) % window
-    rows = np.argsort(keys[:whole].reshape(-1, window), axis=1, kind="stable")  # the one N-sized int64 array
-    ranked = np.take_along_axis(shuffled[:whole].reshape(-1, window), rows, axis=1)
-    del rows
-    ranked[1::2] = ranked[1::2, ::-1]
-    last = shuffled[whole:][np.argsort(keys[whole:], kind="stable")]
-    if (whole // window) % 2:
-        last = last[::-1]
-    return np.concatenate([ranked.ravel(), last])
+    picked = np.empty_like(ids)
+    step = max(1, _SORT_CHUNK // window) * window
+    for start in range(0, len(perm), step):
+        part = perm[start : start + step]
+        keys = _radix_key(seqlens[ids[part]])
+        whole = len(part) - len(part) % window  # only the last chunk ends in a part window
+        ranks = np.argsort(keys[:whole].reshape(-1, window), axis=1, kind="stable")
+        odd = 1 - (start // window) % 2  # the chunk's first odd window
+        ranks[odd::2] = ranks[odd::2, ::-1]
+        ranks += np.arange(0, whole, window)[:, None]
+        last = whole + np.argsort(keys[whole:], kind="stable")
+        if (start + whole) // window % 2:
+            last = last[::-1]
+        picked[start : start + len(part)] = ids[part[np.concatenate([ranks.ravel(), last])]]
+    return picked
 
 
 def _picking_order(seqlens: np.ndarray, ids: np.ndarray, settings: _Settings, rng: np.random.Generator) -> np.ndarray:
@@ -532,11 +539,11 @@ def _picking_order(seqlens: np.ndarray, ids: np.ndarray, settings: _Settings, rn
     if settings.order == "seqlen":  # ties by id, whatever the order of `ids` (as DeepSpeed's sort of (len, id))
         ascending = ids if (ids[1:] > ids[:-1]).all() else np.sort(ids)
         return ascending[_stable_argsort(seqlens[ascending])]
-    shuffled = ids[rng.permutation(len(ids))]
-    if settings.order == "random" or not len(ids):
-        return shuffled
-    lens = _radix_key(seqlens[shuffled])
-    return _sorted_windows(shuffled, lens, _bucket_window(lens, settings))
+    # rng.permutation(n)'s draw, as int32 where it fits
+    perm = rng.permutation(np.arange(len(ids), dtype=np.int32 if len(ids) < 2**31 else np.int64))
+    if settings.order == "random":
+        return ids[perm]
+    return _sorted_windows(seqlens, ids, perm, _bucket_window(seqlens, ids, settings))
 
 
 # The cost of a micro-batch of n samples, which max_tokens bounds: the sum of their seqlens
@@ -871,7 +878,7 @@ def plan_batches(
         **options: ``budget``, as above. ``order``: ``"dataloader"`` (index
             order), ``"seqlen"`` (ascending, ties by id), ``"random"`` (drawn
             from ``(seed, epoch)``) or ``"bucket"`` (random, sorted inside
-            windows of ``bucket_size`` samples, batches then shuffled: random with
+            windows of shuffled samples, batches then shuffled: random with
             little padding). ``min_batch_size``, ``max_batch_size``: bounds on a
             micro-batch's samples (None or 0: none). ``same_size``: every
             micro-batch of a batch as many samples (pipelines); ``same_length``:
@@ -880,8 +887,12 @@ def plan_batches(
             micro-batches per step input, data-parallel ranks (a padded step
             input shares one S: its tensor is <= ``micro_batch_size x max_tokens``).
             ``seed``: of ``random``/``bucket`` (None: a fixed one, never
-            unseeded). ``bucket_size``: default 4096 times the micro-batches of a
-            block; larger, less padding and randomness. ``on_overlong``: samples
+            unseeded). ``bucket_size``: samples per window; by default a third
+            of the samples, within 16 to 64 blocks' worth at the mean length
+            (a block: a batch with ``same_size``, a padded step input, else a
+            micro-batch): pairs of samples meet again next epoch ~25x as often as
+            in random micro-batches, ~8x at 2,000 samples; larger, less padding and
+            randomness. ``on_overlong``: samples
             longer than ``max_tokens`` are dropped as ``over_budget`` (``"skip"``)
             or refused (``"error"``).
 
