@@ -100,7 +100,7 @@ _DEFAULT_SEED = 0
 # _BUCKET_MIN_WINDOWS of an epoch's samples, within this many blocks of micro-batches.
 _BUCKET_WINDOW_BLOCKS = (16, 64)
 _BUCKET_MIN_WINDOWS = 3
-_SORT_CHUNK = 2**20  # samples the `bucket` order sorts at a time
+_SORT_CHUNK = 2**16  # samples the `bucket` order sorts at a time (a cache-sized chunk)
 _MAX_TOKENS_LIMIT = 2**31  # sums of up to 2**31 lengths below it stay inside int64
 
 
@@ -509,17 +509,16 @@ def _bucket_window(seqlens: np.ndarray, ids: np.ndarray, settings: _Settings) ->
     return max(1, min(largest, max(smallest, math.ceil(len(ids) / _BUCKET_MIN_WINDOWS))))
 
 
-def _sorted_windows(seqlens: np.ndarray, ids: np.ndarray, perm: np.ndarray, window: int) -> np.ndarray:
-    """``ids[perm]`` sorted stably by length inside consecutive windows of ``window``, odd windows descending.
+def _sorted_windows(seqlens: np.ndarray, shuffled: np.ndarray, window: int) -> np.ndarray:
+    """``shuffled``, sorted in place stably by length inside consecutive windows of ``window``, odd ones descending.
 
     A micro-batch that spans two windows then joins samples of like length. Sorted
     `_SORT_CHUNK` samples (whole windows) at a time, so no N-sized int64 array is made.
     """
-    picked = np.empty_like(ids)
     step = max(1, _SORT_CHUNK // window) * window
-    for start in range(0, len(perm), step):
-        part = perm[start : start + step]
-        keys = _radix_key(seqlens[ids[part]])
+    for start in range(0, len(shuffled), step):
+        part = shuffled[start : start + step]  # a view: written below
+        keys = _radix_key(seqlens[part])
         whole = len(part) - len(part) % window  # only the last chunk ends in a part window
         ranks = np.argsort(keys[:whole].reshape(-1, window), axis=1, kind="stable")
         odd = 1 - (start // window) % 2  # the chunk's first odd window
@@ -528,8 +527,8 @@ def _sorted_windows(seqlens: np.ndarray, ids: np.ndarray, perm: np.ndarray, wind
         last = whole + np.argsort(keys[whole:], kind="stable")
         if (start + whole) // window % 2:
             last = last[::-1]
-        picked[start : start + len(part)] = ids[part[np.concatenate([ranks.ravel(), last])]]
-    return picked
+        part[:] = part[np.concatenate([ranks.ravel(), last])]
+    return shuffled
 
 
 def _picking_order(seqlens: np.ndarray, ids: np.ndarray, settings: _Settings, rng: np.random.Generator) -> np.ndarray:
@@ -539,11 +538,10 @@ def _picking_order(seqlens: np.ndarray, ids: np.ndarray, settings: _Settings, rn
     if settings.order == "seqlen":  # ties by id, whatever the order of `ids` (as DeepSpeed's sort of (len, id))
         ascending = ids if (ids[1:] > ids[:-1]).all() else np.sort(ids)
         return ascending[_stable_argsort(seqlens[ascending])]
-    # rng.permutation(n)'s draw, as int32 where it fits
-    perm = rng.permutation(np.arange(len(ids), dtype=np.int32 if len(ids) < 2**31 else np.int64))
+    shuffled = ids[rng.permutation(len(ids))]
     if settings.order == "random":
-        return ids[perm]
-    return _sorted_windows(seqlens, ids, perm, _bucket_window(seqlens, ids, settings))
+        return shuffled
+    return _sorted_windows(seqlens, shuffled, _bucket_window(seqlens, ids, settings))
 
 
 # The cost of a micro-batch of n samples, which max_tokens bounds: the sum of their seqlens
