@@ -813,6 +813,92 @@ def test_a_null_config_seed_is_read_as_an_absent_one(data_efficiency_seed, expec
     assert planned(seed=0) != expected.microbatches(), "seed 0 plans as the expected seed: the case shows nothing"
 
 
+# The default window of the `bucket` order: fresh micro-batches on a small dataset, little padding.
+
+
+def _long_tailed(num_samples: int, seed: int) -> np.ndarray:
+    """bench.py's long-tailed lengths: lognormal(5.5, 0.9) rounded and clipped to 8..4096."""
+    raw = np.round(np.random.default_rng(seed).lognormal(5.5, 0.9, num_samples))
+    return np.clip(raw, 8, 4096).astype(np.int64)
+
+
+def _meet_again_share(first: varbatch.Plan, second: varbatch.Plan) -> tuple[float, float]:
+    """Of the sample pairs that share a micro-batch in ``first``, the share that share one in ``second``; and the
+    share that random micro-batches of ``second``'s sizes would give. Both over the samples in both plans.
+    """
+    in_first = {i: j for j, mb in enumerate(first.microbatches()) for i in mb}
+    in_second = {i: j for j, mb in enumerate(second.microbatches()) for i in mb}
+    both = in_first.keys() & in_second.keys()
+    groups = collections.defaultdict(list)
+    for i in both:
+        groups[in_first[i]].append(i)
+    pairs = again = 0
+    for members in groups.values():
+        for a, b in zip(*np.triu_indices(len(members), 1)):
+            pairs += 1
+            again += in_second[members[a]] == in_second[members[b]]
+    sizes = collections.Counter(in_second[i] for i in both).values()
+    random_share = sum(size * (size - 1) for size in sizes) / (len(both) * (len(both) - 1))
+    return again / pairs, random_share
+
+
+@settings(max_examples=30)
+@given(
+    seqlens=st.lists(st.integers(1, 64), min_size=1, max_size=120),
+    max_tokens=st.integers(64, 200),
+    k=st.sampled_from([1, 2, 4]),
+    budget=st.sampled_from(["sum", "padded"]),
+    same_size=st.booleans(),
+    seed=st.integers(0, 3),
+    epoch=st.integers(0, 3),
+)
+def test_default_bucket_window_plans_every_sample_once_from_seed_and_epoch(
+    seqlens, max_tokens, k, budget, same_size, seed, epoch
+):
+    """The default `bucket` window plans every sample once (or drops it) and is a function of (seed, epoch)."""
+    options = dict(effective_batch_size=k, budget=budget, same_size=same_size, order="bucket", seed=seed, epoch=epoch)
+    try:
+        plan = plan_batches(seqlens, max_tokens, **options)
+    except ValueError:
+        return
+    planned = plan.sample_ids.tolist()
+    dropped = [i for ids in plan.dropped.values() for i in ids.tolist()]
+    assert sorted(planned + dropped) == list(range(len(seqlens)))
+    again = plan_batches(list(seqlens), max_tokens, **options)
+    assert again.microbatches() == plan.microbatches()
+
+
+def test_default_bucket_window_draws_fresh_micro_batches_on_a_small_dataset():
+    """At N = 2,000 long-tailed lengths, at most 10x the random share of pairs meet again in the next epoch."""
+    seqlens = _long_tailed(2000, seed=0)
+    plans = [plan_batches(seqlens, 16384, budget="padded", order="bucket", epoch=e) for e in range(3)]
+    shares = [_meet_again_share(plans[e], plans[e + 1]) for e in range(2)]
+    again = sum(share for share, _ in shares) / len(shares)
+    random_share = sum(share for _, share in shares) / len(shares)
+    assert again <= 10 * random_share, (again, random_share)
+    whole = plan_batches(seqlens, 16384, budget="padded", order="bucket", bucket_size=len(seqlens), epoch=1)
+    sorted_whole, _ = _meet_again_share(plans[0], whole)
+    assert sorted_whole > again, "the case shows nothing: one sorted window meets as rarely"
+
+
+def test_default_bucket_window_keeps_padding_low():
+    """On 4,000 long-tailed lengths the default window fills >= 92% of the padded B x S slots (DDP), >= 82% (pipeline:
+    each of the ~11 batches pads its 8 micro-batches to its longest).
+    """
+    seqlens = _long_tailed(4000, seed=1).tolist()
+    for pipeline in (False, True):
+        options = dict(effective_batch_size=8, budget="padded", same_size=pipeline, same_length=pipeline)
+        microbatches = plan_batches(seqlens, 16384, order="bucket", **options).microbatches()
+        real = padded = 0
+        for j, mb in enumerate(microbatches):
+            padded_together = microbatches[j - j % 8 : j - j % 8 + 8] if pipeline else [mb]
+            real += sum(seqlens[i] for i in mb)
+            padded += len(mb) * max(seqlens[i] for group in padded_together for i in group)
+        assert real / padded >= (0.82 if pipeline else 0.92), (pipeline, real / padded)
+        random = plan_batches(seqlens, 16384, order="random", **options).totals()["efficiency"]
+        assert real / padded > random + 0.2, "the case shows nothing: random batches pad as little"
+
+
 # =============================================================================
 # 3. Shapes: pipeline (same size, same length), step inputs, padding and collate
 # =============================================================================
