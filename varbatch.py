@@ -146,9 +146,16 @@ def _format_ids(ids: np.ndarray) -> str:
 
 
 def _as_counts(
-    values: Any, name: str = "seqlens", minimum: int = 1, fix: str = "pass one whole token count per sample"
+    values: Any,
+    name: str = "seqlens",
+    minimum: int = 1,
+    fix: str = "pass one whole token count per sample",
+    copy: bool = True,
 ) -> np.ndarray:
-    """Whole numbers (seqlens, batch sizes, ids) as a read-only int64 array, or raises naming the first bad one."""
+    """Whole numbers (seqlens, batch sizes, ids) as a read-only int64 array, or raises naming the first bad one.
+
+    ``copy=False`` reads an int64 array in place (a read-only view of it), for a caller that keeps nothing.
+    """
     if isinstance(values, (str, bytes, Mapping)) or not (hasattr(values, "__len__") and hasattr(values, "__getitem__")):
         raise TypeError(
             f"{name} should be a sequence of whole numbers (a list, array or tensor), but got {name}="
@@ -172,7 +179,7 @@ def _as_counts(
         else array > np.iinfo(np.int64).max
     )
     if not len(bad):
-        array = array.astype(np.int64)
+        array = array.astype(np.int64, copy=copy).view()  # a view: the caller's array stays writable
         bad = np.flatnonzero(array < minimum)
     if len(bad):
         raise ValueError(
@@ -804,15 +811,15 @@ def _fill_last_batch(
     kept = len(sizes) - len(sizes) // width % per_batch * width  # micro-batches in whole batches
     samples = int(sizes[:kept].sum())
     if kept == len(sizes):
-        return positions, sizes, positions[:0]
+        return positions, sizes, positions[:0].copy()  # not a view: it would keep the positions alive
     pieces = np.split(positions[samples:], np.cumsum(sizes[kept:])[:-1])
     cut = _resplit([pieces[u : u + width] for u in range(0, len(pieces), width)], per_batch, settings.min_batch_size)
     if cut is None:
-        return positions[:samples], sizes[:kept], positions[samples:]
+        return positions[:samples], sizes[:kept], positions[samples:].copy()
     microbatches = [mb for block in cut for mb in block]
     positions = np.concatenate([positions[:samples], *microbatches])
     sizes = np.concatenate([sizes[:kept], [len(mb) for mb in microbatches]]).astype(np.int64)
-    return positions, sizes, positions[:0]
+    return positions, sizes, positions[:0].copy()
 
 
 def _shuffle_batches(
@@ -998,7 +1005,7 @@ def plan_batches(
         >>> plan.microbatches(), plan.batch_sizes.tolist()
         ([[0, 1], [2, 3], [4], [5]], [4, 2])
     """
-    lengths = _as_counts(seqlens)
+    lengths = _as_counts(seqlens, copy=False)  # planned at once, not kept: no copy
     settings = _Settings.of(max_tokens=max_tokens, effective_batch_size=effective_batch_size, **options)
     plan = _pack(
         lengths,
@@ -1853,7 +1860,7 @@ class VariableBatchSampler(Sampler[list[int]]):
         every_rank: bool = False,
         epochs: int = 1,
         first_len: tuple[range, int] | None = None,
-        with_seqlens: bool = True,
+        ids_only: bool = False,
     ) -> Iterator[tuple]:
         """Keys of this rank's step inputs of the epoch, from the resume position (with ``every_rank``, all ranks').
 
@@ -1864,7 +1871,7 @@ class VariableBatchSampler(Sampler[list[int]]):
         epoch, also when the iterator is not exhausted (trainers stop at len()).
         With ``epochs > 1`` the pass goes on through the epochs of its group
         (see NOTE [one pass over several epochs]); ``first_len``: the first len() its loader gave.
-        ``with_seqlens=False`` leaves the keys' seqlens out (None), for `__iter__`, which yields only the ids.
+        With ``ids_only`` each key is only its sample ids, as a list (what `__iter__` yields).
         """
         self._check_cut(RuntimeError)
         self._check_world()
@@ -1883,7 +1890,7 @@ class VariableBatchSampler(Sampler[list[int]]):
                         self._position, steps_done=0, finished=self._steps(epoch) == 0, crossed=epoch - span.start
                     )
                     start = 0
-                yield from self._epoch_keys(epoch, start, passes, every_rank, with_seqlens)
+                yield from self._epoch_keys(epoch, start, passes, every_rank, ids_only)
         except GeneratorExit:  # the consumer dropped the pass: the last epoch of a run has no next pass to raise in
             # An iterator alive at interpreter exit (a loop that stopped at a step count) is closed while the
             # module's globals are being cleared: nothing of varbatch can run then, and a cut is past reporting.
@@ -1891,7 +1898,7 @@ class VariableBatchSampler(Sampler[list[int]]):
                 self._check_cut(RuntimeWarning)
             raise
 
-    def _epoch_keys(self, epoch: int, start: int, passes: int, every_rank: bool, with_seqlens: bool) -> Iterator[tuple]:
+    def _epoch_keys(self, epoch: int, start: int, passes: int, every_rank: bool, ids_only: bool) -> Iterator[tuple]:
         """The keys of `_iter_keys`' pass number ``passes`` in ``epoch`` from step input ``start``.
 
         The plan's arrays are read a run of `_KEY_RUN` step inputs (of every rank) at a
@@ -1909,7 +1916,7 @@ class VariableBatchSampler(Sampler[list[int]]):
             first = steps.start * ranks  # the run's first step input g, of any rank
             bounds = plan.microbatch_offsets[first * m : steps.stop * ranks * m + 1 : m].tolist()
             ids = plan.sample_ids[bounds[0] : bounds[-1]]
-            lens = self.seqlens[ids].tolist() if with_seqlens and self.seqlens is not None else None
+            lens = None if ids_only or self.seqlens is None else self.seqlens[ids].tolist()
             ids = ids.tolist()
             pad_to = plan.padded_seqlens[first * m : steps.stop * ranks * m : m].tolist() if self.same_length else None
             for t in steps:
@@ -1921,6 +1928,9 @@ class VariableBatchSampler(Sampler[list[int]]):
                         self._position = self._position.handing_out(t + 1, t + 1 == total)
                     a = bounds[g - first] - bounds[0]
                     b = bounds[g - first + 1] - bounds[0]
+                    if ids_only:
+                        yield ids[a:b]
+                        continue
                     yield _StepInputKey(
                         sample_ids=tuple(ids[a:b]),
                         seqlens=None if lens is None else tuple(lens[a:b]),
@@ -1932,7 +1942,7 @@ class VariableBatchSampler(Sampler[list[int]]):
                     )
 
     def __iter__(self) -> Iterator[list[int]]:
-        return (list(key.sample_ids) for key in self._iter_keys(with_seqlens=False))
+        return self._iter_keys(ids_only=True)
 
     def _state_settings(self) -> dict:
         """What the plans depend on besides the epoch, as plain data (the data as hashes)."""
