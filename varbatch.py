@@ -1533,9 +1533,8 @@ class _Pass:
     epochs: int = 1
 
 
-@dataclasses.dataclass(frozen=True)
-class _Position:
-    """Where a sampler stands: its last pass, and how far that pass got.
+class _Position(typing.NamedTuple):
+    """Where a sampler stands: its last pass, and how far that pass got (a tuple: one is made per step input).
 
     Invariant: ``steps_done <= T`` (T: the step inputs of ``steps_epoch``, the
     pass's epoch ``last.epoch`` plus the ``crossed`` epochs it yielded whole
@@ -1886,8 +1885,8 @@ class VariableBatchSampler(Sampler[list[int]]):
                 if epoch > span.start:  # the next epoch of a pass over several, from its first step input
                     if self._position.last.number != passes:
                         return
-                    self._position = dataclasses.replace(
-                        self._position, steps_done=0, finished=self._steps(epoch) == 0, crossed=epoch - span.start
+                    self._position = self._position._replace(
+                        steps_done=0, finished=self._steps(epoch) == 0, crossed=epoch - span.start
                     )
                     start = 0
                 yield from self._epoch_keys(epoch, start, passes, every_rank, ids_only)
