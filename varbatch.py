@@ -27,8 +27,9 @@ Reading path: the definitions that carry the technique, in file order (about
 
 1. ``_Settings``: every plan option, checked once.
 2. ``Plan``: what one epoch's packing is, as plain data.
-3. ``_picking_order``, ``_pack_rows`` with ``_greedy_rows``, and ``_pack``: the
-   order samples are picked in, the packer's loop and its invariant, the steps of a plan.
+3. ``_picking_order``, ``_pack_rows`` with ``_fitting_rows`` and ``_single_rows``, and
+   ``_pack``: the order samples are picked in, the packer's loop and its invariant (NOTE
+   [the greedy rule, vectorized]), the steps of a plan.
 4. ``_lr_factor`` and ``_lr_factors``: the LR rule, ``s(B / B_ref)``.
 5. ``PaddedCollate``: a step input as one padded ``B x S`` tensor.
 6. The dealing rule (the comment under "The batch sampler"), ``_Position``
@@ -354,6 +355,9 @@ class Plan:
     same-length mode). ``batch_sizes`` (the B of the LR rule), ``batch_tokens``
     and ``batch_max_seqlens`` describe each batch; ``dropped`` maps each reason
     (``over_budget``, ``min_batch_size``, ``tail``, ``filtered``) to sorted ids.
+    ``sample_ids``, one entry per sample, is int32 where the ids fit (datasets
+    below 2**31 samples; int64 in a plan of given micro-batches); the other
+    arrays are int64.
     """
 
     sample_ids: np.ndarray
