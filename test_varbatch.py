@@ -29,6 +29,7 @@ import sys
 import textwrap
 import time
 import types
+import unittest.mock
 import warnings
 from pathlib import Path
 
@@ -715,6 +716,104 @@ def test_readme_says_the_seqlens_count_what_the_collate_adds():
     step_1 = readme[readme.index("For your own data, step 1") :].split("\n\n")[0]
     assert "[len(ids) + 1 for ids in tokenized]" in step_1 and "count every token your `collate_fn` adds" in step_1
     assert "bounds every tensor a forward pass sees (seqlens that count what the collate adds)" in readme
+
+
+# -- the greedy rule, vectorized (NOTE [the greedy rule, vectorized]) ----------------------------------------------
+
+
+def _greedy_walk(seqlens, max_tokens, budget, min_batch_size, max_batch_size):
+    """Single micro-batches packed sample by sample in plain Python: ``(start, n)`` per micro-batch, the starts
+    dropped as min_batch_size, and where the tail starts (the rule `_pack_rows` follows)."""
+    total = len(seqlens)
+    cap = max_batch_size or total
+    blocks, too_small, start = [], [], 0
+    while start < total:
+        rows_left = min(total - start, cap)
+        n = 0
+        while n < rows_left:
+            part = seqlens[start : start + n + 1]
+            cost = sum(part) if budget == "sum" else len(part) * max(part)
+            if cost > max_tokens:
+                break
+            n += 1
+        if n >= min_batch_size:
+            blocks.append((start, n))
+            start += n
+        elif n == rows_left:  # the end of the data, not the budget
+            break
+        else:
+            too_small.append(start)
+            start += 1
+    return blocks, too_small, start
+
+
+@st.composite
+def greedy_cases(draw):
+    """Lengths within max_tokens (some at it, many tied), a budget, bounds, and a chunk of positions."""
+    max_tokens = draw(st.integers(1, 64))
+    short = draw(st.integers(1, max_tokens))
+    seqlens = draw(
+        st.lists(
+            st.sampled_from(sorted({1, short, max(1, max_tokens // 2), max_tokens})) | st.integers(1, max_tokens),
+            max_size=120,
+        )
+    )
+    min_bs = draw(st.integers(1, 4))
+    return dict(
+        seqlens=seqlens,
+        max_tokens=max_tokens,
+        budget=draw(st.sampled_from(BUDGETS)),
+        min_batch_size=min_bs,
+        max_batch_size=draw(st.one_of(st.none(), st.integers(min_bs, 12))),
+        chunk=draw(st.sampled_from([1, 2, 3, 7, 16, 2**16])),
+    )
+
+
+@given(case=greedy_cases())
+# padded: a sample that fits alone stops a micro-batch where a later, shorter one would not
+@example(case=dict(seqlens=[5, 1, 1], max_tokens=10, budget="padded", min_batch_size=1, max_batch_size=None, chunk=1))
+@example(
+    case=dict(seqlens=[2, 2, 9, 2, 2], max_tokens=10, budget="sum", min_batch_size=2, max_batch_size=None, chunk=2)
+)
+@example(case=dict(seqlens=[1] * 9, max_tokens=4, budget="padded", min_batch_size=1, max_batch_size=3, chunk=2))
+def test_vectorized_greedy_rule_matches_the_sample_by_sample_walk(case):
+    """The per-position numpy rule and the walk over micro-batches pack as the plain greedy loop, for either
+    budget, any min/max_batch_size and chunks of positions of any size."""
+    case = dict(case)
+    chunk = case.pop("chunk")
+    blocks, too_small, end = _greedy_walk(**case)
+    settings_ = varbatch._Settings(**{key: value for key, value in case.items() if key != "seqlens"})
+    lens = np.asarray(case["seqlens"], np.int32)
+    with unittest.mock.patch.object(varbatch, "_CHUNK", chunk):
+        table, got_too_small, got_end = varbatch._pack_rows(lens, settings_)
+        most = varbatch._fitting_rows(lens, len(lens), max(1, len(lens)), settings_)
+    assert [(start, n) for start, n, _ in table.tolist()] == blocks
+    assert (got_too_small, got_end) == (too_small, end)
+    for i in range(len(lens)):  # every position, not only where a micro-batch starts
+        expected = _greedy_walk(case["seqlens"][i:], case["max_tokens"], case["budget"], 1, None)[0][0][1]
+        assert most[i] == expected, f"position {i}: {most[i]} samples, expected {expected}"
+
+
+@given(case=plan_cases(orders=ORDERS), chunk=st.sampled_from([1, 2, 5]))
+@settings(max_examples=60)
+def test_plans_do_not_depend_on_the_chunk_size(case, chunk):
+    """The planner's chunked passes (positions, ranges, gathers, per-batch sums) give the plan of one pass."""
+    whole = _plan_or_none(case)
+    with unittest.mock.patch.object(varbatch, "_CHUNK", chunk):
+        chunked = _plan_or_none(case)
+    assume(whole is not None)
+    for name in (
+        "sample_ids",
+        "microbatch_offsets",
+        "padded_seqlens",
+        "batch_sizes",
+        "batch_tokens",
+        "batch_max_seqlens",
+    ):
+        assert getattr(chunked, name).tolist() == getattr(whole, name).tolist(), name
+    assert {r: ids.tolist() for r, ids in chunked.dropped.items()} == {
+        r: ids.tolist() for r, ids in whole.dropped.items()
+    }
 
 
 # =============================================================================

@@ -27,8 +27,9 @@ Reading path: the definitions that carry the technique, in file order (about
 
 1. ``_Settings``: every plan option, checked once.
 2. ``Plan``: what one epoch's packing is, as plain data.
-3. ``_picking_order``, ``_pack_rows`` with ``_greedy_rows``, and ``_pack``: the
-   order samples are picked in, the packer's loop and its invariant, the steps of a plan.
+3. ``_picking_order``, ``_pack_rows`` with ``_fitting_rows`` and ``_single_rows``, and
+   ``_pack``: the order samples are picked in, the packer's loop and its invariant (NOTE
+   [the greedy rule, vectorized]), the steps of a plan.
 4. ``_lr_factor`` and ``_lr_factors``: the LR rule, ``s(B / B_ref)``.
 5. ``PaddedCollate``: a step input as one padded ``B x S`` tensor.
 6. The dealing rule (the comment under "The batch sampler"), ``_Position``
@@ -150,9 +151,16 @@ def _format_ids(ids: np.ndarray) -> str:
 
 
 def _as_counts(
-    values: Any, name: str = "seqlens", minimum: int = 1, fix: str = "pass one whole token count per sample"
+    values: Any,
+    name: str = "seqlens",
+    minimum: int = 1,
+    fix: str = "pass one whole token count per sample",
+    copy: bool = True,
 ) -> np.ndarray:
-    """Whole numbers (seqlens, batch sizes, ids) as a read-only int64 array, or raises naming the first bad one."""
+    """Whole numbers (seqlens, batch sizes, ids) as a read-only int64 array, or raises naming the first bad one.
+
+    ``copy=False`` reads an int64 array in place (a read-only view of it), for a caller that keeps nothing.
+    """
     if isinstance(values, (str, bytes, Mapping)) or not (hasattr(values, "__len__") and hasattr(values, "__getitem__")):
         raise TypeError(
             f"{name} should be a sequence of whole numbers (a list, array or tensor), but got {name}="
@@ -176,7 +184,7 @@ def _as_counts(
         else array > np.iinfo(np.int64).max
     )
     if not len(bad):
-        array = array.astype(np.int64)
+        array = array.astype(np.int64, copy=copy).view()  # a view: the caller's array stays writable
         bad = np.flatnonzero(array < minimum)
     if len(bad):
         raise ValueError(
@@ -351,6 +359,9 @@ class Plan:
     same-length mode). ``batch_sizes`` (the B of the LR rule), ``batch_tokens``
     and ``batch_max_seqlens`` describe each batch; ``dropped`` maps each reason
     (``over_budget``, ``min_batch_size``, ``tail``, ``filtered``) to sorted ids.
+    ``sample_ids``, one entry per sample, is int32 where the ids fit (datasets
+    below 2**31 samples; int64 in a plan of given micro-batches); the other
+    arrays are int64.
     """
 
     sample_ids: np.ndarray
@@ -548,27 +559,93 @@ def _picking_order(seqlens: np.ndarray, ids: np.ndarray, settings: _Settings, rn
 # (budget "sum"), or n x S (budget "padded"), S the longest seqlen of the micro-batches padded
 # together (`_Settings.padding_group`). Both grow with every sample added, so whether the first
 # n samples of a micro-batch fit is True up to some n, then False.
+#
+# NOTE [the greedy rule, vectorized]: with one micro-batch per block, the packer takes from
+# position i the most samples n(i) that fit (DeepSpeed's greedy rule). `_fitting_rows` finds
+# n(i) for a whole chunk of positions in a few numpy passes, so that the Python loop of
+# `_single_rows` runs once per micro-batch, not once per sample. With L the seqlens in picking
+# order and e(i) = i + n(i), the first position that cannot join the micro-batch from i:
+# - budget "sum": with C the running sums (C[0] = 0, C[j + 1] = C[j] + L[j]), e(i) is the last
+#   e with C[e] - C[i] <= max_tokens: one searchsorted over the sorted C.
+# - budget "padded" (one sample per micro-batch's S): sample j fits a micro-batch of at most
+#   c_j = max_tokens // L[j] samples, so position e can join iff e - i + 1 <= c_j for every j in
+#   [i, e]: e(i) = min over j >= i of max(j, i + c_j). Let d_j = j - c_j and J(i) the first j with
+#   d_j >= i (every j < i has d_j < i, as c_j >= 1, so J(i) = searchsorted(running max of d, i)).
+#   For j in [i, J(i)), d_j < i makes max(j, i + c_j) = i + c_j; j = J(i) gives J(i) (i + c_j <= j);
+#   every j > J(i) gives at least j > J(i). So e(i) = min(J(i), i + min(c[i:J(i)])): a range
+#   minimum, which `_range_minima` answers from minima over windows of 2**k.
+# Both are capped at `reach`, the most samples a micro-batch can take (max_batch_size, or
+# max_tokens // the shortest seqlen): c_j is clipped to it, so n(i) comes out as min(n(i), reach),
+# and a chunk needs `reach` positions past its last one to see every micro-batch to its end.
+_CHUNK = 2**16  # positions (or samples) per numpy pass: temporaries stay small and in cache
 
 
-def _greedy_rows(lens: list[int], start: int, rows_left: int, settings: _Settings) -> int:
-    """How many samples from ``start``, at most ``rows_left``, fit one micro-batch (DeepSpeed's greedy rule)."""
-    padded = settings.budget == "padded"
-    max_tokens = settings.max_tokens
-    total = 0
-    longest = 0
-    end = start + rows_left
-    i = start
-    # The hot loop, in plain ints. Invariant: lens[start:i] fits; `total` is its sum, `longest` its longest.
-    while i < end:
-        length = lens[i]
-        if length > longest:
-            longest = length
-        cost = (i - start + 1) * longest if padded else total + length
-        if cost > max_tokens:
-            break
-        total += length
-        i += 1
-    return i - start
+def _index_dtype(bound: int) -> type:
+    """The dtype of ids, positions or seqlens below ``bound``: int32 where they fit (half the memory), else int64."""
+    return np.int32 if bound <= np.iinfo(np.int32).max + 1 else np.int64
+
+
+def _range_minima(values: np.ndarray, starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
+    """``min(values[a:b])`` for each pair ``a < b`` of ``starts`` and ``stops``.
+
+    Windows of 2**k samples cover ``[a, b)`` twice over where ``2**k <= b - a < 2**(k + 1)``: its
+    minimum is that of the windows at ``a`` and at ``b - 2**k``. The minima over windows of 2**k
+    are built from those of 2**(k - 1), one level at a time, each pair answered at its level.
+    """
+    level = np.frexp(stops - starts)[1] - 1  # floor(log2(b - a)), exactly
+    minima = np.empty(len(starts), values.dtype)
+    windows = values  # windows[a] = min(values[a : a + 2**k])
+    for k in range(int(level.max()) + 1 if len(level) else 0):
+        chosen = np.flatnonzero(level == k)
+        minima[chosen] = np.minimum(windows[starts[chosen]], windows[stops[chosen] - 2**k])
+        windows = np.minimum(windows[: -(2**k)], windows[2**k :])
+    return minima
+
+
+def _fitting_rows(lens: np.ndarray, count: int, reach: int, settings: _Settings) -> np.ndarray:
+    """For each of the first ``count`` positions of ``lens``, the most samples from it, at most ``reach``, that fit
+    one micro-batch (see NOTE [the greedy rule, vectorized]; ``lens`` runs ``reach`` past them, or to the end)."""
+    here = np.arange(count)
+    if settings.budget == "sum":
+        sums = np.zeros(len(lens) + 1, np.int64)
+        np.cumsum(lens, out=sums[1:])
+        ends = np.searchsorted(sums, sums[:count] + settings.max_tokens, side="right") - 1
+        return np.minimum(ends - here, reach)
+    most = np.minimum(settings.max_tokens // lens, reach)  # c_j, clipped
+    late = np.maximum.accumulate(np.arange(len(lens)) - most)  # the running max of d_j = j - c_j
+    stops = np.searchsorted(late, here, side="left")  # J(i), len(lens) where none
+    return np.minimum(stops, here + _range_minima(most, here, stops)) - here
+
+
+def _single_rows(lens: np.ndarray, settings: _Settings) -> tuple[np.ndarray, list[int], int]:
+    """`_pack_rows` with one micro-batch per block: the greedy rule for a chunk of positions at a time, then a walk
+    from micro-batch to micro-batch (see NOTE [the greedy rule, vectorized])."""
+    total = len(lens)
+    cap = settings.max_batch_size or total
+    reach = min(cap, settings.max_tokens // int(lens.min()), total) if total else 1
+    chunk = max(_CHUNK, reach)
+    min_batch_size = settings.min_batch_size
+    starts = []
+    rows = []
+    too_small = []
+    start = 0
+    # Invariant: that of `_pack_rows`; `most` holds n(i) for positions [first, first + count).
+    while start < total:
+        first = start
+        count = min(chunk, total - first)
+        most = _fitting_rows(lens[first : first + count + reach], count, reach, settings)
+        while start < first + count:
+            n = most.item(start - first)  # at most the rows left: min(total - start, cap)
+            if n >= min_batch_size:
+                starts.append(start)
+                rows.append(n)
+                start += n
+            elif n == min(total - start, cap):  # ran out of samples, not of budget: the rest is the tail
+                return _block_table(starts, rows), too_small, start
+            else:
+                too_small.append(start)
+                start += 1
+    return _block_table(starts, rows), too_small, start
 
 
 def _prefix_costs(lens: np.ndarray, settings: _Settings) -> np.ndarray:
@@ -648,66 +725,113 @@ def _block_rows(lens: np.ndarray, start: int, rows_left: int, guess: int, settin
     return n, False
 
 
-def _pack_rows(lens: np.ndarray, settings: _Settings) -> tuple[list[tuple[int, int, bool]], list[int], int]:
+def _block_table(starts: list[int], rows: list[int], consecutive: list[bool] | None = None) -> np.ndarray:
+    """The packer's blocks as one int64 table: a row ``(start, n, consecutive)`` per block, in position order."""
+    table = np.zeros((len(starts), 3), np.int64)
+    table[:, 0] = starts
+    table[:, 1] = rows
+    if consecutive is not None:
+        table[:, 2] = consecutive
+    return table
+
+
+def _pack_rows(lens: np.ndarray, settings: _Settings) -> tuple[np.ndarray, list[int], int]:
     """Blocks of ``width`` micro-batches of ``n`` samples each from consecutive samples, ``n`` as large as fits.
 
     ``lens`` are the seqlens in picking order; ``width`` is ``unit_width``. With
-    ``width`` 1 a block is one micro-batch (`_greedy_rows`); else see `_block_rows`.
+    ``width`` 1 a block is one micro-batch (`_single_rows`); else see `_block_rows`.
     ``n`` is at most ``max_batch_size``; a block of fewer than ``min_batch_size``
-    rows is never placed. Returns ``(start, n, consecutive)`` per block, the
+    rows is never placed. Returns the blocks' table (`_block_table`), the
     positions dropped as ``min_batch_size``, and where the tail starts.
     """
     width = settings.unit_width
+    if width == 1:
+        return _single_rows(lens, settings)
     total = len(lens)
-    values = lens.tolist() if width == 1 else None  # single micro-batches: a loop over plain ints is faster
     guess = max(1, int(settings.max_tokens // max(1.0, float(lens.mean())))) + 1 if total else 1
-    blocks = []
+    starts = []
+    rows = []
+    consecutives = []
     too_small = []
     start = 0
-    # Invariant: positions [0, start) are each in one block of `blocks` (n >= min_batch_size rows,
+    # Invariant: positions [0, start) are each in one block of the table (n >= min_batch_size rows,
     # every micro-batch within the budget) or in `too_small` (no block starts there); the blocks
     # are in position order and [start, total) is unplaced.
     while start + width <= total:
         rows_left = min((total - start) // width, settings.max_batch_size or total)
-        if width == 1:
-            n, consecutive = _greedy_rows(values, start, rows_left, settings), False
-        else:
-            n, consecutive = _block_rows(lens, start, rows_left, guess, settings)
-            guess = n + 1
+        n, consecutive = _block_rows(lens, start, rows_left, guess, settings)
+        guess = n + 1
         if n >= settings.min_batch_size:
-            blocks.append((start, n, consecutive))
+            starts.append(start)
+            rows.append(n)
+            consecutives.append(consecutive)
             start += n * width
         elif n == rows_left:  # ran out of samples, not of budget: the rest is the tail
             break
         else:
             too_small.append(start)
             start += 1
-    return blocks, too_small, start
+    return _block_table(starts, rows, consecutives), too_small, start
 
 
-def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """``range(start, start + length)`` for each pair, concatenated, in one numpy pass."""
-    return np.arange(int(lengths.sum())) + np.repeat(starts - np.cumsum(lengths) + lengths, lengths)
+def _chunks(lengths: np.ndarray) -> list[tuple[int, int]]:
+    """``(a, b)`` pairs that cut ``range(len(lengths))`` into runs of about `_CHUNK` summed ``lengths``."""
+    ends = np.cumsum(lengths)
+    cuts = np.searchsorted(ends, np.arange(_CHUNK, int(ends[-1]) if len(ends) else 0, _CHUNK), side="right")
+    bounds = np.unique(np.concatenate([[0], cuts, [len(lengths)]])).tolist()
+    return list(zip(bounds[:-1], bounds[1:]))
 
 
-def _positions(blocks: list[tuple[int, int, bool]], width: int) -> tuple[np.ndarray, np.ndarray]:
+def _ranges(starts: np.ndarray, lengths: np.ndarray, values: np.ndarray | None = None) -> np.ndarray:
+    """``values[start : start + length]`` for each pair, concatenated (``values`` None: the positions themselves).
+
+    Built a `_CHUNK` at a time, so that no temporary (int64) is as long as the result.
+    """
+    if values is None:
+        dtype = _index_dtype(int((starts + lengths).max()) if len(starts) else 0)
+    else:
+        dtype = values.dtype
+    out = np.empty(int(lengths.sum()), dtype)
+    done = 0
+    for a, b in _chunks(lengths):
+        part = lengths[a:b]
+        count = int(part.sum())
+        positions = np.arange(count) + np.repeat(starts[a:b] - np.cumsum(part) + part, part)
+        out[done : done + count] = positions if values is None else values[positions]
+        done += count
+    return out
+
+
+def _block_positions(table: np.ndarray, width: int) -> np.ndarray:
+    """`_positions` of the blocks of ``table`` (int64, as long as their samples)."""
+    starts = table[:, 0]
+    rows = table[:, 1]
+    per_block = rows * width
+    positions = _ranges(starts, per_block).astype(np.int64)  # start + b*n + r
+    first = np.repeat(starts, per_block)
+    n = np.repeat(rows, per_block)
+    local = positions - first
+    interleaved = first + local % n * width + local // n
+    return np.where(np.repeat(table[:, 2], per_block) == 1, positions, interleaved)
+
+
+def _positions(table: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
     """The positions (in picking order) of the blocks' samples, micro-batch after micro-batch, and each one's size.
 
     Row r of micro-batch b of block ``(start, n, consecutive)`` is position
     ``start + b*n + r`` if consecutive, else (interleaved) ``start + r*width + b``.
     """
-    table = np.array(blocks, dtype=np.int64).reshape(-1, 3)  # a row (start, n, consecutive) per block
-    starts = table[:, 0]
-    rows = table[:, 1]
-    per_block = rows * width
-    positions = _ranges(starts, per_block)  # start + b*n + r
-    if width > 1:
-        first = np.repeat(starts, per_block)
-        n = np.repeat(rows, per_block)
-        local = positions - first
-        interleaved = first + local % n * width + local // n
-        positions = np.where(np.repeat(table[:, 2], per_block) == 1, positions, interleaved)
-    return positions, np.repeat(rows, width)
+    sizes = np.repeat(table[:, 1], width)
+    if width == 1:
+        return _ranges(table[:, 0], table[:, 1]), sizes
+    per_block = table[:, 1] * width
+    positions = np.empty(int(per_block.sum()), _index_dtype(int((table[:, 0] + per_block).max()) if len(table) else 0))
+    done = 0
+    for a, b in _chunks(per_block):
+        part = _block_positions(table[a:b], width)
+        positions[done : done + len(part)] = part
+        done += len(part)
+    return positions, sizes
 
 
 def _resplit(blocks: list[list[np.ndarray]], count: int, min_bs: int) -> list[list[np.ndarray]] | None:
@@ -744,15 +868,15 @@ def _fill_last_batch(
     kept = len(sizes) - len(sizes) // width % per_batch * width  # micro-batches in whole batches
     samples = int(sizes[:kept].sum())
     if kept == len(sizes):
-        return positions, sizes, positions[:0]
+        return positions, sizes, positions[:0].copy()  # not a view: it would keep the positions alive
     pieces = np.split(positions[samples:], np.cumsum(sizes[kept:])[:-1])
     cut = _resplit([pieces[u : u + width] for u in range(0, len(pieces), width)], per_batch, settings.min_batch_size)
     if cut is None:
-        return positions[:samples], sizes[:kept], positions[samples:]
+        return positions[:samples], sizes[:kept], positions[samples:].copy()
     microbatches = [mb for block in cut for mb in block]
     positions = np.concatenate([positions[:samples], *microbatches])
     sizes = np.concatenate([sizes[:kept], [len(mb) for mb in microbatches]]).astype(np.int64)
-    return positions, sizes, positions[:0]
+    return positions, sizes, positions[:0].copy()
 
 
 def _shuffle_batches(
@@ -762,48 +886,81 @@ def _shuffle_batches(
     order = rng.permutation(len(sizes) // k)
     batch_samples = sizes.reshape(-1, k).sum(axis=1)
     batch_starts = np.cumsum(batch_samples) - batch_samples
-    return positions[_ranges(batch_starts[order], batch_samples[order])], sizes.reshape(-1, k)[order].ravel()
+    return _ranges(batch_starts[order], batch_samples[order], positions), sizes.reshape(-1, k)[order].ravel()
+
+
+def _take(values: np.ndarray, indices: np.ndarray, dtype: type) -> np.ndarray:
+    """``values[indices]`` as ``dtype``, a `_CHUNK` at a time (no temporary as long as the result)."""
+    out = np.empty(len(indices), dtype)
+    for a in range(0, len(indices), _CHUNK):
+        out[a : a + _CHUNK] = values[indices[a : a + _CHUNK]]
+    return out
 
 
 def _plan_arrays(seqlens: np.ndarray, packed: np.ndarray, sizes: np.ndarray, settings: _Settings) -> dict:
-    """The `Plan`'s arrays for the ids ``packed``, in micro-batches of ``sizes`` samples, k to a batch."""
+    """The `Plan`'s arrays for the ids ``packed``, in micro-batches of ``sizes`` samples, k to a batch.
+
+    The seqlens of ``packed`` are read a run of whole batches (about a `_CHUNK` of samples) at a time.
+    """
     k = settings.effective_batch_size
     group = settings.padding_group
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-    lens = seqlens[packed]
-    if len(packed):
-        tokens = np.add.reduceat(lens, offsets[:-1:k])
-        own = np.maximum.reduceat(lens, offsets[:-1])  # each micro-batch's longest
-    else:  # reduceat needs an index
-        tokens = own = np.zeros(0, np.int64)
+    batch_sizes = np.diff(offsets[::k])
+    tokens = np.zeros(len(batch_sizes), np.int64)
+    own = np.zeros(len(sizes), np.int64)  # each micro-batch's longest
+    for a, b in _chunks(batch_sizes):  # batches a .. b - 1
+        first = offsets[a * k]
+        lens = seqlens[packed[first : offsets[b * k]]]
+        tokens[a:b] = np.add.reduceat(lens, offsets[a * k : b * k : k] - first)
+        own[a * k : b * k] = np.maximum.reduceat(lens, offsets[a * k : b * k] - first)
     return dict(
         sample_ids=packed,
         microbatch_offsets=offsets,
         padded_seqlens=np.repeat(own.reshape(-1, group).max(axis=1), group).astype(np.int64),
-        batch_sizes=np.diff(offsets[::k]),
+        batch_sizes=batch_sizes,
         batch_tokens=tokens,
         batch_max_seqlens=own.reshape(-1, k).max(axis=1),
     )
 
 
-def _overlong(seqlens: np.ndarray, ids: np.ndarray, settings: _Settings) -> np.ndarray:
-    """The ``ids`` of samples longer than ``max_tokens``, which fit no micro-batch under either budget.
+def _overlong(lengths: np.ndarray, ids: np.ndarray, settings: _Settings) -> np.ndarray:
+    """The ``ids`` (of seqlens ``lengths``) longer than ``max_tokens``, which fit no micro-batch under either budget.
 
     Raises:
         ValueError: there is one and ``on_overlong="error"``, or every sample is one.
     """
-    overlong = ids[seqlens[ids] > settings.max_tokens]
+    overlong = ids[lengths > settings.max_tokens]
     if len(overlong) and settings.on_overlong == "error":
         raise ValueError(
             f"max_tokens={settings.max_tokens} is smaller than {_format_ids(overlong)} (longest "
-            f"{int(seqlens[overlong].max())}); raise max_tokens, truncate them, or pass on_overlong='skip'"
+            f"{int(lengths.max())}); raise max_tokens, truncate them, or pass on_overlong='skip'"
         )
     if len(overlong) and len(overlong) == len(ids):
         raise ValueError(
             f"every sample is longer than max_tokens={settings.max_tokens} "
-            f"(shortest {int(seqlens[ids].min())}); raise max_tokens"
+            f"(shortest {int(lengths.min())}); raise max_tokens"
         )
     return overlong
+
+
+def _picked(
+    seqlens: np.ndarray, sample_ids: np.ndarray | None, settings: _Settings, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """The packable ids in picking order (int32 where they fit), and the over-long ids (see `_overlong`).
+
+    Nothing N-sized is kept but the result: an epoch's planning peaks here, at
+    the ids, the permutation of the random orders and the ids it orders.
+    """
+    dtype = _index_dtype(len(seqlens))
+    if sample_ids is None:
+        ids = np.arange(len(seqlens), dtype=dtype)
+        lengths = seqlens
+    else:
+        ids = sample_ids.astype(dtype)
+        lengths = seqlens[ids]
+    overlong = _overlong(lengths, ids, settings)
+    packable = ids if not len(overlong) else ids[lengths <= settings.max_tokens]
+    return _picking_order(seqlens, packable, settings, rng), overlong
 
 
 def _pack(seqlens: np.ndarray, settings: _Settings, sample_ids: np.ndarray | None, epoch: int) -> Plan:
@@ -814,22 +971,23 @@ def _pack(seqlens: np.ndarray, settings: _Settings, sample_ids: np.ndarray | Non
     Raises:
         ValueError: from `_overlong`.
     """
-    ids = np.arange(len(seqlens), dtype=np.int64) if sample_ids is None else sample_ids
-    overlong = _overlong(seqlens, ids, settings)
     rng = np.random.default_rng((settings.seed, epoch))
-    picked = _picking_order(seqlens, ids[seqlens[ids] <= settings.max_tokens], settings, rng)
-    blocks, too_small, end = _pack_rows(seqlens[picked], settings)
-    positions, sizes = _positions(blocks, settings.unit_width)
+    picked, overlong = _picked(seqlens, sample_ids, settings, rng)
+    lens_dtype = _index_dtype(settings.max_tokens + 1)
+    table, too_small, end = _pack_rows(_take(seqlens, picked, lens_dtype), settings)
+    positions, sizes = _positions(table, settings.unit_width)
     positions, sizes, tail = _fill_last_batch(positions, sizes, settings)
     if settings.order == "bucket":  # the windows are sorted: shuffle whole batches
         positions, sizes = _shuffle_batches(positions, sizes, settings.effective_batch_size, rng)
     packed = picked[positions]
+    del positions  # the plan's peak memory: picked and packed, nothing else as long
     dropped = {
         "over_budget": np.sort(overlong),
         "min_batch_size": np.sort(picked[np.asarray(too_small, np.int64)]),
         "tail": np.sort(picked[np.concatenate([tail, np.arange(end, len(picked))])]),
         "filtered": np.zeros(0, np.int64) if sample_ids is None else np.setdiff1d(np.arange(len(seqlens)), sample_ids),
     }
+    dropped = {reason: ids.astype(np.int64) for reason, ids in dropped.items()}
     arrays = _plan_arrays(seqlens, packed, sizes, settings)
     for array in (*arrays.values(), *dropped.values()):
         array.setflags(write=False)
@@ -908,7 +1066,7 @@ def plan_batches(
         >>> plan.microbatches(), plan.batch_sizes.tolist()
         ([[0, 1], [2, 3], [4], [5]], [4, 2])
     """
-    lengths = _as_counts(seqlens)
+    lengths = _as_counts(seqlens, copy=False)  # planned at once, not kept: no copy
     settings = _Settings.of(max_tokens=max_tokens, effective_batch_size=effective_batch_size, **options)
     plan = _pack(
         lengths,
@@ -1399,6 +1557,9 @@ class _Planner:
         return self.fixed if self.fixed is not None else _pack(self.seqlens, self.settings, self.sample_ids, epoch)
 
 
+_KEY_RUN = 256  # step inputs (of every rank) whose ids `VariableBatchSampler._epoch_keys` reads as one list
+
+
 class _StepInputKey(typing.NamedTuple):
     """One step input as the sampler hands it to the loader: what a loader worker needs to load its samples, pad
     and collate them, and check that it was dealt to this rank (a tuple of plain data: it travels to workers)."""
@@ -1434,9 +1595,8 @@ class _Pass:
     epochs: int = 1
 
 
-@dataclasses.dataclass(frozen=True)
-class _Position:
-    """Where a sampler stands: its last pass, and how far that pass got.
+class _Position(typing.NamedTuple):
+    """Where a sampler stands: its last pass, and how far that pass got (a tuple: one is made per step input).
 
     Invariant: ``steps_done <= T`` (T: the step inputs of ``steps_epoch``, the
     pass's epoch ``last.epoch`` plus the ``crossed`` epochs it yielded whole
@@ -1463,6 +1623,10 @@ class _Position:
     def epoch(self) -> int:
         """The epoch the next iteration yields: the last one's, or the next once it finished."""
         return self.steps_epoch + self.finished
+
+    def handing_out(self, steps_done: int, finished: bool) -> _Position:
+        """This position after one more step input handed out, the ``steps_done``-th of its epoch."""
+        return _Position(self.last, steps_done, finished, self.handed + 1, self.crossed)
 
     def next_start(self) -> tuple[int, int]:
         """``(epoch, step input)`` where the next pass starts: a restored position, else the epoch's first."""
@@ -1767,7 +1931,11 @@ class VariableBatchSampler(Sampler[list[int]]):
             )
 
     def _iter_keys(
-        self, every_rank: bool = False, epochs: int = 1, first_len: tuple[range, int] | None = None
+        self,
+        every_rank: bool = False,
+        epochs: int = 1,
+        first_len: tuple[range, int] | None = None,
+        ids_only: bool = False,
     ) -> Iterator[tuple]:
         """Keys of this rank's step inputs of the epoch, from the resume position (with ``every_rank``, all ranks').
 
@@ -1778,6 +1946,7 @@ class VariableBatchSampler(Sampler[list[int]]):
         epoch, also when the iterator is not exhausted (trainers stop at len()).
         With ``epochs > 1`` the pass goes on through the epochs of its group
         (see NOTE [one pass over several epochs]); ``first_len``: the first len() its loader gave.
+        With ``ids_only`` each key is only its sample ids, as a list (what `__iter__` yields).
         """
         self._check_cut(RuntimeError)
         self._check_world()
@@ -1792,11 +1961,11 @@ class VariableBatchSampler(Sampler[list[int]]):
                 if epoch > span.start:  # the next epoch of a pass over several, from its first step input
                     if self._position.last.number != passes:
                         return
-                    self._position = dataclasses.replace(
-                        self._position, steps_done=0, finished=self._steps(epoch) == 0, crossed=epoch - span.start
+                    self._position = self._position._replace(
+                        steps_done=0, finished=self._steps(epoch) == 0, crossed=epoch - span.start
                     )
                     start = 0
-                yield from self._epoch_keys(epoch, start, passes, every_rank)
+                yield from self._epoch_keys(epoch, start, passes, every_rank, ids_only)
         except GeneratorExit:  # the consumer dropped the pass: the last epoch of a run has no next pass to raise in
             # An iterator alive at interpreter exit (a loop that stopped at a step count) is closed while the
             # module's globals are being cleared: nothing of varbatch can run then, and a cut is past reporting.
@@ -1804,37 +1973,51 @@ class VariableBatchSampler(Sampler[list[int]]):
                 self._check_cut(RuntimeWarning)
             raise
 
-    def _epoch_keys(self, epoch: int, start: int, passes: int, every_rank: bool) -> Iterator[tuple]:
-        """The keys of `_iter_keys`' pass number ``passes`` in ``epoch`` from step input ``start``."""
+    def _epoch_keys(self, epoch: int, start: int, passes: int, every_rank: bool, ids_only: bool) -> Iterator[tuple]:
+        """The keys of `_iter_keys`' pass number ``passes`` in ``epoch`` from step input ``start``.
+
+        The plan's arrays are read a run of `_KEY_RUN` step inputs (of every rank) at a
+        time, each as one list, and cut into the keys' tuples there: a numpy call per
+        step input would cost more than the rest of the key.
+        """
         total = self._steps(epoch)
         plan = self.plan_for_epoch(epoch)
         m, ranks = self.micro_batch_size, self.num_replicas
-        seqlens = self.seqlens
         if epoch not in self._logged and _on_rank_zero(self.rank):  # once per trained epoch, for the whole job
             self._logged.add(epoch)
             _log_plan(plan, self.verbose)
-        for t in range(start, total):
-            dealt = range(t * ranks, (t + 1) * ranks) if every_rank else [t * ranks + self.rank]
-            for g in dealt:
-                if g % ranks == self.rank:
-                    if self._position.last.number != passes:  # set_epoch() or another pass since: it is stale
-                        return
-                    self._position = dataclasses.replace(
-                        self._position, steps_done=t + 1, finished=t + 1 == total, handed=self._position.handed + 1
+        for run in range(start, total, _KEY_RUN):
+            steps = range(run, min(run + _KEY_RUN, total))
+            first = steps.start * ranks  # the run's first step input g, of any rank
+            bounds = plan.microbatch_offsets[first * m : steps.stop * ranks * m + 1 : m].tolist()
+            ids = plan.sample_ids[bounds[0] : bounds[-1]]
+            lens = None if ids_only or self.seqlens is None else self.seqlens[ids].tolist()
+            ids = ids.tolist()
+            pad_to = plan.padded_seqlens[first * m : steps.stop * ranks * m : m].tolist() if self.same_length else None
+            for t in steps:
+                dealt = range(t * ranks, (t + 1) * ranks) if every_rank else (t * ranks + self.rank,)
+                for g in dealt:
+                    if g % ranks == self.rank:
+                        if self._position.last.number != passes:  # set_epoch() or another pass since: it is stale
+                            return
+                        self._position = self._position.handing_out(t + 1, t + 1 == total)
+                    a = bounds[g - first] - bounds[0]
+                    b = bounds[g - first + 1] - bounds[0]
+                    if ids_only:
+                        yield ids[a:b]
+                        continue
+                    yield _StepInputKey(
+                        sample_ids=tuple(ids[a:b]),
+                        seqlens=None if lens is None else tuple(lens[a:b]),
+                        pad_to=0 if pad_to is None else pad_to[g - first],
+                        epoch=epoch,
+                        pass_number=passes,
+                        pass_start=start,
+                        step_input=g,
                     )
-                ids = plan.sample_ids[plan.microbatch_offsets[g * m] : plan.microbatch_offsets[(g + 1) * m]]
-                yield _StepInputKey(
-                    sample_ids=tuple(ids.tolist()),
-                    seqlens=None if seqlens is None else tuple(seqlens[ids].tolist()),
-                    pad_to=int(plan.padded_seqlens[g * m]) if self.same_length else 0,
-                    epoch=epoch,
-                    pass_number=passes,
-                    pass_start=start,
-                    step_input=g,
-                )
 
     def __iter__(self) -> Iterator[list[int]]:
-        return (list(key.sample_ids) for key in self._iter_keys())
+        return self._iter_keys(ids_only=True)
 
     def _state_settings(self) -> dict:
         """What the plans depend on besides the epoch, as plain data (the data as hashes)."""
