@@ -617,6 +617,16 @@ def _fitting_rows(lens: np.ndarray, count: int, reach: int, settings: _Settings)
     return np.minimum(stops, here + _range_minima(most, here, stops)) - here
 
 
+def _block_table(starts: list[int], rows: list[int], consecutive: list[bool] | None = None) -> np.ndarray:
+    """The packer's blocks as one int64 table: a row ``(start, n, consecutive)`` per block, in position order."""
+    table = np.zeros((len(starts), 3), np.int64)
+    table[:, 0] = starts
+    table[:, 1] = rows
+    if consecutive is not None:
+        table[:, 2] = consecutive
+    return table
+
+
 def _single_rows(lens: np.ndarray, settings: _Settings) -> tuple[np.ndarray, list[int], int]:
     """`_pack_rows` with one micro-batch per block: the greedy rule for a chunk of positions at a time, then a walk
     from micro-batch to micro-batch (see NOTE [the greedy rule, vectorized])."""
@@ -723,16 +733,6 @@ def _block_rows(lens: np.ndarray, start: int, rows_left: int, guess: int, settin
         if consecutive is not None:
             return consecutive, True
     return n, False
-
-
-def _block_table(starts: list[int], rows: list[int], consecutive: list[bool] | None = None) -> np.ndarray:
-    """The packer's blocks as one int64 table: a row ``(start, n, consecutive)`` per block, in position order."""
-    table = np.zeros((len(starts), 3), np.int64)
-    table[:, 0] = starts
-    table[:, 1] = rows
-    if consecutive is not None:
-        table[:, 2] = consecutive
-    return table
 
 
 def _pack_rows(lens: np.ndarray, settings: _Settings) -> tuple[np.ndarray, list[int], int]:
