@@ -6683,17 +6683,25 @@ LIGHTNING = COMMON + textwrap.dedent("""
             record(self.current_epoch, batch_idx // GAS, batch, self.trainer.optimizers[0].param_groups[0]["lr"])
             return loss_of(self.net, batch)
 
-    module = Module()
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=EPOCHS,
-                         accumulate_grad_batches=GAS, use_distributed_sampler=OPTS.get("use_distributed_sampler", True),
-                         reload_dataloaders_every_n_epochs=OPTS.get("reload", 1), enable_checkpointing=False,
-                         logger=False, enable_progress_bar=False, enable_model_summary=False)
-    try:
-        trainer.fit(module)
-    except Exception as error:
-        save(trainer.global_rank, error=f"{type(error).__name__}: {error}")
-        raise
-    save(trainer.global_rank)
+    def fit(opts):
+        RECORDS.clear()
+        trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=opts.get("epochs", EPOCHS),
+                             accumulate_grad_batches=GAS,
+                             use_distributed_sampler=opts.get("use_distributed_sampler", True),
+                             reload_dataloaders_every_n_epochs=opts.get("reload", 1), enable_checkpointing=False,
+                             logger=False, enable_progress_bar=False, enable_model_summary=False)
+        try:
+            trainer.fit(Module())
+        except Exception as error:
+            save(trainer.global_rank, error=f"{type(error).__name__}: {error}")
+            raise
+        save(trainer.global_rank)
+
+    fit(OPTS)
+    if "then" in OPTS:  # a second Trainer in the same processes (one start-up for both): its files in OUT/then
+        OUT = os.path.join(OUT, "then")
+        os.makedirs(OUT, exist_ok=True)
+        fit(OPTS["then"])
 """)
 
 STATEFUL = COMMON + textwrap.dedent("""
@@ -6787,12 +6795,16 @@ def _launch_ranks(tmp_path, source, opts, *, torchrun=True, timeout=180):
         env.update(MASTER_PORT=str(_free_port()))
         cmd = [sys.executable, str(script), str(out), json.dumps(opts)]
     done = _run(cmd, timeout=timeout, cwd=tmp_path, env=env)
+    records, errors = _saved_ranks(out)
+    return done.returncode, done.stdout + done.stderr, records, errors
+
+
+def _saved_ranks(out):
+    """(records per rank, errors of the ranks that saved) from the files a worker's ranks saved into ``out``."""
     ranks = [
         json.loads((out / f"rank{r}.json").read_text()) if (out / f"rank{r}.json").exists() else None for r in range(2)
     ]
-    records = [r["records"] if r else [] for r in ranks]
-    errors = [r.get("error") for r in ranks if r]
-    return done.returncode, done.stdout + done.stderr, records, errors
+    return [r["records"] if r else [] for r in ranks], [r.get("error") for r in ranks if r]
 
 
 def _plan(epoch, mbs, gas):
@@ -6934,25 +6946,34 @@ def test_hf_trainer_resume_in_a_later_epoch_on_two_processes(tmp_path):
 # -- Lightning -----------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("use_distributed_sampler", [True])
-def test_lightning_ddp_trains_every_planned_sample_once(tmp_path, use_distributed_sampler):
-    """Lightning DDP with default settings and reloading: every planned sample once, also in a longer epoch."""
+@pytest.fixture(scope="module")
+def lightning_job(tmp_path_factory):
+    """One Lightning job on 2 ranks for the two tests below (its start-up is most of a run's time): a Trainer with
+    default settings and reloading trains 4 epochs, then a second Trainer in the same processes, without reloading,
+    5 epochs. Returns (exit code, output, (records, errors) of the first Trainer, (records, errors) of the second)."""
     pytest.importorskip("pytorch_lightning")
+    tmp_path = tmp_path_factory.mktemp("lightning")
     # 4 epochs: epoch 3 of this plan is longer than epoch 0 (45 vs 44 step inputs per rank).
-    opts = {"epochs": 4, "use_distributed_sampler": use_distributed_sampler, "reload": 1}
-    rc, output, records, _ = _launch_ranks(tmp_path, LIGHTNING, opts, torchrun=False)
-    assert rc == 0, output[-3000:]
+    opts = {"epochs": 4, "use_distributed_sampler": True, "reload": 1, "then": {"epochs": 5, "reload": 0}}
+    rc, output, records, errors = _launch_ranks(tmp_path, LIGHTNING, opts, torchrun=False)
+    return rc, output, (records, errors), _saved_ranks(tmp_path / "out" / "then")
+
+
+@pytest.mark.slow
+def test_lightning_ddp_trains_every_planned_sample_once(lightning_job):
+    """Lightning DDP with default settings and reloading: every planned sample once, also in a longer epoch."""
+    _, output, (records, errors), _ = lightning_job
+    # Each rank saves after its fit() returned: the first Trainer's fit ended without an error on both ranks.
+    assert errors == [None, None], (errors, output[-3000:])
     _check_against_plan(records, mbs=1, gas=1, epochs=4)
 
 
 @pytest.mark.slow
-def test_lightning_without_reloading_is_refused_when_an_epoch_was_cut_short(tmp_path):
+def test_lightning_without_reloading_is_refused_when_an_epoch_was_cut_short(lightning_job):
     """Lightning without reloading cuts a longer epoch at the first one's len(): refused, naming the setting."""
-    pytest.importorskip("pytorch_lightning")
-    rc, _output, _records, errors = _launch_ranks(tmp_path, LIGHTNING, {"epochs": 5, "reload": 0}, torchrun=False)
+    rc, output, _, (_, errors) = lightning_job
     assert rc != 0
-    assert any("reload_dataloaders_every_n_epochs=1" in (error or "") for error in errors), errors
+    assert any("reload_dataloaders_every_n_epochs=1" in (error or "") for error in errors), (errors, output[-3000:])
 
 
 @pytest.mark.slow
