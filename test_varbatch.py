@@ -6132,24 +6132,17 @@ def test_example_stop_and_resume_reproduces_the_uninterrupted_run(launched, case
 @pytest.mark.slow
 def test_example_pipeline_on_one_process_fails_at_once_with_the_command_that_works():
     """One process cannot hold 2 stages: the example says which command works, and never hangs."""
+    import concurrent.futures
+
     fix = "deepspeed --num_gpus 2 example.py --pipeline-num-stages 2"
-    launched = _run(
-        [
-            sys.executable,
-            "-m",
-            "deepspeed.launcher.runner",
-            "--num_gpus",
-            "1",
-            "--master_port",
-            str(_free_port()),
-            "example.py",
-            "--pipeline-num-stages",
-            "2",
-        ],
-        timeout=120,
-    )
-    plain = _run([sys.executable, "example.py", "--pipeline-num-stages", "2"], timeout=120)
-    for result in (launched, plain):
+    launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port"]
+    commands = [
+        [*launcher, str(_free_port()), "example.py", "--pipeline-num-stages", "2"],
+        [sys.executable, "example.py", "--pipeline-num-stages", "2"],
+    ]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # two 1-process runs side by side, on 2 cores
+        results = list(pool.map(functools.partial(_run, timeout=120), commands))
+    for result in results:
         assert result.returncode != 0
         assert fix in result.stderr + result.stdout, result.stderr[-2000:]
         assert "needs a multiple of 2 processes" in result.stderr + result.stdout
