@@ -1251,7 +1251,8 @@ TRAIN_HEADS = 4
 TRAIN_MAX_SEQLEN = 512
 TRAIN_PEAK_SLOTS = 4096  # the peak padded B x S of both sides
 TRAIN_LR = 1e-3
-TRAIN_QUICK_SAMPLES, TRAIN_QUICK_TOKENS = 500, 3000  # --quick: a handful of steps per run
+TRAIN_HELD_OUT = 64
+TRAIN_QUICK_SAMPLES, TRAIN_QUICK_TOKENS, TRAIN_QUICK_HELD_OUT = 500, 1500, 16  # --quick: a step or two per run
 
 
 class TinyCausalLM(torch.nn.Module):
@@ -1352,7 +1353,7 @@ class _Side:
 def bench_training(quick: bool, results: dict) -> str:
     torch.manual_seed(0)
     samples, seqlens = _training_data(TRAIN_QUICK_SAMPLES if quick else 20_000, seed=3)
-    held_out, _ = _training_data(64, seed=4)
+    held_out, _ = _training_data(TRAIN_QUICK_HELD_OUT if quick else TRAIN_HELD_OUT, seed=4)
     token_target = TRAIN_QUICK_TOKENS if quick else 150_000
     fixed_batch_size = TRAIN_PEAK_SLOTS // TRAIN_MAX_SEQLEN  # B x longest possible sample = the peak
     reference_tokens = fixed_batch_size * float(seqlens.mean())  # the baseline's mean real tokens per step
@@ -1405,7 +1406,9 @@ def bench_training(quick: bool, results: dict) -> str:
     for side in sides:
         with torch.no_grad():
             side.model.eval()
-            eval_loss = float(np.mean([_loss(side.model, held_out[i : i + 8]).item() for i in range(0, 64, 8)]))
+            eval_loss = float(
+                np.mean([_loss(side.model, held_out[i : i + 8]).item() for i in range(0, len(held_out), 8)])
+            )
         rate = side.tokens / side.seconds
         ratio = rate / (baseline.tokens / baseline.seconds)
         rows.append(
@@ -1436,7 +1439,7 @@ def bench_training(quick: bool, results: dict) -> str:
         f"n x S <= {TRAIN_PEAK_SLOTS} (budget='padded', order='bucket'). Each run stops at the first "
         f"step that reaches {token_target:,} real tokens; time covers collation, forward, backward "
         "and the optimizer step; the runs are interleaved (the one with the fewest tokens steps "
-        "next). Loss: mean next-token cross-entropy on 64 held-out samples (ln 64 = 4.16 at chance). "
+        f"next). Loss: mean next-token cross-entropy on {len(held_out)} held-out samples (ln 64 = 4.16 at chance). "
         "The two token-budget runs do the same work (same batches, same model size): the gap between "
         "their times is this run's noise. For the same tokens the token budget takes fewer, larger "
         "optimizer steps, so its loss at a fixed token count depends on the LR rule (third row)."
