@@ -53,6 +53,7 @@ and where one is missing the section says so and leaves its row out.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import importlib.util
@@ -63,6 +64,7 @@ import platform
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import typing
 
@@ -78,6 +80,9 @@ _START = time.perf_counter()
 # Item 1: the lengths and budget of the planner-speed comparison.
 SPEED_MAX_TOKENS = 4096
 SPEED_MIN_SEQLEN, SPEED_MAX_SEQLEN = 10, 499
+DS_SIZES = (1000, 2000, 4000)  # DeepSpeed's planner beside varbatch's (1a)
+DS_TARGET_N = 2000  # the N of the speed targets (1a, 1c)
+DS_QUICK_SIZES = (250, 500)  # --quick: the same code paths at a fraction of the N^3 time; the targets at the last
 # Item 2: the long-tailed set (lognormal, mean ~365 tokens after clipping).
 PAD_MAX_TOKENS = 16384
 PAD_EFFECTIVE_BATCH_SIZE = 8
@@ -86,6 +91,8 @@ PAD_MIN_SEQLEN, PAD_MAX_SEQLEN = 8, 4096
 # DeepSpeed's planner is run on chunks of this many consecutive sequences of the
 # picking order: on the whole 200k-sequence set it would run for days (cubic).
 DS_CHUNK = 2000
+DS_QUICK_CHUNK = 500
+PAD_QUICK_N = 20_000  # --quick: the long-tailed set's size
 
 # varbatch's choices, read from its Literal types `_Order` and `_Budget` (in the tables' order).
 ORDERS = typing.get_args(varbatch._Order)
@@ -218,8 +225,9 @@ def _best_time(fn, repeats: int) -> float:
 # DeepSpeed's batch_by_seqlens re-validates every candidate prefix of every
 # micro-batch, so its time grows as N^3: a call can run for minutes. Each call
 # runs in a worker process under a SIGALRM cap (the planner is pure Python, so
-# the alarm interrupts it promptly); the parent also kills the worker if the
-# whole job list overruns. Importing DeepSpeed (~1 s) is not timed.
+# the alarm interrupts it promptly); the parent also kills the worker if a
+# whole job list overruns (the next list starts a new one). One worker serves
+# every section's job lists, so DeepSpeed is imported once (seconds; not timed).
 
 _DS_WORKER = r"""
 import json, signal, sys, time
@@ -239,46 +247,118 @@ except Exception as error:
 can_alarm = hasattr(signal, "setitimer")
 if can_alarm:
     signal.signal(signal.SIGALRM, _alarm)
-stopped_groups = set()
-arrays = {}
-for job in json.load(sys.stdin):
-    if job.get("group") in stopped_groups:  # a smaller job of its group hit the cap: this one would too
-        print(json.dumps({"times": [], "stopped": True, "skipped": True}), flush=True)
-        continue
-    if job["path"] not in arrays:
-        arrays[job["path"]] = np.load(job["path"])
-    lens = arrays[job["path"]][job["start"]:job["stop"]].tolist()
-    times, result, stopped, failed = [], None, False, None
-    for _ in range(job["repeats"]):
-        if can_alarm:
-            signal.setitimer(signal.ITIMER_REAL, job["cap"])
-        start = time.perf_counter()
-        try:
-            result = batch_by_seqlens(lens, job["max_tokens"], **job["kwargs"])
-        except _Cap:
-            stopped = True
-        except Exception as error:  # e.g. its assertion when a chunk makes fewer than k micro-batches
-            failed = f"{type(error).__name__}: {error}"
-            break
-        finally:
+for line in sys.stdin:  # one job list per line; its results, then an "end" line
+    stopped_groups = set()
+    arrays = {}
+    for job in json.loads(line):
+        if job.get("group") in stopped_groups:  # a smaller job of its group hit the cap: this one would too
+            print(json.dumps({"times": [], "stopped": True, "skipped": True}), flush=True)
+            continue
+        if job["path"] not in arrays:
+            arrays[job["path"]] = np.load(job["path"])
+        lens = arrays[job["path"]][job["start"]:job["stop"]].tolist()
+        times, result, stopped, failed = [], None, False, None
+        for _ in range(job["repeats"]):
             if can_alarm:
-                signal.setitimer(signal.ITIMER_REAL, 0)
-        times.append(time.perf_counter() - start)
-        if stopped:
-            break
-    out = {"times": times, "stopped": stopped}
-    if failed:
-        out["failed"] = failed
-    elif stopped:
-        stopped_groups.add(job.get("group"))
-    elif job.get("return_plan"):
-        out["microbatches"] = [[int(i) for i in ids] for _, ids in result[0]]
-    print(json.dumps(out), flush=True)
+                signal.setitimer(signal.ITIMER_REAL, job["cap"])
+            start = time.perf_counter()
+            try:
+                result = batch_by_seqlens(lens, job["max_tokens"], **job["kwargs"])
+            except _Cap:
+                stopped = True
+            except Exception as error:  # e.g. its assertion when a chunk makes fewer than k micro-batches
+                failed = f"{type(error).__name__}: {error}"
+                break
+            finally:
+                if can_alarm:
+                    signal.setitimer(signal.ITIMER_REAL, 0)
+            times.append(time.perf_counter() - start)
+            if stopped:
+                break
+        out = {"times": times, "stopped": stopped}
+        if failed:
+            out["failed"] = failed
+        elif stopped:
+            stopped_groups.add(job.get("group"))
+        elif job.get("return_plan"):
+            out["microbatches"] = [[int(i) for i in ids] for _, ids in result[0]]
+        print(json.dumps(out), flush=True)
+    print(json.dumps({"end": True}), flush=True)
 """
 
 
+class _DeepSpeedWorker:
+    """The worker process of every DeepSpeed job list of the run, started by the first."""
+
+    def __init__(self):
+        self.process = None
+        self.stderr = None
+        self.killed = False
+        self.unusable = None  # the worker's error line, where it could not import DeepSpeed
+
+    def _kill(self) -> None:
+        self.killed = True
+        self.process.kill()
+
+    def run(self, payload: list[dict], timeout: float) -> tuple[list[dict], str | None]:
+        """The worker's results for one job list, and why it ended before the list's end (None where it did
+        not, or where it was killed at ``timeout``; the next list then starts a new worker)."""
+        if self.unusable is not None:
+            return self.unusable, None
+        if self.process is not None and self.process.poll() is not None:
+            self.close()  # ended since the last list (killed as it finished)
+        if self.process is None:
+            self.stderr = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (open while the worker runs; see close)
+            self.process = subprocess.Popen(
+                [sys.executable, "-c", _DS_WORKER],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=self.stderr,
+                text=True,
+            )
+        self.killed = False
+        timer = threading.Timer(timeout, self._kill)
+        timer.start()
+        results = []
+        try:
+            self.process.stdin.write(json.dumps(payload) + "\n")
+            self.process.stdin.flush()
+            for line in self.process.stdout:
+                if not line.startswith("{"):
+                    continue
+                result = json.loads(line)
+                if result.get("end"):
+                    return results, None
+                results.append(result)
+                if "error" in result:
+                    self.unusable = [result]
+        except OSError:  # the worker is gone (it could not import DeepSpeed, or was killed)
+            pass
+        finally:
+            timer.cancel()
+        returncode = self.process.wait()
+        self.stderr.seek(0)
+        tail = self.stderr.read().strip().splitlines()[-1:] or ["no message"]
+        self.close()
+        if self.killed:
+            return results, None
+        return results, f"DeepSpeed worker failed (exit {returncode}: {tail[0]})"
+
+    def close(self) -> None:
+        """Ends the worker (it exits at the end of its input)."""
+        if self.process is not None:
+            with contextlib.suppress(OSError):  # it was killed with input unread
+                self.process.stdin.close()
+            self.process.wait()
+            self.stderr.close()
+            self.process = None
+
+
+_DEEPSPEED = _DeepSpeedWorker()
+
+
 def run_deepspeed(jobs: list[dict], arrays: dict[str, np.ndarray], timeout: float) -> list[dict] | str:
-    """Runs DeepSpeed's batch_by_seqlens on each job in one worker process.
+    """Runs DeepSpeed's batch_by_seqlens on each job in the run's worker process.
 
     Args:
         jobs: dicts with ``array`` (a key of ``arrays``), ``start``/``stop`` (the
@@ -288,7 +368,7 @@ def run_deepspeed(jobs: list[dict], arrays: dict[str, np.ndarray], timeout: floa
             optionally ``group`` (after a capped call the later jobs of its
             group are skipped) and ``return_plan``.
         arrays: the length arrays, by name.
-        timeout: seconds after which the whole worker is killed.
+        timeout: seconds after which the worker is killed (the jobs it did not reach count as stopped).
 
     Returns:
         One result dict per job (``times``, ``stopped``, ``skipped``,
@@ -302,25 +382,11 @@ def run_deepspeed(jobs: list[dict], arrays: dict[str, np.ndarray], timeout: floa
         payload = [dict(job, path=paths[job["array"]]) for job in jobs]
         for job in payload:
             job.pop("array")
-        try:
-            done = subprocess.run(
-                [sys.executable, "-c", _DS_WORKER],
-                input=json.dumps(payload),
-                capture_output=True,
-                text=True,
-                timeout=timeout,
-            )
-        except subprocess.TimeoutExpired as expired:
-            done = None
-            stdout = expired.stdout.decode() if isinstance(expired.stdout, bytes) else (expired.stdout or "")
-        else:
-            stdout = done.stdout
-    results = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+        results, failure = _DEEPSPEED.run(payload, timeout)
     if results and "error" in results[0]:
         return f"DeepSpeed not usable here ({results[0]['error']})"
-    if done is not None and done.returncode != 0 and len(results) < len(jobs):
-        tail = done.stderr.strip().splitlines()[-1:] or ["no message"]
-        return f"DeepSpeed worker failed (exit {done.returncode}: {tail[0]})"
+    if failure and len(results) < len(jobs):
+        return failure
     # Jobs the worker never reached (killed at `timeout`) count as stopped.
     results += [{"times": [], "stopped": True, "killed": True}] * (len(jobs) - len(results))
     return results
@@ -342,10 +408,16 @@ def _same_microbatches(ds_microbatches: list[list[int]], plan: varbatch.Plan) ->
     return text
 
 
+def _ds_target_n(quick: bool) -> int:
+    """The N of the speed targets: DeepSpeed beside varbatch in the default mode (1a) and every mode (1c)."""
+    return DS_QUICK_SIZES[-1] if quick else DS_TARGET_N
+
+
 def bench_speed(quick: bool, ds_cap: float, results: dict) -> str:
     """DeepSpeed vs varbatch at small N, then varbatch alone up to 10M (default mode)."""
     out = ["## 1. Planner speed and growth", ""]
-    ds_sizes = [1000, 2000] if quick else [1000, 2000, 4000]
+    ds_sizes = DS_QUICK_SIZES if quick else DS_SIZES
+    vb_repeats = 1 if quick else 7
     lengths = uniform_seqlens(max(ds_sizes))
     ds_jobs = [
         dict(
@@ -354,7 +426,7 @@ def bench_speed(quick: bool, ds_cap: float, results: dict) -> str:
             stop=n,
             max_tokens=SPEED_MAX_TOKENS,
             kwargs={},
-            repeats=3 if n <= 1000 else 1,
+            repeats=3 if n <= 1000 and not quick else 1,
             cap=ds_cap,
             group="default",
             return_plan=True,
@@ -366,7 +438,7 @@ def bench_speed(quick: bool, ds_cap: float, results: dict) -> str:
     rows, ds_points = [], []
     for i, n in enumerate(ds_sizes):
         seqlens = lengths[:n]
-        ours = _best_time(functools.partial(varbatch.plan_batches, seqlens, SPEED_MAX_TOKENS), 7)
+        ours = _best_time(functools.partial(varbatch.plan_batches, seqlens, SPEED_MAX_TOKENS), vb_repeats)
         plan = varbatch.plan_batches(seqlens, SPEED_MAX_TOKENS)
         ds_cell, ratio, same, runs, bound = "-", None, "-", "-", ""
         if not isinstance(ds, str):
@@ -389,7 +461,7 @@ def bench_speed(quick: bool, ds_cap: float, results: dict) -> str:
     out.append("")
     out.append(
         f"Uniform lengths {SPEED_MIN_SEQLEN}..{SPEED_MAX_SEQLEN} in random order, "
-        f"max_tokens={SPEED_MAX_TOKENS}. Best of the runs shown (varbatch: best of 7). "
+        f"max_tokens={SPEED_MAX_TOKENS}. Best of the runs shown (varbatch: best of {vb_repeats}). "
         "\"Same micro-batches\": how many of DeepSpeed's micro-batches equal varbatch's at the same "
         "position; in the last batch DeepSpeed never packs the final sample(s), varbatch packs "
         "every sample."
@@ -412,6 +484,8 @@ def bench_speed(quick: bool, ds_cap: float, results: dict) -> str:
         _progress(f"varbatch default mode, N={_fmt_n(n)}")
         seqlens = big[:n]
         repeats = 7 if n <= 100_000 else 3 if n <= 1_000_000 else 2
+        if quick:
+            repeats = 1
         sweep.append((n, _best_time(functools.partial(varbatch.plan_batches, seqlens, SPEED_MAX_TOKENS), repeats)))
     results["vb_points"] = sweep
     ns, ts = zip(*sweep)
@@ -468,7 +542,7 @@ def _all_modes():
 EPOCH_REPEATS = 3  # interleaved rounds per row; each side's fastest counts
 EPOCH_HEADLINE = (("free", "padded", "bucket"),)  # the recommended mode: the <= 1.0x rows, at k = 1 and 8
 EPOCH_SIZES = (1_000_000, 10_000_000)  # of the headline rows; every other mode at the first
-EPOCH_QUICK_SIZE = 100_000  # --quick: the headline rows only, at this N
+EPOCH_QUICK_SIZE = 10_000  # --quick: the headline rows only, at this N, one round
 
 
 def _sampler_kwargs(k: int, shape: str, budget: str, order: str) -> dict:
@@ -518,7 +592,7 @@ def _epoch_table(quick: bool, results: dict) -> str:
     rows_to_run = _epoch_rows(quick)
     lengths = long_tailed_seqlens(max(row[4] for row in rows_to_run), seed=7)
     batch_size = _plain_batch_size(lengths, PAD_MAX_TOKENS)
-    repeats = 2 if quick else EPOCH_REPEATS
+    repeats = 1 if quick else EPOCH_REPEATS
     rows = []
     for k, shape, budget, order, n, with_plan in rows_to_run:
         _progress(f"epoch: N={_fmt_n(n)} k={k} {shape} {budget} {order}, {repeats} interleaved rounds")
@@ -585,11 +659,12 @@ def _epoch_table(quick: bool, results: dict) -> str:
 
 
 def bench_modes(quick: bool, ds_cap: float, results: dict) -> str:
-    """Every mode: DeepSpeed vs varbatch at N=2000 (where DeepSpeed has the mode), then
-    varbatch alone at 1M and 10M (100k in --quick) with the growth between them, then
+    """Every mode: DeepSpeed vs varbatch at N=2000 (500 in --quick, where DeepSpeed has the mode), then
+    varbatch alone at 1M and 10M (10k in --quick) with the growth between them, then
     (1e) one epoch of the sampler against a plain BatchSampler epoch in every mode."""
-    out = ["### 1c. DeepSpeed vs varbatch at N=2,000, every mode DeepSpeed has (sum budget)", ""]
-    n_ds = 2000
+    n_ds = _ds_target_n(quick)
+    vb_repeats = 1 if quick else 7
+    out = [f"### 1c. DeepSpeed vs varbatch at N={n_ds:,}, every mode DeepSpeed has (sum budget)", ""]
     lengths = uniform_seqlens(n_ds)
     ds_modes = [
         (k, shape, order)
@@ -622,7 +697,7 @@ def bench_modes(quick: bool, ds_cap: float, results: dict) -> str:
     rows = []
     for i, (k, shape, order) in enumerate(ds_modes):
         kwargs = _mode_kwargs(k, shape, "sum", order)
-        ours = _best_time(functools.partial(varbatch.plan_batches, lengths, SPEED_MAX_TOKENS, **kwargs), 7)
+        ours = _best_time(functools.partial(varbatch.plan_batches, lengths, SPEED_MAX_TOKENS, **kwargs), vb_repeats)
         plan = varbatch.plan_batches(lengths, SPEED_MAX_TOKENS, **kwargs)
         ds_cell, ratio, same, bound = "-", None, "-", ""
         if not isinstance(ds, str):
@@ -634,7 +709,7 @@ def bench_modes(quick: bool, ds_cap: float, results: dict) -> str:
             else:
                 ds_cell, ratio = _fmt_time(r["times"][0]), r["times"][0] / ours
                 same = _same_microbatches(r["microbatches"], plan) if order != "random" else "-"
-        results.setdefault("mode_ratio_2000", {})[(k, shape, order)] = ratio
+        results.setdefault("mode_ratio", {})[(k, shape, order)] = ratio
         rows.append([k, shape, order, ds_cell, _fmt_time(ours), bound + _fmt_ratio(ratio), same])
     out.append(
         'Uniform lengths as in 1a; "same micro-batches" as in 1a (the random orders draw from '
@@ -643,7 +718,16 @@ def bench_modes(quick: bool, ds_cap: float, results: dict) -> str:
     out.append("")
     out.append(
         _table(
-            ["k", "shape", "order", "DeepSpeed (1 run)", "varbatch (best of 7)", "speed-up", "same micro-batches"], rows
+            [
+                "k",
+                "shape",
+                "order",
+                "DeepSpeed (1 run)",
+                f"varbatch (best of {vb_repeats})",
+                "speed-up",
+                "same micro-batches",
+            ],
+            rows,
         )
     )
     if isinstance(ds, str):
@@ -652,7 +736,7 @@ def bench_modes(quick: bool, ds_cap: float, results: dict) -> str:
     # Every mode at 1M; at 10M only the bucket order (the costliest: a shuffle, a
     # sort per window and a shuffle of the batches) of every k x shape x budget,
     # which keeps the full run to minutes.
-    small, large = (100_000, None) if quick else (1_000_000, 10_000_000)
+    small, large = (10_000, None) if quick else (1_000_000, 10_000_000)
     big = uniform_seqlens(large or small, seed=2)
     rows = []
     per_mode = {}
@@ -791,11 +875,11 @@ def _stats_row(name: str, order: str, budget: str, mode: str, stats: dict, total
 
 
 def _deepspeed_chunk_stats(
-    seqlens: np.ndarray, max_tokens: int, k: int, num_chunks: int, ds_cap: float, seed: int = 0
+    seqlens: np.ndarray, max_tokens: int, k: int, num_chunks: int, chunk_size: int, ds_cap: float, seed: int = 0
 ) -> dict | str:
     """DeepSpeed's plan on evenly spaced chunks of consecutive sequences of each picking order.
 
-    A chunk holds `DS_CHUNK` sequences, or more where those hold fewer than
+    A chunk holds ``chunk_size`` sequences, or more where those hold fewer than
     ``(k + 2) x max_tokens`` tokens (the short end of the seqlen order): DeepSpeed
     refuses a list that makes fewer than k micro-batches. Chunks of the seqlen
     order are slices of the globally sorted order (DeepSpeed's own sort of such a
@@ -808,7 +892,7 @@ def _deepspeed_chunk_stats(
     chunks = {}  # source -> [(start, stop)]
     for source, ids in sources.items():
         cumulative = np.concatenate([[0], np.cumsum(seqlens[ids])])
-        chunk = min(DS_CHUNK, n)
+        chunk = min(chunk_size, n)
         spans = []
         # Chunk i is centred on quantile (i + 1/2) / num_chunks of the order.
         centres = (np.arange(num_chunks) + 0.5) * n / num_chunks
@@ -875,7 +959,14 @@ def _deepspeed_chunk_stats(
 
 
 def _padding_table(
-    seqlens: np.ndarray, max_tokens: int, k: int, num_chunks: int, ds_cap: float, results: dict | None, label: str
+    seqlens: np.ndarray,
+    max_tokens: int,
+    k: int,
+    num_chunks: int,
+    chunk_size: int,
+    ds_cap: float,
+    results: dict | None,
+    label: str,
 ) -> str:
     n = len(seqlens)
     headers = [
@@ -893,8 +984,8 @@ def _padding_table(
         "plan time",
     ]
     rows = []
-    _progress(f"padding [{label}]: DeepSpeed on {num_chunks} chunks of {min(DS_CHUNK, n)} per setting")
-    ds = _deepspeed_chunk_stats(seqlens, max_tokens, k, num_chunks, ds_cap)
+    _progress(f"padding [{label}]: DeepSpeed on {num_chunks} chunks of {min(chunk_size, n)} per setting")
+    ds = _deepspeed_chunk_stats(seqlens, max_tokens, k, num_chunks, chunk_size, ds_cap)
     if not isinstance(ds, str):
         for (order, pipeline), stats in ds.items():
             mode = "pipeline" if pipeline else "DDP"
@@ -1046,8 +1137,9 @@ def _randomness_table(quick: bool, results: dict) -> str:
 
 
 def bench_padding(quick: bool, ds_cap: float, results: dict) -> str:
-    n = 20_000 if quick else 200_000
+    n = PAD_QUICK_N if quick else 200_000
     num_chunks = 1 if quick else 10
+    chunk_size = DS_QUICK_CHUNK if quick else DS_CHUNK
     seqlens = long_tailed_seqlens(n)
     out = ["## 2. Padding efficiency and budget overshoot", ""]
     out.append(
@@ -1065,21 +1157,21 @@ def bench_padding(quick: bool, ds_cap: float, results: dict) -> str:
     )
     out.append("")
     table = _padding_table(
-        seqlens, PAD_MAX_TOKENS, PAD_EFFECTIVE_BATCH_SIZE, num_chunks, ds_cap, results, "long-tailed"
+        seqlens, PAD_MAX_TOKENS, PAD_EFFECTIVE_BATCH_SIZE, num_chunks, chunk_size, ds_cap, results, "long-tailed"
     )
     # What one DeepSpeed call on the whole set would cost, from its measured chunk time and N^3 growth.
     cost = ""
     measured = results.get("padding", {}).get(("DeepSpeed", "dataloader", "sum", "DDP"))
     if measured and measured.get("chunks"):
         per_chunk = measured["seconds"] / measured["chunks"]
-        whole = per_chunk * (n / DS_CHUNK) ** 3
+        whole = per_chunk * (n / chunk_size) ** 3
         cost = (
-            f" ({_fmt_time(per_chunk)} per chunk of {DS_CHUNK} in DDP mode here; at N^3 one call on "
+            f" ({_fmt_time(per_chunk)} per chunk of {chunk_size} in DDP mode here; at N^3 one call on "
             f"all {n:,} would take ~{_fmt_duration(whole)})"
         )
     out.append(
         f"DeepSpeed's planner cannot plan {n:,} sequences in one call{cost}, so it is run on "
-        f"{num_chunks} evenly spaced chunk{'s' if num_chunks > 1 else ''} of {DS_CHUNK} consecutive "
+        f"{num_chunks} evenly spaced chunk{'s' if num_chunks > 1 else ''} of {chunk_size} consecutive "
         f"sequences of each picking order (more where those hold too few tokens for "
         f"{PAD_EFFECTIVE_BATCH_SIZE} micro-batches, at the short end of the seqlen order; for "
         "`seqlen`, the chunks are slices of the globally sorted order; for `random`, DeepSpeed "
@@ -1135,6 +1227,7 @@ def bench_padding(quick: bool, ds_cap: float, results: dict) -> str:
             SPEED_MAX_TOKENS,
             PAD_EFFECTIVE_BATCH_SIZE,
             1 if quick else 2,
+            chunk_size,
             ds_cap,
             results.setdefault("uniform", {}),
             "uniform",
@@ -1158,6 +1251,8 @@ TRAIN_HEADS = 4
 TRAIN_MAX_SEQLEN = 512
 TRAIN_PEAK_SLOTS = 4096  # the peak padded B x S of both sides
 TRAIN_LR = 1e-3
+TRAIN_HELD_OUT = 64
+TRAIN_QUICK_SAMPLES, TRAIN_QUICK_TOKENS, TRAIN_QUICK_HELD_OUT = 500, 1500, 16  # --quick: a step or two per run
 
 
 class TinyCausalLM(torch.nn.Module):
@@ -1257,9 +1352,9 @@ class _Side:
 
 def bench_training(quick: bool, results: dict) -> str:
     torch.manual_seed(0)
-    samples, seqlens = _training_data(2000 if quick else 20_000, seed=3)
-    held_out, _ = _training_data(64, seed=4)
-    token_target = 30_000 if quick else 150_000
+    samples, seqlens = _training_data(TRAIN_QUICK_SAMPLES if quick else 20_000, seed=3)
+    held_out, _ = _training_data(TRAIN_QUICK_HELD_OUT if quick else TRAIN_HELD_OUT, seed=4)
+    token_target = TRAIN_QUICK_TOKENS if quick else 150_000
     fixed_batch_size = TRAIN_PEAK_SLOTS // TRAIN_MAX_SEQLEN  # B x longest possible sample = the peak
     reference_tokens = fixed_batch_size * float(seqlens.mean())  # the baseline's mean real tokens per step
 
@@ -1311,7 +1406,9 @@ def bench_training(quick: bool, results: dict) -> str:
     for side in sides:
         with torch.no_grad():
             side.model.eval()
-            eval_loss = float(np.mean([_loss(side.model, held_out[i : i + 8]).item() for i in range(0, 64, 8)]))
+            eval_loss = float(
+                np.mean([_loss(side.model, held_out[i : i + 8]).item() for i in range(0, len(held_out), 8)])
+            )
         rate = side.tokens / side.seconds
         ratio = rate / (baseline.tokens / baseline.seconds)
         rows.append(
@@ -1342,7 +1439,7 @@ def bench_training(quick: bool, results: dict) -> str:
         f"n x S <= {TRAIN_PEAK_SLOTS} (budget='padded', order='bucket'). Each run stops at the first "
         f"step that reaches {token_target:,} real tokens; time covers collation, forward, backward "
         "and the optimizer step; the runs are interleaved (the one with the fewest tokens steps "
-        "next). Loss: mean next-token cross-entropy on 64 held-out samples (ln 64 = 4.16 at chance). "
+        f"next). Loss: mean next-token cross-entropy on {len(held_out)} held-out samples (ln 64 = 4.16 at chance). "
         "The two token-budget runs do the same work (same batches, same model size): the gap between "
         "their times is this run's noise. For the same tokens the token budget takes fewer, larger "
         "optimizer steps, so its loss at a fixed token count depends on the LR rule (third row)."
@@ -1380,13 +1477,14 @@ def bench_training(quick: bool, results: dict) -> str:
 MEMORY_TARGET_BYTES = 16  # per sample, added by planning one epoch (issue 19)
 MEMORY_FAR_N = 100_000_000  # the 100M extrapolation, and the full run's one plan of that many lengths
 MEMORY_FAR_SECONDS = 10.0
+MEMORY_QUICK_N = 100_000  # --quick: both modes at this N, in one process
 MEMORY_LENGTHS_CHUNK = 10_000_000  # lengths are drawn in chunks of this many (a float64 temporary each)
 
 _PEAK_WORKER = r"""
 import json, sys
 sys.path.insert(0, sys.argv[1])
 import bench
-print(json.dumps(bench._peak_job(json.loads(sys.argv[2]))), flush=True)
+print(json.dumps([bench._peak_job(job) for job in json.loads(sys.argv[2])]), flush=True)
 """
 
 
@@ -1463,20 +1561,25 @@ def _peak_job(job: dict) -> dict:
     )
 
 
-def _run_peak_job(job: dict, timeout: float = 600) -> dict | str:
-    """`_peak_job` in a fresh process: its result, or why it failed."""
+def _run_peak_jobs(jobs: list[dict], timeout: float = 600) -> list[dict | str]:
+    """`_peak_job` of each job, one after another in one fresh process: each result, or why the process failed."""
     try:
         done = subprocess.run(
-            [sys.executable, "-c", _PEAK_WORKER, _HERE, json.dumps(job)],
+            [sys.executable, "-c", _PEAK_WORKER, _HERE, json.dumps(jobs)],
             capture_output=True,
             text=True,
             timeout=timeout,
         )
     except subprocess.TimeoutExpired:
-        return f"stopped after {timeout:g} s"
+        return [f"stopped after {timeout:g} s"] * len(jobs)
     if done.returncode != 0:
-        return f"failed (exit {done.returncode}: {(done.stderr.strip().splitlines() or ['?'])[-1]})"
+        return [f"failed (exit {done.returncode}: {(done.stderr.strip().splitlines() or ['?'])[-1]})"] * len(jobs)
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _run_peak_job(job: dict, timeout: float = 600) -> dict | str:
+    """`_peak_job` in a fresh process: its result, or why it failed."""
+    return _run_peak_jobs([job], timeout)[0]
 
 
 def _mib(num_bytes: int | None) -> str:
@@ -1550,7 +1653,7 @@ def bench_memory(quick: bool, results: dict) -> str:
     """Peak bytes per sample that planning one epoch adds, at 10M in a fresh process; 100M once if memory allows."""
     if not os.path.exists("/proc/self/clear_refs") and importlib.util.find_spec("resource") is None:
         return "## 4. Memory\n\nNot measured: neither /proc (Linux) nor the resource module (POSIX) is here."
-    n = 1_000_000 if quick else 10_000_000
+    n = MEMORY_QUICK_N if quick else 10_000_000
     modes = [
         ("k=1, free, sum, dataloader", dict()),
         (
@@ -1558,11 +1661,17 @@ def bench_memory(quick: bool, results: dict) -> str:
             dict(effective_batch_size=8, budget="padded", order="bucket", same_size=True, same_length=True),
         ),
     ]
+    jobs = {
+        name: dict(what="plan", lengths="uniform", n=n, max_tokens=SPEED_MAX_TOKENS, kwargs=kwargs)
+        for name, kwargs in modes
+    }
+    groups = [list(jobs)] if quick else [[name] for name in jobs]  # --quick: one process for both
+    measured = {}
+    for names in groups:
+        _progress(f"memory: planning {_fmt_n(n)} sequences ({'; '.join(names)}) in a subprocess")
+        measured.update(zip(names, _run_peak_jobs([jobs[name] for name in names])))
     rows = []
-    for name, kwargs in modes:
-        _progress(f"memory: planning {_fmt_n(n)} sequences ({name}) in a subprocess")
-        job = dict(what="plan", lengths="uniform", n=n, max_tokens=SPEED_MAX_TOKENS, kwargs=kwargs)
-        r = _run_peak_job(job)
+    for name, r in measured.items():
         if isinstance(r, str):
             rows.append([name, _fmt_n(n), r] + ["-"] * 6)
             continue
@@ -1585,6 +1694,8 @@ def bench_memory(quick: bool, results: dict) -> str:
         f"every rank of a node would add. Target: at most {MEMORY_TARGET_BYTES} bytes per sample (at 10M), and "
         f"{_fmt_n(MEMORY_FAR_N)} lengths planned in at most {MEMORY_FAR_SECONDS:g} s. {far_note}"
     )
+    if quick:
+        out[-1] += " --quick plans both modes in one process, the second after the first."
     out.append("")
     out.append(
         _table(
@@ -1636,7 +1747,7 @@ def _step_times(loader, sampler: varbatch.VariableBatchSampler) -> np.ndarray:
 
 def bench_datapath(quick: bool, results: dict) -> str:
     """varbatch's loader and collate vs a plain DataLoader on the same batches, per step and per 65k tokens."""
-    n, repeats = (4000, 7) if quick else (20_000, 15)
+    n, repeats = (1000, 1) if quick else (20_000, 15)
     seqlens = long_tailed_seqlens(n, seed=6)
     generator = torch.Generator().manual_seed(6)
     dataset = [torch.randint(0, DATA_VOCAB, (int(length),), generator=generator) for length in seqlens]
@@ -1713,7 +1824,8 @@ def bench_datapath(quick: bool, results: dict) -> str:
 # timed: what a user's code already has), the sampler over them (timed with the
 # first epoch), one epoch's micro-batches, and the sample ids of one of them.
 
-PEERS_SIZES = (1_000_000, 2000)  # memory is measured at the first; --quick runs the last only
+PEERS_SIZES = (1_000_000, 2000)  # memory is measured at the first
+PEERS_QUICK_SIZE = 200  # --quick: this N only
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1917,7 +2029,7 @@ def _peer_rows(peers: dict, n: int, with_memory: bool, results: dict) -> list[li
 
 def bench_peers(quick: bool, results: dict) -> str:
     """varbatch beside lhotse's DynamicBucketingSampler and HF's LengthGroupedSampler, when installed."""
-    sizes = (PEERS_SIZES[-1],) if quick else PEERS_SIZES
+    sizes = (PEERS_QUICK_SIZE,) if quick else PEERS_SIZES
     notes = {key: _missing(peer.needs) for key, peer in PEERS.items()}
     peers = {key: peer for key, peer in PEERS.items() if notes[key] is None}
     rows = []
@@ -2094,20 +2206,21 @@ def _peer_targets(results: dict) -> list[list]:
 
 def targets_table(results: dict, quick: bool) -> str:
     rows = []
-    ratio, bound = results.get("speed_ratio", {}).get(2000, (None, ""))
+    n_ds = _ds_target_n(quick)
+    ratio, bound = results.get("speed_ratio", {}).get(n_ds, (None, ""))
     rows.append(
         [
-            ">= 100x DeepSpeed's speed at N=2,000 (default mode)",
+            f">= 100x DeepSpeed's speed at N={n_ds:,} (default mode)",
             bound + _fmt_ratio(ratio),
             _check(None if ratio is None else ratio >= 100),
         ]
     )
-    mode_ratios = {m: r for m, r in results.get("mode_ratio_2000", {}).items() if r is not None}
+    mode_ratios = {m: r for m, r in results.get("mode_ratio", {}).items() if r is not None}
     if mode_ratios:
         worst_mode, worst = min(mode_ratios.items(), key=lambda item: item[1])
         rows.append(
             [
-                ">= 100x at N=2,000, slowest of DeepSpeed's modes (1c)",
+                f">= 100x at N={n_ds:,}, slowest of DeepSpeed's modes (1c)",
                 f"{_fmt_ratio(worst)} (k={worst_mode[0]}, {worst_mode[1]}, {worst_mode[2]})",
                 _check(worst >= 100),
             ]
@@ -2162,8 +2275,9 @@ def targets_table(results: dict, quick: bool) -> str:
     rows += _memory_targets(results, quick)
     rows += _peer_targets(results)
     note = (
-        " (--quick: smaller sizes, so the 1M/10M rows are absent, the padding rows use 20k sequences, the "
-        "epoch rows 100k, memory 1M, randomness and the peers 2,000 only)"
+        f" (--quick: smaller sizes, so the 1M/10M rows are absent, DeepSpeed's rows use {DS_QUICK_SIZES[-1]:,} "
+        f"sequences, the padding rows {_fmt_n(PAD_QUICK_N)}, the epoch rows {_fmt_n(EPOCH_QUICK_SIZE)}, memory "
+        f"{_fmt_n(MEMORY_QUICK_N)}, randomness {RANDOMNESS_SIZES[0]:,} only and the peers {PEERS_QUICK_SIZE:,})"
         if quick
         else ""
     )
@@ -2217,6 +2331,7 @@ def main(argv=None) -> int:
         print(bench_modes(args.quick, ds_cap, results) + "\n", flush=True)
     if "padding" in sections:
         print(bench_padding(args.quick, ds_cap, results) + "\n", flush=True)
+    _DEEPSPEED.close()  # the last section that uses it: its memory is free again for training and memory
     if "training" in sections:
         print(bench_training(args.quick, results) + "\n", flush=True)
     if "memory" in sections:
