@@ -816,6 +816,32 @@ def test_plans_do_not_depend_on_the_chunk_size(case, chunk):
     }
 
 
+@given(
+    seqlens=st.lists(st.integers(1, 40), max_size=300),
+    order=st.sampled_from(["random", "bucket"]),
+    seed=st.integers(0, 2**32 - 1),
+    dtype=st.sampled_from([np.int32, np.int64]),
+    bucket_size=st.one_of(st.none(), st.integers(1, 50)),
+)
+@example(seqlens=[], order="random", seed=0, dtype=np.int32, bucket_size=None)
+def test_random_orders_shuffle_in_place_as_the_permutation(seqlens, order, seed, dtype, bucket_size):
+    """The random orders shuffle the ids in place (NOTE [a shuffle in place is the permutation]): the order, and the
+    generator's state after it, are those of ``ids[rng.permutation(len(ids))]`` then the windows' sort."""
+    lens = np.asarray(seqlens, np.int64)
+    ids = np.arange(len(lens), dtype=dtype)[::-1].copy()  # not the positions themselves
+    settings_ = varbatch._Settings(max_tokens=64, order=order, bucket_size=bucket_size)
+    rng_expected = np.random.default_rng(seed)
+    expected = ids[rng_expected.permutation(len(ids))]
+    if order == "bucket":
+        window = varbatch._bucket_window(lens, ids, settings_)
+        expected = varbatch._sorted_windows(lens, expected, window)
+    rng = np.random.default_rng(seed)
+    got = varbatch._picking_order(lens, ids.copy(), settings_, rng)
+    assert got.dtype == dtype
+    assert got.tolist() == expected.tolist()
+    assert rng.integers(0, 2**62) == rng_expected.integers(0, 2**62)
+
+
 # =============================================================================
 # 2. Order
 # =============================================================================

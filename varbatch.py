@@ -542,14 +542,23 @@ def _sorted_windows(seqlens: np.ndarray, shuffled: np.ndarray, window: int) -> n
     return shuffled
 
 
+# NOTE [a shuffle in place is the permutation]: the random orders are ``ids[rng.permutation(len(ids))]``
+# (the plans of earlier versions). numpy's ``permutation(n)`` is ``arange(n)`` put through
+# ``shuffle``, and ``shuffle`` is a Fisher-Yates walk whose swaps depend only on the length and
+# the generator, not on the values or their dtype. The same swaps applied to ``ids`` itself give
+# ``ids[permutation]`` and leave the generator in the same state, with no int64 permutation and
+# no gather (checked on thousands of seeds and sizes, 0 to 3M; a test compares the two).
+
+
 def _picking_order(seqlens: np.ndarray, ids: np.ndarray, settings: _Settings, rng: np.random.Generator) -> np.ndarray:
-    """``ids`` in the order in which the packer picks them."""
+    """``ids`` in the order in which the packer picks them; the random orders shuffle ``ids`` itself, in place."""
     if settings.order == "dataloader":
         return ids
     if settings.order == "seqlen":  # ties by id, whatever the order of `ids` (as DeepSpeed's sort of (len, id))
         ascending = ids if (ids[1:] > ids[:-1]).all() else np.sort(ids)
         return ascending[_stable_argsort(seqlens[ascending])]
-    shuffled = ids[rng.permutation(len(ids))]
+    shuffled = ids  # see NOTE [a shuffle in place is the permutation]
+    rng.shuffle(shuffled)
     if settings.order == "random":
         return shuffled
     return _sorted_windows(seqlens, shuffled, _bucket_window(seqlens, ids, settings))
@@ -948,8 +957,8 @@ def _picked(
 ) -> tuple[np.ndarray, np.ndarray]:
     """The packable ids in picking order (int32 where they fit), and the over-long ids (see `_overlong`).
 
-    Nothing N-sized is kept but the result: an epoch's planning peaks here, at
-    the ids, the permutation of the random orders and the ids it orders.
+    Nothing N-sized is kept but the result; the random orders shuffle the ids made
+    here in place (`_picking_order`), so no permutation of them is made.
     """
     dtype = _index_dtype(len(seqlens))
     if sample_ids is None:
