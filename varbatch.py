@@ -557,11 +557,12 @@ def _picking_order(seqlens: np.ndarray, ids: np.ndarray, settings: _Settings, rn
     if settings.order == "seqlen":  # ties by id, whatever the order of `ids` (as DeepSpeed's sort of (len, id))
         ascending = ids if (ids[1:] > ids[:-1]).all() else np.sort(ids)
         return ascending[_stable_argsort(seqlens[ascending])]
-    shuffled = ids  # see NOTE [a shuffle in place is the permutation]
-    rng.shuffle(shuffled)
     if settings.order == "random":
-        return shuffled
-    return _sorted_windows(seqlens, shuffled, _bucket_window(seqlens, ids, settings))
+        rng.shuffle(ids)  # see NOTE [a shuffle in place is the permutation]
+        return ids
+    window = _bucket_window(seqlens, ids, settings)  # before the shuffle: it reads the seqlens in id order
+    rng.shuffle(ids)
+    return _sorted_windows(seqlens, ids, window)
 
 
 # The cost of a micro-batch of n samples, which max_tokens bounds: the sum of their seqlens
@@ -579,7 +580,8 @@ def _picking_order(seqlens: np.ndarray, ids: np.ndarray, settings: _Settings, rn
 # - budget "padded" (one sample per micro-batch's S): sample j fits a micro-batch of at most
 #   c_j = max_tokens // L[j] samples, so position e can join iff e - i + 1 <= c_j for every j in
 #   [i, e]: e(i) = min over j >= i of max(j, i + c_j). Let d_j = j - c_j and J(i) the first j with
-#   d_j >= i (every j < i has d_j < i, as c_j >= 1, so J(i) = searchsorted(running max of d, i)).
+#   d_j >= i (every j < i has d_j < i, as c_j >= 1, so J(i) is the first j whose running max of d
+#   reaches i: the count of running maxima below i, as they are sorted; len(L) where none).
 #   For j in [i, J(i)), d_j < i makes max(j, i + c_j) = i + c_j; j = J(i) gives J(i) (i + c_j <= j);
 #   every j > J(i) gives at least j > J(i). So e(i) = min(J(i), i + min(c[i:J(i)])): a range
 #   minimum, which `_range_minima` answers from minima over windows of 2**k.
@@ -622,7 +624,8 @@ def _fitting_rows(lens: np.ndarray, count: int, reach: int, settings: _Settings)
         return np.minimum(ends - here, reach)
     most = np.minimum(settings.max_tokens // lens, reach)  # c_j, clipped
     late = np.maximum.accumulate(np.arange(len(lens)) - most)  # the running max of d_j = j - c_j
-    stops = np.searchsorted(late, here, side="left")  # J(i), len(lens) where none
+    # J(i) = #{j : late[j] < i} (late is sorted): late + 1 counted into bins 0..count, then summed up to i
+    stops = np.cumsum(np.bincount(np.clip(late + 1, 0, count), minlength=count + 1))[:count]
     return np.minimum(stops, here + _range_minima(most, here, stops)) - here
 
 
