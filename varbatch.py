@@ -690,8 +690,10 @@ def _prefix_costs(lens: np.ndarray, settings: _Settings) -> np.ndarray:
 #   its longest <= max_tokens) iff n x the longest of all of them does. Row r's longest is
 #   M(p + r*w), M(q) = max(L[q : q + w]) (`_window_extrema`), so n(p) is the greedy rule of one
 #   micro-batch along M(p), M(p + w), ...: g over the M.
-# Either way n(p) is at most the greedy count, and "the first n fit" holds up to it, then not,
-# so min(n(p), rows left) is what checking the rows of the block one by one would find.
+# Either way whether the first n rows fit is True up to n(p), then False (every micro-batch's cost
+# grows with n), so min(n(p), rows left) is what checking the block's rows one by one finds (a
+# column may run a sample past the block's whole rows: the min drops it). n(p) is capped at
+# `reach` as in the single case, and M exists only where a whole row starts (q + w <= len(L)).
 
 
 def _window_extrema(values: np.ndarray, width: int, extremum: np.ufunc) -> np.ndarray:
