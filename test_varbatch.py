@@ -816,6 +816,86 @@ def test_plans_do_not_depend_on_the_chunk_size(case, chunk):
     }
 
 
+@given(
+    seqlens=st.lists(st.integers(1, 40), max_size=300),
+    order=st.sampled_from(["random", "bucket"]),
+    seed=st.integers(0, 2**32 - 1),
+    dtype=st.sampled_from([np.int32, np.int64]),
+    bucket_size=st.one_of(st.none(), st.integers(1, 50)),
+)
+@example(seqlens=[], order="random", seed=0, dtype=np.int32, bucket_size=None)
+def test_random_orders_shuffle_in_place_as_the_permutation(seqlens, order, seed, dtype, bucket_size):
+    """The random orders shuffle the ids in place (NOTE [a shuffle in place is the permutation]): the order, and the
+    generator's state after it, are those of ``ids[rng.permutation(len(ids))]`` then the windows' sort."""
+    lens = np.asarray(seqlens, np.int64)
+    ids = np.arange(len(lens), dtype=dtype)[::-1].copy()  # not the positions themselves
+    settings_ = varbatch._Settings(max_tokens=64, order=order, bucket_size=bucket_size)
+    rng_expected = np.random.default_rng(seed)
+    expected = ids[rng_expected.permutation(len(ids))]
+    if order == "bucket":
+        window = varbatch._bucket_window(lens, ids, settings_)
+        expected = varbatch._sorted_windows(lens, expected, window)
+    rng = np.random.default_rng(seed)
+    got = varbatch._picking_order(lens, ids.copy(), settings_, rng)
+    assert got.dtype == dtype
+    assert got.tolist() == expected.tolist()
+    assert rng.integers(0, 2**62) == rng_expected.integers(0, 2**62)
+
+
+def _interleaved_fit_by_rows(lens, start, rows_left, width, group, max_tokens, budget):
+    """The most rows n <= rows_left of the interleaved block at start whose micro-batches all fit, row by row:
+    micro-batch b holds lens[start + r*width + b] for r < n; under "padded" it costs n x the longest of its group."""
+    best = 0
+    for n in range(1, rows_left + 1):
+        columns = [[lens[start + r * width + b] for r in range(n)] for b in range(width)]
+        if budget == "sum":
+            costs = [sum(column) for column in columns]
+        else:
+            costs = [n * max(max(columns[b]) for b in range(g, g + group)) for g in range(0, width, group)]
+        if max(costs) > max_tokens:
+            break
+        best = n
+    return best
+
+
+@given(
+    data=st.data(),
+    width=st.sampled_from([2, 3, 4, 6]),
+    budget=st.sampled_from(BUDGETS),
+    max_tokens=st.integers(1, 40),
+    max_batch_size=st.one_of(st.none(), st.integers(1, 6)),
+)
+@example(data=None, width=2, budget="padded", max_tokens=10, max_batch_size=None)  # None: lens below
+def test_vectorized_interleaved_blocks_match_the_row_by_row_check(data, width, budget, max_tokens, max_batch_size):
+    """`_interleaved_fits` (NOTE [interleaved blocks, vectorized]) finds, from any position and any first
+    position of a chunk, the rows the block's micro-batches fit checked row by row, for either budget and any
+    padding group of the block's micro-batches."""
+    if data is None:
+        lens, group, first = [5, 1, 1, 1, 6, 2, 1, 9], 1, 0
+    else:
+        lens = data.draw(st.lists(st.integers(1, max_tokens), min_size=width, max_size=60))
+        group = data.draw(st.sampled_from([g for g in range(1, width + 1) if width % g == 0]))
+        first = data.draw(st.integers(0, len(lens) - width))
+    settings_ = varbatch._Settings(
+        max_tokens=max_tokens,
+        budget=budget,
+        effective_batch_size=width,
+        micro_batch_size=group,
+        same_size=True,
+        max_batch_size=max_batch_size,
+    )
+    assert (settings_.unit_width, settings_.padding_group) == (width, group)
+    total = len(lens)
+    cap = max_batch_size or total
+    reach = max(1, min(cap, max_tokens // min(lens), total // width))
+    count = total - width + 1 - first
+    most = varbatch._interleaved_fits(np.asarray(lens, np.int32), first, count, reach, settings_)
+    for start in range(first, total - width + 1):
+        rows_left = min((total - start) // width, cap)
+        expected = _interleaved_fit_by_rows(lens, start, rows_left, width, group, max_tokens, budget)
+        assert min(int(most[start - first]), rows_left) == expected, f"position {start}"
+
+
 # =============================================================================
 # 2. Order
 # =============================================================================
