@@ -7136,9 +7136,7 @@ COMMON = textwrap.dedent("""
         RECORDS.append([int(epoch), int(step), [int(v) - 1 for v in batch[0][:, 0].tolist()], float(lr)])
 
     def save(rank, **extra):
-        path = os.path.join(OUT, f"rank{rank}.json")
-        old = json.load(open(path))["records"] if os.path.exists(path) and OPTS.get("append") else []
-        json.dump(dict(records=old + RECORDS, **extra), open(path, "w"))
+        json.dump(dict(records=RECORDS, **extra), open(os.path.join(OUT, f"rank{rank}.json"), "w"))
 """)
 
 DDP = COMMON + textwrap.dedent("""
@@ -7164,37 +7162,53 @@ DDP = COMMON + textwrap.dedent("""
 
 ACCELERATE = COMMON + textwrap.dedent("""
     from accelerate import Accelerator, DataLoaderConfiguration
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=GAS, dataloader_config=DataLoaderConfiguration(
-        split_batches=OPTS.get("split_batches", False), dispatch_batches=OPTS.get("dispatch_batches"),
-        even_batches=OPTS.get("even_batches", True)))
-    rank = accelerator.process_index
-    sampler = make_sampler()
-    loader = varbatch.make_dataloader(Data(), sampler, collate_fn=varbatch.PaddedCollate())
-    model, optimizer = model_and_optimizer()
-    raw_optimizer = optimizer
-    scheduler = varbatch.VariableBatchSizeLR(optimizer, "mean", sampler)
-    try:
-        if OPTS.get("prepare_scheduler"):
-            model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
-        else:
-            model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-        for epoch in range(EPOCHS):
-            loader.set_epoch(epoch)
-            step = 0
-            for batch in loader:
-                with accelerator.accumulate(model):
-                    record(epoch, step, batch, raw_optimizer.param_groups[0]["lr"])
-                    accelerator.backward(loss_of(model, batch))
-                    optimizer.step()
-                    if OPTS.get("prepare_scheduler") or accelerator.sync_gradients:
-                        scheduler.step()
-                    optimizer.zero_grad()
-                step += accelerator.sync_gradients
-    except Exception as error:
-        save(rank, error=f"{type(error).__name__}: {error}")
-        raise
-    save(rank)
+
+    def train(opts):
+        accelerator = Accelerator(cpu=True, gradient_accumulation_steps=GAS, dataloader_config=DataLoaderConfiguration(
+            split_batches=opts.get("split_batches", False), dispatch_batches=opts.get("dispatch_batches"),
+            even_batches=opts.get("even_batches", True)))
+        rank = accelerator.process_index
+        sampler = make_sampler()
+        loader = varbatch.make_dataloader(Data(), sampler, collate_fn=varbatch.PaddedCollate())
+        model, optimizer = model_and_optimizer()
+        raw_optimizer = optimizer
+        scheduler = varbatch.VariableBatchSizeLR(optimizer, "mean", sampler)
+        try:
+            if opts.get("prepare_scheduler"):
+                model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+            else:
+                model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+            for epoch in range(EPOCHS):
+                loader.set_epoch(epoch)
+                step = 0
+                for batch in loader:
+                    with accelerator.accumulate(model):
+                        record(epoch, step, batch, raw_optimizer.param_groups[0]["lr"])
+                        accelerator.backward(loss_of(model, batch))
+                        optimizer.step()
+                        if opts.get("prepare_scheduler") or accelerator.sync_gradients:
+                            scheduler.step()
+                        optimizer.zero_grad()
+                    step += accelerator.sync_gradients
+        except Exception as error:
+            save(rank, error=f"{type(error).__name__}: {error}")
+            raise
+        save(rank)
+
+    # OPTS["runs"]: [name, options] of runs one after another in these processes (one start-up for all), each saving
+    # into OUT/name. A run that raised goes on to the next only with "in_step" (every rank raised at the same step).
+    BASE = OUT
+    for name, opts in OPTS.get("runs", [["", OPTS]]):
+        MBS, GAS, OUT = opts.get("mbs", 1), opts.get("gas", 1), os.path.join(BASE, name)
+        os.makedirs(OUT, exist_ok=True)
+        RECORDS.clear()
+        try:
+            train(opts)
+        except Exception:
+            if not opts.get("in_step"):
+                raise
 """)
+
 
 LIGHTNING = COMMON + textwrap.dedent("""
     import pytorch_lightning as pl
@@ -7241,20 +7255,22 @@ STATEFUL = COMMON + textwrap.dedent("""
     from torchdata.stateful_dataloader import StatefulDataLoader
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    sampler = make_sampler()
-    loader = varbatch.make_dataloader(Data(), sampler, collate_fn=varbatch.PaddedCollate(),
-                                      num_workers=OPTS.get("workers", 0), dataloader_class=StatefulDataLoader)
-    model, optimizer = model_and_optimizer()
-    scheduler = varbatch.VariableBatchSizeLR(optimizer, "mean", sampler)
-    state_path, start_epoch, trained = os.path.join(OUT, f"state{rank}.pt"), 0, 0
-    if OPTS.get("resume"):
-        state = torch.load(state_path, weights_only=False)
-        model.load_state_dict(state["model"]); optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"]); loader.load_state_dict(state["loader"])
-        start_epoch = state["epoch"]
+    state_path = os.path.join(OUT, f"state{rank}.pt")
 
-    def run():
-        global trained
+    def build(state=None):
+        \"\"\"A fresh sampler, loader (its own worker processes), model, optimizer and scheduler; restored from
+        the checkpoint file's ``state`` if given, as a new process would build them.\"\"\"
+        sampler = make_sampler()
+        loader = varbatch.make_dataloader(Data(), sampler, collate_fn=varbatch.PaddedCollate(),
+                                          num_workers=OPTS.get("workers", 0), dataloader_class=StatefulDataLoader)
+        model, optimizer = model_and_optimizer()
+        scheduler = varbatch.VariableBatchSizeLR(optimizer, "mean", sampler)
+        if state is not None:
+            model.load_state_dict(state["model"]); optimizer.load_state_dict(state["optimizer"])
+            scheduler.load_state_dict(state["scheduler"]); loader.load_state_dict(state["loader"])
+        return sampler, loader, model, optimizer, scheduler
+
+    def run(sampler, loader, model, optimizer, scheduler, start_epoch=0, trained=0, stop_after=None):
         for epoch in range(start_epoch, EPOCHS):
             sampler.set_epoch(epoch)
             for batch in loader:
@@ -7263,16 +7279,21 @@ STATEFUL = COMMON + textwrap.dedent("""
                 trained += 1
                 if trained % GAS == 0:
                     optimizer.step(); scheduler.step(); optimizer.zero_grad()
-                if trained == OPTS.get("stop_after"):
+                if trained == stop_after:
                     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                                 "scheduler": scheduler.state_dict(), "loader": loader.state_dict(),
-                                "epoch": epoch}, state_path)
+                                "epoch": epoch, "trained": trained}, state_path)
                     return
 
-    run()
+    # Stopped after stop_after step inputs (checkpoint saved to a file), then every object dropped (the loader's
+    # workers end) and the run resumed from the file alone by objects built afresh: the restore a new process does.
+    run(*build(), stop_after=OPTS["stop_after"])
+    state = torch.load(state_path, weights_only=False)
+    run(*build(state), start_epoch=state["epoch"], trained=state["trained"])
     save(rank)
     dist.barrier(); dist.destroy_process_group()
 """)
+
 
 DEEPSPEED = COMMON + textwrap.dedent("""
     from datetime import timedelta
@@ -7401,39 +7422,60 @@ def test_deepspeed_engine_trains_every_planned_sample_once(tmp_path, io):
 # -- HF Accelerate -------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("mbs, gas, even_batches", [(2, 2, True)])
-def test_accelerate_prepare_trains_every_planned_sample_once(tmp_path, mbs, gas, even_batches):
-    """HF Accelerate's prepare() on varbatch's loader: every planned sample once, the plan's batches and LRs."""
+# One Accelerate job on 2 ranks for the two tests below: the trained run, then (same processes, one start-up) a
+# prepared scheduler, refused at the first update on every rank (the ranks stay in step), then dispatch_batches,
+# refused on rank 0 at its first batch (the job ends there: rank 1 waits for rank 0's broadcast).
+_ACCELERATE_RUNS = [
+    ["prepare", {"mbs": 2, "gas": 2, "even_batches": True}],
+    ["prepared_scheduler", {"prepare_scheduler": True, "in_step": True}],
+    ["dispatch_batches", {"dispatch_batches": True}],
+]
+
+
+@pytest.fixture(scope="module")
+def accelerate_job(tmp_path_factory):
+    """The Accelerate job of ``_ACCELERATE_RUNS``: (exit code, output, {run name: (records, errors)})."""
     pytest.importorskip("accelerate")
-    rc, output, records, _ = _launch_ranks(tmp_path, ACCELERATE, {"mbs": mbs, "gas": gas, "even_batches": even_batches})
-    assert rc == 0, output[-3000:]
-    _check_against_plan(records, mbs=mbs, gas=gas, epochs=2)
+    tmp_path = tmp_path_factory.mktemp("accelerate")
+    rc, output, _, _ = _launch_ranks(tmp_path, ACCELERATE, {"runs": _ACCELERATE_RUNS})
+    return rc, output, {name: _saved_ranks(tmp_path / "out" / name) for name, _ in _ACCELERATE_RUNS}
+
+
+@pytest.mark.slow
+def test_accelerate_prepare_trains_every_planned_sample_once(accelerate_job):
+    """HF Accelerate's prepare() on varbatch's loader: every planned sample once, the plan's batches and LRs."""
+    _, output, runs = accelerate_job
+    records, errors = runs["prepare"]
+    assert errors == [None, None], (errors, output[-3000:])  # both ranks saved after their loop ended
+    _check_against_plan(records, mbs=2, gas=2, epochs=2)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "opts, setting",
-    [
-        ({"dispatch_batches": True}, "dispatch_batches=False"),
-        ({"prepare_scheduler": True}, "out of accelerator.prepare()"),
-    ],
+    "run, setting",
+    [("dispatch_batches", "dispatch_batches=False"), ("prepared_scheduler", "out of accelerator.prepare()")],
     ids=["dispatch_batches", "prepared_scheduler"],
 )
-def test_accelerate_settings_that_redeal_are_refused_at_the_first_batch(tmp_path, opts, setting):
+def test_accelerate_settings_that_redeal_are_refused_at_the_first_batch(accelerate_job, run, setting):
     """Accelerate settings that re-deal the loader (or step the scheduler twice) stop at once, naming the setting."""
-    pytest.importorskip("accelerate")
-    rc, output, records, errors = _launch_ranks(tmp_path, ACCELERATE, opts)
-    assert rc != 0
+    rc, output, runs = accelerate_job
+    records, errors = runs[run]
+    assert rc != 0  # the last run's refusal ended the job
+    assert errors and all(error is not None for error in errors), (errors, output[-2000:])  # no rank ran on
     assert any(setting in (error or "") for error in errors), (errors, output[-2000:])
     assert sum(len(r) for r in records) <= 4, "trained on after the first batch"
 
 
-_HF_RESUME_SCRIPT = """
+# The two HF Trainer runs on 2 processes, one torchrun job (transformers imported once): the resume in a later
+# epoch (OUT/resume), then the resume by HF's own skip over an unprepared loader (OUT/unprepared), whose refusal
+# on every rank ends the job's work. Each part saves OUT/part/rank{r}.json.
+_HF_TWO_PROCESS_SCRIPT = """
 import json, os, sys, pathlib, torch
 torch.distributed.init_process_group("gloo")
 import test_varbatch as T
-out, rank = pathlib.Path(sys.argv[1]), torch.distributed.get_rank()
+base, rank = pathlib.Path(sys.argv[1]), torch.distributed.get_rank()
+
+out = base / "resume"
 lengths = T._hf_lengths()
 common = dict(order="bucket", seed=0, prepared=True, save_strategy="steps")
 first, sampler, record = T._hf_trainer(out / "a", lengths, loader_epochs=2, max_steps=AT, save_steps=AT, **common)
@@ -7450,24 +7492,57 @@ resumed.train(resume_from_checkpoint=checkpoint)
 json.dump({"trained": record.trained + resumed_record.trained, "updates": len(resumed_record.updates),
            "lrs_off": T._hf_updates_off(sampler, resumed_record), "error": error,
            "refused_updates": len(refused_record.updates)}, open(out / f"rank{rank}.json", "w"))
+
+out = base / "unprepared"
+common = dict(order="bucket", seed=0, save_strategy="steps", gradient_accumulation_steps=2,
+              sampler_options={"gradient_accumulation_steps": 2})
+first, _, _ = T._hf_trainer(out / "a", T._hf_lengths(), max_steps=1, save_steps=1, **common)
+first.train()
+resumed, _, record = T._hf_trainer(out / "b", T._hf_lengths(), save_steps=500, **common)
+try:
+    resumed.train(resume_from_checkpoint=str(out / "a" / "checkpoint-1"))  # in epoch 0: 2 step inputs skipped
+    error = None
+except RuntimeError as raised:
+    error = str(raised)
+json.dump({"error": error, "updates": len(record.updates)}, open(out / f"rank{rank}.json", "w"))
+torch.distributed.destroy_process_group()
 """
 
 
-@pytest.mark.slow
-def test_hf_trainer_resume_in_a_later_epoch_on_two_processes(tmp_path):
-    """HF Trainer on 2 processes with an Accelerate-prepared loader, resumed at epoch 1 batch 3: with one loader pass
-    for the run every sample of both epochs once over the ranks, the LRs of their batches; with a pass per epoch
-    refused at the first batch on every rank."""
-    pytest.importorskip("transformers")
+def _hf_probe():
+    """Rank 0's sampler of the HF runs on 2 processes, and its epochs' batch counts."""
     probe = VariableBatchSampler(_hf_lengths(), 256, budget="padded", order="bucket", seed=0, num_replicas=2, rank=0)
-    n0, n1 = probe.plan_for_epoch(0).num_batches, probe.plan_for_epoch(1).num_batches
-    script = tmp_path / "resume.py"
-    script.write_text(_HF_RESUME_SCRIPT.replace("AT", str(n0 + 3)))
+    return probe, probe.plan_for_epoch(0).num_batches, probe.plan_for_epoch(1).num_batches
+
+
+@pytest.fixture(scope="module")
+def hf_two_process_job(tmp_path_factory):
+    """The job of ``_HF_TWO_PROCESS_SCRIPT``, resumed at epoch 1 batch 3: (finished process, {part: [rank 0's
+    results, rank 1's]})."""
+    pytest.importorskip("transformers")
+    tmp_path = tmp_path_factory.mktemp("hf_two_processes")
+    _, n0, _ = _hf_probe()
+    script = tmp_path / "job.py"
+    script.write_text(_HF_TWO_PROCESS_SCRIPT.replace("AT", str(n0 + 3)))
     env = dict(os.environ, PYTHONPATH=_ROOT, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master-port"]
     done = _run([*command, str(_free_port()), str(script), str(tmp_path)], timeout=600, cwd=tmp_path, env=env)
-    assert done.returncode == 0, done.stdout[-1500:] + done.stderr[-3000:]
-    runs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    parts = {}
+    for part in ("resume", "unprepared"):
+        files = [tmp_path / part / f"rank{r}.json" for r in (0, 1)]
+        parts[part] = [json.loads(f.read_text()) if f.exists() else None for f in files]
+    return done, parts
+
+
+@pytest.mark.slow
+def test_hf_trainer_resume_in_a_later_epoch_on_two_processes(hf_two_process_job):
+    """HF Trainer on 2 processes with an Accelerate-prepared loader, resumed at epoch 1 batch 3: with one loader pass
+    for the run every sample of both epochs once over the ranks, the LRs of their batches; with a pass per epoch
+    refused at the first batch on every rank."""
+    done, parts = hf_two_process_job
+    runs = parts["resume"]
+    assert None not in runs, done.stdout[-1500:] + done.stderr[-3000:]
+    probe, n0, n1 = _hf_probe()
     trained = [tuple(pair) for run in runs for pair in run["trained"]]
     assert _hf_never_and_twice(probe, trained, (0, 1)) == (0, 0)
     assert [run["updates"] for run in runs] == [n0 + n1 - n0 - 3] * 2
@@ -7529,12 +7604,11 @@ def test_lightning_rebuilding_the_loader_is_refused():
 @pytest.mark.slow
 @pytest.mark.parametrize("stop_after, workers", [(58, 2)])
 def test_stateful_dataloader_resumes_exactly(tmp_path, stop_after, workers):
-    """StatefulDataLoader with workers, stopped mid-epoch and restored: the ranks train the plan exactly once."""
+    """StatefulDataLoader with workers on 2 ranks, stopped mid-epoch with a checkpoint file and resumed from that file
+    by a loader, sampler and scheduler built afresh (in the same processes: varbatch keeps no state outside its
+    objects): the ranks train the plan exactly once."""
     pytest.importorskip("torchdata")
-    opts = {"gas": 2, "workers": workers, "stop_after": stop_after}
-    rc, output, _, _ = _launch_ranks(tmp_path, STATEFUL, opts)
-    assert rc == 0, output[-3000:]
-    rc, output, records, _ = _launch_ranks(tmp_path, STATEFUL, dict(opts, resume=True, append=True, stop_after=None))
+    rc, output, records, _ = _launch_ranks(tmp_path, STATEFUL, {"gas": 2, "workers": workers, "stop_after": stop_after})
     assert rc == 0, output[-3000:]
     _check_against_plan(records, mbs=1, gas=2, epochs=2)
 
@@ -7612,37 +7686,12 @@ def test_stateful_dataloader_restores_the_sampler_at_load_state_dict(stop, worke
     assert head + rest == full
 
 
-_HF_UNPREPARED_RESUME_SCRIPT = """
-import json, pathlib, sys, torch
-torch.distributed.init_process_group("gloo")
-import test_varbatch as T
-out, rank = pathlib.Path(sys.argv[1]), torch.distributed.get_rank()
-common = dict(order="bucket", seed=0, save_strategy="steps", gradient_accumulation_steps=2,
-              sampler_options={"gradient_accumulation_steps": 2})
-first, _, _ = T._hf_trainer(out / "a", T._hf_lengths(), max_steps=1, save_steps=1, **common)
-first.train()
-resumed, _, record = T._hf_trainer(out / "b", T._hf_lengths(), save_steps=500, **common)
-try:
-    resumed.train(resume_from_checkpoint=str(out / "a" / "checkpoint-1"))  # in epoch 0: 2 step inputs skipped
-    error = None
-except RuntimeError as raised:
-    error = str(raised)
-json.dump({"error": error, "updates": len(record.updates)}, open(out / f"rank{rank}.json", "w"))
-torch.distributed.destroy_process_group()
-"""
-
-
 @pytest.mark.slow
-def test_hf_trainer_resumed_by_its_own_skip_over_an_unprepared_loader_on_two_processes(tmp_path):
+def test_hf_trainer_resumed_by_its_own_skip_over_an_unprepared_loader_on_two_processes(hf_two_process_job):
     """HF Trainer on 2 processes over varbatch's loader as it is (not prepared), resumed inside epoch 0 with
     ignore_data_skip=False: every rank stops at its first or second step input, before an update, naming the fix."""
-    pytest.importorskip("transformers")
-    script = tmp_path / "resume.py"
-    script.write_text(_HF_UNPREPARED_RESUME_SCRIPT)
-    env = dict(os.environ, PYTHONPATH=_ROOT, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master-port"]
-    done = _run([*command, str(_free_port()), str(script), str(tmp_path)], timeout=300, cwd=tmp_path, env=env)
+    done, parts = hf_two_process_job
     assert done.returncode == 0, done.stdout[-1500:] + done.stderr[-3000:]
-    runs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    runs = parts["unprepared"]
     assert [run["updates"] for run in runs] == [0, 0], runs
     assert all(re.search(_UNDEALT_SKIP, run["error"] or "") for run in runs), runs
