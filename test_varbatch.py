@@ -6931,6 +6931,8 @@ def test_readme_commands_run_and_print_what_it_shows(launched):
             script = next(word for word in text.split() if word.endswith(".py"))
             if script in _README_RECORDED:
                 continue  # run under the recorder by the tests below
+            if (text, program) == _readme_lightning_recipe():
+                continue  # run on 2 processes by lightning_job, checked by test_readme_lightning_recipe_runs_on_two_processes
             (folder / script).write_text(program)
         if text.startswith("python bench.py") and "--quick" not in text:
             text = text.replace("python bench.py", "python bench.py --quick", 1)
@@ -7016,6 +7018,14 @@ def _readme_recipe(script):
         if kind == "launched" and script in text[0].split():
             return text
     raise AssertionError(f"the README lost its {script} recipe")
+
+
+def _readme_lightning_recipe():
+    """The ``# run:`` command and the program of the README's Lightning recipe (the lightning job runs it)."""
+    for kind, text, _ in _readme_steps():
+        if kind == "launched" and "import pytorch_lightning" in text[1]:
+            return text
+    raise AssertionError("the README lost its Lightning recipe")
 
 
 def _check_recipe_records(out):
@@ -7244,6 +7254,10 @@ LIGHTNING = COMMON + textwrap.dedent("""
         save(trainer.global_rank)
 
     fit(OPTS)
+    if "recipe" in OPTS:  # the README's Lightning recipe as it is, on these 2 processes (Lightning launched them)
+        import runpy
+        runpy.run_path(OPTS["recipe"], run_name="__main__")
+        open(os.path.join(OUT, f"recipe{torch.distributed.get_rank()}.done"), "w").close()
     if "then" in OPTS:  # a second Trainer in the same processes (one start-up for both): its files in OUT/then
         OUT = os.path.join(OUT, "then")
         os.makedirs(OUT, exist_ok=True)
@@ -7555,21 +7569,27 @@ def test_hf_trainer_resume_in_a_later_epoch_on_two_processes(hf_two_process_job)
 
 @pytest.fixture(scope="module")
 def lightning_job(tmp_path_factory):
-    """One Lightning job on 2 ranks for the two tests below (its start-up is most of a run's time): a Trainer with
-    default settings and reloading trains 4 epochs, then a second Trainer in the same processes, without reloading,
-    5 epochs. Returns (exit code, output, (records, errors) of the first Trainer, (records, errors) of the second)."""
+    """One Lightning job on 2 ranks for the three tests below (its start-up is most of a run's time): a Trainer with
+    default settings and reloading trains 4 epochs, then the README's Lightning recipe runs in the same processes,
+    then a second Trainer of ours, without reloading, 5 epochs. Returns (exit code, output, (records, errors) of the
+    first Trainer, (records, errors) of the second, the ranks whose recipe run returned)."""
     pytest.importorskip("pytorch_lightning")
     tmp_path = tmp_path_factory.mktemp("lightning")
+    command, program = _readme_lightning_recipe()
+    assert command == "python recipe.py", command  # Lightning starts the second process itself, as here
+    (tmp_path / "recipe.py").write_text(program)
     # 4 epochs: epoch 3 of this plan is longer than epoch 0 (45 vs 44 step inputs per rank).
     opts = {"epochs": 4, "use_distributed_sampler": True, "reload": 1, "then": {"epochs": 5, "reload": 0}}
+    opts["recipe"] = str(tmp_path / "recipe.py")
     rc, output, records, errors = _launch_ranks(tmp_path, LIGHTNING, opts, torchrun=False)
-    return rc, output, (records, errors), _saved_ranks(tmp_path / "out" / "then")
+    recipe_done = [r for r in (0, 1) if (tmp_path / "out" / f"recipe{r}.done").exists()]
+    return rc, output, (records, errors), _saved_ranks(tmp_path / "out" / "then"), recipe_done
 
 
 @pytest.mark.slow
 def test_lightning_ddp_trains_every_planned_sample_once(lightning_job):
     """Lightning DDP with default settings and reloading: every planned sample once, also in a longer epoch."""
-    _, output, (records, errors), _ = lightning_job
+    _, output, (records, errors), _, _ = lightning_job
     # Each rank saves after its fit() returned: the first Trainer's fit ended without an error on both ranks.
     assert errors == [None, None], (errors, output[-3000:])
     _check_against_plan(records, mbs=1, gas=1, epochs=4)
@@ -7578,9 +7598,16 @@ def test_lightning_ddp_trains_every_planned_sample_once(lightning_job):
 @pytest.mark.slow
 def test_lightning_without_reloading_is_refused_when_an_epoch_was_cut_short(lightning_job):
     """Lightning without reloading cuts a longer epoch at the first one's len(): refused, naming the setting."""
-    rc, output, _, (_, errors) = lightning_job
+    rc, output, _, (_, errors), _ = lightning_job
     assert rc != 0
     assert any("reload_dataloaders_every_n_epochs=1" in (error or "") for error in errors), (errors, output[-3000:])
+
+
+@pytest.mark.slow
+def test_readme_lightning_recipe_runs_on_two_processes(lightning_job):
+    """The README's Lightning recipe runs as it is on 2 DDP processes (the README test leaves it to this job)."""
+    _, output, _, _, recipe_done = lightning_job
+    assert recipe_done == [0, 1], output[-3000:]
 
 
 @pytest.mark.slow
