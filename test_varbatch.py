@@ -14,6 +14,7 @@ import collections
 import contextlib
 import copy
 import functools
+import importlib.util
 import io
 import json
 import math
@@ -6878,6 +6879,7 @@ _README = Path(varbatch.__file__).with_name("README.md")
 _README_TEST_COMMAND = "python -m pytest -q test_varbatch.py"
 _README_SMALL_EXAMPLE = ["--num-samples", "600", "--epochs", "3"]  # `python example.py`, which no test shares
 _README_RECORDED = ("hf_trainer.py", "trl_sft.py")  # recipes the tests run under _RECIPE_RECORDER, and check
+_README_RECIPE_NEEDS = {"hf_trainer.py": "transformers", "trl_sft.py": "trl"}  # the library each recipe is about
 
 
 def _readme_steps():
@@ -7084,24 +7086,14 @@ def test_readme_hf_recipes_train_every_planned_sample_once(tmp_path, monkeypatch
 
 @pytest.mark.slow
 @pytest.mark.parametrize("script", _README_RECORDED)
-def test_readme_hf_recipes_on_two_processes(tmp_path, script):
-    """The README's HF Trainer and TRL recipes under their `# run:` command (2 processes): every planned sample
-    once per epoch, each rank its share, at the plan's LRs."""
-    pytest.importorskip("trl" if script == "trl_sft.py" else "transformers")
-    command, program = _readme_recipe(script)
-    (tmp_path / script).write_text(program)
-    (tmp_path / "recorder.py").write_text(_RECIPE_RECORDER)
-    command = re.sub(r"^(torchrun)\b(?!.*--master)", rf"\1 --master_port {_free_port()}", command)
-    command = command.replace(f" {script}", f" recorder.py {script} records", 1)
-    env = dict(
-        os.environ,
-        PYTHONPATH=_ROOT,
-        OMP_NUM_THREADS="1",
-        PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
-    )
-    done = _run(["bash", "-c", command], timeout=300, cwd=tmp_path, env=env)
-    assert done.returncode == 0, f"{command!r} exited {done.returncode}:\n{done.stderr[-3000:]}"
-    assert len(_check_recipe_records(tmp_path / "records")) == 2
+def test_readme_hf_recipes_on_two_processes(hf_two_process_job, script):
+    """The README's HF Trainer and TRL recipes under their `# run:` command (2 processes; the first part of the HF
+    job): every planned sample once per epoch, each rank its share, at the plan's LRs."""
+    pytest.importorskip(_README_RECIPE_NEEDS[script])
+    done, _, folder = hf_two_process_job
+    records = folder / script.removesuffix(".py") / "records"
+    assert records.is_dir(), f"{script} did not finish:\n{done.stderr[-3000:]}"
+    assert len(_check_recipe_records(records)) == 2
 
 
 # -- launchers: HF Accelerate and Lightning (issue 11) ---------------------------------------------
@@ -7480,14 +7472,23 @@ def test_accelerate_settings_that_redeal_are_refused_at_the_first_batch(accelera
     assert sum(len(r) for r in records) <= 4, "trained on after the first batch"
 
 
-# The two HF Trainer runs on 2 processes, one torchrun job (transformers imported once): the resume in a later
-# epoch (OUT/resume), then the resume by HF's own skip over an unprepared loader (OUT/unprepared), whose refusal
-# on every rank ends the job's work. Each part saves OUT/part/rank{r}.json.
+# The HF runs on 2 processes, one torchrun job (torch and transformers imported once): first, in the fresh
+# processes, the README's HF recipes as they are under the recorder (its `# run:` command with recorder.py before
+# the script), each in its folder OUT/<recipe>; then the resume in a later epoch (OUT/resume), then the resume by
+# HF's own skip over an unprepared loader (OUT/unprepared), whose refusal on every rank ends the job's work. Each
+# part saves OUT/part/rank{r}.json (a recipe: OUT/<recipe>/records/rank{r}.json).
 _HF_TWO_PROCESS_SCRIPT = """
-import json, os, sys, pathlib, torch
-torch.distributed.init_process_group("gloo")
+import json, os, runpy, sys, pathlib, torch
+base = pathlib.Path(sys.argv[1])
+for script in sys.argv[2:]:  # the README's recipes: the Trainer's Accelerator sets up the processes
+    os.chdir(base / script.removesuffix(".py"))
+    sys.argv = ["recorder.py", script, "records"]
+    runpy.run_path("recorder.py", run_name="__main__")
+os.chdir(base)
+if not torch.distributed.is_initialized():
+    torch.distributed.init_process_group("gloo")
 import test_varbatch as T
-base, rank = pathlib.Path(sys.argv[1]), torch.distributed.get_rank()
+rank = torch.distributed.get_rank()
 
 out = base / "resume"
 lengths = T._hf_lengths()
@@ -7531,21 +7532,29 @@ def _hf_probe():
 
 @pytest.fixture(scope="module")
 def hf_two_process_job(tmp_path_factory):
-    """The job of ``_HF_TWO_PROCESS_SCRIPT``, resumed at epoch 1 batch 3: (finished process, {part: [rank 0's
-    results, rank 1's]})."""
+    """The job of ``_HF_TWO_PROCESS_SCRIPT`` (the README's recipes whose libraries are installed), resumed at epoch 1
+    batch 3: (finished process, {part: [rank 0's results, rank 1's]}, the job's folder)."""
     pytest.importorskip("transformers")
     tmp_path = tmp_path_factory.mktemp("hf_two_processes")
+    recipes = [script for script in _README_RECORDED if importlib.util.find_spec(_README_RECIPE_NEEDS[script])]
+    for script in recipes:
+        command, program = _readme_recipe(script)
+        assert command == f"torchrun --nproc_per_node 2 {script}", command  # the job's launch
+        folder = tmp_path / script.removesuffix(".py")
+        folder.mkdir()
+        (folder / script).write_text(program)
+        (folder / "recorder.py").write_text(_RECIPE_RECORDER)
     _, n0, _ = _hf_probe()
     script = tmp_path / "job.py"
     script.write_text(_HF_TWO_PROCESS_SCRIPT.replace("AT", str(n0 + 3)))
     env = dict(os.environ, PYTHONPATH=_ROOT, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master-port"]
-    done = _run([*command, str(_free_port()), str(script), str(tmp_path)], timeout=600, cwd=tmp_path, env=env)
+    done = _run([*command, str(_free_port()), str(script), str(tmp_path), *recipes], timeout=600, cwd=tmp_path, env=env)
     parts = {}
     for part in ("resume", "unprepared"):
         files = [tmp_path / part / f"rank{r}.json" for r in (0, 1)]
         parts[part] = [json.loads(f.read_text()) if f.exists() else None for f in files]
-    return done, parts
+    return done, parts, tmp_path
 
 
 @pytest.mark.slow
@@ -7553,7 +7562,7 @@ def test_hf_trainer_resume_in_a_later_epoch_on_two_processes(hf_two_process_job)
     """HF Trainer on 2 processes with an Accelerate-prepared loader, resumed at epoch 1 batch 3: with one loader pass
     for the run every sample of both epochs once over the ranks, the LRs of their batches; with a pass per epoch
     refused at the first batch on every rank."""
-    done, parts = hf_two_process_job
+    done, parts, _ = hf_two_process_job
     runs = parts["resume"]
     assert None not in runs, done.stdout[-1500:] + done.stderr[-3000:]
     probe, n0, n1 = _hf_probe()
@@ -7717,7 +7726,7 @@ def test_stateful_dataloader_restores_the_sampler_at_load_state_dict(stop, worke
 def test_hf_trainer_resumed_by_its_own_skip_over_an_unprepared_loader_on_two_processes(hf_two_process_job):
     """HF Trainer on 2 processes over varbatch's loader as it is (not prepared), resumed inside epoch 0 with
     ignore_data_skip=False: every rank stops at its first or second step input, before an update, naming the fix."""
-    done, parts = hf_two_process_job
+    done, parts, _ = hf_two_process_job
     assert done.returncode == 0, done.stdout[-1500:] + done.stderr[-3000:]
     runs = parts["unprepared"]
     assert [run["updates"] for run in runs] == [0, 0], runs
