@@ -6933,8 +6933,8 @@ def test_readme_commands_run_and_print_what_it_shows(launched):
             script = next(word for word in text.split() if word.endswith(".py"))
             if script in _README_RECORDED:
                 continue  # run under the recorder by the tests below
-            if (text, program) == _readme_lightning_recipe():
-                continue  # run on 2 processes by lightning_job, checked by test_readme_lightning_recipe_runs_on_two_processes
+            if (text, program) in (_readme_lightning_recipe(), _readme_accelerate_recipe()):
+                continue  # run on 2 processes by lightning_job and the torchrun DDP test, which check them
             (folder / script).write_text(program)
         if text.startswith("python bench.py") and "--quick" not in text:
             text = text.replace("python bench.py", "python bench.py --quick", 1)
@@ -7022,12 +7022,21 @@ def _readme_recipe(script):
     raise AssertionError(f"the README lost its {script} recipe")
 
 
+def _readme_launched(marker, name):
+    """The ``# run:`` command and the program of the README's one launched program that holds ``marker``."""
+    found = [text for kind, text, _ in _readme_steps() if kind == "launched" and marker in text[1]]
+    assert len(found) == 1, f"the README has {len(found)} {name} recipes, not one"
+    return found[0]
+
+
 def _readme_lightning_recipe():
-    """The ``# run:`` command and the program of the README's Lightning recipe (the lightning job runs it)."""
-    for kind, text, _ in _readme_steps():
-        if kind == "launched" and "import pytorch_lightning" in text[1]:
-            return text
-    raise AssertionError("the README lost its Lightning recipe")
+    """The README's Lightning recipe (the lightning job runs it)."""
+    return _readme_launched("import pytorch_lightning", "Lightning")
+
+
+def _readme_accelerate_recipe():
+    """The README's HF Accelerate recipe (the torchrun DDP test's launch runs it)."""
+    return _readme_launched("from accelerate import Accelerator", "Accelerate")
 
 
 def _check_recipe_records(out):
@@ -7159,7 +7168,13 @@ DDP = COMMON + textwrap.dedent("""
             if (i + 1) % GAS == 0:
                 optimizer.step(); scheduler.step(); optimizer.zero_grad()
     save(rank)
-    dist.barrier(); dist.destroy_process_group()
+    dist.barrier()
+    if "recipe" in OPTS:  # the README's Accelerate recipe as it is, on this process group (it ends it)
+        import runpy
+        runpy.run_path(OPTS["recipe"], run_name="__main__")
+        open(os.path.join(OUT, f"recipe{rank}.done"), "w").close()
+    else:
+        dist.destroy_process_group()
 """)
 
 ACCELERATE = COMMON + textwrap.dedent("""
@@ -7409,10 +7424,16 @@ def _check_against_plan(records, *, mbs, gas, epochs):
 @pytest.mark.slow
 @pytest.mark.parametrize("mbs, gas, workers", [(2, 2, 2)])
 def test_torchrun_ddp_trains_every_planned_sample_once(tmp_path, mbs, gas, workers):
-    """torchrun, 2 ranks, DDP with worker processes: every planned sample once, each step the plan's batch and LR."""
-    rc, output, records, _ = _launch_ranks(tmp_path, DDP, {"mbs": mbs, "gas": gas, "workers": workers})
+    """torchrun, 2 ranks, DDP with worker processes: every planned sample once, each step the plan's batch and LR.
+    Then, in the same 2 processes, the README's Accelerate recipe runs as it is (the README test leaves it here)."""
+    command, program = _readme_accelerate_recipe()
+    assert command == "torchrun --nproc_per_node 2 recipe.py", command  # this launch
+    (tmp_path / "recipe.py").write_text(program)
+    opts = {"mbs": mbs, "gas": gas, "workers": workers, "recipe": str(tmp_path / "recipe.py")}
+    rc, output, records, _ = _launch_ranks(tmp_path, DDP, opts)
     assert rc == 0, output[-3000:]
     _check_against_plan(records, mbs=mbs, gas=gas, epochs=2)
+    assert [r for r in (0, 1) if (tmp_path / "out" / f"recipe{r}.done").exists()] == [0, 1], output[-3000:]
 
 
 @pytest.mark.slow
