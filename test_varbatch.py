@@ -3051,20 +3051,40 @@ print(json.dumps(dict(calls=calls, batches=sampler.plan_for_epoch(0).num_batches
 """
 
 
-def test_a_scheduler_stepped_per_step_input_under_accelerate_accumulate_stops_at_once(tmp_path):
-    """HF Accelerate (one CPU process), accumulate() with 2 steps, scheduler.step() per step input: RuntimeError
-    naming accelerator.sync_gradients at its first call, before it moves two batches per update."""
+# Each script runs as a program of its own; one Python process runs them one after another (Accelerate imported once).
+_ONE_PROCESS_RUNNER = """
+import contextlib, runpy, sys
+for name in sys.argv[1:]:
+    with open(name + ".out", "w") as out, contextlib.redirect_stdout(out):
+        runpy.run_path(name + ".py", run_name="__main__")
+"""
+
+
+@pytest.fixture(scope="module")
+def accelerate_one_process(tmp_path_factory):
+    """The one-process HF Accelerate scripts of the tests that use this, in one subprocess: {name: the JSON of the
+    script's last line of output}."""
     pytest.importorskip("accelerate")
+    folder = tmp_path_factory.mktemp("accelerate_one_process")
+    scripts = {"skip_first_batches": _SKIP_FIRST_BATCHES_SCRIPT, "accumulate": _ACCUMULATE_SCRIPT}
+    for name, source in scripts.items():
+        (folder / f"{name}.py").write_text(source)
     done = subprocess.run(
-        [sys.executable, "-c", _ACCUMULATE_SCRIPT],
-        cwd=tmp_path,
+        [sys.executable, "-c", _ONE_PROCESS_RUNNER, *scripts],
+        cwd=folder,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=240,
         env=dict(os.environ, PYTHONPATH=_ROOT),
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    return {name: json.loads((folder / f"{name}.out").read_text().strip().splitlines()[-1]) for name in scripts}
+
+
+def test_a_scheduler_stepped_per_step_input_under_accelerate_accumulate_stops_at_once(accelerate_one_process):
+    """HF Accelerate (one CPU process), accumulate() with 2 steps, scheduler.step() per step input: RuntimeError
+    naming accelerator.sync_gradients at its first call, before it moves two batches per update."""
+    out = accelerate_one_process["accumulate"]
     assert out["error"] is not None, f"{out['calls']} scheduler steps for {out['batches']} batches, and no error"
     assert "called twice for one optimizer step" in out["error"] and "accelerator.sync_gradients" in out["error"]
     assert out["calls"] == 1, f"raised at call {out['calls']}"
@@ -4267,20 +4287,10 @@ print(json.dumps(dict(cut=CUT, full=full, resumed=first + rest)))
 """
 
 
-def test_a_restored_scheduler_follows_accelerate_skip_first_batches(tmp_path):
+def test_a_restored_scheduler_follows_accelerate_skip_first_batches(accelerate_one_process):
     """HF Accelerate (one CPU process): load_state, then skip_first_batches(loader, 10): the resumed updates train the
     uninterrupted run's batches at its LRs (the LR restarted at batch 0's)."""
-    pytest.importorskip("accelerate")
-    done = subprocess.run(
-        [sys.executable, "-c", _SKIP_FIRST_BATCHES_SCRIPT],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=dict(os.environ, PYTHONPATH=_ROOT),
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    out = accelerate_one_process["skip_first_batches"]
     full, resumed, cut = out["full"], out["resumed"], out["cut"]
     assert [sample for sample, _ in resumed] == [sample for sample, _ in full]
     assert full[cut][1] != full[0][1], "batch 10 has batch 0's LR: the case could not fail"
