@@ -14,6 +14,7 @@ import collections
 import contextlib
 import copy
 import functools
+import importlib.util
 import io
 import json
 import math
@@ -3130,20 +3131,40 @@ print(json.dumps(dict(calls=calls, batches=sampler.plan_for_epoch(0).num_batches
 """
 
 
-def test_a_scheduler_stepped_per_step_input_under_accelerate_accumulate_stops_at_once(tmp_path):
-    """HF Accelerate (one CPU process), accumulate() with 2 steps, scheduler.step() per step input: RuntimeError
-    naming accelerator.sync_gradients at its first call, before it moves two batches per update."""
+# Each script runs as a program of its own; one Python process runs them one after another (Accelerate imported once).
+_ONE_PROCESS_RUNNER = """
+import contextlib, runpy, sys
+for name in sys.argv[1:]:
+    with open(name + ".out", "w") as out, contextlib.redirect_stdout(out):
+        runpy.run_path(name + ".py", run_name="__main__")
+"""
+
+
+@pytest.fixture(scope="module")
+def accelerate_one_process(tmp_path_factory):
+    """The one-process HF Accelerate scripts of the tests that use this, in one subprocess: {name: the JSON of the
+    script's last line of output}."""
     pytest.importorskip("accelerate")
+    folder = tmp_path_factory.mktemp("accelerate_one_process")
+    scripts = {"skip_first_batches": _SKIP_FIRST_BATCHES_SCRIPT, "accumulate": _ACCUMULATE_SCRIPT}
+    for name, source in scripts.items():
+        (folder / f"{name}.py").write_text(source)
     done = subprocess.run(
-        [sys.executable, "-c", _ACCUMULATE_SCRIPT],
-        cwd=tmp_path,
+        [sys.executable, "-c", _ONE_PROCESS_RUNNER, *scripts],
+        cwd=folder,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=240,
         env=dict(os.environ, PYTHONPATH=_ROOT),
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    return {name: json.loads((folder / f"{name}.out").read_text().strip().splitlines()[-1]) for name in scripts}
+
+
+def test_a_scheduler_stepped_per_step_input_under_accelerate_accumulate_stops_at_once(accelerate_one_process):
+    """HF Accelerate (one CPU process), accumulate() with 2 steps, scheduler.step() per step input: RuntimeError
+    naming accelerator.sync_gradients at its first call, before it moves two batches per update."""
+    out = accelerate_one_process["accumulate"]
     assert out["error"] is not None, f"{out['calls']} scheduler steps for {out['batches']} batches, and no error"
     assert "called twice for one optimizer step" in out["error"] and "accelerator.sync_gradients" in out["error"]
     assert out["calls"] == 1, f"raised at call {out['calls']}"
@@ -4346,20 +4367,10 @@ print(json.dumps(dict(cut=CUT, full=full, resumed=first + rest)))
 """
 
 
-def test_a_restored_scheduler_follows_accelerate_skip_first_batches(tmp_path):
+def test_a_restored_scheduler_follows_accelerate_skip_first_batches(accelerate_one_process):
     """HF Accelerate (one CPU process): load_state, then skip_first_batches(loader, 10): the resumed updates train the
     uninterrupted run's batches at its LRs (the LR restarted at batch 0's)."""
-    pytest.importorskip("accelerate")
-    done = subprocess.run(
-        [sys.executable, "-c", _SKIP_FIRST_BATCHES_SCRIPT],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=dict(os.environ, PYTHONPATH=_ROOT),
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    out = accelerate_one_process["skip_first_batches"]
     full, resumed, cut = out["full"], out["resumed"], out["cut"]
     assert [sample for sample, _ in resumed] == [sample for sample, _ in full]
     assert full[cut][1] != full[0][1], "batch 10 has batch 0's LR: the case could not fail"
@@ -6958,6 +6969,7 @@ _README = Path(varbatch.__file__).with_name("README.md")
 _README_TEST_COMMAND = "python -m pytest -q test_varbatch.py"
 _README_SMALL_EXAMPLE = ["--num-samples", "600", "--epochs", "3"]  # `python example.py`, which no test shares
 _README_RECORDED = ("hf_trainer.py", "trl_sft.py")  # recipes the tests run under _RECIPE_RECORDER, and check
+_README_RECIPE_NEEDS = {"hf_trainer.py": "transformers", "trl_sft.py": "trl"}  # the library each recipe is about
 
 
 def _readme_steps():
@@ -7011,6 +7023,8 @@ def test_readme_commands_run_and_print_what_it_shows(launched):
             script = next(word for word in text.split() if word.endswith(".py"))
             if script in _README_RECORDED:
                 continue  # run under the recorder by the tests below
+            if (text, program) in (_readme_lightning_recipe(), _readme_accelerate_recipe()):
+                continue  # run on 2 processes by lightning_job and the torchrun DDP test, which check them
             (folder / script).write_text(program)
         if text.startswith("python bench.py") and "--quick" not in text:
             text = text.replace("python bench.py", "python bench.py --quick", 1)
@@ -7098,6 +7112,23 @@ def _readme_recipe(script):
     raise AssertionError(f"the README lost its {script} recipe")
 
 
+def _readme_launched(marker, name):
+    """The ``# run:`` command and the program of the README's one launched program that holds ``marker``."""
+    found = [text for kind, text, _ in _readme_steps() if kind == "launched" and marker in text[1]]
+    assert len(found) == 1, f"the README has {len(found)} {name} recipes, not one"
+    return found[0]
+
+
+def _readme_lightning_recipe():
+    """The README's Lightning recipe (the lightning job runs it)."""
+    return _readme_launched("import pytorch_lightning", "Lightning")
+
+
+def _readme_accelerate_recipe():
+    """The README's HF Accelerate recipe (the torchrun DDP test's launch runs it)."""
+    return _readme_launched("from accelerate import Accelerator", "Accelerate")
+
+
 def _check_recipe_records(out):
     """The recorded ranks of a recipe's run (see _RECIPE_RECORDER) against its plans; returns them by rank."""
     ranks = [json.loads(path.read_text()) for path in sorted(Path(out).glob("rank*.json"))]
@@ -7154,24 +7185,14 @@ def test_readme_hf_recipes_train_every_planned_sample_once(tmp_path, monkeypatch
 
 @pytest.mark.slow
 @pytest.mark.parametrize("script", _README_RECORDED)
-def test_readme_hf_recipes_on_two_processes(tmp_path, script):
-    """The README's HF Trainer and TRL recipes under their `# run:` command (2 processes): every planned sample
-    once per epoch, each rank its share, at the plan's LRs."""
-    pytest.importorskip("trl" if script == "trl_sft.py" else "transformers")
-    command, program = _readme_recipe(script)
-    (tmp_path / script).write_text(program)
-    (tmp_path / "recorder.py").write_text(_RECIPE_RECORDER)
-    command = re.sub(r"^(torchrun)\b(?!.*--master)", rf"\1 --master_port {_free_port()}", command)
-    command = command.replace(f" {script}", f" recorder.py {script} records", 1)
-    env = dict(
-        os.environ,
-        PYTHONPATH=_ROOT,
-        OMP_NUM_THREADS="1",
-        PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
-    )
-    done = _run(["bash", "-c", command], timeout=300, cwd=tmp_path, env=env)
-    assert done.returncode == 0, f"{command!r} exited {done.returncode}:\n{done.stderr[-3000:]}"
-    assert len(_check_recipe_records(tmp_path / "records")) == 2
+def test_readme_hf_recipes_on_two_processes(hf_two_process_job, script):
+    """The README's HF Trainer and TRL recipes under their `# run:` command (2 processes; the first part of the HF
+    job): every planned sample once per epoch, each rank its share, at the plan's LRs."""
+    pytest.importorskip(_README_RECIPE_NEEDS[script])
+    done, _, folder = hf_two_process_job
+    records = folder / script.removesuffix(".py") / "records"
+    assert records.is_dir(), f"{script} did not finish:\n{done.stderr[-3000:]}"
+    assert len(_check_recipe_records(records)) == 2
 
 
 # -- launchers: HF Accelerate and Lightning (issue 11) ---------------------------------------------
@@ -7216,9 +7237,7 @@ COMMON = textwrap.dedent("""
         RECORDS.append([int(epoch), int(step), [int(v) - 1 for v in batch[0][:, 0].tolist()], float(lr)])
 
     def save(rank, **extra):
-        path = os.path.join(OUT, f"rank{rank}.json")
-        old = json.load(open(path))["records"] if os.path.exists(path) and OPTS.get("append") else []
-        json.dump(dict(records=old + RECORDS, **extra), open(path, "w"))
+        json.dump(dict(records=RECORDS, **extra), open(os.path.join(OUT, f"rank{rank}.json"), "w"))
 """)
 
 DDP = COMMON + textwrap.dedent("""
@@ -7239,42 +7258,64 @@ DDP = COMMON + textwrap.dedent("""
             if (i + 1) % GAS == 0:
                 optimizer.step(); scheduler.step(); optimizer.zero_grad()
     save(rank)
-    dist.barrier(); dist.destroy_process_group()
+    dist.barrier()
+    if "recipe" in OPTS:  # the README's Accelerate recipe as it is, on this process group (it ends it)
+        import runpy
+        runpy.run_path(OPTS["recipe"], run_name="__main__")
+        open(os.path.join(OUT, f"recipe{rank}.done"), "w").close()
+    else:
+        dist.destroy_process_group()
 """)
 
 ACCELERATE = COMMON + textwrap.dedent("""
     from accelerate import Accelerator, DataLoaderConfiguration
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=GAS, dataloader_config=DataLoaderConfiguration(
-        split_batches=OPTS.get("split_batches", False), dispatch_batches=OPTS.get("dispatch_batches"),
-        even_batches=OPTS.get("even_batches", True)))
-    rank = accelerator.process_index
-    sampler = make_sampler()
-    loader = varbatch.make_dataloader(Data(), sampler, collate_fn=varbatch.PaddedCollate())
-    model, optimizer = model_and_optimizer()
-    raw_optimizer = optimizer
-    scheduler = varbatch.VariableBatchSizeLR(optimizer, "mean", sampler)
-    try:
-        if OPTS.get("prepare_scheduler"):
-            model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
-        else:
-            model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-        for epoch in range(EPOCHS):
-            loader.set_epoch(epoch)
-            step = 0
-            for batch in loader:
-                with accelerator.accumulate(model):
-                    record(epoch, step, batch, raw_optimizer.param_groups[0]["lr"])
-                    accelerator.backward(loss_of(model, batch))
-                    optimizer.step()
-                    if OPTS.get("prepare_scheduler") or accelerator.sync_gradients:
-                        scheduler.step()
-                    optimizer.zero_grad()
-                step += accelerator.sync_gradients
-    except Exception as error:
-        save(rank, error=f"{type(error).__name__}: {error}")
-        raise
-    save(rank)
+
+    def train(opts):
+        accelerator = Accelerator(cpu=True, gradient_accumulation_steps=GAS, dataloader_config=DataLoaderConfiguration(
+            split_batches=opts.get("split_batches", False), dispatch_batches=opts.get("dispatch_batches"),
+            even_batches=opts.get("even_batches", True)))
+        rank = accelerator.process_index
+        sampler = make_sampler()
+        loader = varbatch.make_dataloader(Data(), sampler, collate_fn=varbatch.PaddedCollate())
+        model, optimizer = model_and_optimizer()
+        raw_optimizer = optimizer
+        scheduler = varbatch.VariableBatchSizeLR(optimizer, "mean", sampler)
+        try:
+            if opts.get("prepare_scheduler"):
+                model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+            else:
+                model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+            for epoch in range(EPOCHS):
+                loader.set_epoch(epoch)
+                step = 0
+                for batch in loader:
+                    with accelerator.accumulate(model):
+                        record(epoch, step, batch, raw_optimizer.param_groups[0]["lr"])
+                        accelerator.backward(loss_of(model, batch))
+                        optimizer.step()
+                        if opts.get("prepare_scheduler") or accelerator.sync_gradients:
+                            scheduler.step()
+                        optimizer.zero_grad()
+                    step += accelerator.sync_gradients
+        except Exception as error:
+            save(rank, error=f"{type(error).__name__}: {error}")
+            raise
+        save(rank)
+
+    # OPTS["runs"]: [name, options] of runs one after another in these processes (one start-up for all), each saving
+    # into OUT/name. A run that raised goes on to the next only with "in_step" (every rank raised at the same step).
+    BASE = OUT
+    for name, opts in OPTS.get("runs", [["", OPTS]]):
+        MBS, GAS, OUT = opts.get("mbs", 1), opts.get("gas", 1), os.path.join(BASE, name)
+        os.makedirs(OUT, exist_ok=True)
+        RECORDS.clear()
+        try:
+            train(opts)
+        except Exception:
+            if not opts.get("in_step"):
+                raise
 """)
+
 
 LIGHTNING = COMMON + textwrap.dedent("""
     import pytorch_lightning as pl
@@ -7310,6 +7351,10 @@ LIGHTNING = COMMON + textwrap.dedent("""
         save(trainer.global_rank)
 
     fit(OPTS)
+    if "recipe" in OPTS:  # the README's Lightning recipe as it is, on these 2 processes (Lightning launched them)
+        import runpy
+        runpy.run_path(OPTS["recipe"], run_name="__main__")
+        open(os.path.join(OUT, f"recipe{torch.distributed.get_rank()}.done"), "w").close()
     if "then" in OPTS:  # a second Trainer in the same processes (one start-up for both): its files in OUT/then
         OUT = os.path.join(OUT, "then")
         os.makedirs(OUT, exist_ok=True)
@@ -7321,20 +7366,22 @@ STATEFUL = COMMON + textwrap.dedent("""
     from torchdata.stateful_dataloader import StatefulDataLoader
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    sampler = make_sampler()
-    loader = varbatch.make_dataloader(Data(), sampler, collate_fn=varbatch.PaddedCollate(),
-                                      num_workers=OPTS.get("workers", 0), dataloader_class=StatefulDataLoader)
-    model, optimizer = model_and_optimizer()
-    scheduler = varbatch.VariableBatchSizeLR(optimizer, "mean", sampler)
-    state_path, start_epoch, trained = os.path.join(OUT, f"state{rank}.pt"), 0, 0
-    if OPTS.get("resume"):
-        state = torch.load(state_path, weights_only=False)
-        model.load_state_dict(state["model"]); optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"]); loader.load_state_dict(state["loader"])
-        start_epoch = state["epoch"]
+    state_path = os.path.join(OUT, f"state{rank}.pt")
 
-    def run():
-        global trained
+    def build(state=None):
+        \"\"\"A fresh sampler, loader (its own worker processes), model, optimizer and scheduler; restored from
+        the checkpoint file's ``state`` if given, as a new process would build them.\"\"\"
+        sampler = make_sampler()
+        loader = varbatch.make_dataloader(Data(), sampler, collate_fn=varbatch.PaddedCollate(),
+                                          num_workers=OPTS.get("workers", 0), dataloader_class=StatefulDataLoader)
+        model, optimizer = model_and_optimizer()
+        scheduler = varbatch.VariableBatchSizeLR(optimizer, "mean", sampler)
+        if state is not None:
+            model.load_state_dict(state["model"]); optimizer.load_state_dict(state["optimizer"])
+            scheduler.load_state_dict(state["scheduler"]); loader.load_state_dict(state["loader"])
+        return sampler, loader, model, optimizer, scheduler
+
+    def run(sampler, loader, model, optimizer, scheduler, start_epoch=0, trained=0, stop_after=None):
         for epoch in range(start_epoch, EPOCHS):
             sampler.set_epoch(epoch)
             for batch in loader:
@@ -7343,16 +7390,21 @@ STATEFUL = COMMON + textwrap.dedent("""
                 trained += 1
                 if trained % GAS == 0:
                     optimizer.step(); scheduler.step(); optimizer.zero_grad()
-                if trained == OPTS.get("stop_after"):
+                if trained == stop_after:
                     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                                 "scheduler": scheduler.state_dict(), "loader": loader.state_dict(),
-                                "epoch": epoch}, state_path)
+                                "epoch": epoch, "trained": trained}, state_path)
                     return
 
-    run()
+    # Stopped after stop_after step inputs (checkpoint saved to a file), then every object dropped (the loader's
+    # workers end) and the run resumed from the file alone by objects built afresh: the restore a new process does.
+    run(*build(), stop_after=OPTS["stop_after"])
+    state = torch.load(state_path, weights_only=False)
+    run(*build(state), start_epoch=state["epoch"], trained=state["trained"])
     save(rank)
     dist.barrier(); dist.destroy_process_group()
 """)
+
 
 DEEPSPEED = COMMON + textwrap.dedent("""
     from datetime import timedelta
@@ -7462,10 +7514,16 @@ def _check_against_plan(records, *, mbs, gas, epochs):
 @pytest.mark.slow
 @pytest.mark.parametrize("mbs, gas, workers", [(2, 2, 2)])
 def test_torchrun_ddp_trains_every_planned_sample_once(tmp_path, mbs, gas, workers):
-    """torchrun, 2 ranks, DDP with worker processes: every planned sample once, each step the plan's batch and LR."""
-    rc, output, records, _ = _launch_ranks(tmp_path, DDP, {"mbs": mbs, "gas": gas, "workers": workers})
+    """torchrun, 2 ranks, DDP with worker processes: every planned sample once, each step the plan's batch and LR.
+    Then, in the same 2 processes, the README's Accelerate recipe runs as it is (the README test leaves it here)."""
+    command, program = _readme_accelerate_recipe()
+    assert command == "torchrun --nproc_per_node 2 recipe.py", command  # this launch
+    (tmp_path / "recipe.py").write_text(program)
+    opts = {"mbs": mbs, "gas": gas, "workers": workers, "recipe": str(tmp_path / "recipe.py")}
+    rc, output, records, _ = _launch_ranks(tmp_path, DDP, opts)
     assert rc == 0, output[-3000:]
     _check_against_plan(records, mbs=mbs, gas=gas, epochs=2)
+    assert [r for r in (0, 1) if (tmp_path / "out" / f"recipe{r}.done").exists()] == [0, 1], output[-3000:]
 
 
 @pytest.mark.slow
@@ -7481,39 +7539,69 @@ def test_deepspeed_engine_trains_every_planned_sample_once(tmp_path, io):
 # -- HF Accelerate -------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("mbs, gas, even_batches", [(2, 2, True)])
-def test_accelerate_prepare_trains_every_planned_sample_once(tmp_path, mbs, gas, even_batches):
-    """HF Accelerate's prepare() on varbatch's loader: every planned sample once, the plan's batches and LRs."""
+# One Accelerate job on 2 ranks for the two tests below: the trained run, then (same processes, one start-up) a
+# prepared scheduler, refused at the first update on every rank (the ranks stay in step), then dispatch_batches,
+# refused on rank 0 at its first batch (the job ends there: rank 1 waits for rank 0's broadcast).
+_ACCELERATE_RUNS = [
+    ["prepare", {"mbs": 2, "gas": 2, "even_batches": True}],
+    ["prepared_scheduler", {"prepare_scheduler": True, "in_step": True}],
+    ["dispatch_batches", {"dispatch_batches": True}],
+]
+
+
+@pytest.fixture(scope="module")
+def accelerate_job(tmp_path_factory):
+    """The Accelerate job of ``_ACCELERATE_RUNS``: (exit code, output, {run name: (records, errors)})."""
     pytest.importorskip("accelerate")
-    rc, output, records, _ = _launch_ranks(tmp_path, ACCELERATE, {"mbs": mbs, "gas": gas, "even_batches": even_batches})
-    assert rc == 0, output[-3000:]
-    _check_against_plan(records, mbs=mbs, gas=gas, epochs=2)
+    tmp_path = tmp_path_factory.mktemp("accelerate")
+    rc, output, _, _ = _launch_ranks(tmp_path, ACCELERATE, {"runs": _ACCELERATE_RUNS})
+    return rc, output, {name: _saved_ranks(tmp_path / "out" / name) for name, _ in _ACCELERATE_RUNS}
+
+
+@pytest.mark.slow
+def test_accelerate_prepare_trains_every_planned_sample_once(accelerate_job):
+    """HF Accelerate's prepare() on varbatch's loader: every planned sample once, the plan's batches and LRs."""
+    _, output, runs = accelerate_job
+    records, errors = runs["prepare"]
+    assert errors == [None, None], (errors, output[-3000:])  # both ranks saved after their loop ended
+    _check_against_plan(records, mbs=2, gas=2, epochs=2)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "opts, setting",
-    [
-        ({"dispatch_batches": True}, "dispatch_batches=False"),
-        ({"prepare_scheduler": True}, "out of accelerator.prepare()"),
-    ],
+    "run, setting",
+    [("dispatch_batches", "dispatch_batches=False"), ("prepared_scheduler", "out of accelerator.prepare()")],
     ids=["dispatch_batches", "prepared_scheduler"],
 )
-def test_accelerate_settings_that_redeal_are_refused_at_the_first_batch(tmp_path, opts, setting):
+def test_accelerate_settings_that_redeal_are_refused_at_the_first_batch(accelerate_job, run, setting):
     """Accelerate settings that re-deal the loader (or step the scheduler twice) stop at once, naming the setting."""
-    pytest.importorskip("accelerate")
-    rc, output, records, errors = _launch_ranks(tmp_path, ACCELERATE, opts)
-    assert rc != 0
+    rc, output, runs = accelerate_job
+    records, errors = runs[run]
+    assert rc != 0  # the last run's refusal ended the job
+    assert errors and all(error is not None for error in errors), (errors, output[-2000:])  # no rank ran on
     assert any(setting in (error or "") for error in errors), (errors, output[-2000:])
     assert sum(len(r) for r in records) <= 4, "trained on after the first batch"
 
 
-_HF_RESUME_SCRIPT = """
-import json, os, sys, pathlib, torch
-torch.distributed.init_process_group("gloo")
+# The HF runs on 2 processes, one torchrun job (torch and transformers imported once): first, in the fresh
+# processes, the README's HF recipes as they are under the recorder (its `# run:` command with recorder.py before
+# the script), each in its folder OUT/<recipe>; then the resume in a later epoch (OUT/resume), then the resume by
+# HF's own skip over an unprepared loader (OUT/unprepared), whose refusal on every rank ends the job's work. Each
+# part saves OUT/part/rank{r}.json (a recipe: OUT/<recipe>/records/rank{r}.json).
+_HF_TWO_PROCESS_SCRIPT = """
+import json, os, runpy, sys, pathlib, torch
+base = pathlib.Path(sys.argv[1])
+for script in sys.argv[2:]:  # the README's recipes: the Trainer's Accelerator sets up the processes
+    os.chdir(base / script.removesuffix(".py"))
+    sys.argv = ["recorder.py", script, "records"]
+    runpy.run_path("recorder.py", run_name="__main__")
+os.chdir(base)
+if not torch.distributed.is_initialized():
+    torch.distributed.init_process_group("gloo")
 import test_varbatch as T
-out, rank = pathlib.Path(sys.argv[1]), torch.distributed.get_rank()
+rank = torch.distributed.get_rank()
+
+out = base / "resume"
 lengths = T._hf_lengths()
 common = dict(order="bucket", seed=0, prepared=True, save_strategy="steps")
 first, sampler, record = T._hf_trainer(out / "a", lengths, loader_epochs=2, max_steps=AT, save_steps=AT, **common)
@@ -7530,24 +7618,65 @@ resumed.train(resume_from_checkpoint=checkpoint)
 json.dump({"trained": record.trained + resumed_record.trained, "updates": len(resumed_record.updates),
            "lrs_off": T._hf_updates_off(sampler, resumed_record), "error": error,
            "refused_updates": len(refused_record.updates)}, open(out / f"rank{rank}.json", "w"))
+
+out = base / "unprepared"
+common = dict(order="bucket", seed=0, save_strategy="steps", gradient_accumulation_steps=2,
+              sampler_options={"gradient_accumulation_steps": 2})
+first, _, _ = T._hf_trainer(out / "a", T._hf_lengths(), max_steps=1, save_steps=1, **common)
+first.train()
+resumed, _, record = T._hf_trainer(out / "b", T._hf_lengths(), save_steps=500, **common)
+try:
+    resumed.train(resume_from_checkpoint=str(out / "a" / "checkpoint-1"))  # in epoch 0: 2 step inputs skipped
+    error = None
+except RuntimeError as raised:
+    error = str(raised)
+json.dump({"error": error, "updates": len(record.updates)}, open(out / f"rank{rank}.json", "w"))
+torch.distributed.destroy_process_group()
 """
 
 
+def _hf_probe():
+    """Rank 0's sampler of the HF runs on 2 processes, and its epochs' batch counts."""
+    probe = VariableBatchSampler(_hf_lengths(), 256, budget="padded", order="bucket", seed=0, num_replicas=2, rank=0)
+    return probe, probe.plan_for_epoch(0).num_batches, probe.plan_for_epoch(1).num_batches
+
+
+@pytest.fixture(scope="module")
+def hf_two_process_job(tmp_path_factory):
+    """The job of ``_HF_TWO_PROCESS_SCRIPT`` (the README's recipes whose libraries are installed), resumed at epoch 1
+    batch 3: (finished process, {part: [rank 0's results, rank 1's]}, the job's folder)."""
+    pytest.importorskip("transformers")
+    tmp_path = tmp_path_factory.mktemp("hf_two_processes")
+    recipes = [script for script in _README_RECORDED if importlib.util.find_spec(_README_RECIPE_NEEDS[script])]
+    for script in recipes:
+        command, program = _readme_recipe(script)
+        assert command == f"torchrun --nproc_per_node 2 {script}", command  # the job's launch
+        folder = tmp_path / script.removesuffix(".py")
+        folder.mkdir()
+        (folder / script).write_text(program)
+        (folder / "recorder.py").write_text(_RECIPE_RECORDER)
+    _, n0, _ = _hf_probe()
+    script = tmp_path / "job.py"
+    script.write_text(_HF_TWO_PROCESS_SCRIPT.replace("AT", str(n0 + 3)))
+    env = dict(os.environ, PYTHONPATH=_ROOT, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master-port"]
+    done = _run([*command, str(_free_port()), str(script), str(tmp_path), *recipes], timeout=600, cwd=tmp_path, env=env)
+    parts = {}
+    for part in ("resume", "unprepared"):
+        files = [tmp_path / part / f"rank{r}.json" for r in (0, 1)]
+        parts[part] = [json.loads(f.read_text()) if f.exists() else None for f in files]
+    return done, parts, tmp_path
+
+
 @pytest.mark.slow
-def test_hf_trainer_resume_in_a_later_epoch_on_two_processes(tmp_path):
+def test_hf_trainer_resume_in_a_later_epoch_on_two_processes(hf_two_process_job):
     """HF Trainer on 2 processes with an Accelerate-prepared loader, resumed at epoch 1 batch 3: with one loader pass
     for the run every sample of both epochs once over the ranks, the LRs of their batches; with a pass per epoch
     refused at the first batch on every rank."""
-    pytest.importorskip("transformers")
-    probe = VariableBatchSampler(_hf_lengths(), 256, budget="padded", order="bucket", seed=0, num_replicas=2, rank=0)
-    n0, n1 = probe.plan_for_epoch(0).num_batches, probe.plan_for_epoch(1).num_batches
-    script = tmp_path / "resume.py"
-    script.write_text(_HF_RESUME_SCRIPT.replace("AT", str(n0 + 3)))
-    env = dict(os.environ, PYTHONPATH=_ROOT, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master-port"]
-    done = _run([*command, str(_free_port()), str(script), str(tmp_path)], timeout=600, cwd=tmp_path, env=env)
-    assert done.returncode == 0, done.stdout[-1500:] + done.stderr[-3000:]
-    runs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    done, parts, _ = hf_two_process_job
+    runs = parts["resume"]
+    assert None not in runs, done.stdout[-1500:] + done.stderr[-3000:]
+    probe, n0, n1 = _hf_probe()
     trained = [tuple(pair) for run in runs for pair in run["trained"]]
     assert _hf_never_and_twice(probe, trained, (0, 1)) == (0, 0)
     assert [run["updates"] for run in runs] == [n0 + n1 - n0 - 3] * 2
@@ -7560,21 +7689,27 @@ def test_hf_trainer_resume_in_a_later_epoch_on_two_processes(tmp_path):
 
 @pytest.fixture(scope="module")
 def lightning_job(tmp_path_factory):
-    """One Lightning job on 2 ranks for the two tests below (its start-up is most of a run's time): a Trainer with
-    default settings and reloading trains 4 epochs, then a second Trainer in the same processes, without reloading,
-    5 epochs. Returns (exit code, output, (records, errors) of the first Trainer, (records, errors) of the second)."""
+    """One Lightning job on 2 ranks for the three tests below (its start-up is most of a run's time): a Trainer with
+    default settings and reloading trains 4 epochs, then the README's Lightning recipe runs in the same processes,
+    then a second Trainer of ours, without reloading, 5 epochs. Returns (exit code, output, (records, errors) of the
+    first Trainer, (records, errors) of the second, the ranks whose recipe run returned)."""
     pytest.importorskip("pytorch_lightning")
     tmp_path = tmp_path_factory.mktemp("lightning")
+    command, program = _readme_lightning_recipe()
+    assert command == "python recipe.py", command  # Lightning starts the second process itself, as here
+    (tmp_path / "recipe.py").write_text(program)
     # 4 epochs: epoch 3 of this plan is longer than epoch 0 (45 vs 44 step inputs per rank).
     opts = {"epochs": 4, "use_distributed_sampler": True, "reload": 1, "then": {"epochs": 5, "reload": 0}}
+    opts["recipe"] = str(tmp_path / "recipe.py")
     rc, output, records, errors = _launch_ranks(tmp_path, LIGHTNING, opts, torchrun=False)
-    return rc, output, (records, errors), _saved_ranks(tmp_path / "out" / "then")
+    recipe_done = [r for r in (0, 1) if (tmp_path / "out" / f"recipe{r}.done").exists()]
+    return rc, output, (records, errors), _saved_ranks(tmp_path / "out" / "then"), recipe_done
 
 
 @pytest.mark.slow
 def test_lightning_ddp_trains_every_planned_sample_once(lightning_job):
     """Lightning DDP with default settings and reloading: every planned sample once, also in a longer epoch."""
-    _, output, (records, errors), _ = lightning_job
+    _, output, (records, errors), _, _ = lightning_job
     # Each rank saves after its fit() returned: the first Trainer's fit ended without an error on both ranks.
     assert errors == [None, None], (errors, output[-3000:])
     _check_against_plan(records, mbs=1, gas=1, epochs=4)
@@ -7583,9 +7718,16 @@ def test_lightning_ddp_trains_every_planned_sample_once(lightning_job):
 @pytest.mark.slow
 def test_lightning_without_reloading_is_refused_when_an_epoch_was_cut_short(lightning_job):
     """Lightning without reloading cuts a longer epoch at the first one's len(): refused, naming the setting."""
-    rc, output, _, (_, errors) = lightning_job
+    rc, output, _, (_, errors), _ = lightning_job
     assert rc != 0
     assert any("reload_dataloaders_every_n_epochs=1" in (error or "") for error in errors), (errors, output[-3000:])
+
+
+@pytest.mark.slow
+def test_readme_lightning_recipe_runs_on_two_processes(lightning_job):
+    """The README's Lightning recipe runs as it is on 2 DDP processes (the README test leaves it to this job)."""
+    _, output, _, _, recipe_done = lightning_job
+    assert recipe_done == [0, 1], output[-3000:]
 
 
 @pytest.mark.slow
@@ -7609,12 +7751,11 @@ def test_lightning_rebuilding_the_loader_is_refused():
 @pytest.mark.slow
 @pytest.mark.parametrize("stop_after, workers", [(58, 2)])
 def test_stateful_dataloader_resumes_exactly(tmp_path, stop_after, workers):
-    """StatefulDataLoader with workers, stopped mid-epoch and restored: the ranks train the plan exactly once."""
+    """StatefulDataLoader with workers on 2 ranks, stopped mid-epoch with a checkpoint file and resumed from that file
+    by a loader, sampler and scheduler built afresh (in the same processes: varbatch keeps no state outside its
+    objects): the ranks train the plan exactly once."""
     pytest.importorskip("torchdata")
-    opts = {"gas": 2, "workers": workers, "stop_after": stop_after}
-    rc, output, _, _ = _launch_ranks(tmp_path, STATEFUL, opts)
-    assert rc == 0, output[-3000:]
-    rc, output, records, _ = _launch_ranks(tmp_path, STATEFUL, dict(opts, resume=True, append=True, stop_after=None))
+    rc, output, records, _ = _launch_ranks(tmp_path, STATEFUL, {"gas": 2, "workers": workers, "stop_after": stop_after})
     assert rc == 0, output[-3000:]
     _check_against_plan(records, mbs=1, gas=2, epochs=2)
 
@@ -7692,37 +7833,12 @@ def test_stateful_dataloader_restores_the_sampler_at_load_state_dict(stop, worke
     assert head + rest == full
 
 
-_HF_UNPREPARED_RESUME_SCRIPT = """
-import json, pathlib, sys, torch
-torch.distributed.init_process_group("gloo")
-import test_varbatch as T
-out, rank = pathlib.Path(sys.argv[1]), torch.distributed.get_rank()
-common = dict(order="bucket", seed=0, save_strategy="steps", gradient_accumulation_steps=2,
-              sampler_options={"gradient_accumulation_steps": 2})
-first, _, _ = T._hf_trainer(out / "a", T._hf_lengths(), max_steps=1, save_steps=1, **common)
-first.train()
-resumed, _, record = T._hf_trainer(out / "b", T._hf_lengths(), save_steps=500, **common)
-try:
-    resumed.train(resume_from_checkpoint=str(out / "a" / "checkpoint-1"))  # in epoch 0: 2 step inputs skipped
-    error = None
-except RuntimeError as raised:
-    error = str(raised)
-json.dump({"error": error, "updates": len(record.updates)}, open(out / f"rank{rank}.json", "w"))
-torch.distributed.destroy_process_group()
-"""
-
-
 @pytest.mark.slow
-def test_hf_trainer_resumed_by_its_own_skip_over_an_unprepared_loader_on_two_processes(tmp_path):
+def test_hf_trainer_resumed_by_its_own_skip_over_an_unprepared_loader_on_two_processes(hf_two_process_job):
     """HF Trainer on 2 processes over varbatch's loader as it is (not prepared), resumed inside epoch 0 with
     ignore_data_skip=False: every rank stops at its first or second step input, before an update, naming the fix."""
-    pytest.importorskip("transformers")
-    script = tmp_path / "resume.py"
-    script.write_text(_HF_UNPREPARED_RESUME_SCRIPT)
-    env = dict(os.environ, PYTHONPATH=_ROOT, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master-port"]
-    done = _run([*command, str(_free_port()), str(script), str(tmp_path)], timeout=300, cwd=tmp_path, env=env)
+    done, parts, _ = hf_two_process_job
     assert done.returncode == 0, done.stdout[-1500:] + done.stderr[-3000:]
-    runs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    runs = parts["unprepared"]
     assert [run["updates"] for run in runs] == [0, 0], runs
     assert all(re.search(_UNDEALT_SKIP, run["error"] or "") for run in runs), runs
