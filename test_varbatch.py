@@ -6189,7 +6189,7 @@ _SUMMARY_LINE = re.compile(r"^summary \| epochs (\S+) \| .*\| samples trained (\
 _DROP_LINE = re.compile(r"epoch (\d+): dropped (\d+) samples? \(ids [^)]*\) as (\w+)")
 # Small runs: a few seconds of training each; the launcher's start-up dominates. The README test runs the
 # README's example commands at these sizes too, so that they and the example tests' launches are one set,
-# each launched once (see `launched`): 54 steps on DDP (9 an epoch: the README's `--max-steps 20` stops in epoch 2).
+# each launched once (see `launched`): 60 steps on DDP (10 an epoch: the README's `--max-steps 33` stops inside epoch 3).
 _NUM_SAMPLES, _EPOCHS = 700, 6
 _SMALL_RUN = ["--num-samples", str(_NUM_SAMPLES), "--epochs", str(_EPOCHS)]
 _LAUNCH_TIMEOUT_S = 600
@@ -6671,7 +6671,7 @@ def test_example_trains_the_plan_and_the_loss_goes_down(launched, path):
 # every epoch then, and a checkpoint must count the step inputs trained, not those read): stopped and resumed, it
 # must train every step of the uninterrupted run (which trains the plan, above), with the same LRs and losses.
 _STOPS = {
-    "ddp": ("ddp", [], 20, "ckpt"),
+    "ddp": ("ddp", [], 33, "ckpt"),
     "ddp, 2 loader workers": ("ddp", ["--config", "ds_config_workers.json"], None, "ckpt-workers"),
     "pipeline": ("pipeline", _PATHS["pipeline"], None, "ckpt-pipeline"),
 }
