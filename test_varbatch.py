@@ -2191,6 +2191,31 @@ def _hf_lengths():
     return torch.randint(5, 40, (96,), generator=torch.Generator().manual_seed(0)).tolist()
 
 
+def _hf_arguments(output_dir, **arguments):
+    """HF TrainingArguments for the tests' Trainers: on the CPU, offline, quiet, the dataset's extra columns kept;
+    nothing logged or saved unless ``arguments`` say so."""
+    import transformers
+
+    return transformers.TrainingArguments(
+        output_dir=str(output_dir),
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        remove_unused_columns=False,
+        dataloader_pin_memory=False,
+        **{"logging_strategy": "no", "save_strategy": "no", **arguments},
+    )
+
+
+def _tiny_llama_config():
+    """The tests' tiny LlamaForCausalLM (one layer, width 16, vocabulary 64), built from a config: no download."""
+    import transformers
+
+    return transformers.LlamaConfig(
+        num_hidden_layers=1, hidden_size=16, intermediate_size=32, num_attention_heads=2, vocab_size=64
+    )
+
+
 def _hf_trainer(
     tmp_path,
     lengths,
@@ -2242,22 +2267,14 @@ def _hf_trainer(
             record.pending.clear()
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        num_hidden_layers=1, hidden_size=16, intermediate_size=32, num_attention_heads=2, vocab_size=64
-    )
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path),
+    args = _hf_arguments(
+        tmp_path,
         num_train_epochs=epochs if loader_epochs == 1 else 1,
         learning_rate=1e-3,
         lr_scheduler_type="constant",
-        report_to=[],
-        use_cpu=True,
-        disable_tqdm=True,
-        remove_unused_columns=False,
-        dataloader_pin_memory=False,
-        **{"save_strategy": "no", "logging_strategy": "no", **arguments},
+        **arguments,
     )
-    trainer = VarbatchTrainer(model=transformers.LlamaForCausalLM(config), args=args, callbacks=[Clear()])
+    trainer = VarbatchTrainer(model=transformers.LlamaForCausalLM(_tiny_llama_config()), args=args, callbacks=[Clear()])
     return trainer, sampler, record
 
 
@@ -3367,20 +3384,13 @@ def _hf_trainer_run(tmp_path, *, gas, sampler_gas, skips, accelerated, optim="ad
 
     config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=64)
     torch.manual_seed(0)
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path),
+    args = _hf_arguments(
+        tmp_path,
         num_train_epochs=2,
         gradient_accumulation_steps=gas,
         learning_rate=_BASE_LR,
         optim=optim,
         max_grad_norm=0.0,
-        logging_strategy="no",
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        disable_tqdm=True,
-        remove_unused_columns=False,
-        dataloader_pin_memory=False,
     )
     trainer = Trainer(model=transformers.GPT2LMHeadModel(config), args=args, callbacks=[Clear()])
     trainer.accelerator.scaler = torch.amp.GradScaler("cpu")  # Accelerate makes none on CPU
@@ -3814,19 +3824,7 @@ def test_hf_trainer_num_items_in_batch_alone_gives_the_batch_token_mean(tmp_path
         def on_pre_optimizer_step(self, args, state, control, **kwargs):
             grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
 
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path),
-        max_steps=1,
-        gradient_accumulation_steps=gas,
-        max_grad_norm=0.0,
-        logging_strategy="no",
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        disable_tqdm=True,
-        remove_unused_columns=False,
-        dataloader_pin_memory=False,
-    )
+    args = _hf_arguments(tmp_path, max_steps=1, gradient_accumulation_steps=gas, max_grad_norm=0.0)
     Trainer(model=model, args=args, callbacks=[Grab()]).train()
     assert len(grads) == 1 and len(seen) == gas
     total, count = 0.0, 0
@@ -4536,25 +4534,17 @@ def _hf_recipe_resume_run(out, lengths, *, loader_epochs, max_steps=False, stop=
             torch.save(sampler.state_dict(), f"{path}/sampler.pt")
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        num_hidden_layers=1, hidden_size=16, intermediate_size=32, num_attention_heads=2, vocab_size=64
-    )
-    args = transformers.TrainingArguments(
-        output_dir=str(out),
+    args = _hf_arguments(
+        out,
         num_train_epochs=1,
         max_steps=horizon if max_steps else -1,
         learning_rate=1e-3,
-        logging_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        disable_tqdm=True,
-        remove_unused_columns=False,
-        dataloader_pin_memory=False,
         save_strategy="steps",
         save_steps=stop or 10_000,
         ignore_data_skip=True,
     )
-    trainer = VarbatchTrainer(model=transformers.LlamaForCausalLM(config), args=args, callbacks=[SaveSampler()])
+    model = transformers.LlamaForCausalLM(_tiny_llama_config())
+    trainer = VarbatchTrainer(model=model, args=args, callbacks=[SaveSampler()])
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a tiny model: more threads only contend
     try:
