@@ -795,6 +795,17 @@ def test_vectorized_greedy_rule_matches_the_sample_by_sample_walk(case):
         assert most[i] == expected, f"position {i}: {most[i]} samples, expected {expected}"
 
 
+# The array fields of a Plan (its drops are a dict of arrays beside them).
+_PLAN_ARRAYS = (
+    "sample_ids",
+    "microbatch_offsets",
+    "padded_seqlens",
+    "batch_sizes",
+    "batch_tokens",
+    "batch_max_seqlens",
+)
+
+
 @given(case=plan_cases(orders=ORDERS), chunk=st.sampled_from([1, 2, 5]))
 @settings(max_examples=60)
 def test_plans_do_not_depend_on_the_chunk_size(case, chunk):
@@ -803,14 +814,7 @@ def test_plans_do_not_depend_on_the_chunk_size(case, chunk):
     with unittest.mock.patch.object(varbatch, "_CHUNK", chunk):
         chunked = _plan_or_none(case)
     assume(whole is not None)
-    for name in (
-        "sample_ids",
-        "microbatch_offsets",
-        "padded_seqlens",
-        "batch_sizes",
-        "batch_tokens",
-        "batch_max_seqlens",
-    ):
+    for name in _PLAN_ARRAYS:
         assert getattr(chunked, name).tolist() == getattr(whole, name).tolist(), name
     assert {r: ids.tolist() for r, ids in chunked.dropped.items()} == {
         r: ids.tolist() for r, ids in whole.dropped.items()
@@ -909,14 +913,7 @@ def test_identical_inputs_give_identical_plans(case):
     assert (first is None) == (second is None)
     assume(first is not None)
     assert first.fingerprint() == second.fingerprint()
-    for field in (
-        "sample_ids",
-        "microbatch_offsets",
-        "padded_seqlens",
-        "batch_sizes",
-        "batch_tokens",
-        "batch_max_seqlens",
-    ):
+    for field in _PLAN_ARRAYS:
         np.testing.assert_array_equal(getattr(first, field), getattr(second, field))
     for reason in DROP_REASONS:
         np.testing.assert_array_equal(first.dropped[reason], second.dropped[reason])
