@@ -4156,8 +4156,14 @@ def _skip_resume_setup(order):
 def _skip_resume_epoch(sampler, loader, optimizer, scheduler, epoch, skip=0, stop=None):
     """Trains one epoch over ``loader``, dropping its first ``skip`` updates' step inputs (as skip_first_batches
     does) and stopping after ``stop`` updates; returns the LR of each update trained."""
-    gas, lrs = sampler.gradient_accumulation_steps, []
     sampler.set_epoch(epoch)
+    return _train_skipping(loader, optimizer, scheduler, sampler.gradient_accumulation_steps, skip, stop)
+
+
+def _train_skipping(loader, optimizer, scheduler, gas, skip, stop):
+    """Iterates ``loader``, ``gas`` step inputs an update, dropping the first ``skip`` updates' step inputs and
+    stopping after ``stop`` updates (None: none); returns the LR of each update trained."""
+    lrs = []
     for i, _ in enumerate(loader):
         if i < skip * gas:
             continue
@@ -4241,17 +4247,7 @@ def _run_pass_lrs(order, state=None, skip=0, stop=None):
     loader = make_dataloader(_id_dataset(sampler.seqlens), sampler, epochs=2)
     if state is not None:
         scheduler.load_state_dict(state)
-    gas, lrs = sampler.gradient_accumulation_steps, []
-    for i, _ in enumerate(loader):
-        if i < skip * gas:
-            continue
-        if i % gas == 0:
-            lrs.append(optimizer.param_groups[0]["lr"])
-        if i % gas == gas - 1:
-            optimizer.step()
-            scheduler.step()
-            if len(lrs) == stop:
-                break
+    lrs = _train_skipping(loader, optimizer, scheduler, sampler.gradient_accumulation_steps, skip, stop)
     return lrs, json.loads(json.dumps(scheduler.state_dict())), sampler
 
 
