@@ -585,7 +585,7 @@ def _picking_order(seqlens: np.ndarray, ids: np.ndarray, settings: _Settings, rn
 #   reaches i: the count of running maxima below i, as they are sorted; len(L) where none).
 #   For j in [i, J(i)), d_j < i makes max(j, i + c_j) = i + c_j; j = J(i) gives J(i) (i + c_j <= j);
 #   every j > J(i) gives at least j > J(i). So e(i) = min(J(i), i + min(c[i:J(i)])): a range
-#   minimum, which `_range_minima` answers from minima over windows of 2**k.
+#   minimum, which `_range_extrema` answers from minima over windows of 2**k.
 # Both are capped at `reach`, the most samples a micro-batch can take (max_batch_size, or
 # max_tokens // the shortest seqlen): c_j is clipped to it, so n(i) comes out as min(n(i), reach),
 # and a chunk needs `reach` positions past its last one to see every micro-batch to its end.
@@ -597,21 +597,23 @@ def _index_dtype(bound: int) -> type:
     return np.int32 if bound <= np.iinfo(np.int32).max + 1 else np.int64
 
 
-def _range_minima(values: np.ndarray, starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
-    """``min(values[a:b])`` for each pair ``a < b`` of ``starts`` and ``stops``.
+def _range_extrema(
+    values: np.ndarray, starts: np.ndarray, stops: np.ndarray, extremum: np.ufunc = np.minimum
+) -> np.ndarray:
+    """``extremum.reduce(values[a:b])`` for each pair ``a < b`` of ``starts`` and ``stops`` (the minimum by default).
 
     Windows of 2**k samples cover ``[a, b)`` twice over where ``2**k <= b - a < 2**(k + 1)``: its
-    minimum is that of the windows at ``a`` and at ``b - 2**k``. The minima over windows of 2**k
+    extremum is that of the windows at ``a`` and at ``b - 2**k``. The extrema over windows of 2**k
     are built from those of 2**(k - 1), one level at a time, each pair answered at its level.
     """
     level = np.frexp(stops - starts)[1] - 1  # floor(log2(b - a)), exactly
-    minima = np.empty(len(starts), values.dtype)
-    windows = values  # windows[a] = min(values[a : a + 2**k])
+    extrema = np.empty(len(starts), values.dtype)
+    windows = values  # windows[a] = extremum over values[a : a + 2**k]
     for k in range(int(level.max()) + 1 if len(level) else 0):
         chosen = np.flatnonzero(level == k)
-        minima[chosen] = np.minimum(windows[starts[chosen]], windows[stops[chosen] - 2**k])
-        windows = np.minimum(windows[: -(2**k)], windows[2**k :])
-    return minima
+        extrema[chosen] = extremum(windows[starts[chosen]], windows[stops[chosen] - 2**k])
+        windows = extremum(windows[: -(2**k)], windows[2**k :])
+    return extrema
 
 
 def _fitting_rows(lens: np.ndarray, count: int, reach: int, settings: _Settings) -> np.ndarray:
@@ -627,7 +629,7 @@ def _fitting_rows(lens: np.ndarray, count: int, reach: int, settings: _Settings)
     late = np.maximum.accumulate(np.arange(len(lens)) - most)  # the running max of d_j = j - c_j
     # J(i) = #{j : late[j] < i} (late is sorted): late + 1 counted into bins 0..count, then summed up to i
     stops = np.cumsum(np.bincount(np.clip(late + 1, 0, count), minlength=count + 1))[:count]
-    return np.minimum(stops, here + _range_minima(most, here, stops)) - here
+    return np.minimum(stops, here + _range_extrema(most, here, stops)) - here
 
 
 def _block_table(starts: list[int], rows: list[int], consecutive: list[bool] | None = None) -> np.ndarray:
@@ -697,18 +699,9 @@ def _prefix_costs(lens: np.ndarray, settings: _Settings) -> np.ndarray:
 
 
 def _window_extrema(values: np.ndarray, width: int, extremum: np.ufunc) -> np.ndarray:
-    """``extremum.reduce(values[q : q + width])`` for every ``q`` with ``q + width <= len(values)``.
-
-    Extrema over windows of 2**k (the largest power of two ``<= width``) are built by
-    doubling; a window of ``width`` is covered by two of them, at ``q`` and ``q + width - 2**k``.
-    """
-    span = 1
-    windows = values  # windows[q] = extremum over values[q : q + span]
-    while 2 * span <= width:
-        windows = extremum(windows[:-span], windows[span:])
-        span *= 2
-    count = len(values) - width + 1
-    return extremum(windows[:count], windows[width - span : width - span + count])
+    """``extremum.reduce(values[q : q + width])`` for every ``q`` with ``q + width <= len(values)`` (`_range_extrema`)."""
+    starts = np.arange(len(values) - width + 1)
+    return _range_extrema(values, starts, starts + width, extremum)
 
 
 def _strided_fitting_rows(values: np.ndarray, count: int, reach: int, width: int, settings: _Settings) -> np.ndarray:
