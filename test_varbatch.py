@@ -821,30 +821,69 @@ def test_plans_do_not_depend_on_the_chunk_size(case, chunk):
     }
 
 
+def _bits(bound):
+    """Bits that hold 0 .. bound - 1, at least one (the oracle's own count)."""
+    return max(1, len(bin(bound - 1)) - 2) if bound > 1 else 1
+
+
+def _oracle_random_order(ids, seed):
+    """NOTE [the random orders, sorted], slowly: each id draws random bits; ids ordered by (bits, id)."""
+    id_bits = _bits(max(ids, default=0) + 1)
+    noise = np.random.default_rng(seed).integers(0, 2 ** (64 - id_bits), len(ids), dtype=np.uint64).tolist()
+    return [i for _, i in sorted(zip(noise, ids))]
+
+
+def _oracle_bucket_order(ids, lengths, window, seed):
+    """NOTE [the random orders, sorted], slowly: each id draws a window of ceil(N / window); ids ordered by window,
+    then length (descending in odd windows), then id. Returns the ids and their lengths in that order."""
+    windows = max(1, math.ceil(len(ids) / window))
+    drawn = np.random.default_rng(seed).integers(0, windows, len(ids), dtype=np.uint64).tolist()
+    rows = sorted(
+        zip(drawn, ids, lengths),
+        key=lambda row: (row[0], -row[2] if row[0] % 2 else row[2], row[1]),
+    )
+    return [i for _, i, _ in rows], [length for _, _, length in rows]
+
+
 @given(
     seqlens=st.lists(st.integers(1, 40), max_size=300),
     order=st.sampled_from(["random", "bucket"]),
     seed=st.integers(0, 2**32 - 1),
     dtype=st.sampled_from([np.int32, np.int64]),
     bucket_size=st.one_of(st.none(), st.integers(1, 50)),
+    key_bits=st.sampled_from([64, 8]),
 )
-@example(seqlens=[], order="random", seed=0, dtype=np.int32, bucket_size=None)
-def test_random_orders_shuffle_in_place_as_the_permutation(seqlens, order, seed, dtype, bucket_size):
-    """The random orders shuffle the ids in place (NOTE [a shuffle in place is the permutation]): the order, and the
-    generator's state after it, are those of ``ids[rng.permutation(len(ids))]`` then the windows' sort."""
+@example(seqlens=[], order="random", seed=0, dtype=np.int32, bucket_size=None, key_bits=64)
+@example(seqlens=[], order="bucket", seed=0, dtype=np.int32, bucket_size=None, key_bits=64)
+def test_random_orders_sort_random_keys(seqlens, order, seed, dtype, bucket_size, key_bits):
+    """The random orders are their keys sorted (NOTE [the random orders, sorted]), as the slow oracles sort them,
+    with the lengths read back in picking order; key_bits 8 makes `bucket` take numpy's lexsort (same order)."""
+    assume(order == "bucket" or key_bits == 64)  # the random order's key is its random bits and the id: no fallback
     lens = np.asarray(seqlens, np.int64)
     ids = np.arange(len(lens), dtype=dtype)[::-1].copy()  # not the positions themselves
     settings_ = varbatch._Settings(max_tokens=64, order=order, bucket_size=bucket_size)
-    rng_expected = np.random.default_rng(seed)
-    expected = ids[rng_expected.permutation(len(ids))]
-    if order == "bucket":
-        window = varbatch._bucket_window(lens, ids, settings_)
-        expected = varbatch._sorted_windows(lens, expected, window)
-    rng = np.random.default_rng(seed)
-    got = varbatch._picking_order(lens, ids.copy(), settings_, rng)
+    if order == "random":
+        expected_ids = _oracle_random_order(ids.tolist(), seed)
+    else:
+        window = varbatch._bucket_window(lens[ids], settings_)
+        expected_ids, _ = _oracle_bucket_order(ids.tolist(), lens[ids].tolist(), window, seed)
+    with unittest.mock.patch.object(varbatch, "_KEY_BITS", key_bits):
+        got, got_lens = varbatch._picking_order(lens, ids.copy(), lens[ids], settings_, np.random.default_rng(seed))
     assert got.dtype == dtype
-    assert got.tolist() == expected.tolist()
-    assert rng.integers(0, 2**62) == rng_expected.integers(0, 2**62)
+    assert got.tolist() == expected_ids
+    assert got_lens.dtype == np.int32
+    assert got_lens.tolist() == lens[expected_ids].tolist()
+
+
+def test_the_random_order_draws_every_permutation_alike():
+    """Over 4,800 seeds, each of the 24 orders of 4 samples comes out ~200 times (chi-square, 23 degrees of
+    freedom: above 60 once in ~20,000 runs of a uniform order; a sort by id alone gives 110,400)."""
+    counts = collections.Counter(
+        tuple(plan_batches([1, 1, 1, 1], 1, order="random", seed=seed).sample_ids.tolist()) for seed in range(4800)
+    )
+    assert len(counts) == 24
+    chi_square = sum((count - 200) ** 2 / 200 for count in counts.values())
+    assert chi_square < 60, counts
 
 
 def _interleaved_fit_by_rows(lens, start, rows_left, width, group, max_tokens, budget):
@@ -1978,7 +2017,7 @@ def test_batch_by_seqlens_returns_deepspeed_shapes():
 
 # An order that leaves epochs 1 to 3 without a batch (two micro-batches of two samples each needed).
 _UNLUCKY = dict(
-    seqlens=[9, 1, 9, 5, 4], max_tokens=10, gradient_accumulation_steps=2, order="random", seed=0, min_batch_size=2
+    seqlens=[9, 1, 9, 5, 4], max_tokens=10, gradient_accumulation_steps=2, order="random", seed=5, min_batch_size=2
 )
 
 
@@ -2948,7 +2987,7 @@ _OVERFLOW_CONFIG = {
     "train_micro_batch_size_per_gpu": 1,
     "steps_per_print": 10**6,
     "data_efficiency": {
-        "seed": 3,
+        "seed": 4,
         "data_sampling": {
             "dynamic_batching": {
                 "enabled": True,
@@ -2983,7 +3022,7 @@ def overflow_run(tmp_path_factory):
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     plans = [
-        plan_batches(_OVERFLOW_SEQLENS, 10, effective_batch_size=2, order="random", seed=3, epoch=e) for e in range(2)
+        plan_batches(_OVERFLOW_SEQLENS, 10, effective_batch_size=2, order="random", seed=4, epoch=e) for e in range(2)
     ]
     batches = [(e, b) for e, plan in enumerate(plans) for b in range(plan.num_batches)]
     sizes = [int(plans[e].batch_sizes[b]) for e, b in batches]
@@ -3526,7 +3565,7 @@ _HORIZON_EPOCHS = 5
 
 
 def _horizon_sampler(**kwargs):
-    return VariableBatchSampler(_HORIZON_SEQLENS, 256, order="random", seed=0, min_batch_size=2, **kwargs)
+    return VariableBatchSampler(_HORIZON_SEQLENS, 256, order="random", seed=9, min_batch_size=2, **kwargs)
 
 
 def _run_epochs(sampler, scheduler, optimizer, epochs):
@@ -4108,7 +4147,7 @@ def test_a_scheduler_made_before_the_sampler_is_restored_follows_the_restored_ba
 
     def make():
         sampler = VariableBatchSampler(
-            _PASS_SEQLENS, 40, gradient_accumulation_steps=2, num_replicas=1, order="random", seed=3
+            _PASS_SEQLENS, 40, gradient_accumulation_steps=2, num_replicas=1, order="random", seed=4
         )
         return sampler, make_dataloader(_id_dataset(_PASS_SEQLENS), sampler)
 
@@ -4215,7 +4254,7 @@ def test_a_restored_scheduler_over_a_fresh_sampler_resumed_by_skipping_batches_k
 def test_a_sampler_restored_after_the_scheduler_is_followed_at_once(restored_at):
     """sampler.load_state_dict after the scheduler's: the LR moves at once to the restored sampler's batch, also when
     that is batch 0 of the scheduler's epoch (a pass from the epoch's start the scheduler keeps against is not one)."""
-    k, epoch = 4, 1
+    k, epoch = 3, 1
     stopped = _skip_resume_setup("random")
     _skip_resume_epoch(*stopped, 0)
     stopped[0].set_epoch(epoch)

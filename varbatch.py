@@ -102,7 +102,7 @@ _DEFAULT_SEED = 0
 # _BUCKET_MIN_WINDOWS of an epoch's samples, within this many blocks of micro-batches.
 _BUCKET_WINDOW_BLOCKS = (16, 64)
 _BUCKET_MIN_WINDOWS = 3
-_SORT_CHUNK = 2**16  # samples the `bucket` order sorts at a time (a cache-sized chunk)
+_CHUNK = 2**16  # positions (or samples) per numpy pass: temporaries stay small and in cache
 _MAX_TOKENS_LIMIT = 2**31  # sums of up to 2**31 lengths below it stay inside int64
 
 
@@ -481,17 +481,14 @@ class Plan:
         }
 
 
-def _radix_key(values: np.ndarray) -> np.ndarray:
-    """``values`` as uint16 where they fit, so that numpy's stable sort is its linear-time radix sort."""
-    return values.astype(np.uint16) if len(values) and values.max() < 2**16 else values
-
-
 def _stable_argsort(values: np.ndarray) -> np.ndarray:
-    """A stable argsort; lengths below 2**16 take numpy's linear-time radix sort."""
-    return np.argsort(_radix_key(values), kind="stable")
+    """A stable argsort; lengths below 2**16 take numpy's linear-time radix sort (of uint16)."""
+    if len(values) and values.max() < 2**16:
+        values = values.astype(np.uint16)
+    return np.argsort(values, kind="stable")
 
 
-# The `bucket` order sorts windows of shuffled samples; its window trades padding for fresh
+# The `bucket` order sorts windows of randomly drawn samples; its window trades padding for fresh
 # micro-batches. In a window of W samples a micro-batch of B takes length neighbours among a
 # random W of the N: two samples that share one meet again next epoch only when they share
 # a window again (W / N) and stay neighbours in it (~0.4), against about B / N for random
@@ -512,58 +509,120 @@ def _stable_argsort(values: np.ndarray) -> np.ndarray:
 # epochs, large ones for few.
 
 
-def _bucket_window(seqlens: np.ndarray, ids: np.ndarray, settings: _Settings) -> int:
-    """Samples per sorted window of the `bucket` order over the packable samples ``ids``."""
+def _bucket_window(lengths: np.ndarray, settings: _Settings) -> int:
+    """Samples per sorted window of the `bucket` order over the packable samples, of seqlens ``lengths``."""
     if settings.bucket_size is not None:
         return settings.bucket_size
-    samples_per_block = settings.unit_width * settings.max_tokens * len(ids) / max(int(seqlens[ids].sum()), 1)
+    samples_per_block = settings.unit_width * settings.max_tokens * len(lengths) / max(int(lengths.sum()), 1)
     smallest, largest = (math.ceil(blocks * samples_per_block) for blocks in _BUCKET_WINDOW_BLOCKS)
-    return max(1, min(largest, max(smallest, math.ceil(len(ids) / _BUCKET_MIN_WINDOWS))))
+    return max(1, min(largest, max(smallest, math.ceil(len(lengths) / _BUCKET_MIN_WINDOWS))))
 
 
-def _sorted_windows(seqlens: np.ndarray, shuffled: np.ndarray, window: int) -> np.ndarray:
-    """``shuffled``, sorted in place stably by length inside consecutive windows of ``window``, odd ones descending.
-
-    A micro-batch that spans two windows then joins samples of like length. Sorted
-    `_SORT_CHUNK` samples (whole windows) at a time, so no N-sized int64 array is made.
-    """
-    step = max(1, _SORT_CHUNK // window) * window
-    for start in range(0, len(shuffled), step):
-        part = shuffled[start : start + step]  # a view: written below
-        keys = _radix_key(seqlens[part])
-        whole = len(part) - len(part) % window  # only the last chunk ends in a part window
-        ranks = np.argsort(keys[:whole].reshape(-1, window), axis=1, kind="stable")
-        odd = 1 - (start // window) % 2  # the chunk's first odd window
-        ranks[odd::2] = ranks[odd::2, ::-1]
-        ranks += np.arange(0, whole, window)[:, None]
-        last = whole + np.argsort(keys[whole:], kind="stable")
-        if (start + whole) // window % 2:
-            last = last[::-1]
-        part[:] = part[np.concatenate([ranks.ravel(), last])]
-    return shuffled
+# NOTE [the random orders, sorted]: shuffling N ids swaps them at random places in memory, ~40-100 ns
+# a sample once they outgrow the cache, and reading their seqlens in the shuffled order costs as much
+# again, where numpy sorts N uint64 in ~10 ns a sample. So the random orders sort one uint64 key per
+# sample, its fields from the most significant bits down, and read the ids back from the sorted keys:
+# - `random`: (random bits, id). The ids come out in a uniformly random order (of N samples, about
+#   N^2 / 2^(65 - id bits) pairs draw equal random bits and keep their id order).
+# - `bucket`: (window, length, id), each sample's window drawn uniformly from ceil(N / W) windows
+#   (W the window's size), its length complemented (longest - length) in odd windows. Sorted, the
+#   windows come one after another, each ~W samples (binomial) drawn at random and sorted by length,
+#   odd ones descending, ties by id: a micro-batch that spans two windows joins samples of like
+#   length. The lengths come out of the keys too, so nothing is read in a random order.
+# Where the three fields of `bucket` need more than 64 bits (2**30 samples of lengths up to 2**20,
+# say), numpy's lexsort sorts the same fields: the same order, at several times the time and memory.
+_KEY_BITS = 64
 
 
-# NOTE [a shuffle in place is the permutation]: the random orders are ``ids[rng.permutation(len(ids))]``
-# (the plans of earlier versions). numpy's ``permutation(n)`` is ``arange(n)`` put through
-# ``shuffle``, and ``shuffle`` is a Fisher-Yates walk whose swaps depend only on the length and
-# the generator, not on the values or their dtype. The same swaps applied to ``ids`` itself give
-# ``ids[permutation]`` and leave the generator in the same state, with no int64 permutation and
-# no gather (checked on thousands of seeds and sizes, 0 to 3M; a test compares the two).
+def _bits(bound: int) -> int:
+    """The bits that hold every integer below ``bound`` (at least one)."""
+    return max(1, (bound - 1).bit_length())
 
 
-def _picking_order(seqlens: np.ndarray, ids: np.ndarray, settings: _Settings, rng: np.random.Generator) -> np.ndarray:
-    """``ids`` in the order in which the packer picks them; the random orders shuffle ``ids`` itself, in place."""
-    if settings.order == "dataloader":
-        return ids
+def _chunk_spans(count: int) -> range:
+    """The starts of the `_CHUNK`-sized pieces of ``range(count)``, which numpy passes take one at a time."""
+    return range(0, count, _CHUNK)
+
+
+def _random_order(ids: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """``ids`` in a uniformly random order, written over ``ids`` (NOTE [the random orders, sorted])."""
+    id_bits = _bits(int(ids.max()) + 1 if len(ids) else 1)
+    keys = rng.integers(0, 2 ** (_KEY_BITS - id_bits), len(ids), dtype=np.uint64)
+    for a in _chunk_spans(len(ids)):
+        part = keys[a : a + _CHUNK]  # a view: written in place
+        part <<= np.uint64(id_bits)
+        part |= ids[a : a + _CHUNK].astype(np.uint64)
+    keys.sort()
+    for a in _chunk_spans(len(ids)):
+        ids[a : a + _CHUNK] = keys[a : a + _CHUNK] & np.uint64(2**id_bits - 1)
+    return ids
+
+
+def _length_field(lengths: np.ndarray, windows: np.ndarray, longest: int) -> np.ndarray:
+    """The `bucket` key's length field of samples in ``windows``: the length, or ``longest`` less it in odd windows
+    (descending). As the complement is its own inverse, the same call reads the lengths back from the fields."""
+    field = lengths.astype(np.uint64)
+    odd = (windows & np.uint64(1)).astype(bool)
+    field[odd] = np.uint64(longest) - field[odd]
+    return field
+
+
+def _bucket_order(
+    ids: np.ndarray, lengths: np.ndarray, window: int, lens_dtype: type, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """``ids`` (of seqlens ``lengths``) in the `bucket` order, written over ``ids``, and their seqlens in that
+    order as ``lens_dtype``: windows of ``window`` samples on average (NOTE [the random orders, sorted])."""
+    windows = max(1, math.ceil(len(ids) / window))
+    longest = int(lengths.max()) if len(ids) else 0
+    id_bits, length_bits = _bits(int(ids.max()) + 1 if len(ids) else 1), _bits(longest + 1)
+    keys = rng.integers(0, windows, len(ids), dtype=np.uint64)  # each sample's window, then its whole key
+    if _bits(windows) + length_bits + id_bits > _KEY_BITS:
+        order = np.lexsort((ids, _length_field(lengths, keys, longest), keys))
+        return ids[order], lengths[order].astype(lens_dtype)
+    for a in _chunk_spans(len(ids)):
+        part = keys[a : a + _CHUNK]  # a view: written in place
+        field = _length_field(lengths[a : a + _CHUNK], part, longest)
+        part <<= np.uint64(length_bits)
+        part |= field
+        part <<= np.uint64(id_bits)
+        part |= ids[a : a + _CHUNK].astype(np.uint64)
+    keys.sort()
+    lens = np.empty(len(ids), lens_dtype)
+    for a in _chunk_spans(len(ids)):
+        part = keys[a : a + _CHUNK]
+        ids[a : a + _CHUNK] = part & np.uint64(2**id_bits - 1)
+        field = (part >> np.uint64(id_bits)) & np.uint64(2**length_bits - 1)
+        lens[a : a + _CHUNK] = _length_field(field, part >> np.uint64(id_bits + length_bits), longest)
+    return ids, lens
+
+
+def _index_dtype(bound: int) -> type:
+    """The dtype of ids, positions or seqlens below ``bound``: int32 where they fit (half the memory), else int64."""
+    return np.int32 if bound <= np.iinfo(np.int32).max + 1 else np.int64
+
+
+def _take(values: np.ndarray, indices: np.ndarray, dtype: type) -> np.ndarray:
+    """``values[indices]`` as ``dtype``, a `_CHUNK` at a time (no temporary as long as the result)."""
+    out = np.empty(len(indices), dtype)
+    for a in range(0, len(indices), _CHUNK):
+        out[a : a + _CHUNK] = values[indices[a : a + _CHUNK]]
+    return out
+
+
+def _picking_order(
+    seqlens: np.ndarray, ids: np.ndarray, lengths: np.ndarray, settings: _Settings, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """``ids`` (of seqlens ``lengths``) in the order in which the packer picks them, and their seqlens in that order
+    (int32 where ``max_tokens`` fits); the random orders write over ``ids``."""
+    lens_dtype = _index_dtype(settings.max_tokens + 1)
+    if settings.order == "bucket":
+        return _bucket_order(ids, lengths, _bucket_window(lengths, settings), lens_dtype, rng)
     if settings.order == "seqlen":  # ties by id, whatever the order of `ids` (as DeepSpeed's sort of (len, id))
         ascending = ids if (ids[1:] > ids[:-1]).all() else np.sort(ids)
-        return ascending[_stable_argsort(seqlens[ascending])]
-    if settings.order == "random":
-        rng.shuffle(ids)  # see NOTE [a shuffle in place is the permutation]
-        return ids
-    window = _bucket_window(seqlens, ids, settings)  # before the shuffle: it reads the seqlens in id order
-    rng.shuffle(ids)
-    return _sorted_windows(seqlens, ids, window)
+        ids = ascending[_stable_argsort(seqlens[ascending])]
+    elif settings.order == "random":
+        ids = _random_order(ids, rng)
+    return ids, _take(seqlens, ids, lens_dtype)
 
 
 # The cost of a micro-batch of n samples, which max_tokens bounds: the sum of their seqlens
@@ -589,12 +648,6 @@ def _picking_order(seqlens: np.ndarray, ids: np.ndarray, settings: _Settings, rn
 # Both are capped at `reach`, the most samples a micro-batch can take (max_batch_size, or
 # max_tokens // the shortest seqlen): c_j is clipped to it, so n(i) comes out as min(n(i), reach),
 # and a chunk needs `reach` positions past its last one to see every micro-batch to its end.
-_CHUNK = 2**16  # positions (or samples) per numpy pass: temporaries stay small and in cache
-
-
-def _index_dtype(bound: int) -> type:
-    """The dtype of ids, positions or seqlens below ``bound``: int32 where they fit (half the memory), else int64."""
-    return np.int32 if bound <= np.iinfo(np.int32).max + 1 else np.int64
 
 
 def _range_extrema(
@@ -917,47 +970,58 @@ def _fill_last_batch(
     return positions, sizes, positions[:0].copy()
 
 
-def _shuffle_batches(
-    positions: np.ndarray, sizes: np.ndarray, k: int, rng: np.random.Generator
+def _microbatch_stats(
+    lens: np.ndarray, positions: np.ndarray, sizes: np.ndarray, settings: _Settings
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Whole batches of ``k`` micro-batches (positions and sizes) in a random order."""
-    order = rng.permutation(len(sizes) // k)
+    """Each micro-batch's longest seqlen and each batch's tokens, of the micro-batches of ``sizes`` samples at
+    ``positions`` (``lens``: the seqlens in picking order), read a run of whole batches (about a `_CHUNK` of
+    samples) at a time."""
+    k = settings.effective_batch_size
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    batch_samples = np.diff(offsets[::k])
+    longest = np.zeros(len(sizes), np.int64)
+    tokens = np.zeros(len(batch_samples), np.int64)
+    for a, b in _chunks(batch_samples):  # batches a .. b - 1
+        first = offsets[a * k]
+        part = lens[positions[first : offsets[b * k]]]
+        longest[a * k : b * k] = np.maximum.reduceat(part, offsets[a * k : b * k] - first)
+        tokens[a:b] = np.add.reduceat(part, offsets[a * k : b * k : k] - first, dtype=np.int64)
+    return longest, tokens
+
+
+def _shuffle_batches(
+    positions: np.ndarray,
+    sizes: np.ndarray,
+    longest: np.ndarray,
+    tokens: np.ndarray,
+    settings: _Settings,
+    rng: np.random.Generator,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Whole batches of k micro-batches in a random order: their positions, their micro-batches' sizes and
+    longest seqlens, and their tokens (`_microbatch_stats`), each reordered."""
+    k = settings.effective_batch_size
+    order = rng.permutation(len(tokens))
     batch_samples = sizes.reshape(-1, k).sum(axis=1)
     batch_starts = np.cumsum(batch_samples) - batch_samples
-    return _ranges(batch_starts[order], batch_samples[order], positions), sizes.reshape(-1, k)[order].ravel()
+    positions = _ranges(batch_starts[order], batch_samples[order], positions)
+    return positions, sizes.reshape(-1, k)[order].ravel(), longest.reshape(-1, k)[order].ravel(), tokens[order]
 
 
-def _take(values: np.ndarray, indices: np.ndarray, dtype: type) -> np.ndarray:
-    """``values[indices]`` as ``dtype``, a `_CHUNK` at a time (no temporary as long as the result)."""
-    out = np.empty(len(indices), dtype)
-    for a in range(0, len(indices), _CHUNK):
-        out[a : a + _CHUNK] = values[indices[a : a + _CHUNK]]
-    return out
-
-
-def _plan_arrays(seqlens: np.ndarray, packed: np.ndarray, sizes: np.ndarray, settings: _Settings) -> dict:
-    """The `Plan`'s arrays for the ids ``packed``, in micro-batches of ``sizes`` samples, k to a batch.
-
-    The seqlens of ``packed`` are read a run of whole batches (about a `_CHUNK` of samples) at a time.
-    """
+def _plan_arrays(
+    packed: np.ndarray, sizes: np.ndarray, longest: np.ndarray, tokens: np.ndarray, settings: _Settings
+) -> dict:
+    """The `Plan`'s arrays for the ids ``packed``, in micro-batches of ``sizes`` samples, k to a batch, with their
+    longest seqlens and the batches' tokens (`_microbatch_stats`)."""
     k = settings.effective_batch_size
     group = settings.padding_group
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-    batch_sizes = np.diff(offsets[::k])
-    tokens = np.zeros(len(batch_sizes), np.int64)
-    own = np.zeros(len(sizes), np.int64)  # each micro-batch's longest
-    for a, b in _chunks(batch_sizes):  # batches a .. b - 1
-        first = offsets[a * k]
-        lens = seqlens[packed[first : offsets[b * k]]]
-        tokens[a:b] = np.add.reduceat(lens, offsets[a * k : b * k : k] - first)
-        own[a * k : b * k] = np.maximum.reduceat(lens, offsets[a * k : b * k] - first)
     return dict(
         sample_ids=packed,
         microbatch_offsets=offsets,
-        padded_seqlens=np.repeat(own.reshape(-1, group).max(axis=1), group).astype(np.int64),
-        batch_sizes=batch_sizes,
+        padded_seqlens=np.repeat(longest.reshape(-1, group).max(axis=1), group).astype(np.int64),
+        batch_sizes=np.diff(offsets[::k]),
         batch_tokens=tokens,
-        batch_max_seqlens=own.reshape(-1, k).max(axis=1),
+        batch_max_seqlens=longest.reshape(-1, k).max(axis=1),
     )
 
 
@@ -983,11 +1047,12 @@ def _overlong(lengths: np.ndarray, ids: np.ndarray, settings: _Settings) -> np.n
 
 def _picked(
     seqlens: np.ndarray, sample_ids: np.ndarray | None, settings: _Settings, rng: np.random.Generator
-) -> tuple[np.ndarray, np.ndarray]:
-    """The packable ids in picking order (int32 where they fit), and the over-long ids (see `_overlong`).
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The packable ids in picking order (int32 where they fit), their seqlens in that order (int32 where
+    ``max_tokens`` fits), and the over-long ids (see `_overlong`).
 
-    Nothing N-sized is kept but the result; the random orders shuffle the ids made
-    here in place (`_picking_order`), so no permutation of them is made.
+    Nothing N-sized is kept but the results; the random orders write the ids made
+    here over themselves (`_picking_order`), so no permutation of them is made.
     """
     dtype = _index_dtype(len(seqlens))
     if sample_ids is None:
@@ -997,8 +1062,10 @@ def _picked(
         ids = sample_ids.astype(dtype)
         lengths = seqlens[ids]
     overlong = _overlong(lengths, ids, settings)
-    packable = ids if not len(overlong) else ids[lengths <= settings.max_tokens]
-    return _picking_order(seqlens, packable, settings, rng), overlong
+    if len(overlong):
+        fits = lengths <= settings.max_tokens
+        ids, lengths = ids[fits], lengths[fits]
+    return (*_picking_order(seqlens, ids, lengths, settings, rng), overlong)
 
 
 def _pack(seqlens: np.ndarray, settings: _Settings, sample_ids: np.ndarray | None, epoch: int) -> Plan:
@@ -1010,13 +1077,14 @@ def _pack(seqlens: np.ndarray, settings: _Settings, sample_ids: np.ndarray | Non
         ValueError: from `_overlong`.
     """
     rng = np.random.default_rng((settings.seed, epoch))
-    picked, overlong = _picked(seqlens, sample_ids, settings, rng)
-    lens_dtype = _index_dtype(settings.max_tokens + 1)
-    table, too_small, end = _pack_rows(_take(seqlens, picked, lens_dtype), settings)
+    picked, lens, overlong = _picked(seqlens, sample_ids, settings, rng)
+    table, too_small, end = _pack_rows(lens, settings)
     positions, sizes = _positions(table, settings.unit_width)
     positions, sizes, tail = _fill_last_batch(positions, sizes, settings)
+    longest, tokens = _microbatch_stats(lens, positions, sizes, settings)
+    del lens
     if settings.order == "bucket":  # the windows are sorted: shuffle whole batches
-        positions, sizes = _shuffle_batches(positions, sizes, settings.effective_batch_size, rng)
+        positions, sizes, longest, tokens = _shuffle_batches(positions, sizes, longest, tokens, settings, rng)
     packed = picked[positions]
     del positions  # the plan's peak memory: picked and packed, nothing else as long
     dropped = {
@@ -1026,7 +1094,7 @@ def _pack(seqlens: np.ndarray, settings: _Settings, sample_ids: np.ndarray | Non
         "filtered": np.zeros(0, np.int64) if sample_ids is None else np.setdiff1d(np.arange(len(seqlens)), sample_ids),
     }
     dropped = {reason: ids.astype(np.int64) for reason, ids in dropped.items()}
-    arrays = _plan_arrays(seqlens, packed, sizes, settings)
+    arrays = _plan_arrays(packed, sizes, longest, tokens, settings)
     for array in (*arrays.values(), *dropped.values()):
         array.setflags(write=False)
     return Plan(**arrays, dropped=dropped, settings=settings, epoch=epoch)
@@ -1072,8 +1140,8 @@ def plan_batches(
         **options: ``budget``, as above. ``order``: ``"dataloader"`` (index
             order), ``"seqlen"`` (ascending, ties by id), ``"random"`` (drawn
             from ``(seed, epoch)``) or ``"bucket"`` (random, sorted inside
-            windows of shuffled samples, batches then shuffled: random with
-            little padding). ``min_batch_size``, ``max_batch_size``: bounds on a
+            windows of samples drawn at random, batches then shuffled: random
+            with little padding). ``min_batch_size``, ``max_batch_size``: bounds on a
             micro-batch's samples (None or 0: none). ``same_size``: every
             micro-batch of a batch as many samples (pipelines); ``same_length``:
             every sample padded to its batch's longest (needs ``same_size`` under
@@ -1081,7 +1149,7 @@ def plan_batches(
             micro-batches per step input, data-parallel ranks (a padded step
             input shares one S: its tensor is <= ``micro_batch_size x max_tokens``).
             ``seed``: of ``random``/``bucket`` (None: a fixed one, never
-            unseeded). ``bucket_size``: samples per window; by default a third
+            unseeded). ``bucket_size``: samples per window, on average; by default a third
             of the samples, within 16 to 64 blocks' worth at the mean length
             (a block: a batch with ``same_size``, a padded step input, else a
             micro-batch): pairs of samples meet again next epoch ~25x as often as
