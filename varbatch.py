@@ -549,12 +549,13 @@ def _random_order(ids: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     id_bits = _bits(int(ids.max()) + 1 if len(ids) else 1)
     keys = rng.integers(0, 2 ** (_KEY_BITS - id_bits), len(ids), dtype=np.uint64)
     for a in _chunk_spans(len(ids)):
-        part = keys[a : a + _CHUNK]  # a view: written in place
-        part <<= np.uint64(id_bits)
-        part |= ids[a : a + _CHUNK].astype(np.uint64)
+        b = a + _CHUNK
+        keys[a:b] <<= np.uint64(id_bits)
+        keys[a:b] |= ids[a:b].astype(np.uint64)
     keys.sort()
     for a in _chunk_spans(len(ids)):
-        ids[a : a + _CHUNK] = keys[a : a + _CHUNK] & np.uint64(2**id_bits - 1)
+        b = a + _CHUNK
+        ids[a:b] = keys[a:b] & np.uint64(2**id_bits - 1)
     return ids
 
 
@@ -579,21 +580,24 @@ def _bucket_order(
     if _bits(windows) + length_bits + id_bits > _KEY_BITS:
         order = np.lexsort((ids, _length_field(lengths, keys, longest), keys))
         return ids[order], lengths[order].astype(lens_dtype)
-    for a in _chunk_spans(len(ids)):
-        part = keys[a : a + _CHUNK]  # a view: written in place
-        field = _length_field(lengths[a : a + _CHUNK], part, longest)
-        part <<= np.uint64(length_bits)
-        part |= field
-        part <<= np.uint64(id_bits)
-        part |= ids[a : a + _CHUNK].astype(np.uint64)
+    for a in _chunk_spans(len(ids)):  # no view of the keys is kept: `del keys` below frees them
+        b = a + _CHUNK
+        field = _length_field(lengths[a:b], keys[a:b], longest)
+        keys[a:b] <<= np.uint64(length_bits)
+        keys[a:b] |= field
+        keys[a:b] <<= np.uint64(id_bits)
+        keys[a:b] |= ids[a:b].astype(np.uint64)
     keys.sort()
-    lens = np.empty(len(ids), lens_dtype)
+    # While the keys live, the lengths are read into uint16 where they fit (keys, ids and lengths: 14 bytes a
+    # sample), and widened once the keys are gone.
+    lens = np.empty(len(ids), np.uint16 if longest < 2**16 else lens_dtype)
     for a in _chunk_spans(len(ids)):
-        part = keys[a : a + _CHUNK]
-        ids[a : a + _CHUNK] = part & np.uint64(2**id_bits - 1)
-        field = (part >> np.uint64(id_bits)) & np.uint64(2**length_bits - 1)
-        lens[a : a + _CHUNK] = _length_field(field, part >> np.uint64(id_bits + length_bits), longest)
-    return ids, lens
+        b = a + _CHUNK
+        ids[a:b] = keys[a:b] & np.uint64(2**id_bits - 1)
+        fields = keys[a:b] >> np.uint64(id_bits)
+        lens[a:b] = _length_field(fields & np.uint64(2**length_bits - 1), fields >> np.uint64(length_bits), longest)
+    del keys
+    return ids, lens.astype(lens_dtype, copy=False)
 
 
 def _index_dtype(bound: int) -> type:
