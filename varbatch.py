@@ -525,7 +525,7 @@ def _bucket_window(lengths: np.ndarray, settings: _Settings) -> int:
 # - `random`: (random bits, id). The ids come out in a uniformly random order (of N samples, about
 #   N^2 / 2^(65 - id bits) pairs draw equal random bits and keep their id order).
 # - `bucket`: (window, length, id), each sample's window drawn uniformly from ceil(N / W) windows
-#   (W the window's size), its length complemented (longest - length) in odd windows. Sorted, the
+#   (W the window's size), its length complemented (bits flipped) in odd windows. Sorted, the
 #   windows come one after another, each ~W samples (binomial) drawn at random and sorted by length,
 #   odd ones descending, ties by id: a micro-batch that spans two windows joins samples of like
 #   length. The lengths come out of the keys too, so nothing is read in a random order.
@@ -559,13 +559,12 @@ def _random_order(ids: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     return ids
 
 
-def _length_field(lengths: np.ndarray, windows: np.ndarray, longest: int) -> np.ndarray:
-    """The `bucket` key's length field of samples in ``windows``: the length, or ``longest`` less it in odd windows
-    (descending). As the complement is its own inverse, the same call reads the lengths back from the fields."""
-    field = lengths.astype(np.uint64)
-    odd = (windows & np.uint64(1)).astype(bool)
-    field[odd] = np.uint64(longest) - field[odd]
-    return field
+def _length_field(lengths: np.ndarray, windows: np.ndarray, bits: int) -> np.ndarray:
+    """The `bucket` key's ``bits``-bit length field of samples in ``windows``: the length, complemented (all its
+    bits flipped: ``2**bits - 1`` less it) in odd windows, which sorts them descending. The complement is its own
+    inverse, so the same call reads the lengths back from the fields."""
+    flip = (windows & np.uint64(1)) * np.uint64(2**bits - 1)
+    return lengths.astype(np.uint64) ^ flip
 
 
 def _bucket_order(
@@ -578,11 +577,11 @@ def _bucket_order(
     id_bits, length_bits = _bits(int(ids.max()) + 1 if len(ids) else 1), _bits(longest + 1)
     keys = rng.integers(0, windows, len(ids), dtype=np.uint64)  # each sample's window, then its whole key
     if _bits(windows) + length_bits + id_bits > _KEY_BITS:
-        order = np.lexsort((ids, _length_field(lengths, keys, longest), keys))
+        order = np.lexsort((ids, _length_field(lengths, keys, length_bits), keys))
         return ids[order], lengths[order].astype(lens_dtype)
     for a in _chunk_spans(len(ids)):  # no view of the keys is kept: `del keys` below frees them
         b = a + _CHUNK
-        field = _length_field(lengths[a:b], keys[a:b], longest)
+        field = _length_field(lengths[a:b], keys[a:b], length_bits)
         keys[a:b] <<= np.uint64(length_bits)
         keys[a:b] |= field
         keys[a:b] <<= np.uint64(id_bits)
@@ -595,7 +594,7 @@ def _bucket_order(
         b = a + _CHUNK
         ids[a:b] = keys[a:b] & np.uint64(2**id_bits - 1)
         fields = keys[a:b] >> np.uint64(id_bits)
-        lens[a:b] = _length_field(fields & np.uint64(2**length_bits - 1), fields >> np.uint64(length_bits), longest)
+        lens[a:b] = _length_field(fields & np.uint64(2**length_bits - 1), fields >> np.uint64(length_bits), length_bits)
     del keys
     return ids, lens.astype(lens_dtype, copy=False)
 
