@@ -1339,6 +1339,56 @@ def test_step_inputs_are_dealt_by_the_one_rule(seqlens, micro_batch_size, gas, n
         assert list(sampler) == expected
 
 
+@given(
+    seqlens=st.lists(st.integers(1, 30), min_size=1, max_size=120),
+    micro_batch_size=st.integers(1, 2),
+    num_replicas=st.integers(1, 3),
+    key_run=st.integers(1, 5),
+    data=st.data(),
+)
+@settings(max_examples=40)
+def test_every_view_of_a_pass_deals_the_one_rule_and_moves_the_position_per_step_input(
+    seqlens, micro_batch_size, num_replicas, key_run, data
+):
+    """`__iter__`'s ids, this rank's keys and every rank's keys hold the oracle's step inputs from any resume
+    position, the plan read in runs of any length; each of this rank's step inputs moves the position on as it is
+    handed out (before a later rank's key of the same t), the epoch's last one to the next epoch."""
+    m, ranks = micro_batch_size, num_replicas
+    try:
+        sampler = VariableBatchSampler(seqlens, 45, micro_batch_size=m, num_replicas=ranks, rank=0, order="random")
+    except ValueError as error:
+        assert "not enough samples" in str(error)
+        assume(False)
+    every_input = _dealt_oracle(sampler.plan, m, 1, 0)  # step input g of every rank
+    total = len(sampler)
+    rank = data.draw(st.integers(0, ranks - 1))
+    start = data.draw(st.integers(0, total - 1))
+    state = {**sampler.state_dict(), "rank": rank, "steps_done": start}
+    sampler = VariableBatchSampler(seqlens, 45, micro_batch_size=m, num_replicas=ranks, rank=rank, order="random")
+    with unittest.mock.patch.object(varbatch, "_KEY_RUN", key_run):
+        for view in ("ids", "keys", "every rank's keys"):
+            sampler.load_state_dict(state)
+            handed = sampler._position.handed
+            if view == "ids":
+                dealt = iter(sampler)
+            else:
+                dealt = sampler._iter_keys(every_rank=view == "every rank's keys")
+            steps = range(start * ranks, total * ranks) if view == "every rank's keys" else range(start, total)
+            for step, got in zip(steps, dealt):
+                g = step if view == "every rank's keys" else step * ranks + rank
+                t = g // ranks
+                done = t + 1 if g % ranks >= rank else t  # this rank's t-th step input comes at g = t*R + rank
+                if view == "ids":
+                    assert got == every_input[g]
+                else:
+                    where = (got.step_input, got.pass_start, got.every_rank)
+                    assert (list(got.sample_ids), *where) == (every_input[g], g, start, view == "every rank's keys")
+                    assert got.seqlens == tuple(seqlens[i] for i in got.sample_ids)
+                assert (sampler.steps_done, sampler._position.handed - handed) == (done, done - start)
+                assert sampler.epoch == (done == total)
+            assert next(dealt, None) is None
+
+
 @pytest.mark.parametrize("num_replicas, gas", [(2, 2), (3, 1), (2, 3)])
 def test_sampler_interleaving_matches_deepspeed(num_replicas, gas):
     """With one micro-batch per step input, each rank gets DeepSpeed's micro-batches: j to rank j % num_replicas."""

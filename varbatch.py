@@ -1704,8 +1704,9 @@ class _Pass:
     epochs: int = 1
 
 
-class _Position(typing.NamedTuple):
-    """Where a sampler stands: its last pass, and how far that pass got (a tuple: one is made per step input).
+@dataclasses.dataclass
+class _Position:
+    """Where a sampler stands: its last pass, and how far that pass got.
 
     Invariant: ``steps_done <= T`` (T: the step inputs of ``steps_epoch``, the
     pass's epoch ``last.epoch`` plus the ``crossed`` epochs it yielded whole
@@ -1715,6 +1716,10 @@ class _Position(typing.NamedTuple):
     for an empty epoch); then the next iteration yields the next epoch.
     ``handed`` counts the step inputs every pass handed out (the scheduler's
     one-step-per-update check reads it).
+
+    Each pass gets a new one, which its iterator moves on in place (a new one
+    per step input costs more than the rest of it): an iterator whose position
+    is no longer its sampler's is stale.
     """
 
     last: _Pass = _Pass()
@@ -1732,10 +1737,6 @@ class _Position(typing.NamedTuple):
     def epoch(self) -> int:
         """The epoch the next iteration yields: the last one's, or the next once it finished."""
         return self.steps_epoch + self.finished
-
-    def handing_out(self, steps_done: int, finished: bool) -> _Position:
-        """This position after one more step input handed out, the ``steps_done``-th of its epoch."""
-        return _Position(self.last, steps_done, finished, self.handed + 1, self.crossed)
 
     def next_start(self) -> tuple[int, int]:
         """``(epoch, step input)`` where the next pass starts: a restored position, else the epoch's first."""
@@ -2055,7 +2056,7 @@ class VariableBatchSampler(Sampler[list[int]]):
         epoch, also when the iterator is not exhausted (trainers stop at len()).
         With ``epochs > 1`` the pass goes on through the epochs of its group
         (see NOTE [one pass over several epochs]); ``first_len``: the first len() its loader gave.
-        With ``ids_only`` each key is only its sample ids, as a list (what `__iter__` yields).
+        With ``ids_only`` each key is only its sample ids, as a list (what `__iter__` yields; this rank's only).
         """
         self._check_cut(RuntimeError)
         self._check_world()
@@ -2064,57 +2065,64 @@ class VariableBatchSampler(Sampler[list[int]]):
         span = self._pass_epochs(epochs)
         self._check_len_read(span, start, first_len)
         self._start_pass(epoch, start, finished=start >= self._steps(epoch), epochs=len(span))  # empty: done at once
-        passes = self._position.last.number
+        position = self._position  # this pass's: it goes stale once the sampler has another
         try:
             for epoch in span:
                 if epoch > span.start:  # the next epoch of a pass over several, from its first step input
-                    if self._position.last.number != passes:
+                    if self._position is not position:
                         return
-                    self._position = self._position._replace(
-                        steps_done=0, finished=self._steps(epoch) == 0, crossed=epoch - span.start
-                    )
+                    position.crossed = epoch - span.start
+                    position.steps_done = 0
+                    position.finished = self._steps(epoch) == 0
                     start = 0
-                yield from self._epoch_keys(epoch, start, passes, every_rank, ids_only)
+                yield from self._epoch_keys(epoch, start, position, every_rank, ids_only)
         except GeneratorExit:  # the consumer dropped the pass: the last epoch of a run has no next pass to raise in
             # An iterator alive at interpreter exit (a loop that stopped at a step count) is closed while the
             # module's globals are being cleared: nothing of varbatch can run then, and a cut is past reporting.
-            if self._position.last.number == passes and not finalizing():
+            if self._position is position and not finalizing():
                 self._check_cut(RuntimeWarning)
             raise
 
-    def _epoch_keys(self, epoch: int, start: int, passes: int, every_rank: bool, ids_only: bool) -> Iterator[tuple]:
-        """The keys of `_iter_keys`' pass number ``passes`` in ``epoch`` from step input ``start``.
+    def _epoch_keys(
+        self, epoch: int, start: int, position: _Position, every_rank: bool, ids_only: bool
+    ) -> Iterator[tuple]:
+        """The keys of `_iter_keys`' pass at ``position`` in ``epoch`` from step input ``start``.
 
         The plan's arrays are read a run of `_KEY_RUN` step inputs (of every rank) at a
         time, each as one list, and cut into the keys' tuples there: a numpy call per
-        step input would cost more than the rest of the key.
+        step input would cost more than the rest of the key. Each of this rank's step
+        inputs moves ``position`` on before it is handed out (`_hand_out`).
         """
         total = self._steps(epoch)
         plan = self.plan_for_epoch(epoch)
         m, ranks = self.micro_batch_size, self.num_replicas
+        passes = position.last.number
         if epoch not in self._logged and _on_rank_zero(self.rank):  # once per trained epoch, for the whole job
             self._logged.add(epoch)
             _log_plan(plan, self.verbose)
         for run in range(start, total, _KEY_RUN):
             steps = range(run, min(run + _KEY_RUN, total))
             first = steps.start * ranks  # the run's first step input g, of any rank
-            bounds = plan.microbatch_offsets[first * m : steps.stop * ranks * m + 1 : m].tolist()
-            ids = plan.sample_ids[bounds[0] : bounds[-1]]
-            lens = None if ids_only or self.seqlens is None else self.seqlens[ids].tolist()
+            offsets = plan.microbatch_offsets[first * m : steps.stop * ranks * m + 1 : m]
+            ids = plan.sample_ids[offsets[0] : offsets[-1]]
+            bounds = (offsets - offsets[0]).tolist()  # step input g: ids[bounds[g - first] : bounds[g - first + 1]]
+            if ids_only:  # this rank's ids alone, what __iter__ yields: the loop of the common case, kept short
+                ids = ids.tolist()
+                starts, ends = bounds[self.rank :: ranks], bounds[self.rank + 1 :: ranks]  # of this rank's t in steps
+                for t, a, b in zip(steps, starts, ends):
+                    if not self._hand_out(position, t + 1, total):
+                        return
+                    yield ids[a:b]
+                continue
+            lens = None if self.seqlens is None else self.seqlens[ids].tolist()
             ids = ids.tolist()
             pad_to = plan.padded_seqlens[first * m : steps.stop * ranks * m : m].tolist() if self.same_length else None
             for t in steps:
                 dealt = range(t * ranks, (t + 1) * ranks) if every_rank else (t * ranks + self.rank,)
                 for g in dealt:
-                    if g % ranks == self.rank:
-                        if self._position.last.number != passes:  # set_epoch() or another pass since: it is stale
-                            return
-                        self._position = self._position.handing_out(t + 1, t + 1 == total)
-                    a = bounds[g - first] - bounds[0]
-                    b = bounds[g - first + 1] - bounds[0]
-                    if ids_only:
-                        yield ids[a:b]
-                        continue
+                    if g % ranks == self.rank and not self._hand_out(position, t + 1, total):  # this rank's t-th
+                        return
+                    a, b = bounds[g - first], bounds[g - first + 1]
                     yield _StepInputKey(
                         sample_ids=tuple(ids[a:b]),
                         seqlens=None if lens is None else tuple(lens[a:b]),
@@ -2123,7 +2131,21 @@ class VariableBatchSampler(Sampler[list[int]]):
                         pass_number=passes,
                         pass_start=start,
                         step_input=g,
+                        every_rank=every_rank,  # marked, so that the dealing check can tell a view that was not dealt
                     )
+
+    def _hand_out(self, position: _Position, steps_done: int, total: int) -> bool:
+        """Moves the pass at ``position`` on by one step input, the ``steps_done``-th of the ``total`` of its epoch.
+
+        Returns False, moving nothing, once the sampler has had another pass
+        (set_epoch(), a new iteration, load_state_dict): this one is stale and stops.
+        """
+        if self._position is not position:
+            return False
+        position.steps_done = steps_done
+        position.handed += 1
+        position.finished = steps_done == total
+        return True
 
     def __iter__(self) -> Iterator[list[int]]:
         return self._iter_keys(ids_only=True)
@@ -2192,8 +2214,6 @@ class _StepInputKeys(DistributedSampler):
     def __iter__(self):
         first_len = None if self.lens is None else self.lens.get("first")
         keys = self.variable_batch_sampler._iter_keys(self.every_rank, self.epochs, first_len)
-        if self.every_rank:  # marked, so that the dealing check can tell a view that was not dealt
-            keys = (key._replace(every_rank=True) for key in keys)
         if self.batched:
             return ([key] for key in keys)
         return keys
