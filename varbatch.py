@@ -979,6 +979,13 @@ def _fill_last_batch(
     return positions, sizes, positions[:0].copy()
 
 
+def _offsets(sizes: np.ndarray) -> np.ndarray:
+    """Where each micro-batch of ``sizes`` samples starts in the plan's ids, and the end (int64, one pass)."""
+    offsets = np.zeros(len(sizes) + 1, np.int64)
+    np.cumsum(sizes, out=offsets[1:])
+    return offsets
+
+
 def _microbatch_stats(
     lens: np.ndarray, positions: np.ndarray, sizes: np.ndarray, settings: _Settings
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -986,7 +993,7 @@ def _microbatch_stats(
     ``positions`` (``lens``: the seqlens in picking order), read a run of whole batches (about a `_CHUNK` of
     samples) at a time."""
     k = settings.effective_batch_size
-    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    offsets = _offsets(sizes)
     batch_samples = np.diff(offsets[::k])
     longest = np.zeros(len(sizes), np.int64)
     tokens = np.zeros(len(batch_samples), np.int64)
@@ -1023,7 +1030,7 @@ def _plan_arrays(
     longest seqlens and the batches' tokens (`_microbatch_stats`)."""
     k = settings.effective_batch_size
     group = settings.padding_group
-    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    offsets = _offsets(sizes)
     return dict(
         sample_ids=packed,
         microbatch_offsets=offsets,
@@ -1089,6 +1096,7 @@ def _pack(seqlens: np.ndarray, settings: _Settings, sample_ids: np.ndarray | Non
     picked, lens, overlong = _picked(seqlens, sample_ids, settings, rng)
     table, too_small, end = _pack_rows(lens, settings)
     positions, sizes = _positions(table, settings.unit_width)
+    del table  # 24 bytes a block: not kept while the plan's arrays are made
     positions, sizes, tail = _fill_last_batch(positions, sizes, settings)
     longest, tokens = _microbatch_stats(lens, positions, sizes, settings)
     del lens
