@@ -7273,10 +7273,10 @@ def test_readme_hf_recipes_on_two_processes(hf_two_process_job, script):
 # union over the ranks with the plan: every planned sample once, optimizer step b trains the plan's
 # batch b, at LR base_lr x B_b / mean(B).
 
-BASE_LR, MAX_TOKENS, SEED, N = 0.1, 72, 1, 160
+BASE_LR, MAX_TOKENS, SEED, N = 0.1, 72, 7, 160  # SEED: a plan with an epoch longer than epoch 0 (the Lightning tests)
 
-# The pieces every worker script shares: data, sampler, recording.
-COMMON = textwrap.dedent("""
+# The pieces every worker script shares: data, sampler (seeded by SEED, as `_plan`), recording.
+COMMON = f"SEED = {SEED}\n" + textwrap.dedent("""
     import json, os, sys
     import numpy as np
     import torch
@@ -7293,7 +7293,7 @@ COMMON = textwrap.dedent("""
             return torch.full((LENS[i],), float(i + 1))
 
     def make_sampler():
-        return varbatch.VariableBatchSampler(LENS, 72, budget="padded", order="random", seed=1,
+        return varbatch.VariableBatchSampler(LENS, 72, budget="padded", order="random", seed=SEED,
                                              micro_batch_size=MBS, gradient_accumulation_steps=GAS)
 
     def model_and_optimizer():
@@ -7486,7 +7486,7 @@ DEEPSPEED = COMMON + textwrap.dedent("""
     world = torch.distributed.get_world_size()
     config = {"train_micro_batch_size_per_gpu": MBS, "gradient_accumulation_steps": GAS,
               "train_batch_size": MBS * GAS * world, "steps_per_print": 10 ** 9, "zero_optimization": {"stage": 0},
-              "data_efficiency": {"enabled": True, "seed": 1, "data_sampling": {"num_workers": 0,
+              "data_efficiency": {"enabled": True, "seed": SEED, "data_sampling": {"num_workers": 0,
                   "dynamic_batching": {"enabled": True, "max_tokens": 72, "budget": "padded",
                                        "sequence_picking_order": "random", "lr_scaling_reference": "mean"}}}}
     model, optimizer = model_and_optimizer()
@@ -7770,7 +7770,7 @@ def lightning_job(tmp_path_factory):
     command, program = _readme_lightning_recipe()
     assert command == "python recipe.py", command  # Lightning starts the second process itself, as here
     (tmp_path / "recipe.py").write_text(program)
-    # 4 epochs: epoch 3 of this plan is longer than epoch 0 (45 vs 44 step inputs per rank).
+    # 4 epochs: one of epochs 1-3 of this plan is longer than epoch 0 (see _first_longer_epoch).
     opts = {"epochs": 4, "use_distributed_sampler": True, "reload": 1, "then": {"epochs": 5, "reload": 0}}
     opts["recipe"] = str(tmp_path / "recipe.py")
     rc, output, records, errors = _launch_ranks(tmp_path, LIGHTNING, opts, torchrun=False)
@@ -7778,9 +7778,17 @@ def lightning_job(tmp_path_factory):
     return rc, output, (records, errors), _saved_ranks(tmp_path / "out" / "then"), recipe_done
 
 
+def _first_longer_epoch(epochs):
+    """The first of ``epochs`` epochs of the workers' plan (1 micro-batch per step input, no accumulation, as the
+    Lightning job's) with more step inputs per rank than epoch 0, which a Trainer without reloading cuts; or None."""
+    counts = [_plan(epoch, mbs=1, gas=1).num_batches for epoch in range(epochs)]
+    return next((epoch for epoch in range(1, epochs) if counts[epoch] > counts[0]), None)
+
+
 @pytest.mark.slow
 def test_lightning_ddp_trains_every_planned_sample_once(lightning_job):
     """Lightning DDP with default settings and reloading: every planned sample once, also in a longer epoch."""
+    assert _first_longer_epoch(4) is not None, "no epoch of the job's 4 is longer than epoch 0: none is tested"
     _, output, (records, errors), _, _ = lightning_job
     # Each rank saves after its fit() returned: the first Trainer's fit ended without an error on both ranks.
     assert errors == [None, None], (errors, output[-3000:])
@@ -7790,6 +7798,9 @@ def test_lightning_ddp_trains_every_planned_sample_once(lightning_job):
 @pytest.mark.slow
 def test_lightning_without_reloading_is_refused_when_an_epoch_was_cut_short(lightning_job):
     """Lightning without reloading cuts a longer epoch at the first one's len(): refused, naming the setting."""
+    assert _first_longer_epoch(5) is not None, (
+        "no epoch of the second Trainer's 5 is longer than epoch 0: the test could not fail"
+    )
     rc, output, _, (_, errors), _ = lightning_job
     assert rc != 0
     assert any("reload_dataloaders_every_n_epochs=1" in (error or "") for error in errors), (errors, output[-3000:])
