@@ -530,14 +530,21 @@ def _bucket_window(lengths: np.ndarray, settings: _Settings) -> int:
 # sample, its fields from the most significant bits down, and read the ids back from the sorted keys:
 # - `random`: (random bits, id). The ids come out in a uniformly random order (of N samples, about
 #   N^2 / 2^(65 - id bits) pairs draw equal random bits and keep their id order).
-# - `bucket`: (window, length, id), each sample's window drawn uniformly from ceil(N / W) windows
-#   (W the window's size), its length complemented (bits flipped) in odd windows. Sorted, the
-#   windows come one after another, each ~W samples (binomial) drawn at random and sorted by length,
-#   odd ones descending, ties by id: a micro-batch that spans two windows joins samples of like
-#   length. The lengths come out of the keys too, so nothing is read in a random order.
-# Where the three fields of `bucket` need more than 64 bits (2**30 samples of lengths up to 2**20,
-# say), numpy's lexsort sorts the same fields: the same order, at several times the time and memory.
+# - `bucket`: (window, length, random bits, id), each sample's window drawn uniformly from ceil(N /
+#   W) windows (W the window's size), its length complemented (bits flipped) in odd windows, the bits
+#   the other fields leave over drawn at random. Sorted, the windows come one after another, each ~W
+#   samples (binomial) drawn at random and sorted by length, odd ones descending, ties in a random
+#   order (a set of one window still draws new micro-batches from its ties every epoch): a
+#   micro-batch that spans two windows joins samples of like length. The lengths come out of the
+#   keys too, so nothing is read in a random order.
+# Where window, length and id of `bucket` need more than 64 bits (2**30 samples of lengths up to
+# 2**20, say), numpy's lexsort sorts them instead (ties by id): at several times the time and memory.
+#
+# The generator of an epoch is seeded with (seed, epoch, `_PLAN_STREAM`): numpy seeds (seed, 0) as it
+# seeds seed alone, so without the third word epoch 0 would draw the very numbers of a
+# `default_rng(seed)` that made the data's lengths (synthetic sets do), and sort by them.
 _KEY_BITS = 64
+_PLAN_STREAM = 0x76617262  # b"varb": the plans' own stream of a seed (see the NOTE above)
 
 
 def _bits(bound: int) -> int:
@@ -581,15 +588,21 @@ def _bucket_order(
     windows = max(1, math.ceil(len(ids) / window))
     longest = int(lengths.max()) if len(ids) else 0
     id_bits, length_bits = _bits(int(ids.max()) + 1 if len(ids) else 1), _bits(longest + 1)
-    keys = rng.integers(0, windows, len(ids), dtype=np.uint64)  # each sample's window, then its whole key
+    spare = max(0, _KEY_BITS - _bits(windows) - length_bits - id_bits)  # random bits that break ties
+    # One draw per sample: its window (the high part) and its tie-breaking bits (the low `spare` bits).
+    keys = rng.integers(0, windows << spare, len(ids), dtype=np.uint64)
     if _bits(windows) + length_bits + id_bits > _KEY_BITS:
         order = np.lexsort((ids, _length_field(lengths, keys, length_bits), keys))
         return ids[order], lengths[order].astype(lens_dtype)
     for a in _chunk_spans(len(ids)):  # no view of the keys is kept: `del keys` below frees them
         b = a + _CHUNK
+        ties = keys[a:b] & np.uint64(2**spare - 1)
+        keys[a:b] >>= np.uint64(spare)  # the window
         field = _length_field(lengths[a:b], keys[a:b], length_bits)
         keys[a:b] <<= np.uint64(length_bits)
         keys[a:b] |= field
+        keys[a:b] <<= np.uint64(spare)
+        keys[a:b] |= ties
         keys[a:b] <<= np.uint64(id_bits)
         keys[a:b] |= ids[a:b].astype(np.uint64)
     keys.sort()
@@ -599,7 +612,7 @@ def _bucket_order(
     for a in _chunk_spans(len(ids)):
         b = a + _CHUNK
         ids[a:b] = keys[a:b] & np.uint64(2**id_bits - 1)
-        fields = keys[a:b] >> np.uint64(id_bits)
+        fields = keys[a:b] >> np.uint64(id_bits + spare)
         lens[a:b] = _length_field(fields & np.uint64(2**length_bits - 1), fields >> np.uint64(length_bits), length_bits)
     del keys
     return ids, lens.astype(lens_dtype, copy=False)
@@ -612,7 +625,8 @@ def _index_dtype(bound: int) -> type:
 
 def _take(values: np.ndarray, indices: np.ndarray, dtype: type, out: np.ndarray | None = None) -> np.ndarray:
     """``values[indices]`` as ``dtype``, a `_CHUNK` at a time (no temporary as long as the result), into ``out``
-    where given: ``indices`` itself may be it (each chunk of them is read before it is written)."""
+    where given: ``indices`` itself may be it (each chunk of them is read before it is written), which spares a
+    fresh N-sized array and its first touch (~1 s per 400 MB on a virtual machine that backs memory lazily)."""
     if out is None:
         out = np.empty(len(indices), dtype)
     for a in range(0, len(indices), _CHUNK):
@@ -1094,7 +1108,7 @@ def _pack(seqlens: np.ndarray, settings: _Settings, sample_ids: np.ndarray | Non
     Raises:
         ValueError: from `_overlong`.
     """
-    rng = np.random.default_rng((settings.seed, epoch))
+    rng = np.random.default_rng((settings.seed, epoch, _PLAN_STREAM))
     picked, lens, overlong = _picked(seqlens, sample_ids, settings, rng)
     table, too_small, end = _pack_rows(lens, settings)
     positions, sizes = _positions(table, settings.unit_width)
@@ -1104,8 +1118,6 @@ def _pack(seqlens: np.ndarray, settings: _Settings, sample_ids: np.ndarray | Non
     del lens
     if settings.order == "bucket":  # the windows are sorted: shuffle whole batches
         positions, sizes, longest, tokens = _shuffle_batches(positions, sizes, longest, tokens, settings, rng)
-    # The packed ids are written over their positions where both have one dtype: the first touch of a fresh
-    # N-sized array is not free (~1 s per 400 MB on a VM that backs its memory lazily).
     packed = _take(picked, positions, picked.dtype, out=positions if positions.dtype == picked.dtype else None)
     del positions  # the plan's peak memory: picked and packed, nothing else as long
     dropped = {
