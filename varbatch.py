@@ -898,8 +898,11 @@ def _chunks(lengths: np.ndarray) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-def _ranges(starts: np.ndarray, lengths: np.ndarray, values: np.ndarray | None = None) -> np.ndarray:
-    """``values[start : start + length]`` for each pair, concatenated (``values`` None: the positions themselves).
+def _ranges(
+    starts: np.ndarray, lengths: np.ndarray, values: np.ndarray | None = None, out: np.ndarray | None = None
+) -> np.ndarray:
+    """``values[start : start + length]`` for each pair, concatenated (``values`` None: the positions themselves),
+    into ``out`` where given (an array of that length and dtype that holds nothing needed: see `_take`).
 
     Built a `_CHUNK` at a time, so that no temporary (int64) is as long as the result.
     """
@@ -907,7 +910,8 @@ def _ranges(starts: np.ndarray, lengths: np.ndarray, values: np.ndarray | None =
         dtype = _index_dtype(int((starts + lengths).max()) if len(starts) else 0)
     else:
         dtype = values.dtype
-    out = np.empty(int(lengths.sum()), dtype)
+    if out is None:
+        out = np.empty(int(lengths.sum()), dtype)
     done = 0
     for a, b in _chunks(lengths):
         part = lengths[a:b]
@@ -1028,14 +1032,18 @@ def _shuffle_batches(
     tokens: np.ndarray,
     settings: _Settings,
     rng: np.random.Generator,
+    spare: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Whole batches of k micro-batches in a random order: their positions, their micro-batches' sizes and
-    longest seqlens, and their tokens (`_microbatch_stats`), each reordered."""
+    """Whole batches of k micro-batches in a random order: their positions (into ``spare``, an array whose values
+    are no longer needed, where it has their dtype and room: see `_take`), their micro-batches' sizes and longest
+    seqlens, and their tokens (`_microbatch_stats`), each reordered."""
     k = settings.effective_batch_size
     order = rng.permutation(len(tokens))
     batch_samples = sizes.reshape(-1, k).sum(axis=1)
     batch_starts = np.cumsum(batch_samples) - batch_samples
-    positions = _ranges(batch_starts[order], batch_samples[order], positions)
+    fits = spare.dtype == positions.dtype and len(spare) >= len(positions)
+    out = spare[: len(positions)] if fits else None
+    positions = _ranges(batch_starts[order], batch_samples[order], positions, out=out)
     return positions, sizes.reshape(-1, k)[order].ravel(), longest.reshape(-1, k)[order].ravel(), tokens[order]
 
 
@@ -1115,9 +1123,9 @@ def _pack(seqlens: np.ndarray, settings: _Settings, sample_ids: np.ndarray | Non
     del table  # 24 bytes a block: not kept while the plan's arrays are made
     positions, sizes, tail = _fill_last_batch(positions, sizes, settings)
     longest, tokens = _microbatch_stats(lens, positions, sizes, settings)
+    if settings.order == "bucket":  # the windows are sorted: shuffle whole batches (into the lengths' array)
+        positions, sizes, longest, tokens = _shuffle_batches(positions, sizes, longest, tokens, settings, rng, lens)
     del lens
-    if settings.order == "bucket":  # the windows are sorted: shuffle whole batches
-        positions, sizes, longest, tokens = _shuffle_batches(positions, sizes, longest, tokens, settings, rng)
     packed = _take(picked, positions, picked.dtype, out=positions if positions.dtype == picked.dtype else None)
     del positions  # the plan's peak memory: picked and packed, nothing else as long
     dropped = {
