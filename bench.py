@@ -554,7 +554,7 @@ def _all_modes():
 
 
 # One epoch as a DataLoader consumes it, against a plain BatchSampler epoch (issue 19).
-EPOCH_REPEATS = 3  # interleaved rounds per row; each side's fastest counts
+EPOCH_REPEATS = 5  # interleaved rounds per row; each side's fastest counts (3 left noise of +-0.5x at 1M here)
 EPOCH_HEADLINE = (("free", "padded", "bucket"),)  # the recommended mode: the <= 1.0x rows, at k = 1 and 8
 EPOCH_SIZES = (1_000_000, 10_000_000)  # of the headline rows; every other mode at the first
 EPOCH_QUICK_SIZE = 10_000  # --quick: the headline rows only, at this N, one round
