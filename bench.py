@@ -587,11 +587,23 @@ def _plain_batch_size(seqlens: np.ndarray, max_tokens: int) -> int:
 
 def _interleaved_best(calls: dict, repeats: int) -> dict:
     """The fastest of ``repeats`` rounds of each call, the calls taking turns within a round."""
-    best = {name: float("inf") for name in calls}
-    for _ in range(repeats):
-        for name, call in calls.items():
-            best[name] = min(best[name], _best_time(call, 1))
+    best, _ = _interleaved_rounds(calls, repeats)
     return best
+
+
+def _interleaved_rounds(calls: dict, repeats: int) -> tuple[dict, list[dict]]:
+    """``repeats`` rounds of the calls taking turns: each call's fastest, and every round's times."""
+    rounds = []
+    for _ in range(repeats):
+        rounds.append({name: _best_time(call, 1) for name, call in calls.items()})
+    best = {name: min(times[name] for times in rounds) for name in calls}
+    return best, rounds
+
+
+def _round_ratio(rounds: list[dict], name: str, base: str) -> float:
+    """The median over rounds of ``name``'s time over ``base``'s in the same round: calls made back to back see
+    the same machine, where the fastest of each side may come from rounds the machine ran at different speeds."""
+    return float(np.median([times[name] / times[base] for times in rounds]))
 
 
 def _epoch_rows(quick: bool) -> list[tuple]:
@@ -625,10 +637,10 @@ def _epoch_table(quick: bool, results: dict) -> str:
         if with_plan:
             kwargs = _mode_kwargs(k, shape, budget, order)
             calls["plan"] = functools.partial(varbatch.plan_batches, seqlens, PAD_MAX_TOKENS, **kwargs)
-        best = _interleaved_best(calls, repeats)
-        ratio = best["varbatch"] / best["plain"]
-        listed_ratio = best["varbatch listed"] / best["plain listed"]
-        plan_ratio = best["plan"] / best["plain"] if with_plan else None
+        best, rounds = _interleaved_rounds(calls, repeats)
+        ratio = _round_ratio(rounds, "varbatch", "plain")
+        listed_ratio = _round_ratio(rounds, "varbatch listed", "plain listed")
+        plan_ratio = _round_ratio(rounds, "plan", "plain") if with_plan else None
         results.setdefault("epoch", {})[(k, shape, budget, order, n)] = dict(
             best, ratio=ratio, listed_ratio=listed_ratio, plan_ratio=plan_ratio, headline=with_plan
         )
@@ -662,7 +674,9 @@ def _epoch_table(quick: bool, results: dict) -> str:
         "listed ratio charges each side for how many lists it makes (the padded budget's dataloader and "
         "random orders make several times the plain sampler's batches), not for how fast it makes them. A "
         "DataLoader keeps none: it loads a step input's samples and drops the index list. Each call's "
-        f"fastest of {repeats} interleaved rounds, in this process. Targets, on the drained epochs: the "
+        f"fastest of {repeats} interleaved rounds, in this process; each ratio is the median over the rounds of "
+        "the two calls' times in the same round (made back to back, they see the machine alike; the fastest "
+        "of each side can come from rounds it ran at different speeds). Targets, on the drained epochs: the "
         "padded bucket rows (k = 1 and 8) <= 1.0x the plain epoch and plan_batches <= 0.6x; every other "
         "mode <= 1.5x."
     )
