@@ -511,7 +511,7 @@ def _stable_argsort(values: np.ndarray) -> np.ndarray:
 # (25x x 3.4%, 17x x 5%, 11x x 8%): 10x with 95% real tokens does not fit these lengths. A set of
 # a few thousand samples is a window or two of 64 blocks, the same micro-batches every epoch (98%
 # of pairs again at N = 2,000), so a window holds at most a third of the samples, down to 16
-# blocks: 8x at N = 2,000 (padding 89% in DDP, from 96% sorted whole). Small sets train for many
+# blocks: 7-8x at N = 2,000 (padding 89% in DDP, from 96% sorted whole). Small sets train for many
 # epochs, large ones for few.
 
 
@@ -1194,7 +1194,7 @@ def plan_batches(
             of the samples, within 16 to 64 blocks' worth at the mean length
             (a block: a batch with ``same_size``, a padded step input, else a
             micro-batch): pairs of samples meet again next epoch ~25x as often as
-            in random micro-batches, ~8x at 2,000 samples; larger, less padding and
+            in random micro-batches, ~7x at 2,000 samples; larger, less padding and
             randomness. ``on_overlong``: samples
             longer than ``max_tokens`` are dropped as ``over_budget`` (``"skip"``)
             or refused (``"error"``).
