@@ -1127,7 +1127,7 @@ def _pack(seqlens: np.ndarray, settings: _Settings, sample_ids: np.ndarray | Non
         positions, sizes, longest, tokens = _shuffle_batches(positions, sizes, longest, tokens, settings, rng, lens)
     del lens
     packed = _take(picked, positions, picked.dtype, out=positions if positions.dtype == picked.dtype else None)
-    del positions  # the plan's peak memory: picked and packed, nothing else as long
+    del positions  # packed may be its very array: picked and packed are the plan's peak, nothing else as long
     dropped = {
         "over_budget": np.sort(overlong),
         "min_batch_size": np.sort(picked[np.asarray(too_small, np.int64)]),
