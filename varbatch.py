@@ -552,6 +552,11 @@ def _bits(bound: int) -> int:
     return max(1, (bound - 1).bit_length())
 
 
+def _id_bits(ids: np.ndarray) -> int:
+    """The bits of a key's id field: they hold the largest of ``ids``."""
+    return _bits(int(ids.max()) + 1 if len(ids) else 1)
+
+
 def _chunk_spans(count: int) -> range:
     """The starts of the `_CHUNK`-sized pieces of ``range(count)``, which numpy passes take one at a time."""
     return range(0, count, _CHUNK)
@@ -559,7 +564,7 @@ def _chunk_spans(count: int) -> range:
 
 def _random_order(ids: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     """``ids`` in a uniformly random order, written over ``ids`` (NOTE [the random orders, sorted])."""
-    id_bits = _bits(int(ids.max()) + 1 if len(ids) else 1)
+    id_bits = _id_bits(ids)
     keys = rng.integers(0, 2 ** (_KEY_BITS - id_bits), len(ids), dtype=np.uint64)
     for a in _chunk_spans(len(ids)):
         b = a + _CHUNK
@@ -587,11 +592,12 @@ def _bucket_order(
     order as ``lens_dtype``: windows of ``window`` samples on average (NOTE [the random orders, sorted])."""
     windows = max(1, math.ceil(len(ids) / window))
     longest = int(lengths.max()) if len(ids) else 0
-    id_bits, length_bits = _bits(int(ids.max()) + 1 if len(ids) else 1), _bits(longest + 1)
-    spare = max(0, _KEY_BITS - _bits(windows) - length_bits - id_bits)  # random bits that break ties
+    id_bits, length_bits = _id_bits(ids), _bits(longest + 1)
+    needed = _bits(windows) + length_bits + id_bits  # the bits of window, length and id
+    spare = max(0, _KEY_BITS - needed)  # random bits that break ties
     # One draw per sample: its window (the high part) and its tie-breaking bits (the low `spare` bits).
     keys = rng.integers(0, windows << spare, len(ids), dtype=np.uint64)
-    if _bits(windows) + length_bits + id_bits > _KEY_BITS:
+    if needed > _KEY_BITS:
         order = np.lexsort((ids, _length_field(lengths, keys, length_bits), keys))
         return ids[order], lengths[order].astype(lens_dtype)
     for a in _chunk_spans(len(ids)):  # no view of the keys is kept: `del keys` below frees them
@@ -629,7 +635,7 @@ def _take(values: np.ndarray, indices: np.ndarray, dtype: type, out: np.ndarray 
     fresh N-sized array and its first touch (~1 s per 400 MB on a virtual machine that backs memory lazily)."""
     if out is None:
         out = np.empty(len(indices), dtype)
-    for a in range(0, len(indices), _CHUNK):
+    for a in _chunk_spans(len(indices)):
         out[a : a + _CHUNK] = values[indices[a : a + _CHUNK]]
     return out
 
