@@ -585,12 +585,6 @@ def _plain_batch_size(seqlens: np.ndarray, max_tokens: int) -> int:
     return max(1, max_tokens // round(float(seqlens.mean())))
 
 
-def _interleaved_best(calls: dict, repeats: int) -> dict:
-    """The fastest of ``repeats`` rounds of each call, the calls taking turns within a round."""
-    best, _ = _interleaved_rounds(calls, repeats)
-    return best
-
-
 def _interleaved_rounds(calls: dict, repeats: int) -> tuple[dict, list[dict]]:
     """``repeats`` rounds of the calls taking turns: each call's fastest, and every round's times."""
     rounds = []
