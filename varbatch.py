@@ -1758,8 +1758,6 @@ class _Position:
     ``finished`` only with ``steps_done == T``: set once an iteration (or a
     restored position) reached the epoch's end, never by set_epoch (not even
     for an empty epoch); then the next iteration yields the next epoch.
-    ``handed`` counts the step inputs every pass handed out (the scheduler's
-    one-step-per-update check reads it).
 
     Each pass gets a new one, which its iterator moves on in place (a new one
     per step input costs more than the rest of it): an iterator whose position
@@ -1769,7 +1767,6 @@ class _Position:
     last: _Pass = _Pass()
     steps_done: int = 0
     finished: bool = False
-    handed: int = 0
     crossed: int = 0
 
     @property
@@ -1892,6 +1889,10 @@ class VariableBatchSampler(Sampler[list[int]]):
         self._lens: dict[int, int] = {}  # epoch -> the len() given for it (see _check_cut)
         self._set_by_loop: int | None = None  # the epoch the loop last set itself (see _check_len_read)
         self._alone = False
+        self._handed = 0  # this rank's step inputs handed out by every pass (see NOTE [misuse, seen from the loader])
+        self._latest = -1  # the absolute index (epoch x len(self) + t) of the last one
+        self._read_ahead = 1  # W: step inputs the loaders and the loop may read ahead of the batch trained
+        self._followers: list[weakref.ref] = []  # the schedulers whose b an epoch set here squares
         if self.plan_for_epoch(0).num_batches == 0:  # checked before training: later epochs never raise
             raise ValueError(_empty_plan_message(self._plans[0]))
 
@@ -1909,7 +1910,22 @@ class VariableBatchSampler(Sampler[list[int]]):
     ) -> None:
         """Writes the record of a pass over ``epoch`` from step input ``start``: an older iterator goes stale."""
         record = _Pass(self._position.last.number + 1, epoch, start, restored, epochs)
-        self._position = _Position(record, steps_done=start, finished=finished, handed=self._position.handed)
+        self._position = _Position(record, steps_done=start, finished=finished)
+
+    def _batches_per_epoch(self) -> int:
+        """The batches of every epoch (``len(self)`` is this times gradient_accumulation_steps)."""
+        return self.plan_for_epoch(0).num_batches
+
+    def _follow(self, scheduler: VariableBatchSizeLR) -> None:
+        """Lets ``scheduler`` square its position when the next epoch is set (see `VariableBatchSizeLR._square`)."""
+        self._followers.append(weakref.ref(scheduler))
+
+    def _unfollow(self, scheduler: VariableBatchSizeLR) -> None:
+        self._followers = [ref for ref in self._followers if ref() not in (None, scheduler)]
+
+    def __getstate__(self) -> dict:
+        """A copy (pickled, or deep-copied) is followed by no scheduler: weak references do not travel."""
+        return {**self.__dict__, "_followers": []}
 
     def _steps(self, epoch: int) -> int:
         """This rank's step inputs in ``epoch`` (the same on every rank)."""
@@ -1950,6 +1966,10 @@ class VariableBatchSampler(Sampler[list[int]]):
                 f"own count of passes, 0 after a restart, unless you call loader.set_epoch(epoch); see the "
                 f"README, 'Use with torchrun, DeepSpeed, Accelerate, Lightning')"
             )
+        for ref in self._followers:  # an epoch cut short ends here (NOTE [the contract])
+            scheduler = ref()
+            if scheduler is not None:
+                scheduler._square(epoch)
         if epoch != self._position.steps_epoch or self._position.finished:  # else: left or restored mid-way
             self._check_cut(RuntimeError)
             self._start_pass(epoch, 0, restored=last.restored)  # a restored run's epochs go back only once it ran
@@ -2187,8 +2207,9 @@ class VariableBatchSampler(Sampler[list[int]]):
         if self._position is not position:
             return False
         position.steps_done = steps_done
-        position.handed += 1
         position.finished = steps_done == total
+        self._handed += 1
+        self._latest = position.steps_epoch * total + steps_done - 1
         return True
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -2594,6 +2615,10 @@ def make_dataloader(
     # see NOTE [the loader deals itself]
     loader._local = _StepInputKeys(batch_sampler, every_rank=False, batched=True, epochs=epochs, lens=lens)
     loader.variable_batch_sampler = batch_sampler
+    # What this loader's workers read ahead of the loop, and one step input a loop that fetches one batch ahead
+    # reads (HF Accelerate's and Lightning's): see NOTE [misuse, seen from the loader].
+    prefetch = loader.prefetch_factor if num_workers else 0
+    batch_sampler._read_ahead = max(batch_sampler._read_ahead, num_workers * prefetch + 1)
     if batch_sampler.num_replicas > 1 and _world()[1] > 1:  # one plan dealt over ranks: every process planned it?
         _check_ranks_agree(batch_sampler)
     return loader
@@ -2641,56 +2666,80 @@ def _weakly(method: Callable) -> Callable:
     return hook
 
 
-# Updates in a row whose accumulation disagrees with the sampler's before it is an error (see _check_accumulation).
-_DISAGREEING_UPDATES = 3
-
-
 class VariableBatchSizeLR(LRScheduler):
-    """Scales any LR schedule by the size of each batch: ``lr_t = schedule(t) x s(B_t / B_ref)``.
+    """Scales any LR schedule by the size of each batch: ``lr = schedule(t) x s(B_b / B_ref)``.
 
-    ``schedule(t)``: the wrapped scheduler's LR at global optimizer step ``t`` (or
-    the optimizer's constant LR); ``s``: the linear, square-root, none or user
-    rule (`scale_lr`); ``B_t``: the batch trained at step ``t``, in sequences or
-    real tokens; ``B_ref``: the batch size the schedule was tuned for. Call
-    `step` after every optimizer step (DeepSpeed's engine does); the schedule is
-    never restarted. The batch index follows the sampler: each pass it starts
-    (of any epoch, from a restored position) points the LR at its first batch,
-    as ``step(0)`` at an epoch start does; an engine's skipped steps count too.
+    ``b``: the batches trained since the run began, skipped updates included
+    (its epoch and batch follow, every epoch having one length); ``t``: the
+    updates taken, the wrapped schedule's steps; ``schedule(t)``: the wrapped
+    scheduler's LR there (or the optimizer's constant LR); ``s``: the linear,
+    square-root, none or user rule (`scale_lr`); ``B_b``: the size of batch b,
+    in sequences or real tokens; ``B_ref``: the batch size the schedule was
+    tuned for. The schedule is never restarted.
 
-    NOTE [the scheduler counts batches]: the batch trained now is the first
-    batch of the last sampler pass this scheduler has seen, plus its steps
-    since, plus the steps an engine skipped since, plus the batches the loop
-    trained without an update and without a step (NOTE [skipped updates]), in
-    `_current_batch`. It cannot
-    be read from where the loader is: HF Accelerate's loop (``DataLoaderShard``
-    in ``accelerate/data_loader.py`` fetches the next batch before it yields the
-    current one, to know which is last) and Lightning's (``_PrefetchDataFetcher``
-    in ``loops/fetchers.py``, for the same reason) read one batch ahead, and
-    loader workers further, so the loader's position is ahead of the batch trained.
+    NOTE [the contract]: the loop gives the position, as torch's own schedulers
+    are given theirs (nothing here watches parameters, gradients or backward
+    passes):
+    - ``step()`` once per batch, after its update: b and t move on;
+    - ``step(skipped=True)`` for a batch whose update was skipped (AMP found
+      inf/nan): b moves on, t stays, as DeepSpeed and HF Trainer count skipped
+      steps. A loop that steps plainly every iteration, whatever happened
+      (torch's AMP recipe; Lightning with ``"interval": "step"``), moves both:
+      torch's meaning of its own schedule there;
+    - ``step(0)`` (DeepSpeed's example, at each epoch start) changes nothing at
+      an epoch start and is refused elsewhere.
+    A trainer that skips updates without stepping the scheduler gets an adapter
+    that tells it (DeepSpeed's engine: `_follow_skipped_steps`). Before batch
+    b's update the optimizer holds ``schedule(t) x s(B_b / B_ref)``: written at
+    each step and again by an optimizer step-pre hook, into the param-group
+    dicts held since construction (ZeRO narrows ``optimizer.param_groups``
+    around its inner step). An epoch cut short (``break``, Lightning's
+    ``limit_train_batches``) is squared when the sampler's next epoch is set:
+    b moves to that epoch's first batch.
+
+    NOTE [misuse, seen from the loader]: the loop's misuse is found from what
+    varbatch hands out, never from the model. Between two ``step()`` calls the
+    sampler counts the step inputs its loaders handed out on this rank, and an
+    optimizer step-post hook counts the updates. Then, with G the sampler's
+    gradient_accumulation_steps, ``latest`` the absolute index of the last
+    step input handed out (``epoch x len(sampler) + t``) and W what loaders
+    read ahead (workers x prefetch_factor, plus one for a loop that fetches one
+    batch ahead: HF Accelerate's and Lightning's do):
+    - a ``step()`` with no optimizer step since the last one is a skipped update
+      only if G new step inputs were handed out since (or the epoch's last was
+      handed out before: loaders hand out nothing while they drain their
+      read-ahead); else it is a second ``step()`` for one update: refused at once;
+    - b never runs ahead, ``b x G <= latest + 1``, and runs behind by at most W,
+      ``latest + 1 - b x G <= W``: a loop that accumulates another number of
+      step inputs than G, or skips updates without telling, is refused within
+      ``ceil(W / G) + 2`` updates. Fewer than ``W / G`` untold skips in a whole
+      run cannot be seen (the loader's read-ahead hides them).
+    A rank whose loader hands out nothing (DeepSpeed's middle pipeline stages)
+    is not checked, nor a scheduler until a step input is handed out after it
+    was made or restored (a sampler not yet iterated is at no other position).
 
     NOTE [the unit trap]: DeepSpeed's ``B_ref`` is ``train_batch_size``, a count
-    of micro-batches, against ``B_t`` in sequences: the LR comes out about
+    of micro-batches, against ``B_b`` in sequences: the LR comes out about
     ``max_tokens / mean seqlen`` times the configured one. It stays the default
     (None) for compatibility, with a warning; each trained epoch's factors are logged.
 
     NOTE [clocks]: with ``clock="tokens"`` (``"samples"``) the wrapped schedule
-    steps once per ``clock_step`` tokens (samples) trained, so its position is
-    ``floor(seen / clock_step)``: ``lr_t = schedule(tokens before t) x s(B_t /
-    B_ref)``, warmup and decay landing at their token counts whatever the batch
-    sizes. Any step-based torch scheduler works; size it with
-    ``sampler.horizon(epochs, "tokens") // clock_step``. For a function ``f`` of
-    tokens: ``LambdaLR(optimizer, lambda s: f(s * clock_step))``.
+    steps once per ``clock_step`` tokens (samples) of the updates taken, so its
+    position is ``floor(seen / clock_step)``: warmup and decay land at their
+    token counts whatever the batch sizes. Any step-based torch scheduler works;
+    size it with ``sampler.horizon(epochs, "tokens") // clock_step``. For a
+    function ``f`` of tokens: ``LambdaLR(optimizer, lambda s: f(s * clock_step))``.
 
     Args:
         lr_scheduler: a torch scheduler (``SequentialLR``, ``ChainedScheduler``
             too), a DeepSpeed scheduler, or an optimizer (constant LR); DeepSpeed's
-            optimizer wrappers are unwrapped.
+            and HF Accelerate's optimizer wrappers are unwrapped.
         base_batch_size: ``B_ref``: a number, ``"mean"`` (each epoch's mean batch:
             the configured LR is the mean LR under the linear rule), or None
             (``train_batch_size``).
-        batch_sizes: a `VariableBatchSampler` or a loader made with one (a new
-            plan each epoch), or a sequence of batch sizes (cycled, as DeepSpeed);
-            ``dataloader`` is searched for a sampler too.
+        batch_sizes: a `VariableBatchSampler` or a loader made with one, or a
+            sequence of batch sizes (cycled, as DeepSpeed's); ``dataloader`` is
+            searched for a sampler too.
         lr_scaling_method: ``"linear"``, ``"sqrt"``, ``"none"``/None or a callable.
         lr_scaling_unit: ``"sequences"`` or ``"tokens"``; clock, clock_step: see the NOTE.
 
@@ -2698,17 +2747,7 @@ class VariableBatchSizeLR(LRScheduler):
         TypeError: a ReduceLROnPlateau (it steps on a metric, not on batches), or a VariableBatchSizeLR.
     """
 
-    _STATE = (
-        "last_epoch",
-        "_step_count",
-        "base_lrs",
-        "_last_lr",
-        "_unscaled",
-        "_epoch",
-        "_batch",
-        "_seen",
-        "_skipped_seen",
-    )
+    _STATE = ("last_epoch", "_step_count", "base_lrs", "_last_lr", "_unscaled", "_batches", "_seen", "_skipped_seen")
 
     def __init__(
         self,
@@ -2735,21 +2774,22 @@ class VariableBatchSizeLR(LRScheduler):
         self.verbose = bool(verbose)
         self._check_last_epoch(last_epoch, optimizer)
         self._check_batch_sizes(batch_sizes)
-        # The position: the plan's epoch and batch, what the clock counted, the engine's skipped steps seen, and
-        # the sampler's last pass seen (see NOTE [the scheduler counts batches]).
-        self._epoch, self._batch = 0, 0
-        self._seen, self._skipped_seen = 0, 0
-        self._skipped = None  # the engine's count of skipped steps (see _follow_skipped_steps)
-        self._pass_seen = None if self._sampler is None else self._sampler._position.last.number
-        self._loaded = False  # restored by load_state_dict and not stepped since (see _keeps_position)
+        self._batches = 0  # b, the position (see NOTE [the contract])
+        self._seen = 0  # what the clock counted: tokens or samples of the updates taken
+        self._skipped, self._skipped_seen = None, 0  # an engine's count of skipped steps (_follow_skipped_steps)
         self._reported = -1  # the last epoch whose LR factors were logged
-        self._install_hooks(optimizer)
-        self._step_count = 0
-        self._anchor(*self._next_pass_start())
-        self._seen_at_step = self._training_seen()
+        self._groups = list(optimizer.param_groups)  # the dicts the LRs are written into (see NOTE [the contract])
+        self._optimizer_steps = 0
+        self._hooks = [
+            optimizer.register_step_pre_hook(_weakly(self._before_update)),
+            optimizer.register_step_post_hook(_weakly(self._count_update)),
+        ]
+        if self._sampler is not None:
+            self._sampler._follow(self)
+        self._mark()
         self._unscaled = [group["lr"] for group in optimizer.param_groups]
         super().__init__(optimizer, last_epoch)  # torch's first step: the LRs of batch 0
-        factors, b_ref = self._factors(self._epoch)
+        factors, b_ref = self._factors(0)
         if _is_unit_trap(factors.mean(), self.base_batch_size is None) and self._rank_zero():
             warnings.warn(_lr_warning(factors.mean(), b_ref, self.lr_scaling_unit), stacklevel=2)
 
@@ -2812,35 +2852,20 @@ class VariableBatchSizeLR(LRScheduler):
                     f"train_batch_size); pass the VariableBatchSampler as batch_sizes, not a list"
                 )
 
-    def _install_hooks(self, optimizer: Optimizer) -> None:
-        """Hooks the optimizer: the position catches up before each step; steps and backward passes are counted.
+    # -- the position -------------------------------------------------------------------------------------------
 
-        The training between two step() calls: optimizer steps, and backward passes (a gradient accumulated into
-        one parameter), which tell an update that AMP skipped from a second step() for one update. A backward
-        pass catches the position up too, so a loop that reads the optimizer's LR before its update reads the batch's.
-        """
-        self._optimizer_steps, self._backwards = 0, 0
-        self._backwards_placed = 0  # the backward passes counted before the current batch's (see _advance)
-        self._steps_placed = 0  # the optimizer steps counted when the current batch became current
-        self._discarded = False  # the current batch's update is over without an optimizer step (_follow_discarded)
-        self._discarded_passes = 0  # the backward passes of such updates, moved past (see _check_accumulation)
-        self._disagreements = 0  # updates in a row whose accumulation disagreed (see _check_accumulation)
-        self._hooks = [
-            optimizer.register_step_pre_hook(_weakly(self._catch_up)),
-            optimizer.register_step_post_hook(_weakly(self._count_optimizer_step)),
-        ]
-        self._counts_backwards = False
-        groups = optimizer.param_groups
-        param = next((p for group in groups for p in group["params"] if p.requires_grad and p.is_leaf), None)
-        self._counted = param  # the parameter whose backward passes are counted (the optimizer holds it anyway)
-        if param is None:
-            return
-        try:
-            self._hooks.append(param.register_hook(_weakly(self._before_backward)))
-            self._hooks.append(param.register_post_accumulate_grad_hook(_weakly(self._count_backward)))
-            self._counts_backwards = True
-        except RuntimeError:  # a tensor subclass without such hooks: new step inputs stand in for backward passes
-            pass
+    @property
+    def batches_trained(self) -> int:
+        """``b``: the batches trained since the run began, skipped updates included (see NOTE [the contract])."""
+        self._follow_engine()
+        return self._batches
+
+    def _batches_per_epoch(self) -> int:
+        return len(self._listed) if self._sampler is None else self._sampler._batches_per_epoch()
+
+    def _where(self) -> tuple[int, int]:
+        """``(epoch, batch)`` of batch b: every epoch has the same number of batches."""
+        return divmod(self._batches, self._batches_per_epoch())
 
     def _sizes(self, epoch: int, unit: str | None = None) -> np.ndarray:
         if self._sampler is None:
@@ -2859,337 +2884,173 @@ class VariableBatchSizeLR(LRScheduler):
     def _rank_zero(self) -> bool:
         return _on_rank_zero(self._sampler.rank if self._sampler is not None else 0)
 
-    def _current_batch(self) -> tuple[int, int]:
-        """``(epoch, batch)`` of the batch trained now (see NOTE [the scheduler counts batches]).
-
-        The one method that reads the position: `get_lr`, the properties,
-        `get_last_lr`, `step`, `state_dict` and the hooks (before an optimizer step, after a
-        backward pass, before an engine's forward pass) call it. A pass of the
-        sampler not seen yet is the new anchor: its first batch; the steps the
-        engine skipped since the last look move the position on, as each
-        `step` does, and so do the batches the loop trained without an update
-        and without a `step` (`_follow_skipped_updates`); a batch whose update
-        was discarded is read one batch on (`_follow_discarded`); when it moved, the
-        optimizer gets the LRs of the batch (so the update uses them, also in a
-        loop that never asks this scheduler).
-        """
-        moved = self._follow_new_pass()
-        skipped = self._skipped_seen if self._skipped is None else self._skipped()
-        if skipped != self._skipped_seen:
-            self._advance(skipped - self._skipped_seen)
-            self._skipped_seen = skipped
-            moved = True
-        moved = self._follow_skipped_updates() or moved
-        moved = self._follow_discarded() or moved
-        if moved and self._step_count:
-            self._write()
-        if self._discarded:
-            return self._moved_on(self._epoch, self._batch, 1)
-        return self._epoch, self._batch
-
-    def _follow_new_pass(self) -> bool:
-        """Points at the first batch of the sampler's last pass if this scheduler has not seen it; True if it moved."""
-        last = None if self._sampler is None else self._sampler._position.last
-        if last is None or last.number == self._pass_seen:
-            return False
-        self._pass_seen = last.number
-        if self._keeps_position(last):
-            return False
-        self._check_replay(last)
-        self._anchor(last.epoch, last.start)
-        return True
-
-    def _keeps_position(self, last: _Pass) -> bool:
-        """Whether the pass ``last`` leaves this scheduler where it is.
-
-        NOTE [a restored scheduler over a fresh sampler]: resuming mid-epoch by
-        skipping batches (HF Accelerate's skip_first_batches or its stateful
-        loader) restores the scheduler alone and passes over the epoch from its
-        start, dropping what was trained: so until its next step, a scheduler
-        restored by load_state_dict keeps its position against a pass from the
-        start of its own epoch, or of an earlier one when the pass goes on
-        through its epoch (NOTE [one pass over several epochs]). A restored
-        sampler's pass (``last.restored``) starts where training stopped, and
-        is followed at once.
-        """
-        covers = last.epoch <= self._epoch < last.epoch + last.epochs
-        return self._loaded and not last.restored and last.start == 0 and covers
-
-    def _check_replay(self, last: _Pass) -> None:
-        """Raises when a restored scheduler sees a pass of a sampler that was not restored begin an earlier epoch.
-
-        The pass would train that epoch's batches again, at their LRs, and the
-        restored schedule would run on from its own step: the sampler lost its
-        position (HF Trainer's checkpoints hold none; a fresh sampler starts at
-        epoch 0), so the data and the LR no longer follow the run.
-        """
-        if not self._loaded or last.restored or last.epoch >= self._epoch:
-            return
-        raise RuntimeError(
-            f"this VariableBatchSizeLR was restored at epoch {self._epoch}, batch {self._batch}, but its "
-            f"sampler was not: its new pass starts epoch {last.epoch} from the beginning and would train it "
-            f"again; restore the sampler too (sampler.load_state_dict), or let one loader pass yield the run "
-            f"(HF Trainer: make_dataloader(..., epochs=N) with TrainingArguments(num_train_epochs=1), so its "
-            f"skip of the trained batches lands where training stopped); see the README, 'Use with torchrun, "
-            f"DeepSpeed, Accelerate, Lightning'"
-        )
-
-    def _next_pass_start(self) -> tuple[int, int]:
-        """``(epoch, step input)`` where the sampler's next pass starts (listed batch sizes: the list's start)."""
-        if self._sampler is None:
-            return self._epoch, 0
-        return self._sampler._position.next_start()
-
-    def _anchor(self, epoch: int, start: int) -> None:
-        """Points at the batch of step input ``start`` of ``epoch``, in the next epoch with a batch if that one has
-        none; the steps an engine skipped so far belong to batches before it."""
-        self._loaded = False
-        steps_per_batch = 1 if self._sampler is None else self._sampler.gradient_accumulation_steps
-        self._epoch, self._batch = epoch, start // steps_per_batch
-        self._advance(0)
-        if self._skipped is not None:
-            self._skipped_seen = self._skipped()
-
-    def _moved_on(self, epoch: int, batch: int, batches: int) -> tuple[int, int]:
-        """``(epoch, batch)`` moved ``batches`` on, into the next epochs' plans (skipping empty ones)."""
-        batch += batches
-        for _ in range(1000):
-            if batch < len(self._sizes(epoch)):
-                return epoch, batch
-            epoch, batch = epoch + 1, batch - len(self._sizes(epoch))
-        raise RuntimeError("a thousand epochs in a row have no batch; use more data or a smaller min_batch_size")
-
-    def _advance(self, batches: int) -> None:
-        """Moves the batch index ``batches`` on; the backward passes and optimizer steps counted so far belong to
-        the batches before it."""
-        self._backwards_placed = self._backwards
-        self._steps_placed = self._optimizer_steps
-        self._discarded = False
-        self._epoch, self._batch = self._moved_on(self._epoch, self._batch, batches)
-
-    def _follow_skipped_updates(self) -> bool:
-        """Moves the position on by the batches the loop trained without an update and without a `step`; True if it
-        moved.
-
-        NOTE [skipped updates]: torch's GradScaler skips an update whose
-        gradients hold inf/nan (it never calls ``optimizer.step()``), and many
-        loops then skip ``scheduler.step()`` too: HF Trainer (``trainer.py``
-        steps the scheduler only if not ``accelerator.optimizer_step_was_skipped``)
-        and the idiom "step the scheduler if the scale did not drop". The data
-        moves on all the same, so the batch trained is read from the training:
-        a backward pass that arrives after the current batch's G (its
-        gradient_accumulation_steps) backward passes, with no `step` since,
-        belongs to the next batch: the position moves on one batch, and the
-        wrapped schedule stays (as for DeepSpeed's skipped steps). A loop that
-        steps this scheduler for skipped updates too (Lightning), or an
-        optimizer that is stepped on an overflow (a fused one takes
-        ``found_inf`` itself), moves it by `step` as usual. The LR is written at
-        that backward pass, or once the loop cleared the skipped update's
-        gradients (NOTE [a discarded update]); the update uses the right one
-        in any case. Backward passes are counted on one parameter (its
-        post-accumulate-grad hook); where it has none (a tensor subclass),
-        skipped updates are followed only through `step`: the step inputs
-        handed out cannot stand in here, because loaders read ahead (see NOTE
-        [the scheduler counts batches]). A loop that calls backward() twice per
-        step input looks like an update skipped at every step:
-        `_check_accumulation` stops it within the first updates.
-        """
-        if not self._counts_backwards or self._sampler is None:
-            return False
-        gas = self._sampler.gradient_accumulation_steps
-        since = self._backwards - self._backwards_placed
-        batches = (since - 1) // gas  # whole batches before the one the last backward pass belongs to
-        if batches <= 0:
-            return False
-        if self._discarded:  # the first of them: its passes trained no update (see _check_accumulation)
-            self._discarded_passes += gas
-        self._advance(batches)
-        self._backwards_placed -= since - batches * gas  # the current batch's passes so far
-        return True
-
-    def _follow_discarded(self) -> bool:
-        """Marks the current batch's update as over when its gradients were cleared without an optimizer step;
-        True if it marked it.
-
-        NOTE [a discarded update]: after an update AMP skipped, the loop
-        clears the gradients (``optimizer.zero_grad()``, which sets them to
-        None: torch's default, and HF Trainer's ``model.zero_grad()``): the
-        batch's G backward passes are counted, no optimizer step since, and the
-        counted parameter's gradient is None, so that batch is done and the
-        next one is trained now (NOTE [skipped updates] would see it only at
-        its first backward pass). Until the position moves (the next backward
-        pass, or a `step` for the skipped update) the batch trained now is
-        read one batch on: `get_last_lr`, the properties and `state_dict` (a
-        checkpoint saved there resumes at the next batch) have its LR and
-        position; the next backward pass sees it at the latest, before its
-        gradient is accumulated (`_before_backward`). Gradients zeroed in place
-        (``set_to_none=False``) or never cleared tell nothing; a read before
-        ``zero_grad()`` (HF Trainer logs the LR there) has the skipped batch's,
-        the LR its update would have used; nothing of varbatch runs at a read
-        of ``optimizer.param_groups``.
-        """
-        if self._discarded or not self._counts_backwards or self._sampler is None:
-            return False
-        passes = self._backwards - self._backwards_placed
-        if passes < self._sampler.gradient_accumulation_steps or self._optimizer_steps != self._steps_placed:
-            return False
-        self._discarded = self._counted.grad is None
-        return self._discarded
-
     @property
     def batch_size(self) -> int:
-        """``B_t``: the size of the batch trained at the current step, in ``lr_scaling_unit``."""
-        epoch, batch = self._current_batch()
-        sizes = self._sizes(epoch)
-        return int(sizes[batch % len(sizes)])
+        """``B_b``: the size of the batch trained now, in ``lr_scaling_unit``."""
+        self._follow_engine()
+        epoch, batch = self._where()
+        return int(self._sizes(epoch)[batch])
 
     @property
     def lr_factor(self) -> float:
-        """``s(B_t / B_ref)`` at the current step."""
-        epoch, batch = self._current_batch()
-        return float(self._factors(epoch, batch % len(self._sizes(epoch)))[0][0])
+        """``s(B_b / B_ref)`` of the batch trained now."""
+        self._follow_engine()
+        epoch, batch = self._where()
+        return float(self._factors(epoch, batch)[0][0])
 
     @property
     def steps_in_epoch(self) -> int:
-        """Batches of the current epoch trained (stepped, or skipped by the engine)."""
-        return self._current_batch()[1]
+        """Batches of the current epoch trained (stepped, or skipped)."""
+        self._follow_engine()
+        return self._where()[1]
 
     def get_last_lr(self):
-        self._current_batch()
+        self._follow_engine()
         return super().get_last_lr()
 
     def get_lr(self):
-        return [lr * self.lr_factor for lr in self._unscaled]
+        epoch, batch = self._where()
+        factor = float(self._factors(epoch, batch)[0][0])
+        return [lr * factor for lr in self._unscaled]
 
     def _write(self) -> None:
-        """Writes ``get_lr()`` into the optimizer, ``t`` unchanged."""
-        for group, lr in zip(self.optimizer.param_groups, self.get_lr()):
+        """Writes ``get_lr()``, the LRs of batch b, into the optimizer; ``t`` unchanged."""
+        self._last_lr = self.get_lr()
+        for group, lr in zip(self._groups, self._last_lr):
             group["lr"] = lr
-        self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 
-    def step(self, epoch=None):
-        """Advances to the next batch (``step()``), or points at the batch the sampler's next pass starts with
-        (``step(0)``)."""
+    # -- the contract ---------------------------------------------------------------------------------------------
+
+    def step(self, epoch=None, *, skipped=False):
+        """Moves on to the next batch after an update (``step()``), or after a skipped one (``step(skipped=True)``).
+
+        ``step(0)`` is accepted at an epoch start, where it changes nothing (see NOTE [the contract]).
+
+        Raises:
+            ValueError: another argument, or ``step(0)`` inside an epoch; RuntimeError: misuse (see NOTE [misuse,
+            seen from the loader]).
+        """
         if self._step_count == 0:  # torch's initial step, from __init__
             return super().step()
-        self._current_batch()
-        self._loaded = False
+        if not isinstance(skipped, bool):
+            raise ValueError(f"skipped should be True or False, but got skipped={skipped!r}")
+        self._follow_engine()
         if epoch is not None:
-            if isinstance(epoch, bool) or not isinstance(epoch, numbers.Integral) or epoch != 0:
-                raise ValueError(
-                    f"VariableBatchSizeLR.step takes no argument (the next batch) or 0 (realign at an epoch "
-                    f"start), but got epoch={epoch!r}; call step() after every optimizer step"
-                )
-            self._anchor(*self._next_pass_start())
-            return self._write()
-        seen = self._check_one_step_per_update()
-        self._log_factors_once()
-        size = int(self._sizes(self._epoch, "tokens" if self.clock == "tokens" else "sequences")[self._batch])
-        self._step_wrapped(self._clock_ticks(size))
-        self._seen, self._seen_at_step = self._seen + size, seen
-        self._advance(1)
-        super().step()
+            return self._realign(epoch)
+        self._check_update()
+        epoch, batch = self._where()
+        if not skipped:
+            size = int(self._sizes(epoch, "tokens" if self.clock == "tokens" else "sequences")[batch])
+            self._step_wrapped(self._clock_ticks(size))
+            self._seen += size
+            self._step_count += 1
+            self.last_epoch += 1
+        self._log_factors_once(epoch)
+        self._batches += 1
+        self._check_position()
+        self._write()
         if self.verbose:
             _logger.info(
-                "step %d (epoch %d, batch %d): B=%d, LR factor %.4g, lr %s",
+                "step %d (epoch %d, batch %d%s): next B=%d, LR factor %.4g, lr %s",
                 self.last_epoch,
-                self._epoch,
-                self._batch,
+                epoch,
+                batch,
+                ", skipped" if skipped else "",
                 self.batch_size,
                 self.lr_factor,
                 self._last_lr,
             )
 
-    def _training_seen(self) -> tuple[int, int, int, int]:
-        """What the hooks and the sampler counted: optimizer steps, backward passes, step inputs handed out, and
-        the backward passes of discarded updates."""
-        handed = 0 if self._sampler is None else self._sampler._position.handed
-        return self._optimizer_steps, self._backwards, handed, self._discarded_passes
-
-    def _check_one_step_per_update(self) -> tuple[int, int, int]:
-        """Raises unless the model trained since the last step(); returns what `_training_seen` counts now.
-
-        Trained: an optimizer step, or a batch's backward passes (an update AMP
-        skipped); else a wrapper steps this scheduler twice per update (HF
-        Accelerate's prepared scheduler steps once per process) or a loop steps
-        it per step input (under accumulation, or accumulating fewer step inputs
-        than the sampler and skipping an update: the same calls). The backward
-        passes per optimizer step are checked too (`_check_accumulation`).
-        """
-        seen = self._training_seen()
-        if self._sampler is None:  # listed batch sizes: no batches to count
-            return seen
-        last, gas = self._seen_at_step, self._sampler.gradient_accumulation_steps
-        backwards = seen[1] - last[1]
-        if self._counts_backwards:
-            trained = backwards >= gas
-            self._check_accumulation(seen[0] - last[0], backwards - (seen[3] - last[3]))
-        else:  # new step inputs stand in for backward passes
-            trained = seen[2] != last[2]
-        if seen[0] == last[0] and not trained:
-            raise RuntimeError(
-                f"VariableBatchSizeLR.step() was called twice for one optimizer step (since the last "
-                f"call: no optimizer step, {backwards} of a batch's {gas} backward passes): call it once "
-                f"per optimizer step; HF Accelerate: keep it out of accelerator.prepare() and, under "
-                f"accelerator.accumulate(), step it only when accelerator.sync_gradients; or the loop "
-                f"accumulates fewer step inputs per update than the sampler, whose gradient_accumulation_steps is "
-                f"{gas} (HF Trainer: TrainingArguments.gradient_accumulation_steps; Lightning: "
-                f"accumulate_grad_batches): make them one number (see the README, 'Use with torchrun, DeepSpeed, "
-                f"Accelerate, Lightning')"
+    def _realign(self, epoch: Any) -> None:
+        """``step(epoch)``: DeepSpeed's example realigns with ``step(0)`` at each epoch start, where b already is."""
+        if isinstance(epoch, bool) or not isinstance(epoch, numbers.Integral) or epoch != 0:
+            raise ValueError(
+                f"VariableBatchSizeLR.step takes no argument (the next batch) or 0 (at an epoch start), but got "
+                f"epoch={epoch!r}; call step() once per batch, after its update"
             )
-        return seen
+        epoch, batch = self._where()
+        if batch:
+            raise ValueError(
+                f"step(0) marks an epoch start, but this scheduler is at batch {batch} of epoch {epoch}: the loop "
+                f"called it inside an epoch, or did not step the scheduler once per batch (step() after each "
+                f"update, step(skipped=True) after a skipped one)"
+            )
+        self._write()
 
-    def _check_accumulation(self, steps: int, backwards: int) -> None:
-        """Raises when the loop accumulates another number of step inputs per update than the sampler, at
-        ``_DISAGREEING_UPDATES`` updates in a row (``steps`` optimizer steps and ``backwards`` passes since the
-        last `step`).
+    def _mark(self) -> None:
+        """Starts counting the training after a `step` (or construction, or a restore) afresh."""
+        self._handed_at_step = self._handed_floor = self._handed()
+        self._steps_at_step = self._optimizer_steps
 
-        NOTE [accumulation that disagrees]: a loop that accumulates G' step
-        inputs where the sampler's plan has G per batch trains other batches
-        than the LR follows. One rule tells it from skipped updates (NOTE
-        [skipped updates]): between two `step` calls with an optimizer step,
-        the backward passes are not G per optimizer step. A skip does that at
-        one update (a fresh GradScaler skips several in a row at the start, with
-        no optimizer step between them: one update of 2G, 3G, ... passes), a
-        disagreement at every update: three in a row are an error. Calls with
-        no optimizer step (a skipped update the loop steps this scheduler for)
-        or no backward pass (a loop that steps without one) tell nothing, and
-        the passes of an update whose gradients the loop cleared without an
-        optimizer step (NOTE [a discarded update]) are no part of the next
-        one's: a loop accumulating G' step inputs never clears them between.
-        Skips with exactly one update between them, three times over, in a loop
-        that zeroes gradients in place (``set_to_none=False``) look the same as
-        G' = 2G, and are refused too.
-        """
-        if not steps or not backwards:
+    def _handed(self) -> int:
+        return 0 if self._sampler is None else self._sampler._handed
+
+    def _check_update(self) -> None:
+        """Raises when this `step` is a second one for one update (see NOTE [misuse, seen from the loader])."""
+        sampler, handed = self._sampler, self._handed()
+        new, updated = handed - self._handed_at_step, self._optimizer_steps != self._steps_at_step
+        self._handed_at_step, self._steps_at_step = handed, self._optimizer_steps
+        if sampler is None or updated or handed == self._handed_floor:
             return
-        gas = self._sampler.gradient_accumulation_steps
-        if backwards == steps * gas:
-            self._disagreements = 0
+        gas = sampler.gradient_accumulation_steps
+        per_epoch = sampler._batches_per_epoch() * gas
+        drained = (sampler._latest + 1) % per_epoch == 0 and (self._batches + 1) * gas <= sampler._latest + 1
+        if new >= gas or drained:
             return
-        self._disagreements += 1
-        if self._disagreements < _DISAGREEING_UPDATES:
-            return
-        per_step = backwards / steps
-        loop = int(per_step) if per_step.is_integer() else per_step
         raise RuntimeError(
-            f"the loop accumulates {loop} backward passes per optimizer step ({_DISAGREEING_UPDATES} updates in a "
-            f"row), but the sampler's gradient_accumulation_steps is {gas}: make them one number (HF Trainer: "
-            f"TrainingArguments.gradient_accumulation_steps; Lightning: Trainer(accumulate_grad_batches=...); "
-            f"Accelerate: Accelerator(gradient_accumulation_steps=...); see the README, 'Use with torchrun, "
-            f"DeepSpeed, Accelerate, Lightning'); a loop that calls backward() twice per step input (two losses) "
-            f"must call it once, on their sum"
+            f"VariableBatchSizeLR.step() was called again for one update: since the last call no optimizer step "
+            f"ran and this rank's loader handed out {new} of a batch's {gas} step inputs; call it once per batch, "
+            f"after its update (step(skipped=True) for an update AMP skipped). HF Accelerate: keep the scheduler "
+            f"out of accelerator.prepare() (its wrapper steps it once per process) and, under accelerator."
+            f"accumulate(), step it only when accelerator.sync_gradients; see the README, 'Use with torchrun, "
+            f"DeepSpeed, Accelerate, Lightning'"
         )
 
-    def _log_factors_once(self) -> None:
-        """Logs the LR factors of the epoch trained, once per epoch (rank 0)."""
-        if self._epoch == self._reported or not self._rank_zero():
+    def _check_position(self) -> None:
+        """Raises when b runs ahead of the step inputs handed out, or behind by more than the loaders read ahead."""
+        sampler = self._sampler
+        if sampler is None or self._handed() == self._handed_floor:
             return
-        self._reported = self._epoch
-        factors, b_ref = self._factors(self._epoch)
+        gas, handed, ahead = sampler.gradient_accumulation_steps, sampler._latest + 1, sampler._read_ahead
+        trained = self._batches * gas  # the step inputs of this rank's b batches
+        epoch, batch = self._where()
+        if trained > handed:
+            raise RuntimeError(
+                f"VariableBatchSizeLR counts {self._batches} batches (to epoch {epoch}, batch {batch}), "
+                f"{trained} step inputs on this rank at gradient_accumulation_steps={gas}, but the loader handed "
+                f"out {handed}: the loop steps the scheduler for fewer step inputs than the sampler's batch "
+                f"(make the accumulation one number: HF Trainer's TrainingArguments.gradient_accumulation_steps, "
+                f"Lightning's accumulate_grad_batches, Accelerate's gradient_accumulation_steps), or the scheduler "
+                f"was restored from another point of the run than the sampler (restore both from one checkpoint)"
+            )
+        if handed - trained > ahead:
+            raise RuntimeError(
+                f"the loader handed out {handed} step inputs on this rank, but VariableBatchSizeLR counts "
+                f"{self._batches} batches of {gas} ({trained}): {handed - trained} more than the loader reads ahead "
+                f"({ahead}). The loop skips updates without telling the scheduler (call step(skipped=True) for "
+                f"them, or step() every iteration; HF Accelerate: keep the scheduler out of accelerator.prepare(); "
+                f"Lightning: 'interval': 'step' in configure_optimizers), or accumulates more step inputs than the "
+                f"sampler's gradient_accumulation_steps={gas} (make them one number), or the sampler was restored "
+                f"without the scheduler (restore both from one checkpoint)"
+            )
+
+    def _square(self, epoch: int) -> None:
+        """The sampler's next epoch is ``epoch``: an epoch before it that was cut short ends here (NOTE [the contract])."""
+        self._follow_engine()
+        per_epoch = self._batches_per_epoch()
+        if (epoch - 1) * per_epoch <= self._batches < epoch * per_epoch:
+            self._batches = epoch * per_epoch
+            self._write()
+
+    def _log_factors_once(self, epoch: int) -> None:
+        """Logs the LR factors of the epoch trained, once per epoch (rank 0)."""
+        if epoch == self._reported or not self._rank_zero():
+            return
+        self._reported = epoch
+        factors, b_ref = self._factors(epoch)
         _logger.info(
             "epoch %d: LR factor mean %.3g, min %.3g, max %.3g (B_ref=%g %s)",
-            self._epoch,
+            epoch,
             factors.mean(),
             factors.min(),
             factors.max(),
@@ -3206,63 +3067,67 @@ class VariableBatchSizeLR(LRScheduler):
     def _step_wrapped(self, ticks: int) -> None:
         """Steps the wrapped scheduler ``ticks`` times.
 
-        NOTE [the wrapped scheduler steps first]: torch's step() takes the new
-        LRs from get_lr(), the wrapped schedule's LR times the next batch's
-        factor: so the wrapped scheduler steps, on its own unscaled LRs (a
-        chainable scheduler computes from the LR in the optimizer), before
-        torch's step. An exception from it reaches the caller and ends the
-        training: this scheduler has not moved, the optimizer holds the unscaled LRs.
+        NOTE [the wrapped scheduler steps first]: the new LRs are the wrapped
+        schedule's LR times the next batch's factor: so the wrapped scheduler
+        steps, on its own unscaled LRs (a chainable scheduler computes from the
+        LR in the optimizer), before this one writes. An exception from it
+        reaches the caller and ends the training: this scheduler has not
+        moved, the optimizer holds the unscaled LRs.
         """
         if self._base is None or not ticks:
             return
-        groups = self.optimizer.param_groups
-        for group, lr in zip(groups, self._unscaled):
+        for group, lr in zip(self._groups, self._unscaled):
             group["lr"] = lr
         with warnings.catch_warnings():  # torch's step-order check, which this class's own step makes
             warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
             for _ in range(ticks):
                 self._base.step()
-        self._unscaled = [group["lr"] for group in groups]
+        self._unscaled = [group["lr"] for group in self._groups]
 
-    def _catch_up(self, *hook_args) -> None:
-        """A pre-step (or pre-forward) hook: the update uses the LR of the batch trained (see `_current_batch`)."""
-        self._current_batch()
+    def _before_update(self, *hook_args) -> None:
+        """An optimizer step-pre hook: the update uses the LR of batch b (moved on by an engine's skips)."""
+        if self._follow_engine():
+            return
+        self._write()
 
-    def _count_optimizer_step(self, optimizer, args, kwargs) -> None:
+    def _count_update(self, *hook_args) -> None:
         self._optimizer_steps += 1
-
-    def _before_backward(self, grad) -> None:
-        """A hook on the counted parameter's gradient before it is accumulated: an update whose gradients the loop
-        cleared is seen here at the latest (NOTE [a discarded update])."""
-        self._current_batch()
-
-    def _count_backward(self, param) -> None:
-        self._current_batch()  # a pass that started before this backward pass counts it as its own
-        self._backwards += 1
-        self._current_batch()  # see _install_hooks and NOTE [skipped updates]
 
     def _remove_hooks(self) -> None:
         """Removes this scheduler's hooks (the DeepSpeed glue replaces it): it no longer moves the optimizer's LRs."""
         for handle in self._hooks:
             handle.remove()
+        if self._sampler is not None:
+            self._sampler._unfollow(self)
 
-    def _follow_skipped_steps(self, skipped: Callable[[], int], module: Any = None) -> None:
-        """Makes the LR follow the batch trained when an engine skips steps.
+    # -- the DeepSpeed adapter ------------------------------------------------------------------------------------
 
-        On an fp16 overflow DeepSpeed skips the optimizer step *and* this
-        scheduler's step, but the data moves on: ``skipped()`` counts the
-        skipped steps, and the position moves on by those since it last looked
-        (`_current_batch`); the wrapped schedule stays where DeepSpeed left it.
-        A skip belongs to the pass it happens in: ``module``'s forward passes
-        look too, so a pass is seen before the first of its steps is skipped,
-        and the optimizer holds the LR of the batch from its first forward pass
-        on (``engine.get_lr()``, which DeepSpeed's monitor logs in
-        ``engine.step()``); between a skipped step and the next forward pass
-        only `get_last_lr` has it (nothing of this scheduler runs there).
+    def _follow_skipped_steps(self, skipped: Callable[[], int]) -> None:
+        """Counts an engine's skipped steps as batches trained: ``skipped()`` is DeepSpeed's ``skipped_steps``.
+
+        On an fp16 overflow DeepSpeed's engine adds to ``skipped_steps`` and
+        steps neither the optimizer nor this scheduler, but the data moves on:
+        each skip moves b on, t stays. The count is read before each update
+        (the step-pre hook), at each `step`, when the sampler's epoch is set
+        (so a skip in an epoch's last update is counted before the epoch is
+        squared) and in `state_dict`, which saves the last count read
+        (``engine.load_checkpoint`` restores ``skipped_steps``).
         """
         self._skipped, self._skipped_seen = skipped, skipped()
-        if isinstance(module, torch.nn.Module):
-            self._hooks.append(module.register_forward_pre_hook(_weakly(self._catch_up)))
+
+    def _follow_engine(self) -> bool:
+        """Moves b on by the steps the engine skipped since the last look; True if it wrote the LRs."""
+        if self._skipped is None:
+            return False
+        count = self._skipped()
+        new, self._skipped_seen = count - self._skipped_seen, count
+        if new <= 0:
+            return False
+        self._batches += new
+        self._write()
+        return True
+
+    # -- state ----------------------------------------------------------------------------------------------------
 
     def _state_settings(self) -> dict:
         return {
@@ -3276,11 +3141,10 @@ class VariableBatchSizeLR(LRScheduler):
         }
 
     def state_dict(self):
-        """Torch's position and LRs, the batch position, and the wrapped scheduler's state: plain data but for
-        what that scheduler keeps (MultiStepLR's milestones are a Counter: save with torch.save, not JSON)."""
-        epoch, batch = self._current_batch()  # the batch trained now, also right after a pass started
+        """Torch's position and LRs, b, and the wrapped scheduler's state: plain data but for what that scheduler
+        keeps (MultiStepLR's milestones are a Counter: save with torch.save, not JSON)."""
+        self._follow_engine()
         state = {key: copy.deepcopy(value) for key, value in super().state_dict().items() if key in self._STATE}
-        state["_epoch"], state["_batch"] = epoch, batch  # see NOTE [a discarded update]
         return {
             **state,
             "settings": self._state_settings(),
@@ -3288,20 +3152,29 @@ class VariableBatchSizeLR(LRScheduler):
         }
 
     def load_state_dict(self, state_dict):
-        """Restores a `state_dict` (never mutating it): the next `step` continues exactly where it stopped."""
+        """Restores a `state_dict` (never mutating it): the next `step` continues exactly where it stopped.
+
+        States saved by varbatch 0.2 (the position as an epoch and a batch of
+        epochs of differing lengths) are refused: their batch counts cannot be
+        converted to b.
+        """
+        if isinstance(state_dict, Mapping) and {"_epoch", "_batch"} <= set(state_dict):
+            raise ValueError(
+                f"this scheduler state was saved by varbatch 0.2 (its position is '_epoch' and '_batch'); varbatch "
+                f"{__version__} counts batches trained under epochs of one length and cannot convert it: resume "
+                f"with the varbatch that saved it, or start the schedule anew"
+            )
         _check_state(self, state_dict, {*self._STATE, "settings", "base_lr_scheduler"})
         if (state_dict["base_lr_scheduler"] is None) != (self._base is None) or len(state_dict["_unscaled"]) != len(
-            self.optimizer.param_groups
+            self._groups
         ):
             raise ValueError("the state wraps another kind of schedule or optimizer; resume with the same ones")
+        _check_int("_batches", state_dict["_batches"], minimum=0, fix="pass a dict made by state_dict()")
         if self._base is not None:
             self._base.load_state_dict(copy.deepcopy(state_dict["base_lr_scheduler"]))
         super().load_state_dict({key: copy.deepcopy(state_dict[key]) for key in self._STATE})
-        # The sampler's passes so far came before the state: a pass from now on is followed, or kept against.
-        self._pass_seen = None if self._sampler is None else self._sampler._position.last.number
-        self._advance(0)  # the training counted so far came before the state
+        self._mark()  # checked again from the step inputs handed out after the restore
         self._write()
-        self._loaded = True  # see _keeps_position
 
 
 def lr_scheduler_for_variable_batch_size(
@@ -3861,7 +3734,5 @@ def get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
         _check_ranks_agree(loader.variable_batch_sampler)
     if scheduler is not None:
         engine.lr_scheduler = scheduler
-        scheduler._follow_skipped_steps(
-            lambda: int(getattr(engine, "skipped_steps", 0)), getattr(engine, "module", None)
-        )
+        scheduler._follow_skipped_steps(lambda: int(getattr(engine, "skipped_steps", 0)))
     return loader, scheduler, io_kwargs
