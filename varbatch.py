@@ -36,8 +36,10 @@ Reading path: the definitions that carry the technique, in file order (about
 6. The dealing rule (the comment under "The batch sampler"), ``_Position``
    and ``VariableBatchSampler._iter_keys``: which rank trains which step input.
 7. ``_Loader`` (NOTE [the loader deals itself]) and ``make_dataloader``.
-8. ``VariableBatchSizeLR``: its docstring's NOTEs, ``_current_batch`` (the
-   position: ``_follow_new_pass``, ``_keeps_position``, ``_anchor``) and ``step``.
+8. ``VariableBatchSizeLR``: its docstring's NOTEs (the contract: the loop
+   calls ``step()`` after each update, ``step(skipped=True)`` after a skipped
+   one) and ``step``, whose checks find misuse from the step inputs the
+   loader handed out.
 9. ``get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed``: the
    DeepSpeed entry point, engine to loader and scheduler.
 """
@@ -1916,11 +1918,11 @@ class VariableBatchSampler(Sampler[list[int]]):
         """The batches of every epoch (``len(self)`` is this times gradient_accumulation_steps)."""
         return self.plan_for_epoch(0).num_batches
 
-    def _follow(self, scheduler: VariableBatchSizeLR) -> None:
+    def _follow(self, scheduler: LRScheduler) -> None:
         """Lets ``scheduler`` square its position when the next epoch is set (see `VariableBatchSizeLR._square`)."""
         self._followers.append(weakref.ref(scheduler))
 
-    def _unfollow(self, scheduler: VariableBatchSizeLR) -> None:
+    def _unfollow(self, scheduler: LRScheduler) -> None:
         self._followers = [ref for ref in self._followers if ref() not in (None, scheduler)]
 
     def __getstate__(self) -> dict:
@@ -2947,7 +2949,7 @@ class VariableBatchSizeLR(LRScheduler):
             self.last_epoch += 1
         self._log_factors_once(epoch)
         self._batches += 1
-        self._check_position()
+        self._check_position(self._batches)
         self._write()
         if self.verbose:
             _logger.info(
@@ -3006,17 +3008,19 @@ class VariableBatchSizeLR(LRScheduler):
             f"DeepSpeed, Accelerate, Lightning'"
         )
 
-    def _check_position(self) -> None:
-        """Raises when b runs ahead of the step inputs handed out, or behind by more than the loaders read ahead."""
+    def _check_position(self, batches: int) -> None:
+        """Raises when ``batches``, the batches trained (after a `step`) or being trained (before an update), run
+        ahead of the step inputs handed out, or behind them by more than the loaders read ahead."""
         sampler = self._sampler
         if sampler is None or self._handed() == self._handed_floor:
             return
-        gas, handed, ahead = sampler.gradient_accumulation_steps, sampler._latest + 1, sampler._read_ahead
-        trained = self._batches * gas  # the step inputs of this rank's b batches
+        gas, ahead = sampler.gradient_accumulation_steps, sampler._read_ahead
+        handed = sampler._latest + 1  # this rank's step inputs from the run's start to the last handed out
+        trained = batches * gas  # this rank's step inputs of those batches
         epoch, batch = self._where()
         if trained > handed:
             raise RuntimeError(
-                f"VariableBatchSizeLR counts {self._batches} batches (to epoch {epoch}, batch {batch}), "
+                f"VariableBatchSizeLR counts {batches} batches (to epoch {epoch}, batch {batch}), "
                 f"{trained} step inputs on this rank at gradient_accumulation_steps={gas}, but the loader handed "
                 f"out {handed}: the loop steps the scheduler for fewer step inputs than the sampler's batch "
                 f"(make the accumulation one number: HF Trainer's TrainingArguments.gradient_accumulation_steps, "
@@ -3026,7 +3030,7 @@ class VariableBatchSizeLR(LRScheduler):
         if handed - trained > ahead:
             raise RuntimeError(
                 f"the loader handed out {handed} step inputs on this rank, but VariableBatchSizeLR counts "
-                f"{self._batches} batches of {gas} ({trained}): {handed - trained} more than the loader reads ahead "
+                f"{batches} batches of {gas} ({trained}): {handed - trained} more than the loader reads ahead "
                 f"({ahead}). The loop skips updates without telling the scheduler (call step(skipped=True) for "
                 f"them, or step() every iteration; HF Accelerate: keep the scheduler out of accelerator.prepare(); "
                 f"Lightning: 'interval': 'step' in configure_optimizers), or accumulates more step inputs than the "
@@ -3085,9 +3089,10 @@ class VariableBatchSizeLR(LRScheduler):
         self._unscaled = [group["lr"] for group in self._groups]
 
     def _before_update(self, *hook_args) -> None:
-        """An optimizer step-pre hook: the update uses the LR of batch b (moved on by an engine's skips)."""
-        if self._follow_engine():
-            return
+        """An optimizer step-pre hook: the update of batch b, whose step inputs were handed out, uses its LR (b moved
+        on by an engine's skips); a scheduler and a sampler at different points are refused before it."""
+        self._follow_engine()
+        self._check_position(self._batches + 1)
         self._write()
 
     def _count_update(self, *hook_args) -> None:
