@@ -1376,7 +1376,7 @@ def test_every_view_of_a_pass_deals_the_one_rule_and_moves_the_position_per_step
     with unittest.mock.patch.object(varbatch, "_KEY_RUN", key_run):
         for view in ("ids", "keys", "every rank's keys"):
             sampler.load_state_dict(state)
-            handed = sampler._position.handed
+            handed = sampler._handed
             if view == "ids":
                 dealt = iter(sampler)
             else:
@@ -1392,7 +1392,7 @@ def test_every_view_of_a_pass_deals_the_one_rule_and_moves_the_position_per_step
                     where = (got.step_input, got.pass_start, got.every_rank)
                     assert (list(got.sample_ids), *where) == (every_input[g], g, start, view == "every rank's keys")
                     assert got.seqlens == tuple(seqlens[i] for i in got.sample_ids)
-                assert (sampler.steps_done, sampler._position.handed - handed) == (done, done - start)
+                assert (sampler.steps_done, sampler._handed - handed) == (done, done - start)
                 assert sampler.epoch == (done == total)
             assert next(dealt, None) is None
 
@@ -2671,8 +2671,9 @@ def test_lr_tokens_unit():
         _check_lr(t, _BASE_LR * _warmup(t) * math.sqrt(tokens / reference), lr)
 
 
-def test_step_zero_realigns_without_restarting():
-    """step(0) at each epoch start changes nothing in sync, never restarts the schedule, and realigns."""
+def test_step_zero_changes_nothing_at_an_epoch_start_and_is_refused_inside_one():
+    """step(0) at each epoch start (DeepSpeed's example) changes nothing and never restarts the schedule; inside an
+    epoch it is refused, naming the contract."""
     runs = []
     for realign in (False, True):
         sampler = _sampler()
@@ -2680,18 +2681,22 @@ def test_step_zero_realigns_without_restarting():
         base = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup)
         scheduler = VariableBatchSizeLR(base, _mean_size(sampler), sampler)
         runs.append(_train(sampler, scheduler, optimizer, epochs=3, realign=realign))
-        assert base.last_epoch == scheduler.last_epoch == len(runs[-1])
+        assert base.last_epoch == scheduler.last_epoch == scheduler.batches_trained == len(runs[-1])
     assert runs[0] == runs[1]
-    sampler.set_epoch(7)
     scheduler.step(0)
-    assert scheduler.steps_in_epoch == 0
-    assert scheduler.batch_size == sampler.plan_for_epoch(7).batch_sizes[0]
-    assert base.last_epoch == scheduler.last_epoch == len(runs[-1])
+    assert scheduler.steps_in_epoch == 0 and scheduler.batch_size == sampler.plan_for_epoch(3).batch_sizes[0]
+    for _ in zip(range(sampler.gradient_accumulation_steps), sampler):  # epoch 3's first batch
+        pass
+    optimizer.step()
+    scheduler.step()
+    with pytest.raises(ValueError, match="at batch 1 of epoch 3"):
+        scheduler.step(0)
+    assert base.last_epoch == scheduler.last_epoch == len(runs[-1]) + 1
 
 
-# -- the LR follows the sampler's passes, however the loop numbers its epochs ----------------------
+# -- the LR follows the batches the loop trains, or the loop is refused --------------------------------------
 
-_PASS_SEQLENS = _lengths(48, 1, 30, seed=23)  # 10 to 21 batches an epoch, a new plan each epoch
+_PASS_SEQLENS = _lengths(48, 1, 30, seed=23)  # 10 to 21 batches an epoch
 
 
 @st.composite
@@ -2716,15 +2721,21 @@ def pass_schedules(draw):
     unit=st.sampled_from(["sequences", "tokens"]),
     reference=st.one_of(st.just("mean"), st.floats(1, 200)),
 )
-# the audit's case: a loop numbering its epochs from 1, the scheduler made before it
+# a loop numbering its epochs from 1, the scheduler made before it: epoch 0, untrained, is squared
 @example(passes=[(1, None), (2, None)], order="random", gas=1, method="linear", unit="sequences", reference="mean")
-# an epoch cut short, then the next one
+# an epoch cut short, then the next one: squared
 @example(passes=[(0, 3), (1, None)], order="bucket", gas=2, method="sqrt", unit="tokens", reference=60.0)
-# epoch numbers skipped
+# an epoch skipped: epoch 3's data where b is in epoch 1, refused
 @example(passes=[(0, None), (3, None), (5, 2)], order="random", gas=1, method="linear", unit="sequences", reference=3.0)
+# an epoch cut short, then iterated again without set_epoch: its start replayed, refused
+@example(passes=[(0, 3), (None, None)], order="random", gas=2, method="linear", unit="sequences", reference="mean")
 @settings(max_examples=60)
-def test_lr_follows_the_batch_trained_however_the_loop_numbers_its_epochs(passes, order, gas, method, unit, reference):
-    """At every optimizer step lr = base_lr x s(B_b / B_ref), b the batch just trained, whatever epochs the loop sets."""
+def test_the_lr_follows_the_batches_trained_or_a_loop_that_leaves_them_is_refused(
+    passes, order, gas, method, unit, reference
+):
+    """At every update lr = base_lr x s(B_b / B_ref) of batch b, the b-th the loop trains (an epoch cut short is
+    squared when the next is set); a pass whose data is not batch b's (an epoch skipped, set twice, replayed) is
+    refused at its first update, before the optimizer steps."""
     sampler = VariableBatchSampler(
         _PASS_SEQLENS, 40, gradient_accumulation_steps=gas, num_replicas=1, order=order, seed=3
     )
@@ -2733,34 +2744,44 @@ def test_lr_follows_the_batch_trained_however_the_loop_numbers_its_epochs(passes
     optimizer = torch.optim.SGD([param], lr=_BASE_LR)
     scheduler = VariableBatchSizeLR(optimizer, reference, sampler, lr_scaling_method=method, lr_scaling_unit=unit)
     scale = (lambda r: r) if method == "linear" else math.sqrt
-    t = 0
+    per_epoch = len(sampler) // gas
+    b = 0  # the oracle's count of the batches trained
     for epoch, cut in passes:
         if epoch is not None:
+            if (epoch - 1) * per_epoch <= b < epoch * per_epoch:  # the epoch before was cut short: squared
+                b = epoch * per_epoch
             sampler.set_epoch(epoch)
         plan = sampler.plan  # of the epoch this pass iterates
+        consistent = b == plan.epoch * per_epoch
         sizes = plan.batch_tokens if unit == "tokens" else plan.batch_sizes
         b_ref = float(sizes.mean()) if reference == "mean" else reference
         batch_of = {
-            i: b
-            for b in range(plan.num_batches)
-            for j in range(b * gas, (b + 1) * gas)
-            for i in plan.microbatch(j).tolist()
-        }
+            i: j // gas for j in range(plan.num_batches * gas) for i in plan.microbatch(j).tolist()
+        }  # sample -> its batch (micro_batch_size 1)
         batches = set()  # the batches of the step inputs trained since the last optimizer step
         for i, samples in enumerate(loader):
             ids = [int(sample[0]) - 1 for sample in samples]
             batches |= {batch_of[k] for k in ids}
             (param.sum() * len(ids)).backward()
-            if i % gas == gas - 1:
-                assert len(batches) == 1, f"step {t}: the step inputs of one optimizer step are of batches {batches}"
-                b = batches.pop()
-                _check_lr(t, _BASE_LR * scale(sizes[b] / b_ref), optimizer.param_groups[0]["lr"])
-                optimizer.step()
-                optimizer.zero_grad()
-                scheduler.step()
-                t += 1
-                if cut is not None and i // gas + 1 == cut:
-                    break
+            if i % gas < gas - 1:
+                continue
+            assert len(batches) == 1, f"batch {b}: the step inputs of one update are of batches {batches}"
+            trained = batches.pop()
+            if not consistent:
+                before = param.detach().clone()
+                with pytest.raises(RuntimeError, match=r"VariableBatchSizeLR counts|the loader handed out"):
+                    optimizer.step()
+                assert torch.equal(param, before)
+                return
+            assert plan.epoch * per_epoch + trained == b
+            _check_lr(b, _BASE_LR * scale(sizes[trained] / b_ref), optimizer.param_groups[0]["lr"])
+            optimizer.step()
+            optimizer.zero_grad()
+            scheduler.step()
+            b += 1
+            if cut is not None and trained + 1 == cut:
+                break
+        assert scheduler.batches_trained == b
 
 
 def test_lr_worked_example_through_scheduler():
@@ -2809,16 +2830,21 @@ def test_the_unit_trap_is_warned_only_for_the_default_reference(caplog):
 def test_lr_factors_are_logged_once_per_trained_epoch(caplog):
     """Each epoch's LR factors are logged once, when its first batch has been stepped; never for an untrained epoch."""
     sampler = _sampler()
+    gas = sampler.gradient_accumulation_steps
     optimizer = _optimizer()
     with caplog.at_level("INFO", logger="varbatch"):
         scheduler = VariableBatchSizeLR(optimizer, "mean", sampler)
         assert _messages(caplog, "LR factor") == []
-        optimizer.step()
-        scheduler.step()
-        assert [m.split(":")[0] for m in _messages(caplog, "LR factor")] == ["epoch 0"]
-        sampler.set_epoch(0)
-        scheduler.step(0)
-        _train(sampler, scheduler, optimizer, epochs=2, realign=True)
+        epoch_0 = iter(sampler)
+        for i, _ in enumerate(epoch_0):
+            if i % gas == gas - 1:
+                optimizer.step()
+                scheduler.step()
+                assert [m.split(":")[0] for m in _messages(caplog, "LR factor")] == ["epoch 0"]
+        for i, _ in enumerate(sampler):  # epoch 1
+            if i % gas == gas - 1:
+                optimizer.step()
+                scheduler.step()
     assert [m.split(":")[0] for m in _messages(caplog, "LR factor")] == ["epoch 0", "epoch 1"]
 
 
@@ -3167,43 +3193,6 @@ def test_fp16_overflow_lr_read_right_after_a_skipped_step(overflow_run):
         _check_lr(j, expected[j] if j in _OVERFLOW_AT else expected[j + 1], engine_lr)
 
 
-# -- AMP: torch's GradScaler skips an update, the loader has read ahead -----------------------------
-
-
-@pytest.mark.parametrize("from_end", [1, 2], ids=["last batch", "second-last batch"])
-def test_an_amp_skipped_update_near_an_epochs_end_is_not_a_double_step(from_end):
-    """GradScaler skips an inf loss's update near epoch 0's end (2 workers read ahead): the LR follows the next batch;
-    two step() calls with no backward pass and no optimizer step between still raise."""
-    seqlens = _lengths(60, 5, 40, seed=29)
-    dataset = [torch.randn(n, 4, generator=torch.Generator().manual_seed(i)) for i, n in enumerate(seqlens)]
-    sampler = VariableBatchSampler(seqlens, 128, order="bucket", seed=2)
-    loader = make_dataloader(dataset, sampler, collate_fn=PaddedCollate(), num_workers=2)
-    model = torch.nn.Linear(4, 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=_BASE_LR)
-    updates = []
-    optimizer.register_step_post_hook(lambda opt, args, kwargs: updates.append(opt.param_groups[0]["lr"]))
-    scheduler = VariableBatchSizeLR(optimizer, "mean", sampler)
-    scaler = torch.amp.GradScaler("cpu")
-    skipped = (0, sampler.plan_for_epoch(0).num_batches - from_end)
-    t = 0
-    for epoch in range(2):
-        sampler.set_epoch(epoch)
-        sizes = sampler.plan.batch_sizes
-        for b, (x, lengths) in enumerate(loader):
-            assert len(lengths) == sizes[b]
-            _check_lr(t, _BASE_LR * sizes[b] / sizes.mean(), optimizer.param_groups[0]["lr"])
-            loss = model(x).pow(2).mean() * (float("inf") if (epoch, b) == skipped else 1.0)
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad()
-            scheduler.step()
-            t += 1
-    assert len(updates) == t - 1, f"{t} batches, {len(updates)} updates: GradScaler skipped no update"
-    with pytest.raises(RuntimeError, match=re.escape("VariableBatchSizeLR.step() was called twice")):
-        scheduler.step()
-
-
 # -- gradient accumulation: one scheduler step per optimizer step ---------------------------------
 
 
@@ -3252,7 +3241,7 @@ def test_a_scheduler_stepped_per_step_input_under_accumulation_stops_at_once():
     accumulate() idiom): RuntimeError naming accelerator.sync_gradients at its first call, before any update."""
     calls, _, updates, _, error = _accumulating_loop(scheduler_per_step_input=True)
     assert error is not None, f"{calls} scheduler steps for {len(updates)} updates, and no error"
-    assert "called twice for one optimizer step" in str(error) and "accelerator.sync_gradients" in str(error), error
+    assert "called again for one update" in str(error) and "accelerator.sync_gradients" in str(error), error
     assert (calls, len(updates)) == (1, 0), f"raised at call {calls}, after {len(updates)} updates"
 
 
@@ -3320,7 +3309,7 @@ def test_a_scheduler_stepped_per_step_input_under_accelerate_accumulate_stops_at
     naming accelerator.sync_gradients at its first call, before it moves two batches per update."""
     out = accelerate_one_process["accumulate"]
     assert out["error"] is not None, f"{out['calls']} scheduler steps for {out['batches']} batches, and no error"
-    assert "called twice for one optimizer step" in out["error"] and "accelerator.sync_gradients" in out["error"]
+    assert "called again for one update" in out["error"] and "accelerator.sync_gradients" in out["error"]
     assert out["calls"] == 1, f"raised at call {out['calls']}"
 
 
@@ -3340,7 +3329,7 @@ def test_a_scheduler_stepped_once_per_update_runs_through_accumulation(inf_batch
         _check_lr(t, _BASE_LR * sizes[b] / sizes.mean(), lr)
 
 
-# -- skipped updates the loop does not step the scheduler for (issue 18, items 1, 3, 5) ----------------
+# -- the contract: skipped updates told, or stepped plainly; misuse refused (issue 28) --------------------------
 
 
 def _batch_of_samples(sampler, epoch):
@@ -3350,312 +3339,189 @@ def _batch_of_samples(sampler, epoch):
     return {int(i): j // k for j, ids in enumerate(plan.microbatches()) for i in ids}
 
 
-def _updates_off(sampler, updates, base_lr=_BASE_LR):
-    """Of ``updates`` [(LR applied, [(epoch, sample id) trained])], those not at base_lr x B_b / mean(B) of the one
-    batch b whose samples they trained."""
+def _updates_off(sampler, updates, base_lr=_BASE_LR, schedule=None):
+    """Of ``updates`` [(LR applied, [(epoch, sample id) trained], and optionally t)], those not at base_lr x
+    schedule(t) x B_b / mean(B) of the one batch b whose samples they trained (``schedule`` None: constant)."""
     off = []
-    for t, (applied, trained) in enumerate(updates):
-        assert len({epoch for epoch, _ in trained}) == 1, f"update {t} trained samples of two epochs"
+    for u, (applied, trained, *t) in enumerate(updates):
+        assert len({epoch for epoch, _ in trained}) == 1, f"update {u} trained samples of two epochs"
         epoch = trained[0][0]
         batches = {_batch_of_samples(sampler, epoch)[i] for _, i in trained}
-        assert len(batches) == 1, f"update {t} trained samples of batches {sorted(batches)}"
+        assert len(batches) == 1, f"update {u} trained samples of batches {sorted(batches)}"
         sizes = sampler.plan_for_epoch(epoch).batch_sizes
-        if not math.isclose(applied, base_lr * sizes[batches.pop()] / sizes.mean(), rel_tol=1e-6):
-            off.append(t)
+        factor = 1.0 if schedule is None else schedule(*t)
+        if not math.isclose(applied, base_lr * factor * sizes[batches.pop()] / sizes.mean(), rel_tol=1e-6):
+            off.append(u)
     return off
 
 
-def _plain_amp_loop(
-    skips, *, idiom, fused=False, sampler_gas=1, loop_gas=1, backwards_per_input=1, epochs=2, set_to_none=True
+_DECAY = 0.97  # the wrapped schedule of the AMP loops: lr x 0.97**t, so that t, the updates taken, shows
+
+
+def _amp_loop(
+    skips,
+    *,
+    telling,
+    fused=False,
+    sampler_gas=1,
+    loop_gas=1,
+    loop="plain",
+    epochs=2,
+    workers=0,
 ):
-    """A plain torch AMP loop over 2 epochs: the loss is inf at the updates ``skips`` (GradScaler skips them);
-    ``idiom`` "scale" steps the scheduler only if the scale did not drop, "always" after every update; zero_grad
-    sets the gradients to None, or zeroes them in place. Returns (sampler, [(LR at each optimizer step, [(epoch,
-    sample id) it trains])])."""
+    """A plain torch AMP loop over ``epochs`` epochs (a new loader pass each, set_epoch first): the loss is inf at the
+    updates ``skips`` (GradScaler skips them). ``telling``: "skipped" calls ``scheduler.step(skipped=<the scale
+    dropped>)``, "always" steps plainly after every update (torch's AMP recipe), "untold" steps only after updates
+    taken. ``loop``: "plain"; "two backward passes" (two losses a step input, each backward'ed); "frozen first
+    parameter" (the optimizer's first parameter never gets a gradient); "two optimizer steps" (SAM as people copy
+    it: a forward, backward and step, zero_grad, then the update's own); "prefetching" (one `while True` stream over
+    the loader, read one step input ahead, across the epochs' ends, set_epoch never called).
+    Returns (sampler, [(LR applied, [(epoch, sample id) it trains], t the loop's contract says)], the RuntimeError a
+    call raised or None, the updates the loop began)."""
     seqlens = _lengths(200, 3, 40)
     sampler = VariableBatchSampler(seqlens, 128, order="bucket", seed=0, gradient_accumulation_steps=sampler_gas)
     dataset = [torch.full((n, 1), float(i)) for i, n in enumerate(seqlens)]
-    loader = make_dataloader(dataset, sampler, collate_fn=lambda samples: samples)
+    loader = make_dataloader(dataset, sampler, collate_fn=lambda samples: samples, num_workers=workers)
+    frozen = torch.nn.Parameter(torch.zeros(1), requires_grad=loop != "frozen first parameter")
     model = torch.nn.Linear(1, 1)
-    optimizer = torch.optim.Adam(model.parameters(), lr=_BASE_LR, fused=fused)  # fused: steps on an overflow too
-    scheduler = VariableBatchSizeLR(optimizer, "mean", sampler)
+    parameters = [frozen, *model.parameters()]
+    optimizer = torch.optim.Adam(parameters, lr=_BASE_LR, fused=fused)  # fused: steps on an overflow too
+    scheduler = VariableBatchSizeLR(torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: _DECAY**t), "mean", sampler)
     scaler = torch.amp.GradScaler("cpu")
-    updates, trained, update = [], [], 0
-    optimizer.register_step_pre_hook(lambda opt, args, kwargs: updates.append((opt.param_groups[0]["lr"], trained[:])))
-    for epoch in range(epochs):
-        sampler.set_epoch(epoch)
-        for i, samples in enumerate(loader):
+    updates, trained, state = [], [], {"t": 0}
+    optimizer.register_step_pre_hook(
+        lambda opt, args, kwargs: updates.append((opt.param_groups[0]["lr"], trained[:], state["t"]))
+    )
+
+    def epoch_passes():
+        if loop == "prefetching":  # one stream over the run, read one ahead (what a prefetching wrapper does)
+            stream = ((epoch, samples) for epoch in range(epochs) for samples in loader)
+            ahead = next(stream)
+            for item in stream:
+                yield ahead
+                ahead = item
+            yield ahead
+            return
+        for epoch in range(epochs):
+            sampler.set_epoch(epoch)
+            for samples in loader:
+                yield epoch, samples
+
+    def loss_of(samples, inf):
+        return model(torch.cat(samples) / 200).pow(2).mean() * (math.inf if inf else 1.0) + frozen.sum()
+
+    update = 0
+    try:
+        for i, (epoch, samples) in enumerate(epoch_passes()):
             trained.extend((epoch, int(sample[0, 0])) for sample in samples)
-            for _ in range(backwards_per_input):
-                loss = model(torch.cat(samples) / 200).pow(2).mean()
-                scaler.scale(loss * (math.inf if update in skips else 1.0)).backward()
+            if loop == "two optimizer steps":  # SAM's first step, an update of its own, then the real one below
+                loss_of(samples, False).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            for _ in range(2 if loop == "two backward passes" else 1):
+                scaler.scale(loss_of(samples, update in skips)).backward()
             if (i + 1) % loop_gas:
                 continue
             scale = scaler.get_scale()
             scaler.step(optimizer)
             scaler.update()
-            if idiom == "always" or scaler.get_scale() >= scale:
-                scheduler.step()
-            optimizer.zero_grad(set_to_none=set_to_none)
+            skipped = scaler.get_scale() < scale
+            if telling == "always" or not skipped:
+                state["t"] += 1
+            if telling != "untold" or not skipped:
+                scheduler.step(skipped=skipped and telling == "skipped")
+            optimizer.zero_grad()
             trained.clear()
             update += 1
-    return sampler, updates
+    except RuntimeError as error:
+        return sampler, updates, error, update + 1
+    return sampler, updates, None, update
 
 
-def _alternating(skips):
-    """Whether three updates in a row each follow skipped ones: what NOTE [accumulation that disagrees] refuses."""
-    in_a_row, after_skip = 0, False
-    for update in range(max(skips, default=0) + 2):
-        if update in skips:
-            after_skip = True
-            continue
-        in_a_row, after_skip = (in_a_row + 1 if after_skip else 0), False
-        if in_a_row == 3:
-            return True
-    return False
-
-
-@settings(max_examples=8, deadline=None)
-@given(skips=st.sets(st.integers(0, 40), max_size=4), idiom=st.sampled_from(["scale", "always"]), fused=st.booleans())
-@example(skips={0, 5, 9, 20}, idiom="scale", fused=False)
-@example(skips={0, 1, 2, 3}, idiom="scale", fused=False)  # a fresh GradScaler: several skips in a row at the start
-@example(skips={3}, idiom="scale", fused=True)
-@example(skips={3, 5, 7}, idiom="scale", fused=False)  # one update between skips, three times over
-def test_plain_amp_lr_follows_the_batch_after_skipped_updates(skips, idiom, fused):
-    """GradScaler skips the updates ``skips``, the loop steps the scheduler only if the scale did not drop (or after
-    every update), the optimizer is fused (stepped on an overflow) or not: every optimizer step's LR is
-    base_lr x B_b / mean(B) of the batch b it trains (skips with one update between them too: zero_grad() sets
-    the gradients to None, see NOTE [a discarded update])."""
-    sampler, updates = _plain_amp_loop(skips, idiom=idiom, fused=fused)
-    steps = sum(sampler.plan_for_epoch(epoch).num_batches for epoch in range(2))
-    assert len(updates) == steps - (0 if fused else len(skips))
-    off = _updates_off(sampler, updates)
+@settings(max_examples=10, deadline=None)
+@given(
+    skips=st.sets(st.integers(0, 40), max_size=4),
+    telling=st.sampled_from(["skipped", "always"]),
+    fused=st.booleans(),
+    loop=st.sampled_from(["plain", "two backward passes", "frozen first parameter", "two optimizer steps"]),
+)
+@example(skips={0, 1, 2, 3}, telling="skipped", fused=False, loop="plain")  # a fresh GradScaler skips in a row
+@example(skips={3}, telling="skipped", fused=True, loop="plain")
+@example(skips={3, 5, 7}, telling="skipped", fused=False, loop="plain")  # one update between skips
+@example(skips={2}, telling="always", fused=False, loop="two backward passes")
+@example(skips={2}, telling="skipped", fused=False, loop="frozen first parameter")
+@example(skips=set(), telling="skipped", fused=False, loop="two optimizer steps")
+def test_amp_skips_told_or_stepped_give_every_update_its_batchs_lr(skips, telling, fused, loop):
+    """GradScaler skips ``skips``; the loop says so (step(skipped=True)) or steps plainly every iteration: every
+    optimizer step's LR is base_lr x 0.97**t x B_b / mean(B), b the batch it trains and t the updates taken (or, stepped
+    plainly, the batches before it), whatever the loop does with its parameters and backward passes."""
+    sampler, updates, error, _ = _amp_loop(skips, telling=telling, fused=fused, loop=loop)
+    assert error is None, error
+    batches = 2 * len(sampler) // sampler.gradient_accumulation_steps
+    steps_per_update = 2 if loop == "two optimizer steps" else 1
+    assert len(updates) == steps_per_update * batches - (0 if fused else len(skips & set(range(batches))))
+    off = _updates_off(sampler, updates, schedule=lambda t: _DECAY**t)
     assert not off, f"skips {sorted(skips)}: updates {off} of {len(updates)} at another batch's LR"
 
 
-@pytest.mark.parametrize("sampler_gas, loop_gas, backwards_per_input", [(1, 2, 1), (1, 3, 1), (2, 1, 1), (1, 1, 2)])
-def test_plain_loop_accumulation_that_disagrees_is_an_error(sampler_gas, loop_gas, backwards_per_input):
-    """The loop accumulates another number of step inputs than the sampler (or calls backward() twice per step
-    input): RuntimeError within the first three updates, naming both numbers and the setting."""
-    per_update = loop_gas * backwards_per_input
-    with pytest.raises(RuntimeError, match="gradient_accumulation_steps") as error:
-        _plain_amp_loop(
-            (),
-            idiom="always",
-            sampler_gas=sampler_gas,
-            loop_gas=loop_gas,
-            backwards_per_input=backwards_per_input,
-            epochs=1,
-        )
-    message = str(error.value)
-    assert (
-        f"accumulates {per_update} backward passes" in message
-        and f"gradient_accumulation_steps is {sampler_gas}" in message
-    ), message
-    assert "accumulate_grad_batches" in message and "backward() twice" in message, message
-
-
-def test_skips_with_one_update_between_three_times_over_are_refused_as_accumulation_that_disagrees():
-    """Skipped updates 3, 5 and 7 with one real update between them, the scheduler not stepped for them, in a loop
-    that zeroes the gradients in place: the same calls as a loop that accumulates 2 step inputs where the sampler
-    has 1, refused as that (see NOTE [accumulation that disagrees]); two such skips are followed, and three when
-    zero_grad() sets the gradients to None (torch's default: the skipped update is seen discarded)."""
-    assert _alternating({3, 5, 7}) and not _alternating({3, 5})
-    sampler, updates = _plain_amp_loop({3, 5}, idiom="scale", set_to_none=False)
-    assert not _updates_off(sampler, updates)
-    with pytest.raises(RuntimeError, match="accumulates 2 backward passes per optimizer step"):
-        _plain_amp_loop({3, 5, 7}, idiom="scale", set_to_none=False)
-    sampler, updates = _plain_amp_loop({3, 5, 7}, idiom="scale")
-    assert not _updates_off(sampler, updates)
-
-
-def _hf_trainer_run(tmp_path, *, gas, sampler_gas, skips, accelerated, optim="adamw_torch"):
-    """HF Trainer (tiny GPT-2 from a config, CPU) over varbatch's loader and scheduler (constant LR x the batch
-    factor), with a real GradScaler and an inf loss at the updates ``skips``; the scheduler wraps Accelerate's
-    optimizer if ``accelerated``. ``optim="adamw_torch_fused"`` (HF's default) takes the scaler's found_inf itself:
-    it is stepped for a skipped update, and HF steps the scheduler then. Returns (sampler, [(LR, [(epoch, sample
-    id)])] per optimizer step, the trainer's updates, the error train() raised or None)."""
-    transformers = pytest.importorskip("transformers")
-    seqlens = _lengths(160, 5, 40)
-    for seed in range(100):  # epochs of one length: HF Trainer reads len() once (a longer epoch is cut)
-        sampler = VariableBatchSampler(
-            seqlens, 256, budget="padded", order="bucket", seed=seed, gradient_accumulation_steps=sampler_gas
-        )
-        if sampler.plan_for_epoch(0).num_batches == sampler.plan_for_epoch(1).num_batches:
-            break
-    tokens = [torch.randint(0, 63, (n,), generator=torch.Generator().manual_seed(i)) for i, n in enumerate(seqlens)]
-    updates, trained = [], []
-
-    def collate(samples):
-        ids = torch.nn.utils.rnn.pad_sequence([tokens[i] for i in samples], batch_first=True)
-        lengths = torch.tensor([len(tokens[i]) for i in samples])
-        mask = (torch.arange(ids.shape[1]) < lengths[:, None]).long()
-        return {
-            "input_ids": ids,
-            "attention_mask": mask,
-            "labels": ids.masked_fill(mask == 0, -100),
-            "idx": torch.tensor(samples),
-            "epoch": torch.tensor(sampler.state_dict()["epoch"]),
-        }
-
-    class Trainer(transformers.Trainer):
-        def get_train_dataloader(self):
-            return make_dataloader(list(range(len(seqlens))), sampler, collate_fn=collate)
-
-        def create_scheduler(self, num_training_steps, optimizer=None):
-            if self.lr_scheduler is None:
-                inner = self.optimizer.optimizer
-                self.lr_scheduler = VariableBatchSizeLR(self.optimizer if accelerated else inner, "mean", sampler)
-                inner.register_step_pre_hook(lambda opt, a, k: updates.append((opt.param_groups[0]["lr"], trained[:])))
-            return self.lr_scheduler
-
-        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            idx, epoch = inputs.pop("idx"), int(inputs.pop("epoch"))
-            trained.extend((epoch, int(i)) for i in idx)
-            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-            return loss * math.inf if self.state.global_step in skips else loss
-
-    class Clear(transformers.TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):  # after every update, real or skipped
-            trained.clear()
-
-    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=64)
-    torch.manual_seed(0)
-    args = _hf_arguments(
-        tmp_path,
-        num_train_epochs=2,
-        gradient_accumulation_steps=gas,
-        learning_rate=_BASE_LR,
-        optim=optim,
-        max_grad_norm=0.0,
-    )
-    trainer = Trainer(model=transformers.GPT2LMHeadModel(config), args=args, callbacks=[Clear()])
-    trainer.accelerator.scaler = torch.amp.GradScaler("cpu")  # Accelerate makes none on CPU
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a tiny model: more threads only contend (20x slower on 2 busy cores)
-    try:
-        trainer.train()
-    except RuntimeError as error:
-        return sampler, updates, trainer.state.global_step, error
-    finally:
-        torch.set_num_threads(threads)
-    return sampler, updates, trainer.state.global_step, None
-
-
-@pytest.mark.parametrize(
-    "gas, sampler_gas, skips, accelerated, optim",
-    [
-        (1, 1, (0, 7), True, "adamw_torch"),
-        (2, 2, (3,), False, "adamw_torch"),
-        (1, 1, (0, 7), False, "adamw_torch_fused"),
-        (2, 1, (), False, "adamw_torch"),
-        (1, 1, (3, 5, 7), False, "adamw_torch"),
-    ],
-    ids=[
-        "skips at updates 0 and 7, over Accelerate's optimizer",
-        "accumulation 2, a skip at update 3",
-        "fused AdamW, stepped on its skips",
-        "loop accumulates 2, sampler 1",
-        "skips at 3, 5 and 7, one update between (its zero_grad discards them)",
-    ],
-)
-def test_hf_trainer_lr_follows_the_batch_after_skipped_updates(tmp_path, gas, sampler_gas, skips, accelerated, optim):
-    """HF Trainer skips lr_scheduler.step() for an update GradScaler skipped: every real update is still at
-    base_lr x B_b / mean(B) of the batch b it trains, also over Accelerate's AcceleratedOptimizer (its inner
-    optimizer's hooks fire); accumulation that disagrees with the sampler's stops within the first updates."""
-    sampler, updates, steps, error = _hf_trainer_run(
-        tmp_path, gas=gas, sampler_gas=sampler_gas, skips=skips, accelerated=accelerated, optim=optim
-    )
-    if gas != sampler_gas:
-        assert error is not None and "gradient_accumulation_steps is 1" in str(error), error
-        assert "accumulates 2 backward passes" in str(error) and len(updates) <= 3, (len(updates), error)
-        return
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_prefetching_stream_across_epoch_ends_gives_every_update_its_batchs_lr(workers):
+    """One `while True`-style stream over the loader read one step input ahead across the epochs' ends (set_epoch never
+    called), loader workers reading further, skips told: every update at its batch's LR."""
+    sampler, updates, error, _ = _amp_loop({4, 11}, telling="skipped", loop="prefetching", workers=workers, epochs=3)
     assert error is None, error
-    assert len(updates) == steps - (0 if "fused" in optim else len(skips)) > 0
-    off = _updates_off(sampler, updates)
-    assert not off, f"updates {off} of {len(updates)} at another batch's LR"
+    assert len(updates) == 3 * len(sampler) - 2
+    assert not _updates_off(sampler, updates, schedule=lambda t: _DECAY**t)
 
 
-def _lightning_amp_run(tmp_path, *, accumulate, sampler_gas, skips):
-    """Lightning on one CPU device with a real GradScaler (its 16-mixed plugin) over varbatch's loader and scheduler
-    (interval "step"); the loss is inf at the step inputs ``skips``. Returns (sampler, [(LR, [(epoch, sample id)])]
-    per optimizer step, the error fit() raised or None)."""
-    pl = pytest.importorskip("pytorch_lightning")
-    seqlens = _lengths(120, 3, 40)
-    sampler = VariableBatchSampler(seqlens, 128, order="bucket", seed=0, gradient_accumulation_steps=sampler_gas)
-    updates, trained = [], []
+@pytest.mark.parametrize("from_end", [1, 2], ids=["last batch", "second-last batch"])
+def test_an_amp_skipped_update_near_an_epochs_end_is_not_a_double_step(from_end):
+    """GradScaler skips an update near epoch 0's end while 2 workers have read the epoch to its end (no new step input
+    reaches the loop's step): told or stepped plainly, it is a skip, not a second step(); two step() calls with no
+    optimizer step and no step input between them still raise."""
+    seqlens = _lengths(60, 5, 40, seed=29)
+    sampler = VariableBatchSampler(seqlens, 128, order="bucket", seed=2)
+    skip = sampler.plan_for_epoch(0).num_batches - from_end
+    for telling in ("skipped", "always"):
+        sampler, updates, error, _ = _amp_loop({skip}, telling=telling, workers=2)
+        assert error is None, error
+        assert not _updates_off(sampler, updates, schedule=lambda t: _DECAY**t)
+    sampler = VariableBatchSampler(seqlens, 128, order="bucket", seed=2)
+    scheduler = VariableBatchSizeLR(_optimizer(), "mean", sampler)
+    for _ in zip(range(2), sampler):
+        pass
+    scheduler.step()
+    with pytest.raises(RuntimeError, match=re.escape("VariableBatchSizeLR.step() was called again for one update")):
+        scheduler.step()
 
-    class Module(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.net, self.step_inputs = torch.nn.Linear(1, 1), 0
 
-        def train_dataloader(self):
-            return make_dataloader(
-                [torch.full((n, 1), float(i)) for i, n in enumerate(seqlens)],
-                sampler,
-                collate_fn=lambda samples: samples,
-            )
-
-        def configure_optimizers(self):
-            optimizer = torch.optim.SGD(self.parameters(), lr=_BASE_LR)
-            scheduler = VariableBatchSizeLR(optimizer, "mean", sampler)
-            optimizer.register_step_pre_hook(lambda o, a, k: updates.append((o.param_groups[0]["lr"], trained[:])))
-            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
-        def training_step(self, samples, batch_idx):
-            trained.extend((self.current_epoch, int(sample[0, 0])) for sample in samples)
-            self.step_inputs += 1
-            loss = self.net(torch.cat(samples) / 200).pow(2).mean()
-            return loss * (math.inf if self.step_inputs - 1 in skips else 1.0)
-
-        def on_train_batch_end(self, outputs, batch, batch_idx):
-            if (batch_idx + 1) % accumulate == 0:  # after every update, real or skipped
-                trained.clear()
-
-    scaler = torch.amp.GradScaler("cpu")
-    plugin = pl.plugins.precision.MixedPrecision("16-mixed", "cpu", scaler=scaler)  # precision="16-mixed": bf16 on CPU
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=2,
-        accumulate_grad_batches=accumulate,
-        plugins=[plugin],
-        reload_dataloaders_every_n_epochs=1,
-        default_root_dir=str(tmp_path),
-        enable_checkpointing=False,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("sampler_gas, loop_gas", [(1, 2), (1, 3), (2, 1), (3, 2)])
+def test_accumulation_other_than_the_samplers_is_refused_within_a_few_updates(sampler_gas, loop_gas, workers):
+    """The loop accumulates G' step inputs per update where the sampler's batch has G: RuntimeError within ceil(W /
+    |G - G'|) + 2 updates (W: what the loader reads ahead; b drifts |G - G'| step inputs an update from what the
+    loader hands out), naming gradient_accumulation_steps and the settings that set it."""
+    _, updates, error, began = _amp_loop(
+        set(), telling="skipped", sampler_gas=sampler_gas, loop_gas=loop_gas, workers=workers
     )
-    try:
-        trainer.fit(Module())
-    except RuntimeError as error:
-        return sampler, updates, error
-    return sampler, updates, None
+    assert error is not None, f"{len(updates)} updates and no error"
+    ahead = 2 * workers + 1
+    assert began <= math.ceil(ahead / abs(sampler_gas - loop_gas)) + 2, f"refused at update {began}: {error}"
+    message = str(error)
+    assert f"gradient_accumulation_steps={sampler_gas}" in message and "accumulate_grad_batches" in message, message
 
 
-@pytest.mark.parametrize(
-    "accumulate, sampler_gas, skips",
-    [(1, 1, (0, 1, 9)), (1, 2, ()), (2, 1, ())],
-    ids=["skips at step inputs 0, 1, 9", "sampler accumulates 2, Lightning 1", "Lightning accumulates 2, sampler 1"],
-)
-def test_lightning_amp_lr_follows_the_batch_after_skipped_updates(tmp_path, accumulate, sampler_gas, skips):
-    """Lightning steps the scheduler for updates its GradScaler skipped too: every optimizer step is still at
-    base_lr x B_b / mean(B) of its batch; accumulate_grad_batches that disagrees with the sampler's stops within the
-    first updates, naming both numbers."""
-    sampler, updates, error = _lightning_amp_run(tmp_path, accumulate=accumulate, sampler_gas=sampler_gas, skips=skips)
-    if accumulate != sampler_gas:
-        # (a fresh GradScaler may skip the first update: with Lightning's 1 of the sampler's 2 step inputs, that
-        # is the double step's error, which names the accumulation too)
-        assert error is not None and f"gradient_accumulation_steps is {sampler_gas}" in str(error), error
-        assert "accumulate_grad_batches" in str(error) and len(updates) <= 3, (len(updates), error)
-        return
-    assert error is None, error
-    steps = sum(sampler.plan_for_epoch(epoch).num_batches for epoch in range(2))
-    assert len(updates) == steps - len(skips)
-    off = _updates_off(sampler, updates)
-    assert not off, f"updates {off} of {len(updates)} at another batch's LR"
+@pytest.mark.parametrize("workers", [0, 2])
+def test_skips_never_told_are_refused_once_they_outrun_the_read_ahead(workers):
+    """A loop that steps the scheduler only for updates taken and never says skipped: refused, naming
+    step(skipped=True), by the update after the first untold skip beyond what the loader reads ahead (W + 1 of them
+    at G = 1; fewer cannot be seen, see NOTE [misuse, seen from the loader])."""
+    ahead = 2 * workers + 1
+    skips = set(range(3, 3 + 3 * (ahead + 3), 3))  # every third update, more than W + 1 of them
+    _, _, error, began = _amp_loop(skips, telling="untold", workers=workers)
+    assert error is not None and "step(skipped=True)" in str(error), error
+    seen_at = sorted(skips)[ahead] + 1  # the update after the (W + 1)-th untold skip
+    assert began <= seen_at + 1, f"refused at update {began}, the {ahead + 1}-th untold skip was at {seen_at - 1}"
 
 
 # -- horizons and clocks: schedules over epochs of different lengths (issue 12) --------------------
@@ -3788,65 +3654,6 @@ def test_clock_lr_is_the_closed_form(schedule, clock, clock_step):
         _check_lr(t, schedule_lr[seen_before // clock_step] * math.sqrt(plan.batch_sizes[b] / reference), lr)
         seen_before += int((plan.batch_tokens if clock == "tokens" else plan.batch_sizes)[b])
     assert seen_before // clock_step == total
-
-
-# -- the LR read between an update AMP skipped and the next backward pass (NOTE [a discarded update]) -------------
-
-
-def _discarded_update_run(skips, gas, *, state=None, skip=0, save_at=None):
-    """A plain AMP loop over one make_dataloader(epochs=2) pass: GradScaler skips the updates ``skips``, the loop
-    steps the scheduler only if the scale kept and calls zero_grad() after every update; the first ``skip``
-    updates' step inputs are dropped (a resume by skipping), the scheduler restored from ``state`` first. Returns
-    (sampler, [(get_last_lr() at the start of each update, [(epoch, sample id) it trains])], [(the LR each optimizer
-    step applies, its samples)], the scheduler's state saved after update ``save_at``'s zero_grad())."""
-    seqlens = _lengths(200, 3, 40)
-    sampler = VariableBatchSampler(seqlens, 128, order="bucket", seed=0, gradient_accumulation_steps=gas)
-    dataset = [torch.full((n, 1), float(i)) for i, n in enumerate(seqlens)]
-    loader = make_dataloader(dataset, sampler, collate_fn=lambda samples: samples, epochs=2)
-    model = torch.nn.Linear(1, 1)
-    optimizer = torch.optim.Adam(model.parameters(), lr=_BASE_LR)
-    scheduler = VariableBatchSizeLR(optimizer, "mean", sampler)
-    if state is not None:
-        scheduler.load_state_dict(state)
-    scaler = torch.amp.GradScaler("cpu")
-    reads, applied, trained, saved = [], [], [], None
-    optimizer.register_step_pre_hook(lambda opt, args, kwargs: applied.append((opt.param_groups[0]["lr"], trained[:])))
-    for i, samples in enumerate(loader):
-        update = i // gas
-        if update < skip:
-            continue
-        if i % gas == 0:
-            reads.append(scheduler.get_last_lr()[0])  # before the forward pass: the LR a loop logs there
-        trained.extend((sampler.state_dict()["epoch"], int(sample[0, 0])) for sample in samples)
-        loss = model(torch.cat(samples) / 200).pow(2).mean()
-        scaler.scale(loss * (math.inf if update in skips else 1.0)).backward()
-        if i % gas < gas - 1:
-            continue
-        reads[-1] = (reads[-1], trained[:])
-        scale = scaler.get_scale()
-        scaler.step(optimizer)
-        scaler.update()
-        if scaler.get_scale() >= scale:
-            scheduler.step()
-        optimizer.zero_grad()
-        if update == save_at:
-            saved = json.loads(json.dumps(scheduler.state_dict()))
-        trained.clear()
-    return sampler, reads, applied, saved
-
-
-@pytest.mark.parametrize("gas", [1, 2])
-@pytest.mark.parametrize("skips", [{3}, {0, 1, 2}, {5, 9}])
-def test_the_lr_read_after_a_discarded_update_is_the_next_batchs(gas, skips):
-    """GradScaler skips ``skips``, the loop does not step the scheduler for them and calls zero_grad(): get_last_lr()
-    before each update's forward pass is base_lr x B_b / mean(B) of the batch b the update trains (not the skipped
-    batch's), and so is every applied LR."""
-    sampler, reads, applied, _ = _discarded_update_run(skips, gas)
-    assert len(reads) == sum(sampler.plan_for_epoch(e).num_batches for e in range(2))
-    assert len(applied) == len(reads) - len(skips)
-    assert not _updates_off(sampler, applied)
-    off = _updates_off(sampler, reads)
-    assert not off, f"skips {sorted(skips)}: the LR read at updates {off} is another batch's"
 
 
 # =============================================================================
@@ -4142,7 +3949,8 @@ _RESUME_STEPS = 60  # step inputs of the reference run: more than 3 epochs
 
 
 class _Run:
-    """One rank's training loop: sampler, wrapped LR schedule (on a steps or token clock), what it trained on."""
+    """One rank's training loop: sampler, wrapped LR schedule (on a steps or token clock), what it trained on; every
+    7th update is skipped (as AMP skips one) and the scheduler told, so a checkpoint may follow a skip."""
 
     GAS = 2
 
@@ -4183,7 +3991,9 @@ class _Run:
         lr = self.optimizer.param_groups[0]["lr"]
         assert self.scheduler.get_last_lr() == [lr]
         self.done += 1
-        if self.done % self.GAS == 0:
+        if self.done % self.GAS == 0 and self.done // self.GAS % 7 == 3:  # an update AMP skipped, told
+            self.scheduler.step(skipped=True)
+        elif self.done % self.GAS == 0:
             self.optimizer.step()
             self.scheduler.step()
         return tuple(step), lr
@@ -4252,42 +4062,72 @@ def test_reference_runs_span_several_epochs_and_the_clock_matters():
     assert [lr for _, lr in _reference_run()] != [lr for _, lr in _reference_run("tokens", 16)]
 
 
-def test_a_scheduler_made_before_the_sampler_is_restored_follows_the_restored_batch():
-    """Sampler restored mid-epoch after the scheduler was made: the first step trains the restored batch, at its LR."""
+@pytest.mark.parametrize("restore", ["both", "sampler only", "scheduler only"])
+def test_a_run_restored_mid_epoch_trains_the_restored_batch_or_is_refused(restore):
+    """Sampler and scheduler restored mid-epoch from one checkpoint (the scheduler made, and restored, first): the
+    first update trains the restored batch at its LR and the epoch goes on; one restored without the other is refused
+    at the first update, before the optimizer steps, naming the fix."""
 
     def make():
         sampler = VariableBatchSampler(
             _PASS_SEQLENS, 40, gradient_accumulation_steps=2, num_replicas=1, order="random", seed=4
         )
-        return sampler, make_dataloader(_id_dataset(_PASS_SEQLENS), sampler)
+        loader = make_dataloader(_id_dataset(_PASS_SEQLENS), sampler)
+        param = torch.nn.Parameter(torch.zeros(2))
+        optimizer = torch.optim.SGD([param], lr=_BASE_LR)
+        return sampler, loader, param, optimizer, VariableBatchSizeLR(optimizer, "mean", sampler)
 
-    stopped, loader = make()
-    stopped.set_epoch(2)
-    for _ in zip(range(10), loader):  # 5 batches of epoch 2
-        pass
-    state = json.loads(json.dumps(stopped.state_dict()))
-    sampler, loader = make()
-    param = torch.nn.Parameter(torch.zeros(2))
-    optimizer = torch.optim.SGD([param], lr=_BASE_LR)
-    scheduler = VariableBatchSizeLR(optimizer, "mean", sampler)
-    sampler.load_state_dict(state)
-    plan, first = sampler.plan_for_epoch(2), state["steps_done"] // 2
+    stopped, loader, _, stopped_optimizer, stopped_scheduler = make()
+    for epoch in range(3):  # two epochs and 5 batches of epoch 2
+        stopped.set_epoch(epoch)
+        for i, _ in enumerate(loader):
+            if i % 2 == 1:
+                stopped_optimizer.step()
+                stopped_scheduler.step()
+            if (epoch, i) == (2, 9):
+                break
+    state = json.loads(json.dumps({"sampler": stopped.state_dict(), "scheduler": stopped_scheduler.state_dict()}))
+    sampler, loader, param, optimizer, scheduler = make()
+    if restore != "sampler only":
+        scheduler.load_state_dict(state["scheduler"])
+    if restore != "scheduler only":
+        sampler.load_state_dict(state["sampler"])
+    plan, first = sampler.plan_for_epoch(2), state["sampler"]["steps_done"] // 2
     assert first == 5 and plan.batch_sizes[first] != sampler.plan_for_epoch(0).batch_sizes[0], (
         "the restored batch has batch 0's size: the case could not fail"
     )
     trained, t = [], 0
-    for i, samples in enumerate(loader):  # the rest of epoch 2
+    for i, samples in enumerate(loader):  # the rest of epoch 2, as restored
         trained += [int(sample[0]) - 1 for sample in samples]
         (param.sum() * len(samples)).backward()
-        if i % 2 == 1:
-            b = first + t
-            assert sorted(trained) == sorted(plan.microbatch(2 * b).tolist() + plan.microbatch(2 * b + 1).tolist())
-            _check_lr(t, _BASE_LR * plan.batch_sizes[b] / plan.batch_sizes.mean(), optimizer.param_groups[0]["lr"])
-            optimizer.step()
-            optimizer.zero_grad()
-            scheduler.step()
-            trained, t = [], t + 1
-    assert first + t == plan.num_batches
+        if i % 2 == 0:
+            continue
+        if restore != "both":
+            before = param.detach().clone()
+            with pytest.raises(RuntimeError, match="restore both from one checkpoint"):
+                optimizer.step()
+            assert torch.equal(param, before)
+            return
+        b = first + t
+        assert sorted(trained) == sorted(plan.microbatch(2 * b).tolist() + plan.microbatch(2 * b + 1).tolist())
+        _check_lr(t, _BASE_LR * plan.batch_sizes[b] / plan.batch_sizes.mean(), optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+        trained, t = [], t + 1
+    assert restore == "both" and first + t == plan.num_batches
+    assert scheduler.batches_trained == 3 * len(sampler) // 2
+
+
+def test_a_scheduler_state_of_varbatch_0_2_is_refused_naming_the_version():
+    """A state saved before the position was a count of batches (its '_epoch' and '_batch') is refused by name."""
+    sampler = _sampler()
+    scheduler = VariableBatchSizeLR(_optimizer(), "mean", sampler)
+    state = scheduler.state_dict()
+    old = {key: value for key, value in state.items() if key != "_batches"}
+    old.update(_epoch=1, _batch=3, _skipped_seen=0)
+    with pytest.raises(ValueError, match=r"saved by varbatch 0\.2"):
+        scheduler.load_state_dict(old)
 
 
 # -- a restored scheduler over a fresh sampler whose data resumes by skipping batches ---------------
@@ -4358,79 +4198,6 @@ def test_a_restored_scheduler_over_a_fresh_sampler_resumed_by_skipping_batches_k
     assert len(got) == len(expected) - k
     for t, (x, y) in enumerate(zip(expected[k:], got), start=k):
         _check_lr(t, x, y)
-
-
-@pytest.mark.parametrize("restored_at", ["the scheduler's batch", "its epoch's start"])
-def test_a_sampler_restored_after_the_scheduler_is_followed_at_once(restored_at):
-    """sampler.load_state_dict after the scheduler's: the LR moves at once to the restored sampler's batch, also when
-    that is batch 0 of the scheduler's epoch (a pass from the epoch's start the scheduler keeps against is not one)."""
-    k, epoch = 3, 1
-    stopped = _skip_resume_setup("random")
-    _skip_resume_epoch(*stopped, 0)
-    stopped[0].set_epoch(epoch)
-    sampler_at_start = json.loads(json.dumps(stopped[0].state_dict()))
-    _skip_resume_epoch(*stopped, epoch, stop=k)
-    sampler_state = sampler_at_start if restored_at == "its epoch's start" else stopped[0].state_dict()
-    state = json.loads(json.dumps({"sampler": sampler_state, "scheduler": stopped[3].state_dict()}))
-    sampler, _, optimizer, scheduler = _skip_resume_setup("random")
-    scheduler.load_state_dict(state["scheduler"])
-    sampler.load_state_dict(state["sampler"])
-    b = state["sampler"]["steps_done"] // sampler.gradient_accumulation_steps
-    assert b == (0 if restored_at == "its epoch's start" else k)
-    sizes = sampler.plan_for_epoch(epoch).batch_sizes
-    assert sizes[0] != sizes[k], "batch k has batch 0's size: the case could not fail"
-    unscaled = state["scheduler"]["_unscaled"][0]
-    # The scheduler reads the sampler's pass when it is asked or the optimizer steps: the LR the next update uses.
-    applied = []  # registered after the scheduler's pre-step hook
-    optimizer.register_step_pre_hook(lambda opt, args, kwargs: applied.append(opt.param_groups[0]["lr"]))
-    optimizer.step()
-    _check_lr(k, unscaled * sizes[b] / sizes.mean(), applied[0])
-    _check_lr(k, unscaled * sizes[b] / sizes.mean(), scheduler.get_last_lr()[0])
-
-
-def _run_pass_lrs(order, state=None, skip=0, stop=None):
-    """One pass of a make_dataloader(epochs=2) loader (the run's two epochs) from a fresh sampler: the LR of each
-    update, its first ``skip`` updates dropped (as skip_first_batches does), stopping after ``stop`` updates; the
-    scheduler restored from ``state`` first. Returns (LRs, the scheduler's state at the stop, the sampler)."""
-    sampler, _, optimizer, scheduler = _skip_resume_setup(order)
-    loader = make_dataloader(_id_dataset(sampler.seqlens), sampler, epochs=2)
-    if state is not None:
-        scheduler.load_state_dict(state)
-    lrs = _train_skipping(loader, optimizer, scheduler, sampler.gradient_accumulation_steps, skip, stop)
-    return lrs, json.loads(json.dumps(scheduler.state_dict())), sampler
-
-
-@pytest.mark.parametrize("order", ["random", "bucket"])
-def test_a_restored_scheduler_over_a_loader_pass_of_the_run_resumed_by_skipping_keeps_its_lr(order):
-    """HF Trainer's resume with make_dataloader(epochs=2): the scheduler restored at epoch 1, a fresh sampler's pass
-    from epoch 0 dropping the updates trained (global_step x G step inputs): every remaining LR is the run's."""
-    expected, _, sampler = _run_pass_lrs(order)
-    n0 = sampler.plan_for_epoch(0).num_batches
-    k = _a_batch_unlike_the_first(sampler, 1)
-    assert len(expected) == n0 + sampler.plan_for_epoch(1).num_batches
-    first, state, _ = _run_pass_lrs(order, stop=n0 + k)
-    assert first == expected[: n0 + k] and (state["_epoch"], state["_batch"]) == (1, k)
-    got, _, resumed = _run_pass_lrs(order, state=state, skip=n0 + k)
-    sizes = resumed.plan_for_epoch(1).batch_sizes
-    assert sizes[k] != sizes[0], "batch k has batch 0's size: the case could not fail"
-    assert len(got) == len(expected) - n0 - k
-    for t, (x, y) in enumerate(zip(expected[n0 + k :], got), start=n0 + k):
-        _check_lr(t, x, y)
-
-
-def test_a_restored_scheduler_refuses_a_fresh_sampler_that_replays_an_earlier_epoch():
-    """The scheduler restored in epoch 1, its sampler not (HF Trainer's checkpoints hold none): the fresh sampler's pass
-    over epoch 0 is refused at the first batch, before the optimizer steps, naming the fixes."""
-    stopped = _skip_resume_setup("random")
-    _skip_resume_epoch(*stopped, 0)
-    _skip_resume_epoch(*stopped, 1, stop=3)
-    _, loader, optimizer, scheduler = _skip_resume_setup("random")
-    scheduler.load_state_dict(json.loads(json.dumps(stopped[3].state_dict())))
-    before = [p.detach().clone() for group in optimizer.param_groups for p in group["params"]]
-    with pytest.raises(RuntimeError, match=r"restored at epoch 1, batch 3.*sampler.load_state_dict.*epochs=N"):
-        for _ in loader:
-            optimizer.step()
-    assert all(torch.equal(p, q) for p, q in zip(before, (p for g in optimizer.param_groups for p in g["params"])))
 
 
 @pytest.mark.parametrize("order", ["bucket", "dataloader"])
@@ -4735,20 +4502,6 @@ def test_hf_trainer_resumed_over_a_restored_sampler_inside_a_loader_pass_of_the_
 
 
 # -- a checkpoint saved right after a discarded update (NOTE [a discarded update]) ------------------------------
-
-
-@pytest.mark.parametrize("gas", [1, 2])
-def test_a_checkpoint_saved_after_a_discarded_update_resumes_at_the_next_batch(gas):
-    """The scheduler's state saved after zero_grad() of an update GradScaler skipped (not stepped for), resumed by
-    skipping the trained updates of a fresh loader pass (HF Trainer's own resume): every resumed update at its
-    batch's LR (the state held the skipped batch, one behind, for the rest of the pass)."""
-    at = 7
-    sampler, _, applied, state = _discarded_update_run({at}, gas, save_at=at)
-    assert state is not None and not _updates_off(sampler, applied)
-    _, _, resumed, _ = _discarded_update_run(set(), gas, state=state, skip=at + 1)
-    assert len(resumed) == len(applied) - at  # the updates after the skipped one
-    off = _updates_off(sampler, resumed)
-    assert not off, f"resumed updates {off} of {len(resumed)} at another batch's LR"
 
 
 def test_hf_trainer_logs_each_updates_lr_and_resumes_exactly_from_a_checkpoint_at_a_skipped_update(tmp_path):

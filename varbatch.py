@@ -2668,6 +2668,14 @@ def _weakly(method: Callable) -> Callable:
     return hook
 
 
+# The fix of a loop that accumulates another number of step inputs per update than the sampler (two messages).
+_SAME_ACCUMULATION = (
+    "make the loop's accumulation the sampler's gradient_accumulation_steps: HF Trainer's TrainingArguments."
+    "gradient_accumulation_steps, Lightning's Trainer(accumulate_grad_batches=...), HF Accelerate's Accelerator("
+    "gradient_accumulation_steps=...)"
+)
+
+
 class VariableBatchSizeLR(LRScheduler):
     """Scales any LR schedule by the size of each batch: ``lr = schedule(t) x s(B_b / B_ref)``.
 
@@ -3017,25 +3025,24 @@ class VariableBatchSizeLR(LRScheduler):
         gas, ahead = sampler.gradient_accumulation_steps, sampler._read_ahead
         handed = sampler._latest + 1  # this rank's step inputs from the run's start to the last handed out
         trained = batches * gas  # this rank's step inputs of those batches
-        epoch, batch = self._where()
         if trained > handed:
             raise RuntimeError(
-                f"VariableBatchSizeLR counts {batches} batches (to epoch {epoch}, batch {batch}), "
-                f"{trained} step inputs on this rank at gradient_accumulation_steps={gas}, but the loader handed "
+                f"VariableBatchSizeLR counts {batches} batches, {trained} step inputs on this rank at "
+                f"gradient_accumulation_steps={gas}, but the loader handed "
                 f"out {handed}: the loop steps the scheduler for fewer step inputs than the sampler's batch "
-                f"(make the accumulation one number: HF Trainer's TrainingArguments.gradient_accumulation_steps, "
-                f"Lightning's accumulate_grad_batches, Accelerate's gradient_accumulation_steps), or the scheduler "
-                f"was restored from another point of the run than the sampler (restore both from one checkpoint)"
+                f"({_SAME_ACCUMULATION}), or the scheduler was restored from another point of the run than the "
+                f"sampler (restore both from one checkpoint)"
             )
         if handed - trained > ahead:
             raise RuntimeError(
                 f"the loader handed out {handed} step inputs on this rank, but VariableBatchSizeLR counts "
-                f"{batches} batches of {gas} ({trained}): {handed - trained} more than the loader reads ahead "
+                f"{batches} batches at gradient_accumulation_steps={gas} ({trained}): {handed - trained} more than "
+                f"the loader reads ahead "
                 f"({ahead}). The loop skips updates without telling the scheduler (call step(skipped=True) for "
                 f"them, or step() every iteration; HF Accelerate: keep the scheduler out of accelerator.prepare(); "
                 f"Lightning: 'interval': 'step' in configure_optimizers), or accumulates more step inputs than the "
-                f"sampler's gradient_accumulation_steps={gas} (make them one number), or the sampler was restored "
-                f"without the scheduler (restore both from one checkpoint)"
+                f"sampler's batch ({_SAME_ACCUMULATION}), or the sampler was restored without the scheduler "
+                f"(restore both from one checkpoint)"
             )
 
     def _square(self, epoch: int) -> None:
