@@ -2950,10 +2950,11 @@ def test_deepspeed_glue_called_again_detaches_the_scheduler_it_replaces():
     _check_lr(1, expected, optimizer.param_groups[0]["lr"])
 
 
-def test_deepspeed_glue_counts_a_skip_at_a_pass_start_that_nothing_read():
+def test_deepspeed_glue_counts_skips_at_an_epochs_end_once():
     """fp16 overflows skip the last update of epoch 0 and the first of epoch 1 in a loop that never asks the scheduler
     (DeepSpeed's fp16 optimizer steps the torch optimizer only without an overflow): every update still uses the LR of
-    the batch it trains, because the engine's forward passes look at the sampler's pass before its first skip."""
+    the batch it trains, because the engine's skip count is read when epoch 1 is set, before a cut epoch would be
+    squared, and before each update."""
     seqlens = _lengths(40, 1, 8, seed=31)
 
     def sizes_differ(seed):  # batches 0 and 1 of epoch 1 differ in size
@@ -2962,7 +2963,7 @@ def test_deepspeed_glue_counts_a_skip_at_a_pass_start_that_nothing_read():
 
     config = _glue_config(sequence_picking_order="random", seed=_first_seed(sizes_differ))
     engine = _Engine(config, optimizer=_optimizer(_BASE_LR))
-    engine.module, engine.skipped_steps = torch.nn.Linear(1, 1), 0
+    engine.skipped_steps = 0
     loader, _, _ = varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
         [torch.ones(n) for n in seqlens], engine, dataset_seqlens=seqlens
     )
@@ -2976,7 +2977,6 @@ def test_deepspeed_glue_counts_a_skip_at_a_pass_start_that_nothing_read():
     for epoch in range(2):
         sampler.set_epoch(epoch)
         for i, _ in enumerate(loader):
-            engine.module(torch.ones(1, 1))
             if i % gas < gas - 1:
                 continue
             b = i // gas
@@ -2987,6 +2987,7 @@ def test_deepspeed_glue_counts_a_skip_at_a_pass_start_that_nothing_read():
             engine.optimizer.step()
             engine.lr_scheduler.step()
     assert len(applied) == len(expected)
+    assert engine.lr_scheduler.batches_trained == sum(plan.num_batches for plan in plans)
     for t, (x, y) in enumerate(zip(expected, applied)):
         _check_lr(t, x, y)
 
