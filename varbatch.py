@@ -1,5 +1,5 @@
 # varbatch.py -- token-budget ("dynamic") batching with batch-size-aware LR scaling
-# Version 0.2.0. Licence: Apache-2.0.
+# Version 0.3.0. Licence: Apache-2.0.
 # Vendored from the varbatch project: copy this one file into your code base.
 """Token-budget batching with learning-rate scaling for PyTorch and DeepSpeed.
 
@@ -87,7 +87,7 @@ __all__ = [  # DeepSpeed's names (deepspeed.runtime.data_pipeline.data_sampling.
     "seqlens_from_padded",
     "micro_batch_loss_weight",
 ]
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 _logger = logging.getLogger("varbatch")
 
 _Budget = Literal["sum", "padded"]
