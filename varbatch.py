@@ -1299,7 +1299,15 @@ def _check_reference(reference: Any, name: str = "lr_scaling_reference") -> Any:
 
 
 def _check_clock(clock: Any, clock_step: Any, names: tuple = ("clock", "clock_step")) -> tuple[str, int]:
-    """What advances the wrapped schedule (see `VariableBatchSizeLR`) and by how much, checked together."""
+    """What advances the wrapped schedule (see `VariableBatchSizeLR`) and by how much, checked together.
+
+    NOTE [clocks]: with ``clock="tokens"`` (``"samples"``) the wrapped schedule
+    steps once per ``clock_step`` tokens (samples) of the updates taken, so its
+    position is ``floor(seen / clock_step)``: warmup and decay land at their
+    token counts whatever the batch sizes. Any step-based torch scheduler works;
+    size it with ``sampler.horizon(epochs, "tokens") // clock_step``. For a
+    function ``f`` of tokens: ``LambdaLR(optimizer, lambda s: f(s * clock_step))``.
+    """
     clock, step = (
         _check_choice(names[0], clock, _Clock),
         _check_int(names[1], clock_step, 1, fix="the tokens (samples) per schedule step"),
@@ -1377,7 +1385,13 @@ def micro_batch_loss_weight(count, batch_count, *, num_replicas=1, gradient_accu
 
 def _is_unit_trap(mean: float, default_reference: bool) -> bool:
     """Whether `_lr_warning` is due: the default ``B_ref`` (``train_batch_size``) puts the mean LR factor ``mean``
-    outside [0.5, 2]. The plan command's totals ask it."""
+    outside [0.5, 2]. The plan command's totals ask it.
+
+    NOTE [the unit trap]: DeepSpeed's ``B_ref`` is ``train_batch_size``, a count
+    of micro-batches, against ``B`` in sequences: the LR comes out about
+    ``max_tokens / mean seqlen`` times the configured one. It stays the default
+    (None) for compatibility, with a warning; each trained epoch's factors are logged.
+    """
     return default_reference and not 0.5 <= mean <= 2.0
 
 
@@ -2668,6 +2682,62 @@ def _weakly(method: Callable) -> Callable:
     return hook
 
 
+def _schedule_to_wrap(lr_scheduler: Any) -> tuple[Any, Optimizer]:
+    """The scheduler a `VariableBatchSizeLR` wraps (None for an optimizer: a constant LR), and the torch optimizer."""
+    if isinstance(lr_scheduler, ReduceLROnPlateau):
+        raise TypeError(
+            "ReduceLROnPlateau steps on a validation metric, not on batches, so VariableBatchSizeLR "
+            "cannot wrap it; wrap a step-based schedule (LambdaLR, CosineAnnealingLR, OneCycleLR, ...) "
+            "or the optimizer itself (constant LR)"
+        )
+    # DeepSpeed's optimizer wrappers have `step` and `optimizer` as schedulers do, but also `param_groups`.
+    wraps = (
+        hasattr(lr_scheduler, "step")
+        and hasattr(lr_scheduler, "optimizer")
+        and not hasattr(lr_scheduler, "param_groups")
+    )
+    if wraps:
+        return lr_scheduler, _torch_optimizer(lr_scheduler.optimizer)
+    return None, _torch_optimizer(lr_scheduler)
+
+
+def _check_last_epoch(last_epoch: Any, optimizer: Optimizer) -> None:
+    """Raises unless ``last_epoch`` is -1, or resumes a schedule the optimizer's param groups remember."""
+    if _check_int("last_epoch", last_epoch, minimum=-1) == -1:
+        return
+    if any("initial_lr" not in group for group in optimizer.param_groups):
+        raise ValueError(
+            f"last_epoch={last_epoch} resumes a schedule whose param groups hold 'initial_lr', but "
+            f"these do not; make it with last_epoch=-1 and resume with load_state_dict()"
+        )
+
+
+def _listed_batch_sizes(batch_sizes: Any, sampler: VariableBatchSampler | None, **options: Any) -> np.ndarray | None:
+    """A `VariableBatchSizeLR`'s listed batch sizes (None with a sampler); raises on ``options`` that need the plans."""
+    if sampler is not None:
+        for name in ("lr_scaling_unit", "clock"):
+            if options[name] == "tokens":
+                sampler._check_tokens_known(f"{name}='tokens'")
+        return None
+    if isinstance(batch_sizes, (str, bytes)) or not hasattr(batch_sizes, "__len__") or not len(batch_sizes):
+        raise ValueError(
+            f"batch_sizes should be a VariableBatchSampler, a loader made with one, or a non-empty "
+            f"sequence of batch sizes, but got batch_sizes={batch_sizes!r}"
+        )
+    listed = _as_counts(batch_sizes, "batch_sizes", fix="pass the size of every batch")
+    for name, needs_plans in (
+        ("lr_scaling_unit", options["lr_scaling_unit"] != "sequences"),
+        ("clock", options["clock"] != "steps"),
+        ("base_batch_size", options["base_batch_size"] is None),
+    ):
+        if needs_plans:
+            raise ValueError(
+                f"{name}={options[name]!r} needs the plans (their tokens and train_batch_size); pass the "
+                f"VariableBatchSampler as batch_sizes, not a list"
+            )
+    return listed
+
+
 # The fix of a loop that accumulates another number of step inputs per update than the sampler (two messages).
 _SAME_ACCUMULATION = (
     "make the loop's accumulation the sampler's gradient_accumulation_steps: HF Trainer's TrainingArguments."
@@ -2728,18 +2798,6 @@ class VariableBatchSizeLR(LRScheduler):
     is not checked, nor a scheduler until a step input is handed out after it
     was made or restored (a sampler not yet iterated is at no other position).
 
-    NOTE [the unit trap]: DeepSpeed's ``B_ref`` is ``train_batch_size``, a count
-    of micro-batches, against ``B_b`` in sequences: the LR comes out about
-    ``max_tokens / mean seqlen`` times the configured one. It stays the default
-    (None) for compatibility, with a warning; each trained epoch's factors are logged.
-
-    NOTE [clocks]: with ``clock="tokens"`` (``"samples"``) the wrapped schedule
-    steps once per ``clock_step`` tokens (samples) of the updates taken, so its
-    position is ``floor(seen / clock_step)``: warmup and decay land at their
-    token counts whatever the batch sizes. Any step-based torch scheduler works;
-    size it with ``sampler.horizon(epochs, "tokens") // clock_step``. For a
-    function ``f`` of tokens: ``LambdaLR(optimizer, lambda s: f(s * clock_step))``.
-
     Args:
         lr_scheduler: a torch scheduler (``SequentialLR``, ``ChainedScheduler``
             too), a DeepSpeed scheduler, or an optimizer (constant LR); DeepSpeed's
@@ -2773,7 +2831,12 @@ class VariableBatchSizeLR(LRScheduler):
         clock="steps",
         clock_step=1,
     ):
-        optimizer = self._unwrap(lr_scheduler)
+        if isinstance(lr_scheduler, VariableBatchSizeLR):
+            raise TypeError(
+                "lr_scheduler is a VariableBatchSizeLR already: wrapping it would scale the LR twice; wrap "
+                "the schedule (or optimizer) it wraps"
+            )
+        self._base, optimizer = _schedule_to_wrap(lr_scheduler)
         # (`is None`, never truthiness: a sampler whose epoch is empty has len() 0)
         found = _find_sampler(batch_sizes)
         self._sampler = found if found is not None else _find_sampler(dataloader)
@@ -2782,8 +2845,14 @@ class VariableBatchSizeLR(LRScheduler):
         self.base_batch_size = _check_reference(base_batch_size, "base_batch_size")
         self.clock, self.clock_step = _check_clock(clock, clock_step)
         self.verbose = bool(verbose)
-        self._check_last_epoch(last_epoch, optimizer)
-        self._check_batch_sizes(batch_sizes)
+        _check_last_epoch(last_epoch, optimizer)
+        self._listed = _listed_batch_sizes(
+            batch_sizes,
+            self._sampler,
+            lr_scaling_unit=self.lr_scaling_unit,
+            clock=self.clock,
+            base_batch_size=self.base_batch_size,
+        )
         self._batches = 0  # b, the position (see NOTE [the contract])
         self._seen = 0  # what the clock counted: tokens or samples of the updates taken
         self._skipped, self._skipped_seen = None, 0  # an engine's count of skipped steps (_follow_skipped_steps)
@@ -2802,65 +2871,6 @@ class VariableBatchSizeLR(LRScheduler):
         factors, b_ref = self._factors(0)
         if _is_unit_trap(factors.mean(), self.base_batch_size is None) and self._rank_zero():
             warnings.warn(_lr_warning(factors.mean(), b_ref, self.lr_scaling_unit), stacklevel=2)
-
-    def _unwrap(self, lr_scheduler: Any) -> Optimizer:
-        """Keeps the scheduler to wrap (None for an optimizer: a constant LR) and returns the torch optimizer."""
-        if isinstance(lr_scheduler, VariableBatchSizeLR):
-            raise TypeError(
-                "lr_scheduler is a VariableBatchSizeLR already: wrapping it would scale the LR twice; wrap "
-                "the schedule (or optimizer) it wraps"
-            )
-        if isinstance(lr_scheduler, ReduceLROnPlateau):
-            raise TypeError(
-                "ReduceLROnPlateau steps on a validation metric, not on batches, so VariableBatchSizeLR "
-                "cannot wrap it; wrap a step-based schedule (LambdaLR, CosineAnnealingLR, OneCycleLR, ...) "
-                "or the optimizer itself (constant LR)"
-            )
-        # DeepSpeed's optimizer wrappers have `step` and `optimizer` as schedulers do, but also `param_groups`.
-        wraps = (
-            hasattr(lr_scheduler, "step")
-            and hasattr(lr_scheduler, "optimizer")
-            and not hasattr(lr_scheduler, "param_groups")
-        )
-        if wraps:
-            self._base = lr_scheduler
-            return _torch_optimizer(lr_scheduler.optimizer)
-        self._base = None
-        return _torch_optimizer(lr_scheduler)
-
-    def _check_last_epoch(self, last_epoch: Any, optimizer: Optimizer) -> None:
-        """Raises unless ``last_epoch`` is -1, or resumes a schedule the optimizer's param groups remember."""
-        if _check_int("last_epoch", last_epoch, minimum=-1) == -1:
-            return
-        if any("initial_lr" not in group for group in optimizer.param_groups):
-            raise ValueError(
-                f"last_epoch={last_epoch} resumes a schedule whose param groups hold 'initial_lr', but "
-                f"these do not; make it with last_epoch=-1 and resume with load_state_dict()"
-            )
-
-    def _check_batch_sizes(self, batch_sizes: Any) -> None:
-        """Keeps listed batch sizes when there is no sampler; raises on options that need the plans."""
-        if self._sampler is not None:
-            for name, value in (("lr_scaling_unit", self.lr_scaling_unit), ("clock", self.clock)):
-                if value == "tokens":
-                    self._sampler._check_tokens_known(f"{name}='tokens'")
-            return
-        if isinstance(batch_sizes, (str, bytes)) or not hasattr(batch_sizes, "__len__") or not len(batch_sizes):
-            raise ValueError(
-                f"batch_sizes should be a VariableBatchSampler, a loader made with one, or a non-empty "
-                f"sequence of batch sizes, but got batch_sizes={batch_sizes!r}"
-            )
-        self._listed = _as_counts(batch_sizes, "batch_sizes", fix="pass the size of every batch")
-        for name, value in (
-            ("lr_scaling_unit", self.lr_scaling_unit != "sequences"),
-            ("clock", self.clock != "steps"),
-            ("base_batch_size", self.base_batch_size is None),
-        ):
-            if value:
-                raise ValueError(
-                    f"{name}={getattr(self, name)!r} needs the plans (their tokens and "
-                    f"train_batch_size); pass the VariableBatchSampler as batch_sizes, not a list"
-                )
 
     # -- the position -------------------------------------------------------------------------------------------
 
@@ -3112,19 +3122,13 @@ class VariableBatchSizeLR(LRScheduler):
         if self._sampler is not None:
             self._sampler._unfollow(self)
 
-    # -- the DeepSpeed adapter ------------------------------------------------------------------------------------
+    # -- an engine's skips ------------------------------------------------------------------------------------------
 
     def _follow_skipped_steps(self, skipped: Callable[[], int]) -> None:
-        """Counts an engine's skipped steps as batches trained: ``skipped()`` is DeepSpeed's ``skipped_steps``.
-
-        On an fp16 overflow DeepSpeed's engine adds to ``skipped_steps`` and
-        steps neither the optimizer nor this scheduler, but the data moves on:
-        each skip moves b on, t stays. The count is read before each update
-        (the step-pre hook), at each `step`, when the sampler's epoch is set
-        (so a skip in an epoch's last update is counted before the epoch is
-        squared) and in `state_dict`, which saves the last count read
-        (``engine.load_checkpoint`` restores ``skipped_steps``).
-        """
+        """Takes an adapter's count of the updates a trainer skipped without stepping this scheduler (the DeepSpeed
+        glue's): each moves b on, t stays. It is read before each update, at each `step`, when the sampler's epoch is
+        set (so a skip in an epoch's last update is counted before the epoch is squared) and by `state_dict`, which
+        saves the last count read."""
         self._skipped, self._skipped_seen = skipped, skipped()
 
     def _follow_engine(self) -> bool:
@@ -3746,5 +3750,7 @@ def get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
         _check_ranks_agree(loader.variable_batch_sampler)
     if scheduler is not None:
         engine.lr_scheduler = scheduler
+        # The DeepSpeed adapter: on an fp16 overflow the engine adds to its skipped_steps and steps neither the
+        # optimizer nor this scheduler, but the data moves on; engine.load_checkpoint restores skipped_steps.
         scheduler._follow_skipped_steps(lambda: int(getattr(engine, "skipped_steps", 0)))
     return loader, scheduler, io_kwargs
