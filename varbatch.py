@@ -2866,6 +2866,7 @@ class VariableBatchSizeLR(LRScheduler):
         if self._sampler is not None:
             self._sampler._follow(self)
         self._mark()
+        self._handed_at_step = self._handed_floor  # a run starts at a batch's start: its first step is judged too
         self._unscaled = [group["lr"] for group in optimizer.param_groups]
         super().__init__(optimizer, last_epoch)  # torch's first step: the LRs of batch 0
         factors, b_ref = self._factors(0)
@@ -2998,8 +2999,9 @@ class VariableBatchSizeLR(LRScheduler):
         self._write()
 
     def _mark(self) -> None:
-        """Starts counting the training after a `step` (or construction, or a restore) afresh."""
-        self._handed_at_step = self._handed_floor = self._handed()
+        """Starts counting the training afresh at construction or a restore: the first `step` after it is judged by
+        the bounds alone (a run restored inside a batch hands out only the rest of it before that step)."""
+        self._handed_floor, self._handed_at_step = self._handed(), None
         self._steps_at_step = self._optimizer_steps
 
     def _handed(self) -> int:
@@ -3007,11 +3009,12 @@ class VariableBatchSizeLR(LRScheduler):
 
     def _check_update(self) -> None:
         """Raises when this `step` is a second one for one update (see NOTE [misuse, seen from the loader])."""
-        sampler, handed = self._sampler, self._handed()
-        new, updated = handed - self._handed_at_step, self._optimizer_steps != self._steps_at_step
+        sampler, handed, last = self._sampler, self._handed(), self._handed_at_step
+        updated = self._optimizer_steps != self._steps_at_step
         self._handed_at_step, self._steps_at_step = handed, self._optimizer_steps
-        if sampler is None or updated or handed == self._handed_floor:
+        if sampler is None or updated or last is None or handed == self._handed_floor:
             return
+        new = handed - last
         gas = sampler.gradient_accumulation_steps
         per_epoch = sampler._batches_per_epoch() * gas
         drained = (sampler._latest + 1) % per_epoch == 0 and (self._batches + 1) * gas <= sampler._latest + 1
@@ -3039,9 +3042,10 @@ class VariableBatchSizeLR(LRScheduler):
             raise RuntimeError(
                 f"VariableBatchSizeLR counts {batches} batches, {trained} step inputs on this rank at "
                 f"gradient_accumulation_steps={gas}, but the loader handed "
-                f"out {handed}: the loop steps the scheduler for fewer step inputs than the sampler's batch "
-                f"({_SAME_ACCUMULATION}), or the scheduler was restored from another point of the run than the "
-                f"sampler (restore both from one checkpoint)"
+                f"out {handed}: the loop steps the scheduler more than once per update (HF Accelerate: keep it out "
+                f"of accelerator.prepare() and step it only when accelerator.sync_gradients), or for fewer step "
+                f"inputs than the sampler's batch ({_SAME_ACCUMULATION}), or the scheduler was restored from another "
+                f"point of the run than the sampler (restore both from one checkpoint)"
             )
         if handed - trained > ahead:
             raise RuntimeError(
