@@ -48,6 +48,7 @@ import contextvars
 import copy
 import dataclasses
 import difflib
+import functools
 import hashlib
 import inspect
 import json
@@ -542,7 +543,9 @@ def _bucket_window(lengths: np.ndarray, settings: _Settings) -> int:
 #
 # The generator of an epoch is seeded with (seed, epoch, `_PLAN_STREAM`): numpy seeds (seed, 0) as it
 # seeds seed alone, so without the third word epoch 0 would draw the very numbers of a
-# `default_rng(seed)` that made the data's lengths (synthetic sets do), and sort by them.
+# `default_rng(seed)` that made the data's lengths (synthetic sets do), and sort by them. A fourth
+# word, the attempt, draws an epoch again (NOTE [every epoch the same length]); attempt 0 seeds as
+# the three words alone.
 _KEY_BITS = 64
 _PLAN_STREAM = 0x76617262  # b"varb": the plans' own stream of a seed (see the NOTE above)
 
@@ -1031,23 +1034,22 @@ def _microbatch_stats(
     return longest, tokens
 
 
-def _shuffle_batches(
+def _reordered_batches(
     positions: np.ndarray,
     sizes: np.ndarray,
     longest: np.ndarray,
     tokens: np.ndarray,
+    order: np.ndarray,
     settings: _Settings,
-    rng: np.random.Generator,
-    spare: np.ndarray,
+    spare: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Whole batches of k micro-batches in a random order: their positions (into ``spare``, an array whose values
-    are no longer needed, where it has their dtype and room: see `_take`), their micro-batches' sizes and longest
-    seqlens, and their tokens (`_microbatch_stats`), each reordered."""
+    """Whole batches of k micro-batches in the order ``order`` (batch indices): their positions (into ``spare``, an
+    array whose values are no longer needed, where it has their dtype and room: see `_take`), their micro-batches'
+    sizes and longest seqlens, and their tokens (`_microbatch_stats`), each reordered."""
     k = settings.effective_batch_size
-    order = rng.permutation(len(tokens))
     batch_samples = sizes.reshape(-1, k).sum(axis=1)
     batch_starts = np.cumsum(batch_samples) - batch_samples
-    fits = spare.dtype == positions.dtype and len(spare) >= len(positions)
+    fits = spare is not None and spare.dtype == positions.dtype and len(spare) >= len(positions)
     out = spare[: len(positions)] if fits else None
     positions = _ranges(batch_starts[order], batch_samples[order], positions, out=out)
     return positions, sizes.reshape(-1, k)[order].ravel(), longest.reshape(-1, k)[order].ravel(), tokens[order]
@@ -1114,15 +1116,18 @@ def _picked(
     return (*_picking_order(seqlens, ids, lengths, settings, rng), overlong)
 
 
-def _pack(seqlens: np.ndarray, settings: _Settings, sample_ids: np.ndarray | None, epoch: int) -> Plan:
-    """The plan of one epoch (without a batch when the samples cannot fill one: then all are in its drops).
+def _pack(
+    seqlens: np.ndarray, settings: _Settings, sample_ids: np.ndarray | None, epoch: int, attempt: int = 0
+) -> Plan:
+    """The packing of one epoch as its orders draw it (without a batch when the samples cannot fill one: then all
+    are in its drops); ``attempt`` n > 0 draws the epoch's n-th other order (see NOTE [every epoch the same length]).
 
     Positions below are indices into ``picked``, the packable samples in picking order.
 
     Raises:
         ValueError: from `_overlong`.
     """
-    rng = np.random.default_rng((settings.seed, epoch, _PLAN_STREAM))
+    rng = np.random.default_rng((settings.seed, epoch, _PLAN_STREAM, attempt))  # attempt 0: as (seed, epoch, stream)
     picked, lens, overlong = _picked(seqlens, sample_ids, settings, rng)
     table, too_small, end = _pack_rows(lens, settings)
     positions, sizes = _positions(table, settings.unit_width)
@@ -1130,7 +1135,8 @@ def _pack(seqlens: np.ndarray, settings: _Settings, sample_ids: np.ndarray | Non
     positions, sizes, tail = _fill_last_batch(positions, sizes, settings)
     longest, tokens = _microbatch_stats(lens, positions, sizes, settings)
     if settings.order == "bucket":  # the windows are sorted: shuffle whole batches (into the lengths' array)
-        positions, sizes, longest, tokens = _shuffle_batches(positions, sizes, longest, tokens, settings, rng, lens)
+        order = rng.permutation(len(tokens))
+        positions, sizes, longest, tokens = _reordered_batches(positions, sizes, longest, tokens, order, settings, lens)
     del lens
     packed = _take(picked, positions, picked.dtype, out=positions if positions.dtype == picked.dtype else None)
     del positions  # packed may be its very array: picked and packed are the plan's peak, nothing else as long
@@ -1158,6 +1164,113 @@ def _empty_plan_message(plan: Plan) -> str:
         f" min_batch_size samples (at least {settings.effective_batch_size * settings.min_batch_size}); use more"
         f" data, fewer ranks or accumulation steps, or a smaller min_batch_size"
     )
+
+
+# NOTE [every epoch the same length]: loops read len(loader) once (HF Trainer sizes every epoch by
+# epoch 0's, Lightning keeps its first num_training_batches unless told to reload, tqdm totals,
+# `len(loader) * epochs // G` schedules), so every epoch of a sampler has the same number of batches,
+# C, fixed by epoch 0's packing (B0 batches), and each epoch's plan is made to have it:
+# - C. The deterministic orders pack every epoch alike: C = B0. A drawn order's count is a renewal
+#   count (batches fill up with tokens until the epoch's tokens are spent), so it spreads over epochs
+#   by about sqrt(B0) x the coefficient of variation of a batch's tokens, here the interquartile
+#   range / 1.349 over the median, which the small last batch of the leftovers does not move (0.5-2x
+#   the spread measured over 15 epochs of the bench's sets). C = B0 + twice that, at most B0 /
+#   `_MARGIN_SHARE` (1 at least): few epochs pack longer, and the micro-batches added stay a small
+#   share. C is also at most B0 + the batches of epoch 0 that can be cut, so that epoch 0 reaches C.
+# - An epoch that packs B <= C batches gets its C - B batches of most samples, among those that can be
+#   cut, each cut in two (`_lengthened`): `_resplit` cuts a batch's blocks into twice as many, and
+#   each part of a micro-batch holds some of its rows (min_batch_size at least, max_batch_size at
+#   most). A part never costs more than its micro-batch under either budget: fewer seqlens to sum;
+#   fewer rows padded to at most the same S, as a block is a padding group or a run of whole ones (a
+#   padded step input, or a batch with same_size) and so is each part. A same-size block's parts keep
+#   one size each; no other batch moves; nothing is dropped or added: the drops are the packing's.
+# - An epoch that packs more than C batches, or fewer with too few batches that can be cut, is drawn
+#   again, from (seed, epoch, attempt) for attempt 1, 2, ... below `_REDRAWS` (`_pack`).
+# - The last resort cannot fail: epoch 0's plan (C batches; its budgets held) with its batches in an
+#   order drawn from (seed, epoch, `_REDRAWS`), and its drops.
+# Each epoch's plan thus depends only on (seqlens, settings, seed, epoch), through epoch 0's: the same
+# on every rank and in any order of epochs. Epoch 0's plan is its packing with its cuts: unchanged
+# where C = B0, as in every plan of a deterministic order or of given micro-batches.
+_DRAWN_ORDERS = ("random", "bucket")
+_MARGIN_SPREADS = 2
+_MARGIN_SHARE = 400  # C - B0 <= B0 / 400: at most 0.25% more micro-batches than epoch 0 packs
+_REDRAWS = 8  # the packings drawn for an epoch before the last resort
+
+
+def _rebatched(plan: Plan, order: np.ndarray, cut: dict | None = None, epoch: int | None = None) -> Plan:
+    """``plan`` with its batches, and after them ``cut``'s (`_plan_arrays` of more batches), in the order ``order``
+    (indices of those batches), as the plan of ``epoch`` (default: ``plan``'s); its drops stay."""
+    arrays = [plan.sample_ids, plan.microbatch_sizes(), plan.padded_seqlens, plan.batch_tokens]
+    if cut is not None:
+        more = [cut["sample_ids"], np.diff(cut["microbatch_offsets"]), cut["padded_seqlens"], cut["batch_tokens"]]
+        arrays = [np.concatenate([mine, extra]) for mine, extra in zip(arrays, more)]
+    # a batch's padded seqlens are its micro-batches' longest as `_plan_arrays` needs them: their groups' maxima
+    packed, sizes, padded, tokens = _reordered_batches(*arrays, order, plan.settings)
+    fresh = _plan_arrays(packed, sizes, padded, tokens, plan.settings)
+    for array in fresh.values():
+        array.setflags(write=False)
+    return dataclasses.replace(plan, **fresh, epoch=plan.epoch if epoch is None else epoch)
+
+
+def _cuttable(plan: Plan) -> np.ndarray:
+    """Per batch of ``plan``, whether `_resplit` cuts its blocks into twice as many (its docstring's condition)."""
+    settings = plan.settings
+    width = settings.unit_width
+    rows = plan.microbatch_sizes()[::width].reshape(plan.num_batches, settings.effective_batch_size // width)
+    return (rows // settings.min_batch_size).sum(axis=1) >= 2 * rows.shape[1]
+
+
+def _lengthened(plan: Plan, seqlens: np.ndarray, batches: int) -> Plan | None:
+    """``plan`` with ``batches`` batches, its fullest batches that can be cut each cut in two; None where it has
+    more, or too few that can be cut (see NOTE [every epoch the same length])."""
+    cuts = batches - plan.num_batches
+    if cuts <= 0:
+        return plan if cuts == 0 else None
+    cuttable = np.flatnonzero(_cuttable(plan))
+    if len(cuttable) < cuts:
+        return None
+    fullest = np.sort(cuttable[np.argsort(-plan.batch_sizes[cuttable], kind="stable")[:cuts]])
+    settings = plan.settings
+    k, width = settings.effective_batch_size, settings.unit_width
+    halves = []  # the micro-batches of the cut batches, two batches' worth each
+    for b in fullest.tolist():
+        microbatches = [plan.microbatch(j) for j in range(b * k, b * k + k)]
+        blocks = [microbatches[u : u + width] for u in range(0, k, width)]
+        halves += [mb for block in _resplit(blocks, 2 * len(blocks), settings.min_batch_size) for mb in block]
+    ids = np.concatenate(halves)
+    sizes = np.array([len(mb) for mb in halves], np.int64)
+    cut = _plan_arrays(ids, sizes, *_microbatch_stats(seqlens, ids, sizes, settings), settings)
+    # Each cut batch's two halves take its place: batch b goes to 2b, its halves to 2b and 2b + 1.
+    kept = np.flatnonzero(~np.isin(np.arange(plan.num_batches), fullest))
+    sources = np.concatenate([kept, plan.num_batches + np.arange(2 * cuts)])
+    places = np.concatenate([2 * kept, 2 * np.repeat(fullest, 2) + np.tile([0, 1], cuts)])
+    return _rebatched(plan, sources[np.argsort(places)], cut)
+
+
+def _reference(seqlens: np.ndarray, settings: _Settings, sample_ids: np.ndarray | None) -> Plan:
+    """Epoch 0's plan, whose number of batches every epoch has (see NOTE [every epoch the same length])."""
+    plan = _pack(seqlens, settings, sample_ids, 0)
+    if settings.order not in _DRAWN_ORDERS or plan.num_batches == 0:
+        return plan
+    low, median, high = np.percentile(plan.batch_tokens, [25, 50, 75])
+    spread = math.sqrt(plan.num_batches) * (high - low) / 1.349 / median  # robust to the leftovers' last batch
+    margin = min(round(_MARGIN_SPREADS * spread), max(1, plan.num_batches // _MARGIN_SHARE))
+    return _lengthened(plan, seqlens, plan.num_batches + min(margin, int(_cuttable(plan).sum())))
+
+
+def _equal_plan(
+    seqlens: np.ndarray, settings: _Settings, sample_ids: np.ndarray | None, epoch: int, reference: Plan
+) -> Plan:
+    """The plan of ``epoch``, with as many batches as ``reference``, epoch 0's (`_reference`): its packing
+    lengthened, or one drawn again, or the last resort (see NOTE [every epoch the same length])."""
+    if epoch == 0 or settings.order not in _DRAWN_ORDERS:  # the deterministic orders pack every epoch alike
+        return dataclasses.replace(reference, epoch=epoch)
+    for attempt in range(_REDRAWS):
+        plan = _lengthened(_pack(seqlens, settings, sample_ids, epoch, attempt), seqlens, reference.num_batches)
+        if plan is not None:
+            return plan
+    order = np.random.default_rng((settings.seed, epoch, _PLAN_STREAM, _REDRAWS)).permutation(reference.num_batches)
+    return _rebatched(reference, order, epoch=epoch)
 
 
 def plan_batches(
@@ -1221,15 +1334,12 @@ def plan_batches(
     """
     lengths = _as_counts(seqlens, copy=False)  # planned at once, not kept: no copy
     settings = _Settings.of(max_tokens=max_tokens, effective_batch_size=effective_batch_size, **options)
-    plan = _pack(
-        lengths,
-        settings,
-        None if sample_ids is None else _as_sample_ids(sample_ids, len(lengths)),
-        _check_int("epoch", epoch),
-    )
-    if plan.num_batches == 0:
-        raise ValueError(_empty_plan_message(plan))
-    return plan
+    ids = None if sample_ids is None else _as_sample_ids(sample_ids, len(lengths))
+    epoch = _check_int("epoch", epoch)
+    reference = _reference(lengths, settings, ids)
+    if reference.num_batches == 0:
+        raise ValueError(_empty_plan_message(reference))
+    return _equal_plan(lengths, settings, ids, epoch, reference)
 
 
 # =============================================================================
@@ -1706,8 +1816,15 @@ class _Planner:
     sample_ids: np.ndarray | None = None
     fixed: Plan | None = None
 
+    @functools.cached_property
+    def reference(self) -> Plan:
+        """Epoch 0's plan, computed once: every epoch has its number of batches (the fixed plan: the plan)."""
+        return self.fixed if self.fixed is not None else _reference(self.seqlens, self.settings, self.sample_ids)
+
     def __call__(self, epoch: int) -> Plan:
-        return self.fixed if self.fixed is not None else _pack(self.seqlens, self.settings, self.sample_ids, epoch)
+        if self.fixed is not None:
+            return self.fixed
+        return _equal_plan(self.seqlens, self.settings, self.sample_ids, epoch, self.reference)
 
 
 _KEY_RUN = 256  # step inputs (of every rank) whose ids `VariableBatchSampler._epoch_keys` reads as one list
