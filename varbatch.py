@@ -56,7 +56,6 @@ import logging
 import math
 import numbers
 import os
-import sys
 import typing
 import warnings
 import weakref
@@ -1839,7 +1838,7 @@ class _StepInputKey(typing.NamedTuple):
     pad_to: int  # the batch's longest seqlen in same-length mode, else 0 (no padding)
     epoch: int
     pass_number: int  # the sampler's pass that dealt it (a new pass over an epoch gets a new number)
-    pass_start: int  # this rank's step input t that the pass started at in this epoch (0 in its later epochs)
+    pass_start: int  # this rank's step input t that the pass started at
     step_input: int  # g, its index among the epoch's step inputs of all ranks (see the dealing rule)
     every_rank: bool = False  # from the view of every rank's step inputs that launchers deal (see `_StepInputKeys`)
 
@@ -1855,24 +1854,20 @@ class _Pass:
         number: passes started so far (an iterator of an older pass is stale).
         epoch, start: the epoch of the pass and its first step input.
         restored: the position came from load_state_dict, and no iteration has started since.
-        epochs: the epochs the pass yields back to back from ``epoch`` (see NOTE [one pass over several epochs]).
     """
 
     number: int = 0
     epoch: int = 0
     start: int = 0
     restored: bool = False
-    epochs: int = 1
 
 
 @dataclasses.dataclass
 class _Position:
     """Where a sampler stands: its last pass, and how far that pass got.
 
-    Invariant: ``steps_done <= T`` (T: the step inputs of ``steps_epoch``, the
-    pass's epoch ``last.epoch`` plus the ``crossed`` epochs it yielded whole
-    before), ``last.start <= steps_done`` while ``crossed == 0``, and
-    ``finished`` only with ``steps_done == T``: set once an iteration (or a
+    Invariant: ``last.start <= steps_done <= T`` (T: the step inputs of an
+    epoch), and ``finished`` only with ``steps_done == T``: set once an iteration (or a
     restored position) reached the epoch's end, never by set_epoch (not even
     for an empty epoch); then the next iteration yields the next epoch.
     ``handed`` counts the step inputs every pass handed out (the scheduler's
@@ -1887,17 +1882,11 @@ class _Position:
     steps_done: int = 0
     finished: bool = False
     handed: int = 0
-    crossed: int = 0
-
-    @property
-    def steps_epoch(self) -> int:
-        """The epoch ``steps_done`` counts in."""
-        return self.last.epoch + self.crossed
 
     @property
     def epoch(self) -> int:
         """The epoch the next iteration yields: the last one's, or the next once it finished."""
-        return self.steps_epoch + self.finished
+        return self.last.epoch + self.finished
 
     def next_start(self) -> tuple[int, int]:
         """``(epoch, step input)`` where the next pass starts: a restored position, else the epoch's first."""
@@ -1907,14 +1896,16 @@ class _Position:
 
 
 class VariableBatchSampler(Sampler[list[int]]):
-    """Yields this rank's step inputs of a token-budget plan, a new plan every epoch.
+    """Yields this rank's step inputs of a token-budget plan, a new plan every epoch, each of one length.
 
     Every rank computes the same `Plan` per epoch (see `plan_batches`): micro-
     batches of at most ``max_tokens`` tokens, ``k = micro_batch_size x
     gradient_accumulation_steps x num_replicas`` per batch. A step input is
     ``micro_batch_size`` consecutive micro-batches, yielded as its sample ids;
     rank r takes step inputs r, r + R, ... Every rank yields ``len(sampler)``,
-    so no collective waits forever; iterating to the end advances the epoch.
+    so no collective waits forever, in every epoch (NOTE [every epoch the
+    same length]), so a loop that reads ``len()`` once is right; iterating
+    to the end advances the epoch.
     Tune ``max_tokens`` for memory (``budget="padded"``: the padded tensor's
     size, with seqlens that count what the collate adds; `make_dataloader`'s
     loader refuses a tensor over it); ``order="bucket"`` with the padded budget
@@ -2006,10 +1997,8 @@ class VariableBatchSampler(Sampler[list[int]]):
         self._position = _Position()
         self._plans: dict[int, Plan] = {}
         self._logged: set[int] = set()  # the epochs whose plan was logged
-        self._lens: dict[int, int] = {}  # epoch -> the len() given for it (see _check_cut)
-        self._set_by_loop: int | None = None  # the epoch the loop last set itself (see _check_len_read)
         self._alone = False
-        if self.plan_for_epoch(0).num_batches == 0:  # checked before training: later epochs never raise
+        if self.plan_for_epoch(0).num_batches == 0:  # checked before training: every epoch has its batches
             raise ValueError(_empty_plan_message(self._plans[0]))
 
     def plan_for_epoch(self, epoch: int) -> Plan:
@@ -2021,20 +2010,14 @@ class VariableBatchSampler(Sampler[list[int]]):
             self._plans[epoch] = self._planner(epoch)
         return self._plans[epoch]
 
-    def _start_pass(
-        self, epoch: int, start: int, *, restored: bool = False, finished: bool = False, epochs: int = 1
-    ) -> None:
+    def _start_pass(self, epoch: int, start: int, *, restored: bool = False, finished: bool = False) -> None:
         """Writes the record of a pass over ``epoch`` from step input ``start``: an older iterator goes stale."""
-        record = _Pass(self._position.last.number + 1, epoch, start, restored, epochs)
+        record = _Pass(self._position.last.number + 1, epoch, start, restored)
         self._position = _Position(record, steps_done=start, finished=finished, handed=self._position.handed)
 
-    def _steps(self, epoch: int) -> int:
-        """This rank's step inputs in ``epoch`` (the same on every rank)."""
-        return self.plan_for_epoch(epoch).num_batches * self.gradient_accumulation_steps
-
-    def _steps_in(self, epochs: range) -> int:
-        """This rank's step inputs in the whole ``epochs``."""
-        return sum(self._steps(epoch) for epoch in epochs)
+    def _batches_per_epoch(self) -> int:
+        """The batches of every epoch (see NOTE [every epoch the same length]): ``len(self)`` is G of them each."""
+        return self._planner.reference.num_batches
 
     @property
     def epoch(self) -> int:
@@ -2054,11 +2037,6 @@ class VariableBatchSampler(Sampler[list[int]]):
 
     def set_epoch(self, epoch: int) -> None:
         """Sets the epoch of the next iteration (a new order in ``random``/``bucket``)."""
-        self._set_epoch(epoch)
-        self._set_by_loop = epoch  # the loop set it itself (see _check_len_read)
-
-    def _set_epoch(self, epoch: int) -> None:
-        """`set_epoch`, as a launcher calls it through the loader."""
         last = self._position.last
         if _check_int("epoch", epoch) < self.epoch and last.restored:
             raise ValueError(
@@ -2067,110 +2045,28 @@ class VariableBatchSampler(Sampler[list[int]]):
                 f"own count of passes, 0 after a restart, unless you call loader.set_epoch(epoch); see the "
                 f"README, 'Use with torchrun, DeepSpeed, Accelerate, Lightning')"
             )
-        if epoch != self._position.steps_epoch or self._position.finished:  # else: left or restored mid-way
-            self._check_cut(RuntimeError)
+        if epoch != last.epoch or self._position.finished:  # else: left or restored mid-way
             self._start_pass(epoch, 0, restored=last.restored)  # a restored run's epochs go back only once it ran
 
     def __len__(self) -> int:
-        """Step inputs per epoch on this rank (the same on every rank), of the epoch the next iteration yields."""
-        self._lens[self.epoch] = self._steps(self.epoch)
-        return self._lens[self.epoch]
+        """Step inputs per epoch on this rank: the same on every rank and in every epoch."""
+        return self._batches_per_epoch() * self.gradient_accumulation_steps
 
-    def _check_cut(self, error: type) -> None:
-        """Raises (or warns) when this epoch's pass stopped at a len() given for another epoch.
-
-        Token-budget epochs differ in length; a trainer that reads len(loader)
-        once (Lightning, unless told to reload the loader) stops every epoch at
-        the first one's and leaves the rest of a longer epoch untrained.
-        """
-        epoch, done = self._position.steps_epoch, self._position.steps_done
-        total = self._steps(epoch)
-        stale = [e for e, n in self._lens.items() if e != epoch and n == done]
-        if 0 < done < total and stale:
-            message = (
-                f"epoch {epoch}'s iteration stopped after {done} of its {total} step inputs, the "
-                f"len(loader) of epoch {stale[0]}: a trainer that reads len(loader) once cut it short and "
-                f"its other samples were not trained; reload the loader every epoch (Lightning: "
-                f"Trainer(reload_dataloaders_every_n_epochs=1); see the README, 'Use with torchrun, DeepSpeed, "
-                f"Accelerate, Lightning')"
-            )
-            if error is RuntimeError:
-                raise RuntimeError(message)
-            warnings.warn(message, RuntimeWarning, stacklevel=3)
-
-    def _loader_epoch(self, epochs: int) -> range:
-        """The loader epoch the next iteration is in when a loader pass spans ``epochs`` (see NOTE [one pass over
-        several epochs]): the group of ``epochs`` epochs that holds the epoch it yields."""
-        first = self.epoch // epochs * epochs
-        return range(first, first + epochs)
-
-    def _pass_epochs(self, epochs: int) -> range:
-        """The epochs the next pass yields when a loader pass spans ``epochs``: from the epoch the next iteration
-        yields to the end of its loader epoch."""
-        return range(self.epoch, self._loader_epoch(epochs).stop)
-
-    def _loader_len(self, epochs: int) -> tuple[range, int]:
-        """The epochs a loader whose pass spans ``epochs`` counts in its len(), and this rank's step inputs in them.
-
-        The whole loader epoch, wherever the sampler stands in it, as len()
-        counts a whole epoch of a restored sampler: a trainer that reads len()
-        once counts its steps from that epoch's start (HF Trainer's max_steps
-        and the epochs it has trained, from its global_step, when it resumes
-        over a sampler restored inside the run's one loader epoch).
-        """
-        if epochs == 1:
-            return self._pass_epochs(1), len(self)
-        span = self._loader_epoch(epochs)
-        return span, self._steps_in(span)
-
-    def _check_len_read(self, span: range, start: int, first_len: tuple[range, int] | None) -> None:
-        """Raises at the start of a pass longer than the first len() its loader gave, for another pass.
-
-        NOTE [a loop that read len() for another epoch]: HF Trainer (its
-        set_initial_training_values) reads len(loader) once, before epoch 0,
-        and Lightning without reloading (its fit loop's num_training_batches)
-        keeps the first it read: both stop every later epoch there, so a longer
-        epoch is cut and its last samples are never trained. The cut cannot be
-        seen while it happens (the loop just stops asking), only foreseen here,
-        before the pass's first step input. Such trainers number their epochs
-        themselves and never call the sampler's set_epoch (they reach it through
-        the loader, if at all: Lightning's _set_sampler_epoch, Accelerate's
-        DataLoaderShard), so a loop that set this epoch on the sampler itself,
-        the torch idiom of a loop that iterates every epoch to its end, is
-        trusted. A plain loop that read len(loader) in an earlier epoch and
-        sets no epoch is refused too: it cannot be told apart in time, and
-        calling sampler.set_epoch(epoch) fixes it. A new loader (Lightning's
-        reloading) has no len() of another epoch; DeepSpeed's loader reads
-        len() once and iterates every epoch to its end: its len() is not kept.
-        """
-        if first_len is None or self._set_by_loop == span.start:
-            return
-        read_for, given = first_len
-        steps = self._steps_in(span) - start
-        if read_for == span or steps <= given:
-            return
-        what = f"epoch {span.start}" if len(span) == 1 else f"epochs {span.start}-{span[-1]}"
-        raise RuntimeError(
-            f"{what} has {steps} step inputs on this rank, more than the len(loader)={given} it gave first, "
-            f"for epoch {read_for.start}: a loop that stops at the len() it read once would leave {steps - given} "
-            f"of them untrained; let one loader pass yield the run (make_dataloader(..., epochs=N); HF Trainer: "
-            f"with TrainingArguments(num_train_epochs=1)), or make the loader anew every epoch (Lightning: "
-            f"Trainer(reload_dataloaders_every_n_epochs=1)); a loop that iterates every epoch to its end calls "
-            f"sampler.set_epoch(epoch); see the README, 'Use with torchrun, DeepSpeed, Accelerate, Lightning'"
-        )
-
-    def horizon(self, epochs: int = 1, unit: _Clock = "steps") -> int:
-        """Optimizer steps (or real tokens, or samples) from the current position to the end of ``epochs`` epochs.
-
-        What is left of the current epoch after ``steps_done``, plus the next
-        ``epochs - 1`` epochs, from their plans: size a schedule with it, not
-        with ``len(loader) * epochs`` (each epoch's plan has its own length).
+    def horizon(self, epochs: int, unit: _Clock) -> int:
+        """Real tokens (``unit="tokens"``) or samples (``"samples"``) from the current position to the end of
+        ``epochs`` epochs: what is left of the current epoch after ``steps_done``, plus the next ``epochs - 1``
+        epochs, from their plans. Optimizer steps need no plan: every epoch has ``len(sampler) // G``.
 
         Example:
-            >>> VariableBatchSampler([3, 5, 2, 6, 4, 1], max_tokens=8).horizon(epochs=4)
-            12
+            >>> VariableBatchSampler([3, 5, 2, 6, 4, 1], max_tokens=8).horizon(4, "tokens")
+            84
         """
         epochs, unit = _check_int("epochs", epochs, minimum=1), _check_choice("unit", unit, _Clock)
+        if unit == "steps":
+            raise ValueError(
+                f"horizon(unit='steps') is len(sampler) // gradient_accumulation_steps x epochs, the same in "
+                f"every epoch: {len(self) // self.gradient_accumulation_steps} x {epochs}; count tokens or samples"
+            )
         if unit == "tokens":
             self._check_tokens_known("horizon(unit='tokens')")
 
@@ -2201,13 +2097,7 @@ class VariableBatchSampler(Sampler[list[int]]):
                 f"sample; make it after init_process_group, or pass num_replicas and rank"
             )
 
-    def _iter_keys(
-        self,
-        every_rank: bool = False,
-        epochs: int = 1,
-        first_len: tuple[range, int] | None = None,
-        ids_only: bool = False,
-    ) -> Iterator[tuple]:
+    def _iter_keys(self, every_rank: bool = False, ids_only: bool = False) -> Iterator[tuple]:
         """Keys of this rank's step inputs of the epoch, from the resume position (with ``every_rank``, all ranks').
 
         The one dealing rule (see above). A key is a `_StepInputKey`: the step
@@ -2215,34 +2105,12 @@ class VariableBatchSampler(Sampler[list[int]]):
         the pass dealt it, by which `_LoadStepInput` checks the dealing. The position
         follows this rank's keys; after its last one the sampler is at the next
         epoch, also when the iterator is not exhausted (trainers stop at len()).
-        With ``epochs > 1`` the pass goes on through the epochs of its group
-        (see NOTE [one pass over several epochs]); ``first_len``: the first len() its loader gave.
         With ``ids_only`` each key is only its sample ids, as a list (what `__iter__` yields; this rank's only).
         """
-        self._check_cut(RuntimeError)
         self._check_world()
-        finalizing = sys.is_finalizing  # held by the generator: the module's `sys` is None at interpreter exit
         epoch, start = self._position.next_start()
-        span = self._pass_epochs(epochs)
-        self._check_len_read(span, start, first_len)
-        self._start_pass(epoch, start, finished=start >= self._steps(epoch), epochs=len(span))  # empty: done at once
-        position = self._position  # this pass's: it goes stale once the sampler has another
-        try:
-            for epoch in span:
-                if epoch > span.start:  # the next epoch of a pass over several, from its first step input
-                    if self._position is not position:
-                        return
-                    position.crossed = epoch - span.start
-                    position.steps_done = 0
-                    position.finished = self._steps(epoch) == 0
-                    start = 0
-                yield from self._epoch_keys(epoch, start, position, every_rank, ids_only)
-        except GeneratorExit:  # the consumer dropped the pass: the last epoch of a run has no next pass to raise in
-            # An iterator alive at interpreter exit (a loop that stopped at a step count) is closed while the
-            # module's globals are being cleared: nothing of varbatch can run then, and a cut is past reporting.
-            if self._position is position and not finalizing():
-                self._check_cut(RuntimeWarning)
-            raise
+        self._start_pass(epoch, start, finished=start >= len(self))  # empty: done at once
+        yield from self._epoch_keys(epoch, start, self._position, every_rank, ids_only)
 
     def _epoch_keys(
         self, epoch: int, start: int, position: _Position, every_rank: bool, ids_only: bool
@@ -2254,7 +2122,7 @@ class VariableBatchSampler(Sampler[list[int]]):
         step input would cost more than the rest of the key. Each of this rank's step
         inputs moves ``position`` on before it is handed out (`_hand_out`).
         """
-        total = self._steps(epoch)
+        total = len(self)
         plan = self.plan_for_epoch(epoch)
         m, ranks = self.micro_batch_size, self.num_replicas
         passes = position.last.number
@@ -2328,18 +2196,18 @@ class VariableBatchSampler(Sampler[list[int]]):
         ``steps_done`` defaults to ``self.steps_done``, exact without worker
         processes; with workers the loader prefetches: pass what your loop trained.
         """
-        epoch = self._position.steps_epoch
+        epoch = self._position.last.epoch
         if steps_done is None:
             done = self.steps_done
         else:
-            done = _check_int("steps_done", steps_done, 0, self._steps(epoch), "the step inputs of the epoch trained")
+            done = _check_int("steps_done", steps_done, 0, len(self), "the step inputs of the epoch trained")
         return {"epoch": epoch, "steps_done": done, "rank": self.rank, "settings": self._state_settings()}
 
     def load_state_dict(self, state_dict: Mapping) -> None:
         """Restores a `state_dict`: the next iteration continues where it stopped."""
         _check_state(self, state_dict, set(self._STATE))
         epoch = _check_int("epoch", state_dict["epoch"], minimum=0)
-        total = self._steps(epoch)
+        total = len(self)
         steps = _check_int("steps_done", state_dict["steps_done"], minimum=0, maximum=total)
         self._start_pass(epoch, steps, restored=True, finished=steps == total)
 
@@ -2360,34 +2228,26 @@ class _StepInputKeys(DistributedSampler):
     (a batch sampler's batch of one), else the keys themselves (a sampler a loader batches by one).
 
     A `DistributedSampler` in type only (its ``__init__`` is not called): see NOTE [the loader deals itself]. Its
-    state is ``sampler``'s, which torchdata's StatefulDataLoader saves with the loader's. A pass yields ``epochs``
-    epochs of ``sampler`` (see NOTE [one pass over several epochs]); ``lens`` is the loader's record, shared by
-    its keys, of the first len() it gave (see `VariableBatchSampler._check_len_read`); None for DeepSpeed's loader.
+    state is ``sampler``'s, which torchdata's StatefulDataLoader saves with the loader's.
     """
 
-    def __init__(self, sampler: VariableBatchSampler, *, every_rank: bool, batched: bool, epochs: int = 1, lens=None):
+    def __init__(self, sampler: VariableBatchSampler, *, every_rank: bool, batched: bool):
         self.variable_batch_sampler = sampler
         self.every_rank = every_rank
         self.batched = batched
-        self.epochs = epochs
-        self.lens = lens
 
     def __iter__(self):
-        first_len = None if self.lens is None else self.lens.get("first")
-        keys = self.variable_batch_sampler._iter_keys(self.every_rank, self.epochs, first_len)
+        keys = self.variable_batch_sampler._iter_keys(self.every_rank)
         if self.batched:
             return ([key] for key in keys)
         return keys
 
     def __len__(self):
         sampler = self.variable_batch_sampler
-        span, steps = sampler._loader_len(self.epochs)
-        if self.lens is not None:
-            self.lens.setdefault("first", (span, steps))
-        return steps * sampler.num_replicas if self.every_rank else steps
+        return len(sampler) * sampler.num_replicas if self.every_rank else len(sampler)
 
-    def set_epoch(self, epoch):  # a launcher's, through the loader: its epoch k starts at the sampler's k x epochs
-        self.variable_batch_sampler._set_epoch(epoch * self.epochs)
+    def set_epoch(self, epoch):  # a launcher's, through the loader
+        self.variable_batch_sampler.set_epoch(epoch)
 
     def state_dict(self):
         return self.variable_batch_sampler.state_dict()
@@ -2610,7 +2470,6 @@ def make_dataloader(
     num_workers=0,
     pin_memory=False,
     dataloader_class=None,
-    epochs=1,
     **dataloader_kwargs,
 ) -> DataLoader:
     """A `DataLoader` over ``batch_sampler``'s step inputs: ``collate_fn(samples)`` for each (the list without one).
@@ -2630,28 +2489,6 @@ def make_dataloader(
     is ``batch_sampler``. Under torch.distributed with ``num_replicas > 1`` it is
     a collective: every process calls it, and the processes check that they
     planned the same epoch (see `_check_ranks_agree`).
-
-    With ``epochs=N`` one pass of the loader yields N epochs of the sampler
-    back to back, and ``len(loader)`` counts them all: a trainer that reads
-    ``len()`` once and numbers its own epochs (HF Trainer, with
-    ``num_train_epochs=1``) then trains the run's N epochs as one.
-
-    NOTE [one pass over several epochs]: HF Trainer reads len(loader) once and
-    runs that many steps every epoch, and resumes by skipping ``global_step x
-    G`` step inputs of a fresh loader's pass (its _init_training_state and
-    accelerate's skip_first_batches), both from epoch 0's length; its
-    checkpoints hold no sampler state. With its one epoch the run's N, its
-    max_steps is the horizon and its skip lands where training stopped: the
-    pass starts at epoch 0 and the restored scheduler keeps its position
-    against it (NOTE [a restored scheduler over a fresh sampler]). The
-    loader's epoch k is the sampler's epochs kN .. kN + N - 1 (its set_epoch
-    maps k to kN); a pass from a position inside such a group ends at the
-    group's end, and len() counts the whole group wherever the sampler stands
-    in it: the README recipe's resume, which restores the sampler from its
-    checkpoint with ignore_data_skip=True, leaves the Trainer's arithmetic
-    (max_steps from len(), the epochs trained from global_step) at the run's.
-    Each key carries its own epoch, so the dealing check and the sampler's
-    state_dict stay per epoch.
 
     Raises:
         TypeError, ValueError: another sampler, same-length mode without
@@ -2681,7 +2518,6 @@ def make_dataloader(
             "sample_padding_fn is None, but same-length mode pads every sample of a batch to the batch's "
             "max seqlen; pass sample_padding_fn=varbatch.pad_sample or your own fn(sample, length)"
         )
-    epochs = _check_int("epochs", epochs, minimum=1)
     if dataloader_class is None:
         loader_class = _Loader
     else:  # varbatch's dealing over the given class (and, for a stateful one, a sampler restored at once)
@@ -2690,7 +2526,6 @@ def make_dataloader(
             bases = (_RestoresAtOnce, *bases)
         loader_class = type(f"_{dataloader_class.__name__}", bases, {})
     settings = batch_sampler.settings
-    lens = {}  # the first len() the loader gave (see NOTE [a loop that read len() for another epoch])
     load_step_input = _LoadStepInput(
         dataset,
         collate_fn,
@@ -2702,14 +2537,14 @@ def make_dataloader(
     loader = loader_class(
         _KeyDataset(),
         batch_size=1,
-        sampler=_StepInputKeys(batch_sampler, every_rank=True, batched=False, epochs=epochs, lens=lens),
+        sampler=_StepInputKeys(batch_sampler, every_rank=True, batched=False),
         num_workers=num_workers,
         pin_memory=pin_memory,
         collate_fn=load_step_input,
         **dataloader_kwargs,
     )
     # see NOTE [the loader deals itself]
-    loader._local = _StepInputKeys(batch_sampler, every_rank=False, batched=True, epochs=epochs, lens=lens)
+    loader._local = _StepInputKeys(batch_sampler, every_rank=False, batched=True)
     loader.variable_batch_sampler = batch_sampler
     if batch_sampler.num_replicas > 1 and _world()[1] > 1:  # one plan dealt over ranks: every process planned it?
         _check_ranks_agree(batch_sampler)
@@ -3029,7 +2864,7 @@ class VariableBatchSizeLR(LRScheduler):
         sampler's pass (``last.restored``) starts where training stopped, and
         is followed at once.
         """
-        covers = last.epoch <= self._epoch < last.epoch + last.epochs
+        covers = last.epoch == self._epoch  # one epoch a pass
         return self._loaded and not last.restored and last.start == 0 and covers
 
     def _check_replay(self, last: _Pass) -> None:
@@ -3921,7 +3756,8 @@ def get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
     (spot-checked with ``batch_seqlens_fn``); else computed once with
     ``batch_seqlens_fn``, each rank a shard, and cached there. ``lr_scheduler_fn``,
     if given, makes the schedule to scale from the sampler, so that it can be
-    sized by ``sampler.horizon(epochs)`` (e.g. ``lambda sampler: OneCycleLR(...)``).
+    sized by it: ``len(sampler) // gradient_accumulation_steps`` optimizer steps every epoch
+    (e.g. ``lambda sampler: OneCycleLR(...)``).
 
     Returns:
         ``(dataloader, lr_scheduler, deepspeed_io_kwargs)``; ``lr_scheduler`` is
