@@ -1246,7 +1246,7 @@ def _lengthened(plan: Plan, seqlens: np.ndarray, batches: int) -> Plan | None:
     return _rebatched(plan, sources[np.argsort(places)], cut)
 
 
-def _reference(seqlens: np.ndarray, settings: _Settings, sample_ids: np.ndarray | None) -> Plan:
+def _reference_plan(seqlens: np.ndarray, settings: _Settings, sample_ids: np.ndarray | None) -> Plan:
     """Epoch 0's plan, whose number of batches every epoch has (see NOTE [every epoch the same length])."""
     plan = _pack(seqlens, settings, sample_ids, 0)
     if settings.order not in _DRAWN_ORDERS or plan.num_batches == 0:
@@ -1260,7 +1260,7 @@ def _reference(seqlens: np.ndarray, settings: _Settings, sample_ids: np.ndarray 
 def _equal_plan(
     seqlens: np.ndarray, settings: _Settings, sample_ids: np.ndarray | None, epoch: int, reference: Plan
 ) -> Plan:
-    """The plan of ``epoch``, with as many batches as ``reference``, epoch 0's (`_reference`): its packing
+    """The plan of ``epoch``, with as many batches as ``reference``, epoch 0's (`_reference_plan`): its packing
     lengthened, or one drawn again, or the last resort (see NOTE [every epoch the same length])."""
     if epoch == 0 or settings.order not in _DRAWN_ORDERS:  # the deterministic orders pack every epoch alike
         return dataclasses.replace(reference, epoch=epoch)
@@ -1335,7 +1335,7 @@ def plan_batches(
     settings = _Settings.of(max_tokens=max_tokens, effective_batch_size=effective_batch_size, **options)
     ids = None if sample_ids is None else _as_sample_ids(sample_ids, len(lengths))
     epoch = _check_int("epoch", epoch)
-    reference = _reference(lengths, settings, ids)
+    reference = _reference_plan(lengths, settings, ids)
     if reference.num_batches == 0:
         raise ValueError(_empty_plan_message(reference))
     return _equal_plan(lengths, settings, ids, epoch, reference)
@@ -1818,7 +1818,7 @@ class _Planner:
     @functools.cached_property
     def reference(self) -> Plan:
         """Epoch 0's plan, computed once: every epoch has its number of batches (the fixed plan: the plan)."""
-        return self.fixed if self.fixed is not None else _reference(self.seqlens, self.settings, self.sample_ids)
+        return self.fixed if self.fixed is not None else _reference_plan(self.seqlens, self.settings, self.sample_ids)
 
     def __call__(self, epoch: int) -> Plan:
         if self.fixed is not None:
