@@ -99,7 +99,7 @@ PAD_QUICK_N = 20_000  # --quick: the long-tailed set's size
 ORDERS = typing.get_args(varbatch._Order)
 BUDGETS = typing.get_args(varbatch._Budget)
 
-SECTIONS = ("speed", "modes", "padding", "training", "memory", "datapath", "peers")
+SECTIONS = ("speed", "modes", "padding", "epochs", "training", "memory", "datapath", "peers")
 
 
 # =============================================================================
@@ -1276,6 +1276,114 @@ def bench_padding(quick: bool, ds_cap: float, results: dict) -> str:
 
 
 # =============================================================================
+# 2e. Every epoch the same length (issue 28)
+# =============================================================================
+# Each epoch's plan has epoch 0's number of batches (NOTE [every epoch the same length]): measured against the
+# packing each epoch had before (`varbatch._pack`, attempt 0), epoch by epoch.
+EPOCHS_SIZES = ((2000, 40), (100_000, 16), (1_000_000, 8))  # (N, epochs planned)
+EPOCHS_QUICK_SIZES = ((2000, 6), (20_000, 4))
+EPOCHS_ORDERS = ("random", "bucket")  # the deterministic orders pack every epoch alike: their plans are unchanged
+
+
+def _epoch_path(seqlens: np.ndarray, settings, epoch: int, count: int, packing: varbatch.Plan) -> str:
+    """Which path of the rule made the plan of ``epoch`` (``packing``: its packing), as `_equal_plan` takes them."""
+    if varbatch._lengthened(packing, seqlens, count) is not None:
+        return "as packed" if packing.num_batches == count else "split"
+    for attempt in range(1, varbatch._REDRAWS):
+        if varbatch._lengthened(varbatch._pack(seqlens, settings, None, epoch, attempt), seqlens, count) is not None:
+            return "drawn again"
+    return "last resort"
+
+
+def _equal_epochs_row(seqlens: np.ndarray, epochs: int, order: str, budget: str, pipeline: bool) -> dict:
+    """One mode's epochs before (their packings) and after (their plans): micro-batches, real-token share, the
+    paths taken, and the median over epochs of the plan's time over the packing's (timed back to back)."""
+    kwargs = _mode_kwargs(PAD_EFFECTIVE_BATCH_SIZE, "pipeline" if pipeline else "free", budget, order)
+    settings = varbatch._Settings.of(max_tokens=PAD_MAX_TOKENS, **kwargs)
+    planner = varbatch._Planner(seqlens, settings)
+    count = planner.reference.num_batches
+    before, after, paths, ratios = [], [], collections.Counter(), []
+    for epoch in range(epochs):
+        start = time.perf_counter()
+        packing = varbatch._pack(seqlens, settings, None, epoch)
+        packed = time.perf_counter() - start
+        start = time.perf_counter()
+        plan = planner(epoch)  # epoch 0's plan is cached in the planner, as a sampler keeps it
+        planned = time.perf_counter() - start
+        if epoch:
+            ratios.append(planned / packed)
+        paths[_epoch_path(seqlens, settings, epoch, count, packing)] += 1
+        before.append(packing.totals())
+        after.append(plan.totals())
+
+    def mean(totals, key):
+        return float(np.mean([t[key] for t in totals]))
+
+    return dict(
+        batches=count,
+        extra=mean(after, "microbatches") - mean(before, "microbatches"),
+        extra_max=max(a["microbatches"] - b["microbatches"] for a, b in zip(after, before)),
+        microbatches=mean(before, "microbatches"),
+        share_before=mean(before, "efficiency"),
+        share_after=mean(after, "efficiency"),
+        paths=dict(paths),
+        time_ratio=float(np.median(ratios)) if ratios else None,
+    )
+
+
+def bench_epochs(quick: bool, results: dict) -> str:
+    """2e: per N and drawn mode, the epochs' micro-batches and real-token share before and after making every
+    epoch one length, the paths taken, and the plan time per epoch against the packing's."""
+    sizes = EPOCHS_QUICK_SIZES if quick else EPOCHS_SIZES
+    rows = []
+    for n, epochs in sizes:
+        seqlens = long_tailed_seqlens(n, seed=7)
+        for order in EPOCHS_ORDERS:
+            for budget in BUDGETS:
+                for pipeline in (False, True):
+                    mode = "pipeline" if pipeline else "DDP"
+                    _progress(f"equal epochs: N={_fmt_n(n)} {order} {budget} {mode}, {epochs} epochs")
+                    row = _equal_epochs_row(seqlens, epochs, order, budget, pipeline)
+                    results.setdefault("equal_epochs", {})[(n, order, budget, mode)] = row
+                    allowed = max(PAD_EFFECTIVE_BATCH_SIZE, 0.005 * row["microbatches"])
+                    rows.append(
+                        [
+                            _fmt_n(n),
+                            order,
+                            budget,
+                            mode,
+                            row["batches"],
+                            f"{row['extra']:+.1f} ({100 * row['extra'] / row['microbatches']:+.2f}%, max "
+                            f"{row['extra_max']:+d})",
+                            f"{allowed:.0f}",
+                            f"{100 * row['share_before']:.2f}%",
+                            f"{100 * row['share_after']:.2f}%",
+                            ", ".join(f"{path} {count}" for path, count in sorted(row["paths"].items())),
+                            "-" if row["time_ratio"] is None else f"{row['time_ratio']:.2f}x",
+                        ]
+                    )
+    out = ["## 2e. Every epoch the same length", ""]
+    out.append(
+        f"Long-tailed lengths as in 2 (seed 7), max_tokens={PAD_MAX_TOKENS}, effective_batch_size="
+        f"{PAD_EFFECTIVE_BATCH_SIZE}, default seed and bucket_size; epochs 0 .. E - 1 of each mode ("
+        + ", ".join(f"E = {e} at N = {_fmt_n(n)}" for n, e in sizes)
+        + "). Before: each epoch's packing as planned before issue 28 (`_pack`, attempt 0); after: its plan, with "
+        "epoch 0's number of batches (NOTE [every epoch the same length]). Extra micro-batches: the epochs' mean "
+        "after minus before (max over epochs); allowed at N >= 100k: one batch or 0.5%, whichever is larger. "
+        "Real / padded: mean over epochs of real tokens / padded B x S slots. Paths: epochs whose packing had the "
+        "count (as packed), was lengthened by cutting batches (split), was drawn again, or took the last resort. "
+        "Plan time: the median over epochs 1 .. E - 1 of the plan's time over the packing's, timed back to back "
+        "(re-draws included; epoch 0's plan cached, as the sampler keeps it). The deterministic orders' plans "
+        "are their packings, unchanged."
+    )
+    out.append("")
+    headers = ["N", "order", "budget", "mode", "batches", "extra micro-batches / epoch", "allowed"]
+    headers += ["real / padded before", "after", "paths", "plan time / packing"]
+    out.append(_table(headers, rows))
+    return "\n".join(out)
+
+
+# =============================================================================
 # 3. Training throughput
 # =============================================================================
 # A one-block causal language model on B x S x E batches with per-sample masks:
@@ -2378,6 +2486,26 @@ def targets_table(results: dict, quick: bool) -> str:
                     _check(eff >= floor and stats["over_count"] == 0),
                 ]
             )
+    equal = {key: row for key, row in results.get("equal_epochs", {}).items() if key[0] >= 100_000}
+    if equal:
+        extra_over = [key for key, row in equal.items() if row["extra"] > max(8, 0.005 * row["microbatches"])]
+        drift = max(abs(row["share_after"] - row["share_before"]) for row in equal.values())
+        rows.append(
+            [
+                "equal epochs, N >= 100k: extra micro-batches <= one batch or 0.5%; real/padded within 0.1 point",
+                f"{len(extra_over)} of {len(equal)} modes over; largest change {100 * drift:.2f} points",
+                _check(not extra_over and drift <= 0.001),
+            ]
+        )
+        timed = [row["time_ratio"] for key, row in equal.items() if key[0] == 1_000_000]
+        if timed:
+            rows.append(
+                [
+                    "equal epochs: plan time per epoch <= 1.5x the packing's at 1M",
+                    f"<= {max(timed):.2f}x",
+                    _check(max(timed) <= 1.5),
+                ]
+            )
     training = results.get("training")
     if training:
         rows.append(
@@ -2459,6 +2587,8 @@ def main(argv=None) -> int:
     if "padding" in sections:
         print(bench_padding(args.quick, ds_cap, results) + "\n", flush=True)
     _DEEPSPEED.close()  # the last section that uses it: its memory is free again for training and memory
+    if "epochs" in sections:
+        print(bench_epochs(args.quick, results) + "\n", flush=True)
     if "training" in sections:
         print(bench_training(args.quick, results) + "\n", flush=True)
     if "memory" in sections:

@@ -50,6 +50,7 @@ import contextvars
 import copy
 import dataclasses
 import difflib
+import functools
 import hashlib
 import inspect
 import json
@@ -57,7 +58,6 @@ import logging
 import math
 import numbers
 import os
-import sys
 import typing
 import warnings
 import weakref
@@ -544,7 +544,9 @@ def _bucket_window(lengths: np.ndarray, settings: _Settings) -> int:
 #
 # The generator of an epoch is seeded with (seed, epoch, `_PLAN_STREAM`): numpy seeds (seed, 0) as it
 # seeds seed alone, so without the third word epoch 0 would draw the very numbers of a
-# `default_rng(seed)` that made the data's lengths (synthetic sets do), and sort by them.
+# `default_rng(seed)` that made the data's lengths (synthetic sets do), and sort by them. A fourth
+# word, the attempt, draws an epoch again (NOTE [every epoch the same length]); attempt 0 seeds as
+# the three words alone.
 _KEY_BITS = 64
 _PLAN_STREAM = 0x76617262  # b"varb": the plans' own stream of a seed (see the NOTE above)
 
@@ -1033,23 +1035,22 @@ def _microbatch_stats(
     return longest, tokens
 
 
-def _shuffle_batches(
+def _reordered_batches(
     positions: np.ndarray,
     sizes: np.ndarray,
     longest: np.ndarray,
     tokens: np.ndarray,
+    order: np.ndarray,
     settings: _Settings,
-    rng: np.random.Generator,
-    spare: np.ndarray,
+    spare: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Whole batches of k micro-batches in a random order: their positions (into ``spare``, an array whose values
-    are no longer needed, where it has their dtype and room: see `_take`), their micro-batches' sizes and longest
-    seqlens, and their tokens (`_microbatch_stats`), each reordered."""
+    """Whole batches of k micro-batches in the order ``order`` (batch indices): their positions (into ``spare``, an
+    array whose values are no longer needed, where it has their dtype and room: see `_take`), their micro-batches'
+    sizes and longest seqlens, and their tokens (`_microbatch_stats`), each reordered."""
     k = settings.effective_batch_size
-    order = rng.permutation(len(tokens))
     batch_samples = sizes.reshape(-1, k).sum(axis=1)
     batch_starts = np.cumsum(batch_samples) - batch_samples
-    fits = spare.dtype == positions.dtype and len(spare) >= len(positions)
+    fits = spare is not None and spare.dtype == positions.dtype and len(spare) >= len(positions)
     out = spare[: len(positions)] if fits else None
     positions = _ranges(batch_starts[order], batch_samples[order], positions, out=out)
     return positions, sizes.reshape(-1, k)[order].ravel(), longest.reshape(-1, k)[order].ravel(), tokens[order]
@@ -1116,15 +1117,18 @@ def _picked(
     return (*_picking_order(seqlens, ids, lengths, settings, rng), overlong)
 
 
-def _pack(seqlens: np.ndarray, settings: _Settings, sample_ids: np.ndarray | None, epoch: int) -> Plan:
-    """The plan of one epoch (without a batch when the samples cannot fill one: then all are in its drops).
+def _pack(
+    seqlens: np.ndarray, settings: _Settings, sample_ids: np.ndarray | None, epoch: int, attempt: int = 0
+) -> Plan:
+    """The packing of one epoch as its orders draw it (without a batch when the samples cannot fill one: then all
+    are in its drops); ``attempt`` n > 0 draws the epoch's n-th other order (see NOTE [every epoch the same length]).
 
     Positions below are indices into ``picked``, the packable samples in picking order.
 
     Raises:
         ValueError: from `_overlong`.
     """
-    rng = np.random.default_rng((settings.seed, epoch, _PLAN_STREAM))
+    rng = np.random.default_rng((settings.seed, epoch, _PLAN_STREAM, attempt))  # attempt 0: as (seed, epoch, stream)
     picked, lens, overlong = _picked(seqlens, sample_ids, settings, rng)
     table, too_small, end = _pack_rows(lens, settings)
     positions, sizes = _positions(table, settings.unit_width)
@@ -1132,7 +1136,8 @@ def _pack(seqlens: np.ndarray, settings: _Settings, sample_ids: np.ndarray | Non
     positions, sizes, tail = _fill_last_batch(positions, sizes, settings)
     longest, tokens = _microbatch_stats(lens, positions, sizes, settings)
     if settings.order == "bucket":  # the windows are sorted: shuffle whole batches (into the lengths' array)
-        positions, sizes, longest, tokens = _shuffle_batches(positions, sizes, longest, tokens, settings, rng, lens)
+        order = rng.permutation(len(tokens))
+        positions, sizes, longest, tokens = _reordered_batches(positions, sizes, longest, tokens, order, settings, lens)
     del lens
     packed = _take(picked, positions, picked.dtype, out=positions if positions.dtype == picked.dtype else None)
     del positions  # packed may be its very array: picked and packed are the plan's peak, nothing else as long
@@ -1160,6 +1165,113 @@ def _empty_plan_message(plan: Plan) -> str:
         f" min_batch_size samples (at least {settings.effective_batch_size * settings.min_batch_size}); use more"
         f" data, fewer ranks or accumulation steps, or a smaller min_batch_size"
     )
+
+
+# NOTE [every epoch the same length]: loops read len(loader) once (HF Trainer sizes every epoch by
+# epoch 0's, Lightning keeps its first num_training_batches unless told to reload, tqdm totals,
+# `len(loader) * epochs // G` schedules), so every epoch of a sampler has the same number of batches,
+# C, fixed by epoch 0's packing (B0 batches), and each epoch's plan is made to have it:
+# - C. The deterministic orders pack every epoch alike: C = B0. A drawn order's count is a renewal
+#   count (batches fill up with tokens until the epoch's tokens are spent), so it spreads over epochs
+#   by about sqrt(B0) x the coefficient of variation of a batch's tokens, here the interquartile
+#   range / 1.349 over the median, which the small last batch of the leftovers does not move (0.5-2x
+#   the spread measured over 15 epochs of the bench's sets). C = B0 + twice that, at most B0 /
+#   `_MARGIN_SHARE` (1 at least): few epochs pack longer, and the micro-batches added stay a small
+#   share. C is also at most B0 + the batches of epoch 0 that can be cut, so that epoch 0 reaches C.
+# - An epoch that packs B <= C batches gets its C - B batches of most samples, among those that can be
+#   cut, each cut in two (`_lengthened`): `_resplit` cuts a batch's blocks into twice as many, and
+#   each part of a micro-batch holds some of its rows (min_batch_size at least, max_batch_size at
+#   most). A part never costs more than its micro-batch under either budget: fewer seqlens to sum;
+#   fewer rows padded to at most the same S, as a block is a padding group or a run of whole ones (a
+#   padded step input, or a batch with same_size) and so is each part. A same-size block's parts keep
+#   one size each; no other batch moves; nothing is dropped or added: the drops are the packing's.
+# - An epoch that packs more than C batches, or fewer with too few batches that can be cut, is drawn
+#   again, from (seed, epoch, attempt) for attempt 1, 2, ... below `_REDRAWS` (`_pack`).
+# - The last resort cannot fail: epoch 0's plan (C batches; its budgets held) with its batches in an
+#   order drawn from (seed, epoch, `_REDRAWS`), and its drops.
+# Each epoch's plan thus depends only on (seqlens, settings, seed, epoch), through epoch 0's: the same
+# on every rank and in any order of epochs. Epoch 0's plan is its packing with its cuts: unchanged
+# where C = B0, as in every plan of a deterministic order or of given micro-batches.
+_DRAWN_ORDERS = ("random", "bucket")
+_MARGIN_SPREADS = 2
+_MARGIN_SHARE = 400  # C - B0 <= B0 / 400: at most 0.25% more micro-batches than epoch 0 packs
+_REDRAWS = 8  # the packings drawn for an epoch before the last resort
+
+
+def _rebatched(plan: Plan, order: np.ndarray, cut: dict | None = None, epoch: int | None = None) -> Plan:
+    """``plan`` with its batches, and after them ``cut``'s (`_plan_arrays` of more batches), in the order ``order``
+    (indices of those batches), as the plan of ``epoch`` (default: ``plan``'s); its drops stay."""
+    arrays = [plan.sample_ids, plan.microbatch_sizes(), plan.padded_seqlens, plan.batch_tokens]
+    if cut is not None:
+        more = [cut["sample_ids"], np.diff(cut["microbatch_offsets"]), cut["padded_seqlens"], cut["batch_tokens"]]
+        arrays = [np.concatenate([mine, extra]) for mine, extra in zip(arrays, more)]
+    # a batch's padded seqlens are its micro-batches' longest as `_plan_arrays` needs them: their groups' maxima
+    packed, sizes, padded, tokens = _reordered_batches(*arrays, order, plan.settings)
+    fresh = _plan_arrays(packed, sizes, padded, tokens, plan.settings)
+    for array in fresh.values():
+        array.setflags(write=False)
+    return dataclasses.replace(plan, **fresh, epoch=plan.epoch if epoch is None else epoch)
+
+
+def _cuttable(plan: Plan) -> np.ndarray:
+    """Per batch of ``plan``, whether `_resplit` cuts its blocks into twice as many (its docstring's condition)."""
+    settings = plan.settings
+    width = settings.unit_width
+    rows = plan.microbatch_sizes()[::width].reshape(plan.num_batches, settings.effective_batch_size // width)
+    return (rows // settings.min_batch_size).sum(axis=1) >= 2 * rows.shape[1]
+
+
+def _lengthened(plan: Plan, seqlens: np.ndarray, batches: int) -> Plan | None:
+    """``plan`` with ``batches`` batches, its fullest batches that can be cut each cut in two; None where it has
+    more, or too few that can be cut (see NOTE [every epoch the same length])."""
+    cuts = batches - plan.num_batches
+    if cuts <= 0:
+        return plan if cuts == 0 else None
+    cuttable = np.flatnonzero(_cuttable(plan))
+    if len(cuttable) < cuts:
+        return None
+    fullest = np.sort(cuttable[np.argsort(-plan.batch_sizes[cuttable], kind="stable")[:cuts]])
+    settings = plan.settings
+    k, width = settings.effective_batch_size, settings.unit_width
+    halves = []  # the micro-batches of the cut batches, two batches' worth each
+    for b in fullest.tolist():
+        microbatches = [plan.microbatch(j) for j in range(b * k, b * k + k)]
+        blocks = [microbatches[u : u + width] for u in range(0, k, width)]
+        halves += [mb for block in _resplit(blocks, 2 * len(blocks), settings.min_batch_size) for mb in block]
+    ids = np.concatenate(halves)
+    sizes = np.array([len(mb) for mb in halves], np.int64)
+    cut = _plan_arrays(ids, sizes, *_microbatch_stats(seqlens, ids, sizes, settings), settings)
+    # Each cut batch's two halves take its place: batch b goes to 2b, its halves to 2b and 2b + 1.
+    kept = np.flatnonzero(~np.isin(np.arange(plan.num_batches), fullest))
+    sources = np.concatenate([kept, plan.num_batches + np.arange(2 * cuts)])
+    places = np.concatenate([2 * kept, 2 * np.repeat(fullest, 2) + np.tile([0, 1], cuts)])
+    return _rebatched(plan, sources[np.argsort(places)], cut)
+
+
+def _reference_plan(seqlens: np.ndarray, settings: _Settings, sample_ids: np.ndarray | None) -> Plan:
+    """Epoch 0's plan, whose number of batches every epoch has (see NOTE [every epoch the same length])."""
+    plan = _pack(seqlens, settings, sample_ids, 0)
+    if settings.order not in _DRAWN_ORDERS or plan.num_batches == 0:
+        return plan
+    low, median, high = np.percentile(plan.batch_tokens, [25, 50, 75])
+    spread = math.sqrt(plan.num_batches) * (high - low) / 1.349 / median  # robust to the leftovers' last batch
+    margin = min(round(_MARGIN_SPREADS * spread), max(1, plan.num_batches // _MARGIN_SHARE))
+    return _lengthened(plan, seqlens, plan.num_batches + min(margin, int(_cuttable(plan).sum())))
+
+
+def _equal_plan(
+    seqlens: np.ndarray, settings: _Settings, sample_ids: np.ndarray | None, epoch: int, reference: Plan
+) -> Plan:
+    """The plan of ``epoch``, with as many batches as ``reference``, epoch 0's (`_reference_plan`): its packing
+    lengthened, or one drawn again, or the last resort (see NOTE [every epoch the same length])."""
+    if epoch == 0 or settings.order not in _DRAWN_ORDERS:  # the deterministic orders pack every epoch alike
+        return dataclasses.replace(reference, epoch=epoch)
+    for attempt in range(_REDRAWS):
+        plan = _lengthened(_pack(seqlens, settings, sample_ids, epoch, attempt), seqlens, reference.num_batches)
+        if plan is not None:
+            return plan
+    order = np.random.default_rng((settings.seed, epoch, _PLAN_STREAM, _REDRAWS)).permutation(reference.num_batches)
+    return _rebatched(reference, order, epoch=epoch)
 
 
 def plan_batches(
@@ -1223,15 +1335,12 @@ def plan_batches(
     """
     lengths = _as_counts(seqlens, copy=False)  # planned at once, not kept: no copy
     settings = _Settings.of(max_tokens=max_tokens, effective_batch_size=effective_batch_size, **options)
-    plan = _pack(
-        lengths,
-        settings,
-        None if sample_ids is None else _as_sample_ids(sample_ids, len(lengths)),
-        _check_int("epoch", epoch),
-    )
-    if plan.num_batches == 0:
-        raise ValueError(_empty_plan_message(plan))
-    return plan
+    ids = None if sample_ids is None else _as_sample_ids(sample_ids, len(lengths))
+    epoch = _check_int("epoch", epoch)
+    reference = _reference_plan(lengths, settings, ids)
+    if reference.num_batches == 0:
+        raise ValueError(_empty_plan_message(reference))
+    return _equal_plan(lengths, settings, ids, epoch, reference)
 
 
 # =============================================================================
@@ -1722,8 +1831,15 @@ class _Planner:
     sample_ids: np.ndarray | None = None
     fixed: Plan | None = None
 
+    @functools.cached_property
+    def reference(self) -> Plan:
+        """Epoch 0's plan, computed once: every epoch has its number of batches (the fixed plan: the plan)."""
+        return self.fixed if self.fixed is not None else _reference_plan(self.seqlens, self.settings, self.sample_ids)
+
     def __call__(self, epoch: int) -> Plan:
-        return self.fixed if self.fixed is not None else _pack(self.seqlens, self.settings, self.sample_ids, epoch)
+        if self.fixed is not None:
+            return self.fixed
+        return _equal_plan(self.seqlens, self.settings, self.sample_ids, epoch, self.reference)
 
 
 _KEY_RUN = 256  # step inputs (of every rank) whose ids `VariableBatchSampler._epoch_keys` reads as one list
@@ -1738,7 +1854,7 @@ class _StepInputKey(typing.NamedTuple):
     pad_to: int  # the batch's longest seqlen in same-length mode, else 0 (no padding)
     epoch: int
     pass_number: int  # the sampler's pass that dealt it (a new pass over an epoch gets a new number)
-    pass_start: int  # this rank's step input t that the pass started at in this epoch (0 in its later epochs)
+    pass_start: int  # this rank's step input t that the pass started at
     step_input: int  # g, its index among the epoch's step inputs of all ranks (see the dealing rule)
     every_rank: bool = False  # from the view of every rank's step inputs that launchers deal (see `_StepInputKeys`)
 
@@ -1754,24 +1870,20 @@ class _Pass:
         number: passes started so far (an iterator of an older pass is stale).
         epoch, start: the epoch of the pass and its first step input.
         restored: the position came from load_state_dict, and no iteration has started since.
-        epochs: the epochs the pass yields back to back from ``epoch`` (see NOTE [one pass over several epochs]).
     """
 
     number: int = 0
     epoch: int = 0
     start: int = 0
     restored: bool = False
-    epochs: int = 1
 
 
 @dataclasses.dataclass
 class _Position:
     """Where a sampler stands: its last pass, and how far that pass got.
 
-    Invariant: ``steps_done <= T`` (T: the step inputs of ``steps_epoch``, the
-    pass's epoch ``last.epoch`` plus the ``crossed`` epochs it yielded whole
-    before), ``last.start <= steps_done`` while ``crossed == 0``, and
-    ``finished`` only with ``steps_done == T``: set once an iteration (or a
+    Invariant: ``last.start <= steps_done <= T`` (T: the step inputs of an
+    epoch), and ``finished`` only with ``steps_done == T``: set once an iteration (or a
     restored position) reached the epoch's end, never by set_epoch (not even
     for an empty epoch); then the next iteration yields the next epoch.
 
@@ -1783,17 +1895,11 @@ class _Position:
     last: _Pass = _Pass()
     steps_done: int = 0
     finished: bool = False
-    crossed: int = 0
-
-    @property
-    def steps_epoch(self) -> int:
-        """The epoch ``steps_done`` counts in."""
-        return self.last.epoch + self.crossed
 
     @property
     def epoch(self) -> int:
         """The epoch the next iteration yields: the last one's, or the next once it finished."""
-        return self.steps_epoch + self.finished
+        return self.last.epoch + self.finished
 
     def next_start(self) -> tuple[int, int]:
         """``(epoch, step input)`` where the next pass starts: a restored position, else the epoch's first."""
@@ -1803,14 +1909,16 @@ class _Position:
 
 
 class VariableBatchSampler(Sampler[list[int]]):
-    """Yields this rank's step inputs of a token-budget plan, a new plan every epoch.
+    """Yields this rank's step inputs of a token-budget plan, a new plan every epoch, each of one length.
 
     Every rank computes the same `Plan` per epoch (see `plan_batches`): micro-
     batches of at most ``max_tokens`` tokens, ``k = micro_batch_size x
     gradient_accumulation_steps x num_replicas`` per batch. A step input is
     ``micro_batch_size`` consecutive micro-batches, yielded as its sample ids;
     rank r takes step inputs r, r + R, ... Every rank yields ``len(sampler)``,
-    so no collective waits forever; iterating to the end advances the epoch.
+    so no collective waits forever, in every epoch (NOTE [every epoch the
+    same length]), so a loop that reads ``len()`` once is right; iterating
+    to the end advances the epoch.
     Tune ``max_tokens`` for memory (``budget="padded"``: the padded tensor's
     size, with seqlens that count what the collate adds; `make_dataloader`'s
     loader refuses a tensor over it); ``order="bucket"`` with the padded budget
@@ -1902,14 +2010,12 @@ class VariableBatchSampler(Sampler[list[int]]):
         self._position = _Position()
         self._plans: dict[int, Plan] = {}
         self._logged: set[int] = set()  # the epochs whose plan was logged
-        self._lens: dict[int, int] = {}  # epoch -> the len() given for it (see _check_cut)
-        self._set_by_loop: int | None = None  # the epoch the loop last set itself (see _check_len_read)
         self._alone = False
         self._handed = 0  # this rank's step inputs handed out by every pass (see NOTE [misuse, seen from the loader])
         self._latest = -1  # the absolute index (epoch x len(self) + t) of the last one
         self._read_ahead = 1  # W: step inputs the loaders and the loop may read ahead of the batch trained
         self._followers: list[weakref.ref] = []  # the schedulers whose b an epoch set here squares
-        if self.plan_for_epoch(0).num_batches == 0:  # checked before training: later epochs never raise
+        if self.plan_for_epoch(0).num_batches == 0:  # checked before training: every epoch has its batches
             raise ValueError(_empty_plan_message(self._plans[0]))
 
     def plan_for_epoch(self, epoch: int) -> Plan:
@@ -1921,16 +2027,10 @@ class VariableBatchSampler(Sampler[list[int]]):
             self._plans[epoch] = self._planner(epoch)
         return self._plans[epoch]
 
-    def _start_pass(
-        self, epoch: int, start: int, *, restored: bool = False, finished: bool = False, epochs: int = 1
-    ) -> None:
+    def _start_pass(self, epoch: int, start: int, *, restored: bool = False, finished: bool = False) -> None:
         """Writes the record of a pass over ``epoch`` from step input ``start``: an older iterator goes stale."""
-        record = _Pass(self._position.last.number + 1, epoch, start, restored, epochs)
+        record = _Pass(self._position.last.number + 1, epoch, start, restored)
         self._position = _Position(record, steps_done=start, finished=finished)
-
-    def _batches_per_epoch(self) -> int:
-        """The batches of every epoch (``len(self)`` is this times gradient_accumulation_steps)."""
-        return self.plan_for_epoch(0).num_batches
 
     def _follow(self, scheduler: LRScheduler) -> None:
         """Lets ``scheduler`` square its position when the next epoch is set (see `VariableBatchSizeLR._square`)."""
@@ -1943,13 +2043,9 @@ class VariableBatchSampler(Sampler[list[int]]):
         """A copy (pickled, or deep-copied) is followed by no scheduler: weak references do not travel."""
         return {**self.__dict__, "_followers": []}
 
-    def _steps(self, epoch: int) -> int:
-        """This rank's step inputs in ``epoch`` (the same on every rank)."""
-        return self.plan_for_epoch(epoch).num_batches * self.gradient_accumulation_steps
-
-    def _steps_in(self, epochs: range) -> int:
-        """This rank's step inputs in the whole ``epochs``."""
-        return sum(self._steps(epoch) for epoch in epochs)
+    def _batches_per_epoch(self) -> int:
+        """The batches of every epoch (see NOTE [every epoch the same length]): ``len(self)`` is G of them each."""
+        return self._planner.reference.num_batches
 
     @property
     def epoch(self) -> int:
@@ -1969,11 +2065,6 @@ class VariableBatchSampler(Sampler[list[int]]):
 
     def set_epoch(self, epoch: int) -> None:
         """Sets the epoch of the next iteration (a new order in ``random``/``bucket``)."""
-        self._set_epoch(epoch)
-        self._set_by_loop = epoch  # the loop set it itself (see _check_len_read)
-
-    def _set_epoch(self, epoch: int) -> None:
-        """`set_epoch`, as a launcher calls it through the loader."""
         last = self._position.last
         if _check_int("epoch", epoch) < self.epoch and last.restored:
             raise ValueError(
@@ -1986,110 +2077,28 @@ class VariableBatchSampler(Sampler[list[int]]):
             scheduler = ref()
             if scheduler is not None:
                 scheduler._square(epoch)
-        if epoch != self._position.steps_epoch or self._position.finished:  # else: left or restored mid-way
-            self._check_cut(RuntimeError)
+        if epoch != last.epoch or self._position.finished:  # else: left or restored mid-way
             self._start_pass(epoch, 0, restored=last.restored)  # a restored run's epochs go back only once it ran
 
     def __len__(self) -> int:
-        """Step inputs per epoch on this rank (the same on every rank), of the epoch the next iteration yields."""
-        self._lens[self.epoch] = self._steps(self.epoch)
-        return self._lens[self.epoch]
+        """Step inputs per epoch on this rank: the same on every rank and in every epoch."""
+        return self._batches_per_epoch() * self.gradient_accumulation_steps
 
-    def _check_cut(self, error: type) -> None:
-        """Raises (or warns) when this epoch's pass stopped at a len() given for another epoch.
-
-        Token-budget epochs differ in length; a trainer that reads len(loader)
-        once (Lightning, unless told to reload the loader) stops every epoch at
-        the first one's and leaves the rest of a longer epoch untrained.
-        """
-        epoch, done = self._position.steps_epoch, self._position.steps_done
-        total = self._steps(epoch)
-        stale = [e for e, n in self._lens.items() if e != epoch and n == done]
-        if 0 < done < total and stale:
-            message = (
-                f"epoch {epoch}'s iteration stopped after {done} of its {total} step inputs, the "
-                f"len(loader) of epoch {stale[0]}: a trainer that reads len(loader) once cut it short and "
-                f"its other samples were not trained; reload the loader every epoch (Lightning: "
-                f"Trainer(reload_dataloaders_every_n_epochs=1); see the README, 'Use with torchrun, DeepSpeed, "
-                f"Accelerate, Lightning')"
-            )
-            if error is RuntimeError:
-                raise RuntimeError(message)
-            warnings.warn(message, RuntimeWarning, stacklevel=3)
-
-    def _loader_epoch(self, epochs: int) -> range:
-        """The loader epoch the next iteration is in when a loader pass spans ``epochs`` (see NOTE [one pass over
-        several epochs]): the group of ``epochs`` epochs that holds the epoch it yields."""
-        first = self.epoch // epochs * epochs
-        return range(first, first + epochs)
-
-    def _pass_epochs(self, epochs: int) -> range:
-        """The epochs the next pass yields when a loader pass spans ``epochs``: from the epoch the next iteration
-        yields to the end of its loader epoch."""
-        return range(self.epoch, self._loader_epoch(epochs).stop)
-
-    def _loader_len(self, epochs: int) -> tuple[range, int]:
-        """The epochs a loader whose pass spans ``epochs`` counts in its len(), and this rank's step inputs in them.
-
-        The whole loader epoch, wherever the sampler stands in it, as len()
-        counts a whole epoch of a restored sampler: a trainer that reads len()
-        once counts its steps from that epoch's start (HF Trainer's max_steps
-        and the epochs it has trained, from its global_step, when it resumes
-        over a sampler restored inside the run's one loader epoch).
-        """
-        if epochs == 1:
-            return self._pass_epochs(1), len(self)
-        span = self._loader_epoch(epochs)
-        return span, self._steps_in(span)
-
-    def _check_len_read(self, span: range, start: int, first_len: tuple[range, int] | None) -> None:
-        """Raises at the start of a pass longer than the first len() its loader gave, for another pass.
-
-        NOTE [a loop that read len() for another epoch]: HF Trainer (its
-        set_initial_training_values) reads len(loader) once, before epoch 0,
-        and Lightning without reloading (its fit loop's num_training_batches)
-        keeps the first it read: both stop every later epoch there, so a longer
-        epoch is cut and its last samples are never trained. The cut cannot be
-        seen while it happens (the loop just stops asking), only foreseen here,
-        before the pass's first step input. Such trainers number their epochs
-        themselves and never call the sampler's set_epoch (they reach it through
-        the loader, if at all: Lightning's _set_sampler_epoch, Accelerate's
-        DataLoaderShard), so a loop that set this epoch on the sampler itself,
-        the torch idiom of a loop that iterates every epoch to its end, is
-        trusted. A plain loop that read len(loader) in an earlier epoch and
-        sets no epoch is refused too: it cannot be told apart in time, and
-        calling sampler.set_epoch(epoch) fixes it. A new loader (Lightning's
-        reloading) has no len() of another epoch; DeepSpeed's loader reads
-        len() once and iterates every epoch to its end: its len() is not kept.
-        """
-        if first_len is None or self._set_by_loop == span.start:
-            return
-        read_for, given = first_len
-        steps = self._steps_in(span) - start
-        if read_for == span or steps <= given:
-            return
-        what = f"epoch {span.start}" if len(span) == 1 else f"epochs {span.start}-{span[-1]}"
-        raise RuntimeError(
-            f"{what} has {steps} step inputs on this rank, more than the len(loader)={given} it gave first, "
-            f"for epoch {read_for.start}: a loop that stops at the len() it read once would leave {steps - given} "
-            f"of them untrained; let one loader pass yield the run (make_dataloader(..., epochs=N); HF Trainer: "
-            f"with TrainingArguments(num_train_epochs=1)), or make the loader anew every epoch (Lightning: "
-            f"Trainer(reload_dataloaders_every_n_epochs=1)); a loop that iterates every epoch to its end calls "
-            f"sampler.set_epoch(epoch); see the README, 'Use with torchrun, DeepSpeed, Accelerate, Lightning'"
-        )
-
-    def horizon(self, epochs: int = 1, unit: _Clock = "steps") -> int:
-        """Optimizer steps (or real tokens, or samples) from the current position to the end of ``epochs`` epochs.
-
-        What is left of the current epoch after ``steps_done``, plus the next
-        ``epochs - 1`` epochs, from their plans: size a schedule with it, not
-        with ``len(loader) * epochs`` (each epoch's plan has its own length).
+    def horizon(self, epochs: int, unit: _Clock) -> int:
+        """Real tokens (``unit="tokens"``) or samples (``"samples"``) from the current position to the end of
+        ``epochs`` epochs: what is left of the current epoch after ``steps_done``, plus the next ``epochs - 1``
+        epochs, from their plans. Optimizer steps need no plan: every epoch has ``len(sampler) // G``.
 
         Example:
-            >>> VariableBatchSampler([3, 5, 2, 6, 4, 1], max_tokens=8).horizon(epochs=4)
-            12
+            >>> VariableBatchSampler([3, 5, 2, 6, 4, 1], max_tokens=8).horizon(4, "tokens")
+            84
         """
         epochs, unit = _check_int("epochs", epochs, minimum=1), _check_choice("unit", unit, _Clock)
+        if unit == "steps":
+            raise ValueError(
+                f"horizon(unit='steps') is len(sampler) // gradient_accumulation_steps x epochs, the same in "
+                f"every epoch: {len(self) // self.gradient_accumulation_steps} x {epochs}; count tokens or samples"
+            )
         if unit == "tokens":
             self._check_tokens_known("horizon(unit='tokens')")
 
@@ -2120,13 +2129,7 @@ class VariableBatchSampler(Sampler[list[int]]):
                 f"sample; make it after init_process_group, or pass num_replicas and rank"
             )
 
-    def _iter_keys(
-        self,
-        every_rank: bool = False,
-        epochs: int = 1,
-        first_len: tuple[range, int] | None = None,
-        ids_only: bool = False,
-    ) -> Iterator[tuple]:
+    def _iter_keys(self, every_rank: bool = False, ids_only: bool = False) -> Iterator[tuple]:
         """Keys of this rank's step inputs of the epoch, from the resume position (with ``every_rank``, all ranks').
 
         The one dealing rule (see above). A key is a `_StepInputKey`: the step
@@ -2134,34 +2137,12 @@ class VariableBatchSampler(Sampler[list[int]]):
         the pass dealt it, by which `_LoadStepInput` checks the dealing. The position
         follows this rank's keys; after its last one the sampler is at the next
         epoch, also when the iterator is not exhausted (trainers stop at len()).
-        With ``epochs > 1`` the pass goes on through the epochs of its group
-        (see NOTE [one pass over several epochs]); ``first_len``: the first len() its loader gave.
         With ``ids_only`` each key is only its sample ids, as a list (what `__iter__` yields; this rank's only).
         """
-        self._check_cut(RuntimeError)
         self._check_world()
-        finalizing = sys.is_finalizing  # held by the generator: the module's `sys` is None at interpreter exit
         epoch, start = self._position.next_start()
-        span = self._pass_epochs(epochs)
-        self._check_len_read(span, start, first_len)
-        self._start_pass(epoch, start, finished=start >= self._steps(epoch), epochs=len(span))  # empty: done at once
-        position = self._position  # this pass's: it goes stale once the sampler has another
-        try:
-            for epoch in span:
-                if epoch > span.start:  # the next epoch of a pass over several, from its first step input
-                    if self._position is not position:
-                        return
-                    position.crossed = epoch - span.start
-                    position.steps_done = 0
-                    position.finished = self._steps(epoch) == 0
-                    start = 0
-                yield from self._epoch_keys(epoch, start, position, every_rank, ids_only)
-        except GeneratorExit:  # the consumer dropped the pass: the last epoch of a run has no next pass to raise in
-            # An iterator alive at interpreter exit (a loop that stopped at a step count) is closed while the
-            # module's globals are being cleared: nothing of varbatch can run then, and a cut is past reporting.
-            if self._position is position and not finalizing():
-                self._check_cut(RuntimeWarning)
-            raise
+        self._start_pass(epoch, start, finished=start >= len(self))  # empty: done at once
+        yield from self._epoch_keys(epoch, start, self._position, every_rank, ids_only)
 
     def _epoch_keys(
         self, epoch: int, start: int, position: _Position, every_rank: bool, ids_only: bool
@@ -2173,7 +2154,7 @@ class VariableBatchSampler(Sampler[list[int]]):
         step input would cost more than the rest of the key. Each of this rank's step
         inputs moves ``position`` on before it is handed out (`_hand_out`).
         """
-        total = self._steps(epoch)
+        total = len(self)
         plan = self.plan_for_epoch(epoch)
         m, ranks = self.micro_batch_size, self.num_replicas
         passes = position.last.number
@@ -2225,7 +2206,7 @@ class VariableBatchSampler(Sampler[list[int]]):
         position.steps_done = steps_done
         position.finished = steps_done == total
         self._handed += 1
-        self._latest = position.steps_epoch * total + steps_done - 1
+        self._latest = position.last.epoch * total + steps_done - 1
         return True
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -2248,18 +2229,18 @@ class VariableBatchSampler(Sampler[list[int]]):
         ``steps_done`` defaults to ``self.steps_done``, exact without worker
         processes; with workers the loader prefetches: pass what your loop trained.
         """
-        epoch = self._position.steps_epoch
+        epoch = self._position.last.epoch
         if steps_done is None:
             done = self.steps_done
         else:
-            done = _check_int("steps_done", steps_done, 0, self._steps(epoch), "the step inputs of the epoch trained")
+            done = _check_int("steps_done", steps_done, 0, len(self), "the step inputs of the epoch trained")
         return {"epoch": epoch, "steps_done": done, "rank": self.rank, "settings": self._state_settings()}
 
     def load_state_dict(self, state_dict: Mapping) -> None:
         """Restores a `state_dict`: the next iteration continues where it stopped."""
         _check_state(self, state_dict, set(self._STATE))
         epoch = _check_int("epoch", state_dict["epoch"], minimum=0)
-        total = self._steps(epoch)
+        total = len(self)
         steps = _check_int("steps_done", state_dict["steps_done"], minimum=0, maximum=total)
         self._start_pass(epoch, steps, restored=True, finished=steps == total)
 
@@ -2280,34 +2261,26 @@ class _StepInputKeys(DistributedSampler):
     (a batch sampler's batch of one), else the keys themselves (a sampler a loader batches by one).
 
     A `DistributedSampler` in type only (its ``__init__`` is not called): see NOTE [the loader deals itself]. Its
-    state is ``sampler``'s, which torchdata's StatefulDataLoader saves with the loader's. A pass yields ``epochs``
-    epochs of ``sampler`` (see NOTE [one pass over several epochs]); ``lens`` is the loader's record, shared by
-    its keys, of the first len() it gave (see `VariableBatchSampler._check_len_read`); None for DeepSpeed's loader.
+    state is ``sampler``'s, which torchdata's StatefulDataLoader saves with the loader's.
     """
 
-    def __init__(self, sampler: VariableBatchSampler, *, every_rank: bool, batched: bool, epochs: int = 1, lens=None):
+    def __init__(self, sampler: VariableBatchSampler, *, every_rank: bool, batched: bool):
         self.variable_batch_sampler = sampler
         self.every_rank = every_rank
         self.batched = batched
-        self.epochs = epochs
-        self.lens = lens
 
     def __iter__(self):
-        first_len = None if self.lens is None else self.lens.get("first")
-        keys = self.variable_batch_sampler._iter_keys(self.every_rank, self.epochs, first_len)
+        keys = self.variable_batch_sampler._iter_keys(self.every_rank)
         if self.batched:
             return ([key] for key in keys)
         return keys
 
     def __len__(self):
         sampler = self.variable_batch_sampler
-        span, steps = sampler._loader_len(self.epochs)
-        if self.lens is not None:
-            self.lens.setdefault("first", (span, steps))
-        return steps * sampler.num_replicas if self.every_rank else steps
+        return len(sampler) * sampler.num_replicas if self.every_rank else len(sampler)
 
-    def set_epoch(self, epoch):  # a launcher's, through the loader: its epoch k starts at the sampler's k x epochs
-        self.variable_batch_sampler._set_epoch(epoch * self.epochs)
+    def set_epoch(self, epoch):  # a launcher's, through the loader
+        self.variable_batch_sampler.set_epoch(epoch)
 
     def state_dict(self):
         return self.variable_batch_sampler.state_dict()
@@ -2530,7 +2503,6 @@ def make_dataloader(
     num_workers=0,
     pin_memory=False,
     dataloader_class=None,
-    epochs=1,
     **dataloader_kwargs,
 ) -> DataLoader:
     """A `DataLoader` over ``batch_sampler``'s step inputs: ``collate_fn(samples)`` for each (the list without one).
@@ -2550,28 +2522,6 @@ def make_dataloader(
     is ``batch_sampler``. Under torch.distributed with ``num_replicas > 1`` it is
     a collective: every process calls it, and the processes check that they
     planned the same epoch (see `_check_ranks_agree`).
-
-    With ``epochs=N`` one pass of the loader yields N epochs of the sampler
-    back to back, and ``len(loader)`` counts them all: a trainer that reads
-    ``len()`` once and numbers its own epochs (HF Trainer, with
-    ``num_train_epochs=1``) then trains the run's N epochs as one.
-
-    NOTE [one pass over several epochs]: HF Trainer reads len(loader) once and
-    runs that many steps every epoch, and resumes by skipping ``global_step x
-    G`` step inputs of a fresh loader's pass (its _init_training_state and
-    accelerate's skip_first_batches), both from epoch 0's length; its
-    checkpoints hold no sampler state. With its one epoch the run's N, its
-    max_steps is the horizon and its skip lands where training stopped: the
-    pass starts at epoch 0 and the restored scheduler keeps its position
-    against it (NOTE [a restored scheduler over a fresh sampler]). The
-    loader's epoch k is the sampler's epochs kN .. kN + N - 1 (its set_epoch
-    maps k to kN); a pass from a position inside such a group ends at the
-    group's end, and len() counts the whole group wherever the sampler stands
-    in it: the README recipe's resume, which restores the sampler from its
-    checkpoint with ignore_data_skip=True, leaves the Trainer's arithmetic
-    (max_steps from len(), the epochs trained from global_step) at the run's.
-    Each key carries its own epoch, so the dealing check and the sampler's
-    state_dict stay per epoch.
 
     Raises:
         TypeError, ValueError: another sampler, same-length mode without
@@ -2601,7 +2551,6 @@ def make_dataloader(
             "sample_padding_fn is None, but same-length mode pads every sample of a batch to the batch's "
             "max seqlen; pass sample_padding_fn=varbatch.pad_sample or your own fn(sample, length)"
         )
-    epochs = _check_int("epochs", epochs, minimum=1)
     if dataloader_class is None:
         loader_class = _Loader
     else:  # varbatch's dealing over the given class (and, for a stateful one, a sampler restored at once)
@@ -2610,7 +2559,6 @@ def make_dataloader(
             bases = (_RestoresAtOnce, *bases)
         loader_class = type(f"_{dataloader_class.__name__}", bases, {})
     settings = batch_sampler.settings
-    lens = {}  # the first len() the loader gave (see NOTE [a loop that read len() for another epoch])
     load_step_input = _LoadStepInput(
         dataset,
         collate_fn,
@@ -2622,14 +2570,14 @@ def make_dataloader(
     loader = loader_class(
         _KeyDataset(),
         batch_size=1,
-        sampler=_StepInputKeys(batch_sampler, every_rank=True, batched=False, epochs=epochs, lens=lens),
+        sampler=_StepInputKeys(batch_sampler, every_rank=True, batched=False),
         num_workers=num_workers,
         pin_memory=pin_memory,
         collate_fn=load_step_input,
         **dataloader_kwargs,
     )
     # see NOTE [the loader deals itself]
-    loader._local = _StepInputKeys(batch_sampler, every_rank=False, batched=True, epochs=epochs, lens=lens)
+    loader._local = _StepInputKeys(batch_sampler, every_rank=False, batched=True)
     loader.variable_batch_sampler = batch_sampler
     # What this loader's workers read ahead of the loop, and one step input a loop that fetches one batch ahead
     # reads (HF Accelerate's and Lightning's): see NOTE [misuse, seen from the loader].
@@ -3697,7 +3645,8 @@ def get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
     (spot-checked with ``batch_seqlens_fn``); else computed once with
     ``batch_seqlens_fn``, each rank a shard, and cached there. ``lr_scheduler_fn``,
     if given, makes the schedule to scale from the sampler, so that it can be
-    sized by ``sampler.horizon(epochs)`` (e.g. ``lambda sampler: OneCycleLR(...)``).
+    sized by it: ``len(sampler) // gradient_accumulation_steps`` optimizer steps every epoch
+    (e.g. ``lambda sampler: OneCycleLR(...)``).
 
     Returns:
         ``(dataloader, lr_scheduler, deepspeed_io_kwargs)``; ``lr_scheduler`` is
