@@ -2957,8 +2957,8 @@ class VariableBatchSizeLR(LRScheduler):
 
     def _check_update(self) -> None:
         """Raises when this `step` is a second one for one update (see NOTE [misuse, seen from the loader])."""
-        sampler, handed, last = self._sampler, self._handed(), self._handed_at_step
-        updated = self._optimizer_steps != self._steps_at_step
+        sampler, handed = self._sampler, self._handed()
+        last, updated = self._handed_at_step, self._optimizer_steps != self._steps_at_step
         self._handed_at_step, self._steps_at_step = handed, self._optimizer_steps
         if sampler is None or updated or last is None or handed == self._handed_floor:
             return
