@@ -20,6 +20,11 @@ DeepSpeed's signatures); ``plan_batches`` -> ``Plan``, ``VariableBatchSampler``,
 sample is trained once per epoch or listed in ``Plan.dropped`` with a reason;
 every rank computes the same plan. Needs numpy and torch (DeepSpeed only
 inside the functions that use it).
+The contract with a training loop: every epoch of a sampler has ``len(sampler)``
+step inputs; the loop calls ``scheduler.step()`` once per batch, after its
+update, and ``scheduler.step(skipped=True)`` after an update AMP skipped (or
+steps plainly every iteration, as torch's AMP recipe does). Nothing watches the
+model: misuse is found from the step inputs the loader handed out.
 Tests: ``python -m pytest test_varbatch.py``.
 
 Reading path: the definitions that carry the technique, in file order (about
