@@ -2743,10 +2743,11 @@ class VariableBatchSizeLR(LRScheduler):
       handed out before: loaders hand out nothing while they drain their
       read-ahead); else it is a second ``step()`` for one update: refused at once;
     - b never runs ahead, ``b x G <= latest + 1``, and runs behind by at most W,
-      ``latest + 1 - b x G <= W``: a loop that accumulates another number of
-      step inputs than G, or skips updates without telling, is refused within
-      ``ceil(W / G) + 2`` updates. Fewer than ``W / G`` untold skips in a whole
-      run cannot be seen (the loader's read-ahead hides them).
+      ``latest + 1 - b x G <= W``: a loop that accumulates G' step inputs an
+      update drifts ``|G - G'|`` a batch and is refused within ``ceil(W /
+      |G - G'|) + 2`` updates; one that skips updates without telling is refused
+      at the first untold skip past ``W / G``. Fewer untold skips in a whole run
+      cannot be seen (the loader's read-ahead hides them).
     A rank whose loader hands out nothing (DeepSpeed's middle pipeline stages)
     is not checked, nor a scheduler until a step input is handed out after it
     was made or restored (a sampler not yet iterated is at no other position).
@@ -2762,7 +2763,7 @@ class VariableBatchSizeLR(LRScheduler):
             sequence of batch sizes (cycled, as DeepSpeed's); ``dataloader`` is
             searched for a sampler too.
         lr_scaling_method: ``"linear"``, ``"sqrt"``, ``"none"``/None or a callable.
-        lr_scaling_unit: ``"sequences"`` or ``"tokens"``; clock, clock_step: see the NOTE.
+        lr_scaling_unit: ``"sequences"`` or ``"tokens"``; clock, clock_step: see NOTE [clocks] (`_check_clock`).
 
     Raises:
         TypeError: a ReduceLROnPlateau (it steps on a metric, not on batches), or a VariableBatchSizeLR.
