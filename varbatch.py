@@ -1253,7 +1253,7 @@ def _reference_plan(seqlens: np.ndarray, settings: _Settings, sample_ids: np.nda
         return plan
     low, median, high = np.percentile(plan.batch_tokens, [25, 50, 75])
     spread = math.sqrt(plan.num_batches) * (high - low) / 1.349 / median  # robust to the leftovers' last batch
-    margin = min(round(_MARGIN_SPREADS * spread), max(1, plan.num_batches // _MARGIN_SHARE))
+    margin = min(math.floor(_MARGIN_SPREADS * spread), max(1, plan.num_batches // _MARGIN_SHARE))
     return _lengthened(plan, seqlens, plan.num_batches + min(margin, int(_cuttable(plan).sum())))
 
 
