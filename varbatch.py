@@ -18,7 +18,8 @@ DeepSpeed's signatures); ``plan_batches`` -> ``Plan``, ``VariableBatchSampler``,
 ``micro_batch_loss_weight``. Guarantees: no micro-batch costs more than
 ``max_tokens`` (in the seqlens given: they count what the collate adds); every
 sample is trained once per epoch or listed in ``Plan.dropped`` with a reason;
-every rank computes the same plan. Needs numpy and torch (DeepSpeed only
+every rank computes the same plan; every epoch of a sampler has the same
+number of step inputs. Needs numpy and torch (DeepSpeed only
 inside the functions that use it).
 Tests: ``python -m pytest test_varbatch.py``.
 
@@ -30,7 +31,8 @@ Reading path: the definitions that carry the technique, in file order (about
 3. ``_picking_order``, ``_pack_rows`` with ``_fitting_rows``, ``_single_rows`` and
    ``_interleaved_fits``, and ``_pack``: the order samples are picked in, the packer's loop
    and its invariant (NOTE [the greedy rule, vectorized], NOTE [interleaved blocks,
-   vectorized]), the steps of a plan.
+   vectorized]), the steps of a plan; ``_equal_plan``: every epoch with epoch 0's
+   number of batches (NOTE [every epoch the same length]).
 4. ``_lr_factor`` and ``_lr_factors``: the LR rule, ``s(B / B_ref)``.
 5. ``PaddedCollate``: a step input as one padded ``B x S`` tensor.
 6. The dealing rule (the comment under "The batch sampler"), ``_Position``
@@ -1203,7 +1205,8 @@ def _rebatched(plan: Plan, order: np.ndarray, cut: dict | None = None, epoch: in
     if cut is not None:
         more = [cut["sample_ids"], np.diff(cut["microbatch_offsets"]), cut["padded_seqlens"], cut["batch_tokens"]]
         arrays = [np.concatenate([mine, extra]) for mine, extra in zip(arrays, more)]
-    # a batch's padded seqlens are its micro-batches' longest as `_plan_arrays` needs them: their groups' maxima
+    # The padded seqlens stand in for the micro-batches' longest: `_plan_arrays` takes their groups' maxima,
+    # which they already are.
     packed, sizes, padded, tokens = _reordered_batches(*arrays, order, plan.settings)
     fresh = _plan_arrays(packed, sizes, padded, tokens, plan.settings)
     for array in fresh.values():
