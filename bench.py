@@ -1364,7 +1364,7 @@ def bench_epochs(quick: bool, results: dict) -> str:
                             "-" if row["time_ratio"] is None else f"{row['mean_time_ratio']:.2f}x",
                         ]
                     )
-    out = ["## 2e. Every epoch the same length", ""]
+    out = ["### 2e. Every epoch the same length", ""]
     out.append(
         f"Long-tailed lengths as in 2 (seed 7), max_tokens={PAD_MAX_TOKENS}, effective_batch_size="
         f"{PAD_EFFECTIVE_BATCH_SIZE}, default seed and bucket_size; epochs 0 .. E - 1 of each mode ("
