@@ -167,9 +167,9 @@ def main(args):
     )
     engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
 
-    # 2. varbatch's loader and LR scheduler (as engine.lr_scheduler), sized by the plans' exact number of steps.
+    # 2. varbatch's loader and LR scheduler (as engine.lr_scheduler), sized exactly: every epoch has len(sampler).
     def schedule(sampler):
-        steps = sampler.horizon(args.epochs)
+        steps = len(sampler) // sampler.gradient_accumulation_steps * args.epochs
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: warmup_cosine(t, steps))
 
     dataloader, lr_scheduler, _ = varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
@@ -189,8 +189,7 @@ def main(args):
             raise FileNotFoundError(f"--resume: no checkpoint in --checkpoint-dir {args.checkpoint_dir}")
         sampler.load_state_dict(client_state["varbatch_sampler"])
         print0(f"resumed from {path} at step {engine.global_steps}; the sampler goes on in epoch {sampler.epoch}")
-    left = args.epochs - sampler.epoch
-    total_steps = min(engine.global_steps + (sampler.horizon(left) if left > 0 else 0), args.max_steps or 10**9)
+    total_steps = min(len(sampler) // gas * args.epochs, args.max_steps or 10**9)
     print0(
         f"{total_steps} optimizer steps of {sampler.effective_batch_size} micro-batches: "
         f"{'pipeline' if pipeline else 'DDP'}, {ranks} data-parallel rank(s), device {engine.device}"

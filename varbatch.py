@@ -18,7 +18,8 @@ DeepSpeed's signatures); ``plan_batches`` -> ``Plan``, ``VariableBatchSampler``,
 ``micro_batch_loss_weight``. Guarantees: no micro-batch costs more than
 ``max_tokens`` (in the seqlens given: they count what the collate adds); every
 sample is trained once per epoch or listed in ``Plan.dropped`` with a reason;
-every rank computes the same plan. Needs numpy and torch (DeepSpeed only
+every rank computes the same plan; every epoch of a sampler has the same
+number of step inputs. Needs numpy and torch (DeepSpeed only
 inside the functions that use it).
 The contract with a training loop: every epoch of a sampler has ``len(sampler)``
 step inputs; the loop calls ``scheduler.step()`` once per batch, after its
@@ -35,7 +36,8 @@ Reading path: the definitions that carry the technique, in file order (about
 3. ``_picking_order``, ``_pack_rows`` with ``_fitting_rows``, ``_single_rows`` and
    ``_interleaved_fits``, and ``_pack``: the order samples are picked in, the packer's loop
    and its invariant (NOTE [the greedy rule, vectorized], NOTE [interleaved blocks,
-   vectorized]), the steps of a plan.
+   vectorized]), the steps of a plan; ``_equal_plan``: every epoch with epoch 0's
+   number of batches (NOTE [every epoch the same length]).
 4. ``_lr_factor`` and ``_lr_factors``: the LR rule, ``s(B / B_ref)``.
 5. ``PaddedCollate``: a step input as one padded ``B x S`` tensor.
 6. The dealing rule (the comment under "The batch sampler"), ``_Position``
@@ -1193,7 +1195,7 @@ def _empty_plan_message(plan: Plan) -> str:
 # - An epoch that packs more than C batches, or fewer with too few batches that can be cut, is drawn
 #   again, from (seed, epoch, attempt) for attempt 1, 2, ... below `_REDRAWS` (`_pack`).
 # - The last resort cannot fail: epoch 0's plan (C batches; its budgets held) with its batches in an
-#   order drawn from (seed, epoch, `_REDRAWS`), and its drops.
+#   order drawn from (seed, epoch, `_REDRAWS`), and its drops (`_reshuffled`).
 # Each epoch's plan thus depends only on (seqlens, settings, seed, epoch), through epoch 0's: the same
 # on every rank and in any order of epochs. Epoch 0's plan is its packing with its cuts: unchanged
 # where C = B0, as in every plan of a deterministic order or of given micro-batches.
@@ -1203,19 +1205,18 @@ _MARGIN_SHARE = 400  # C - B0 <= B0 / 400: at most 0.25% more micro-batches than
 _REDRAWS = 8  # the packings drawn for an epoch before the last resort
 
 
-def _rebatched(plan: Plan, order: np.ndarray, cut: dict | None = None, epoch: int | None = None) -> Plan:
-    """``plan`` with its batches, and after them ``cut``'s (`_plan_arrays` of more batches), in the order ``order``
-    (indices of those batches), as the plan of ``epoch`` (default: ``plan``'s); its drops stay."""
-    arrays = [plan.sample_ids, plan.microbatch_sizes(), plan.padded_seqlens, plan.batch_tokens]
-    if cut is not None:
-        more = [cut["sample_ids"], np.diff(cut["microbatch_offsets"]), cut["padded_seqlens"], cut["batch_tokens"]]
-        arrays = [np.concatenate([mine, extra]) for mine, extra in zip(arrays, more)]
-    # a batch's padded seqlens are its micro-batches' longest as `_plan_arrays` needs them: their groups' maxima
-    packed, sizes, padded, tokens = _reordered_batches(*arrays, order, plan.settings)
-    fresh = _plan_arrays(packed, sizes, padded, tokens, plan.settings)
+def _reshuffled(plan: Plan, epoch: int) -> Plan:
+    """``plan``'s batches in an order drawn from (seed, ``epoch``, `_REDRAWS`), as the plan of ``epoch``: the last
+    resort of NOTE [every epoch the same length]; its drops stay."""
+    settings = plan.settings
+    order = np.random.default_rng((settings.seed, epoch, _PLAN_STREAM, _REDRAWS)).permutation(plan.num_batches)
+    arrays = (plan.sample_ids, plan.microbatch_sizes(), plan.padded_seqlens, plan.batch_tokens)
+    # The padded seqlens stand in for the micro-batches' longest: `_plan_arrays` takes their groups' maxima,
+    # which they already are.
+    fresh = _plan_arrays(*_reordered_batches(*arrays, order, settings), settings)
     for array in fresh.values():
         array.setflags(write=False)
-    return dataclasses.replace(plan, **fresh, epoch=plan.epoch if epoch is None else epoch)
+    return dataclasses.replace(plan, **fresh, epoch=epoch)
 
 
 def _cuttable(plan: Plan) -> np.ndarray:
@@ -1224,6 +1225,17 @@ def _cuttable(plan: Plan) -> np.ndarray:
     width = settings.unit_width
     rows = plan.microbatch_sizes()[::width].reshape(plan.num_batches, settings.effective_batch_size // width)
     return (rows // settings.min_batch_size).sum(axis=1) >= 2 * rows.shape[1]
+
+
+def _spliced(mine: np.ndarray, theirs: np.ndarray, cut: list[int], bounds: tuple | None = None) -> np.ndarray:
+    """``mine``'s batches (rows, or runs between ``bounds``: where each batch starts, and the end, in each array)
+    with batch ``cut[i]`` replaced by ``theirs``' batches 2i and 2i + 1: one copy, whatever the arrays' size."""
+    starts = (np.arange(len(mine) + 1), np.arange(len(theirs) + 1)) if bounds is None else bounds
+    pieces, done = [], 0
+    for i, b in enumerate(cut):
+        pieces += [mine[starts[0][done] : starts[0][b]], theirs[starts[1][2 * i] : starts[1][2 * i + 2]]]
+        done = b + 1
+    return np.concatenate([*pieces, mine[starts[0][done] :]])
 
 
 def _lengthened(plan: Plan, seqlens: np.ndarray, batches: int) -> Plan | None:
@@ -1235,22 +1247,33 @@ def _lengthened(plan: Plan, seqlens: np.ndarray, batches: int) -> Plan | None:
     cuttable = np.flatnonzero(_cuttable(plan))
     if len(cuttable) < cuts:
         return None
-    fullest = np.sort(cuttable[np.argsort(-plan.batch_sizes[cuttable], kind="stable")[:cuts]])
+    fullest = np.sort(cuttable[np.argsort(-plan.batch_sizes[cuttable], kind="stable")[:cuts]]).tolist()
     settings = plan.settings
     k, width = settings.effective_batch_size, settings.unit_width
     halves = []  # the micro-batches of the cut batches, two batches' worth each
-    for b in fullest.tolist():
+    for b in fullest:
         microbatches = [plan.microbatch(j) for j in range(b * k, b * k + k)]
         blocks = [microbatches[u : u + width] for u in range(0, k, width)]
         halves += [mb for block in _resplit(blocks, 2 * len(blocks), settings.min_batch_size) for mb in block]
     ids = np.concatenate(halves)
     sizes = np.array([len(mb) for mb in halves], np.int64)
     cut = _plan_arrays(ids, sizes, *_microbatch_stats(seqlens, ids, sizes, settings), settings)
-    # Each cut batch's two halves take its place: batch b goes to 2b, its halves to 2b and 2b + 1.
-    kept = np.flatnonzero(~np.isin(np.arange(plan.num_batches), fullest))
-    sources = np.concatenate([kept, plan.num_batches + np.arange(2 * cuts)])
-    places = np.concatenate([2 * kept, 2 * np.repeat(fullest, 2) + np.tile([0, 1], cuts)])
-    return _rebatched(plan, sources[np.argsort(places)], cut)
+    starts = (plan.microbatch_offsets[::k], cut["microbatch_offsets"][::k])  # where each batch's samples start
+    microbatch_sizes = plan.microbatch_sizes().reshape(-1, k)
+    microbatch_sizes = _spliced(microbatch_sizes, np.diff(cut["microbatch_offsets"]).reshape(-1, k), fullest)
+    padded = _spliced(plan.padded_seqlens.reshape(-1, k), cut["padded_seqlens"].reshape(-1, k), fullest)
+    fresh = {
+        "sample_ids": _spliced(plan.sample_ids, cut["sample_ids"], fullest, starts),
+        "microbatch_offsets": _offsets(microbatch_sizes.ravel()),
+        "padded_seqlens": padded.ravel(),
+        **{
+            name: _spliced(getattr(plan, name), cut[name], fullest)
+            for name in ("batch_sizes", "batch_tokens", "batch_max_seqlens")
+        },
+    }
+    for array in fresh.values():
+        array.setflags(write=False)
+    return dataclasses.replace(plan, **fresh)
 
 
 def _reference_plan(seqlens: np.ndarray, settings: _Settings, sample_ids: np.ndarray | None) -> Plan:
@@ -1260,7 +1283,7 @@ def _reference_plan(seqlens: np.ndarray, settings: _Settings, sample_ids: np.nda
         return plan
     low, median, high = np.percentile(plan.batch_tokens, [25, 50, 75])
     spread = math.sqrt(plan.num_batches) * (high - low) / 1.349 / median  # robust to the leftovers' last batch
-    margin = min(round(_MARGIN_SPREADS * spread), max(1, plan.num_batches // _MARGIN_SHARE))
+    margin = min(math.floor(_MARGIN_SPREADS * spread), max(1, plan.num_batches // _MARGIN_SHARE))
     return _lengthened(plan, seqlens, plan.num_batches + min(margin, int(_cuttable(plan).sum())))
 
 
@@ -1275,8 +1298,7 @@ def _equal_plan(
         plan = _lengthened(_pack(seqlens, settings, sample_ids, epoch, attempt), seqlens, reference.num_batches)
         if plan is not None:
             return plan
-    order = np.random.default_rng((settings.seed, epoch, _PLAN_STREAM, _REDRAWS)).permutation(reference.num_batches)
-    return _rebatched(reference, order, epoch=epoch)
+    return _reshuffled(reference, epoch)
 
 
 def plan_batches(
