@@ -15,8 +15,9 @@ Public names: DeepSpeed's ``batch_by_seqlens``, ``scale_lr``,
 ``get_dataloader_and_lr_scheduler_for_variable_batch_size[_deepspeed]`` (with
 DeepSpeed's signatures); ``plan_batches`` -> ``Plan``, ``VariableBatchSampler``,
 ``make_dataloader``, ``PaddedCollate``, ``pad_sample``, ``seqlens_from_padded``,
-``micro_batch_loss_weight``. Guarantees: no micro-batch costs more than
-``max_tokens`` (in the seqlens given: they count what the collate adds); every
+``micro_batch_loss_weight``, and HF Trainer's adapter ``hf_trainer_lr_scheduler``.
+Guarantees: no micro-batch costs more than ``max_tokens`` (in the seqlens
+given: they count what the collate adds); every
 sample is trained once per epoch or listed in ``Plan.dropped`` with a reason;
 every rank computes the same plan; every epoch of a sampler has the same
 number of step inputs. Needs numpy and torch (DeepSpeed only
@@ -93,6 +94,7 @@ __all__ = [  # DeepSpeed's names (deepspeed.runtime.data_pipeline.data_sampling.
     "pad_sample",
     "seqlens_from_padded",
     "micro_batch_loss_weight",
+    "hf_trainer_lr_scheduler",
 ]
 __version__ = "0.3.0"
 _logger = logging.getLogger("varbatch")
@@ -2273,7 +2275,24 @@ class VariableBatchSampler(Sampler[list[int]]):
 
 
 class _KeyDataset(Dataset):
-    """Item ``key`` is ``key``: the loader's sampler yields step-input keys, `_LoadStepInput` loads their samples."""
+    """Item ``key`` is ``key``: the loader's sampler yields step-input keys, `_LoadStepInput` loads their samples.
+
+    Its ``set_epoch`` is ``sampler``'s: accelerate's ``DataLoaderShard.set_epoch``
+    falls back to its dataset's where its batch sampler hides the sampler, as in
+    the loader that accelerate's ``skip_first_batches`` rebuilds from a prepared
+    one (a ``SkipBatchSampler`` over a ``BatchSamplerShard``; HF Trainer resumes
+    inside an epoch with it), whose epoch would otherwise stay the sampler's last.
+    """
+
+    def __init__(self, sampler: VariableBatchSampler | None = None):
+        self.variable_batch_sampler = sampler
+
+    def __reduce__(self):  # a loader worker's copy loads keys only: no sampler (no copy of its plans)
+        return (_KeyDataset, ())
+
+    def set_epoch(self, epoch):
+        if self.variable_batch_sampler is not None:
+            self.variable_batch_sampler.set_epoch(epoch)
 
     def __getitem__(self, key):
         return key
@@ -2595,7 +2614,7 @@ def make_dataloader(
         step_input_bound=settings.step_input_bound if settings.budget == "padded" else None,
     )
     loader = loader_class(
-        _KeyDataset(),
+        _KeyDataset(batch_sampler),
         batch_size=1,
         sampler=_StepInputKeys(batch_sampler, every_rank=True, batched=False),
         num_workers=num_workers,
@@ -3196,6 +3215,115 @@ def lr_scheduler_for_variable_batch_size(
         verbose=verbose,
         **options,
     )
+
+
+# =============================================================================
+# HF Trainer and TRL
+# =============================================================================
+
+
+def _is_the_trainers(scheduler: VariableBatchSizeLR, given: Any) -> bool:
+    """Whether ``given``, the scheduler HF's callbacks get, is ``scheduler`` (or an Accelerate wrapper of it)."""
+    return scheduler in (given, getattr(given, "scheduler", None))
+
+
+def _tell_skipped_updates(scheduler: VariableBatchSizeLR, global_step: int) -> None:
+    """``step(skipped=True)`` while HF's ``global_step`` is ahead of b (see NOTE [HF Trainer's skipped updates])."""
+    while global_step > scheduler.batches_trained:
+        scheduler.step(skipped=True)
+    if scheduler.batches_trained > global_step:
+        raise RuntimeError(
+            f"VariableBatchSizeLR counts {scheduler.batches_trained} batches, but the Trainer's global_step is "
+            f"{global_step}: something steps the scheduler besides the Trainer (a callback, compute_loss, a loop of "
+            f"your own), or it was restored from another checkpoint than the Trainer's state; let the Trainer step it "
+            f"and resume with resume_from_checkpoint"
+        )
+
+
+def _check_trainer_resume(args: Any, global_step: int, scheduler: VariableBatchSizeLR, loader: Any) -> None:
+    """Raises when an HF Trainer resumes at ``global_step`` where its data would not be the uninterrupted run's."""
+    if not global_step:
+        return
+    if args.ignore_data_skip and global_step % scheduler._batches_per_epoch():
+        raise RuntimeError(
+            f"the Trainer resumes at global_step={global_step}, inside an epoch, with ignore_data_skip=True: it "
+            f"would train that epoch again from its start at the LRs of later batches; leave ignore_data_skip "
+            f"False (skipping varbatch's trained step inputs reads no samples)"
+        )
+    if isinstance(loader, _Loader):
+        raise RuntimeError(
+            "the Trainer resumes over varbatch's loader as make_dataloader made it: its skip of the trained step "
+            "inputs (accelerate's skip_first_batches) would rebuild it over every rank's, and its set_epoch would "
+            "not reach the sampler; return self.accelerator.prepare(loader) from get_train_dataloader (see the "
+            "README's HF Trainer recipe)"
+        )
+
+
+def hf_trainer_lr_scheduler(trainer, lr_scheduler, base_batch_size, batch_sizes, **options):
+    """A `VariableBatchSizeLR` for an HF ``transformers.Trainer`` (TRL's trainers too), told of the updates it skips.
+
+    Call it in the Trainer's ``create_scheduler``, on the schedule the Trainer built there (``lr_scheduler_type``,
+    warmup: ``super().create_scheduler(...)``); it returns the scheduler to install as ``trainer.lr_scheduler``.
+
+    NOTE [HF Trainer's skipped updates]: for each update the Trainer
+    (transformers/trainer.py, ``Trainer._run_epoch``) steps the optimizer,
+    steps the scheduler unless ``accelerator.optimizer_step_was_skipped`` (AMP
+    found inf/nan; DeepSpeed's engine, which then steps it, skips it alike),
+    adds one to ``state.global_step`` either way, calls the callbacks'
+    ``on_step_end``, and then saves a checkpoint if one is due (``scheduler.pt``
+    beside ``trainer_state.json``, which holds ``global_step``). So
+    ``global_step`` counts the batches trained, skipped ones included: b. A
+    callback added here calls ``step(skipped=True)`` at each ``on_step_end``,
+    and at ``on_train_begin``, while ``global_step`` is ahead of b: each
+    checkpoint holds one count in both files, and a resumed run restores them
+    together. The Trainer resumes inside an epoch by skipping its
+    ``(global_step % updates per epoch) x gradient_accumulation_steps`` trained
+    step inputs with accelerate's ``skip_first_batches``, over the loader
+    ``get_train_dataloader`` returned: exact with the loader prepared
+    (``self.accelerator.prepare(loader)``), whose rebuilt loader skips this
+    rank's step inputs and reaches the sampler's ``set_epoch`` through
+    `_KeyDataset`; rebuilt from an unprepared one, it would iterate every rank's.
+
+    Args:
+        trainer: the ``transformers.Trainer`` whose scheduler this is.
+        lr_scheduler, base_batch_size, batch_sizes, **options: as `VariableBatchSizeLR`'s.
+
+    Raises:
+        TypeError: ``trainer`` is not an HF Trainer; ValueError: its gradient_accumulation_steps is not the
+        sampler's; RuntimeError, when training starts or at an update: a resume the Trainer would not make exact
+        (``ignore_data_skip=True`` inside an epoch, an unprepared loader), or a scheduler stepped besides the Trainer.
+    """
+    import transformers  # here, not at the top: varbatch imports without it
+
+    if not all(hasattr(trainer, name) for name in ("args", "add_callback", "accelerator")):
+        raise TypeError(
+            f"trainer should be a transformers.Trainer (or a TRL trainer), but got {type(trainer).__name__}; "
+            f"call hf_trainer_lr_scheduler(self, ...) in your Trainer subclass's create_scheduler"
+        )
+    scheduler = VariableBatchSizeLR(lr_scheduler, base_batch_size, batch_sizes, **options)
+    sampler = scheduler._sampler
+    if sampler is not None and trainer.args.gradient_accumulation_steps != sampler.gradient_accumulation_steps:
+        raise ValueError(
+            f"the Trainer accumulates gradient_accumulation_steps={trainer.args.gradient_accumulation_steps} step "
+            f"inputs per update, but the sampler's batch is gradient_accumulation_steps="
+            f"{sampler.gradient_accumulation_steps} per rank; make the sampler with gradient_accumulation_steps="
+            f"self.args.gradient_accumulation_steps"
+        )
+
+    class TellSkippedUpdates(transformers.TrainerCallback):
+        """Moves b on to ``state.global_step`` (see NOTE [HF Trainer's skipped updates])."""
+
+        def on_train_begin(self, args, state, control, lr_scheduler=None, train_dataloader=None, **kwargs):
+            if _is_the_trainers(scheduler, lr_scheduler):  # not a scheduler that another train() call replaced
+                _check_trainer_resume(args, state.global_step, scheduler, train_dataloader)
+                _tell_skipped_updates(scheduler, state.global_step)
+
+        def on_step_end(self, args, state, control, lr_scheduler=None, **kwargs):
+            if _is_the_trainers(scheduler, lr_scheduler):
+                _tell_skipped_updates(scheduler, state.global_step)
+
+    trainer.add_callback(TellSkippedUpdates())
+    return scheduler
 
 
 # =============================================================================
