@@ -6872,7 +6872,8 @@ def test_readme_commands_run_and_print_what_it_shows(launched):
 # RECIPE OUT`, or their `# run:` launcher with recorder.py before the script), which notes the samples of every
 # step input varbatch's loader loads and the LR of every optimizer step, and saves them per rank with the plans of
 # the recipe's epochs. The check: every planned sample once per epoch (rank r the plan's step inputs r, r + R, ...)
-# and update n at the recipes' LR, learning_rate x cosine(n / horizon) x sqrt(B_b / mean B), B in real tokens.
+# and update n at the recipes' LR, learning_rate x HF's cosine with warmup at n x sqrt(B_b / mean B), B in real
+# tokens (the Trainer's own schedule, scaled).
 _RECIPE_RECORDER = textwrap.dedent("""
     import json, os, runpy, sys
     from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -6903,11 +6904,14 @@ _RECIPE_RECORDER = textwrap.dedent("""
         hook.remove()
     trainer, sampler = run["trainer"], run["trainer"].sampler
     plans = [sampler.plan_for_epoch(epoch) for epoch in range(run["epochs"])]
+    horizon = sum(p.num_batches for p in plans)
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, f"rank{sampler.rank}.json"), "w") as f:
         json.dump(dict(ranks=sampler.num_replicas, micro_batch_size=sampler.micro_batch_size, inputs=inputs,
-                       lr=trainer.args.learning_rate, lrs=lrs, plans=[dict(microbatches=p.microbatches(),
-                       batch_tokens=p.batch_tokens.tolist()) for p in plans]), f)
+                       gradient_accumulation_steps=sampler.gradient_accumulation_steps, lr=trainer.args.learning_rate,
+                       warmup=trainer.args.get_warmup_steps(horizon), lrs=lrs,
+                       plans=[dict(microbatches=p.microbatches(), batch_tokens=p.batch_tokens.tolist())
+                              for p in plans], global_step=trainer.state.global_step), f)
 """)
 
 
@@ -6936,6 +6940,13 @@ def _readme_accelerate_recipe():
     return _readme_launched("from accelerate import Accelerator", "Accelerate")
 
 
+def _hf_cosine(step, warmup, total):
+    """HF's ``lr_scheduler_type="cosine"`` factor at ``step`` (transformers' get_cosine_schedule_with_warmup)."""
+    if step < warmup:
+        return step / max(1, warmup)
+    return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
+
+
 def _check_recipe_records(out):
     """The recorded ranks of a recipe's run (see _RECIPE_RECORDER) against its plans; returns them by rank."""
     ranks = [json.loads(path.read_text()) for path in sorted(Path(out).glob("rank*.json"))]
@@ -6951,7 +6962,7 @@ def _check_recipe_records(out):
             assert got == step_inputs[rank :: len(ranks)], f"rank {rank} epoch {epoch}: not the plan's step inputs"
             mean = np.mean(plan["batch_tokens"])
             for b, tokens in enumerate(plan["batch_tokens"]):
-                want = record["lr"] * 0.5 * (1 + math.cos(math.pi * n / horizon)) * math.sqrt(tokens / mean)
+                want = record["lr"] * _hf_cosine(n, record["warmup"], horizon) * math.sqrt(tokens / mean)
                 assert record["lrs"][n] == pytest.approx([want] * len(record["lrs"][n]), rel=1e-9), (
                     f"rank {rank} epoch {epoch} update {b}: LR {record['lrs'][n]}, planned {want}"
                 )
@@ -6965,11 +6976,31 @@ def _check_recipe_records(out):
     return ranks
 
 
+def _resume_inside_epoch_1(out, per_epoch):
+    """Deletes the checkpoints in ``out`` after the last one inside epoch 1 (past its first update): the recipe
+    started again resumes there, by the Trainer's own skip of the epoch's trained step inputs. Returns its step."""
+    steps = sorted(int(path.name.split("-")[1]) for path in Path(out).glob("checkpoint-*"))
+    inside = [step for step in steps if per_epoch < step < 2 * per_epoch]
+    assert inside, f"no checkpoint inside epoch 1 ({per_epoch} updates an epoch) among {steps}: nothing to skip"
+    for step in steps:
+        if step > inside[-1]:
+            shutil.rmtree(Path(out) / f"checkpoint-{step}")
+    return inside[-1]
+
+
+def _check_resumed_records(first, resumed, done):
+    """A run resumed after ``done`` updates trained the first run's step inputs and LRs from there, no more."""
+    rest = first["inputs"][done * first["gradient_accumulation_steps"] :]
+    assert resumed["inputs"] == rest, f"resumed after {done} updates: not the rest of the run"
+    assert np.array(resumed["lrs"]) == pytest.approx(np.array(first["lrs"][done:]), rel=1e-12), "LRs differ"
+    assert resumed["global_step"] == first["global_step"]
+
+
 @pytest.mark.parametrize("script, resumes", [("hf_trainer.py", True), ("trl_sft.py", False)])
 def test_readme_hf_recipes_train_every_planned_sample_once(tmp_path, monkeypatch, script, resumes):
     """The README's HF Trainer and TRL recipes on 1 process (in this process: one transformers import): every
-    planned sample once per epoch at the plan's LRs; the HF one, run again without its last checkpoint, resumes in
-    epoch 1 and trains the rest of the run as the first run did."""
+    planned sample once per epoch at the plan's LRs; the HF one, started again after its checkpoints past one inside
+    epoch 1 were deleted, resumes there by the Trainer's own skip and trains the rest of the run as the first did."""
     pytest.importorskip("trl" if script == "trl_sft.py" else "transformers")
     (tmp_path / script).write_text(_readme_recipe(script)[1])
     (tmp_path / "recorder.py").write_text(_RECIPE_RECORDER)
@@ -6979,15 +7010,10 @@ def test_readme_hf_recipes_train_every_planned_sample_once(tmp_path, monkeypatch
     (first,) = _check_recipe_records(tmp_path / "first")
     if not resumes:
         return
-    checkpoints = sorted((tmp_path / "out").glob("checkpoint-*"), key=lambda path: int(path.name.split("-")[1]))
-    assert len(checkpoints) == 2, [path.name for path in checkpoints]  # one per epoch
-    shutil.rmtree(checkpoints[-1])
+    done = _resume_inside_epoch_1(tmp_path / "out", len(first["plans"][0]["batch_tokens"]))
     monkeypatch.setattr(sys, "argv", ["recorder.py", script, "resumed"])
     runpy.run_path("recorder.py", run_name="__main__")
-    resumed = json.loads((tmp_path / "resumed" / "rank0.json").read_text())
-    done = int(checkpoints[0].name.split("-")[1])  # the updates of epoch 0
-    assert resumed["inputs"] == [step for step in first["inputs"] if step[0] == 1], "not the rest of the run"
-    assert np.array(resumed["lrs"]) == pytest.approx(np.array(first["lrs"][done:]), rel=1e-12), "LRs differ"
+    _check_resumed_records(first, json.loads((tmp_path / "resumed" / "rank0.json").read_text()), done)
 
 
 @pytest.mark.slow
