@@ -2386,14 +2386,15 @@ def _hf_trainer(
     order,
     seed,
     epochs=2,
-    prepared=False,
+    prepared=True,
     sampler_options=(),
     skips=(),
     **arguments,
 ):
-    """An HF Trainer subclass over varbatch's loader and scheduler (the optimizer's constant LR x the batch factor),
-    ``epochs`` epochs; the loss is inf at the updates ``skips`` (give its accelerator a GradScaler, and a non-fused
-    optim, to skip them)."""
+    """An HF Trainer subclass over varbatch's loader (``prepared``: as the README's recipe returns it) and the
+    Trainer's own schedule (``lr_scheduler_type``, constant by default) scaled by B_b / mean(B) through
+    `hf_trainer_lr_scheduler`, ``epochs`` epochs; the loss is inf at the updates ``skips`` (give its accelerator a
+    GradScaler, and a non-fused optim, to skip them)."""
     import transformers
 
     sampler = VariableBatchSampler(lengths, 256, budget="padded", order=order, seed=seed, **dict(sampler_options))
@@ -2405,15 +2406,15 @@ def _hf_trainer(
 
     class VarbatchTrainer(transformers.Trainer):
         def get_train_dataloader(self):
-            if prepared and not made:
-                made.append(self.accelerator.prepare(loader))
-            return made[0] if prepared else loader
+            if not made:
+                made.append(self.accelerator.prepare(loader) if prepared else loader)
+            return made[0]
 
         def create_scheduler(self, num_training_steps, optimizer=None):
             if self.lr_scheduler is None:
-                torch_optimizer = self.optimizer.optimizer  # Accelerate's AcceleratedOptimizer wraps it
-                self.lr_scheduler = VariableBatchSizeLR(torch_optimizer, "mean", sampler)
-                torch_optimizer.register_step_pre_hook(record.hook)
+                schedule = super().create_scheduler(num_training_steps, optimizer)
+                self.lr_scheduler = varbatch.hf_trainer_lr_scheduler(self, schedule, "mean", sampler)
+                self.optimizer.optimizer.register_step_pre_hook(record.hook)  # Accelerate's wrapper holds it
             return self.lr_scheduler
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -2428,26 +2429,25 @@ def _hf_trainer(
             record.pending.clear()
 
     torch.manual_seed(0)
-    args = _hf_arguments(
-        tmp_path,
-        num_train_epochs=epochs,
-        learning_rate=1e-3,
-        lr_scheduler_type="constant",
-        **arguments,
-    )
+    arguments = {"lr_scheduler_type": "constant", **arguments}
+    args = _hf_arguments(tmp_path, num_train_epochs=epochs, learning_rate=1e-3, **arguments)
     trainer = VarbatchTrainer(model=transformers.LlamaForCausalLM(_tiny_llama_config()), args=args, callbacks=[Clear()])
     return trainer, sampler, record
 
 
-def _hf_updates_off(sampler, record, lr=1e-3):
-    """Real updates whose LR is not lr x B_b / mean(B) of the one batch b whose samples they trained."""
+def _hf_updates_off(sampler, record, lr=1e-3, schedule=None, skips=()):
+    """Real updates whose LR is not lr x schedule(t) x B_b / mean(B) of the one batch b whose samples they trained, t
+    the updates taken before it (b less the ``skips`` before b; ``schedule`` None: constant)."""
     off = 0
     for applied, pending in record.updates:
         (epoch,) = {e for e, _ in pending}
         plan = sampler.plan_for_epoch(epoch)
         where = {int(i): j // plan.effective_batch_size for j, mb in enumerate(plan.microbatches()) for i in mb}
         (batch,) = {where[i] for _, i in pending}
-        off += not math.isclose(applied, lr * plan.batch_sizes[batch] / plan.batch_sizes.mean(), rel_tol=1e-6)
+        b = epoch * plan.num_batches + batch
+        factor = 1.0 if schedule is None else schedule(b - sum(1 for skip in skips if skip < b))
+        want = lr * factor * plan.batch_sizes[batch] / plan.batch_sizes.mean()
+        off += not math.isclose(applied, want, rel_tol=1e-6, abs_tol=1e-15)
     return off
 
 
@@ -4413,55 +4413,144 @@ def test_state_dicts_are_plain_data_also_from_numpy_settings():
     assert plain.state_dict() == states["sampler"]
 
 
-# -- a checkpoint saved right after a discarded update (NOTE [a discarded update]) ------------------------------
+# -- HF Trainer and TRL: hf_trainer_lr_scheduler (NOTE [HF Trainer's skipped updates]) ---------------------------
 
 
-def test_hf_trainer_logs_each_updates_lr_and_resumes_exactly_from_a_checkpoint_at_a_skipped_update(tmp_path):
-    """HF Trainer with a real GradScaler and a non-fused AdamW skips update at - 1 (it does not step the scheduler
-    for it) and saves a checkpoint right after it, in epoch 0 of 2: every logged learning_rate is its update's
-    batch's (the skipped one's too: the LR its update would have used), and the run resumed by the Trainer's own
-    skip trains the rest of both epochs once at its batches' LRs."""
+def _hf_linear(total, warmup):
+    """HF's ``lr_scheduler_type="linear"`` factor at update t (transformers' get_linear_schedule_with_warmup)."""
+
+    def factor(t):
+        if t < warmup:
+            return t / max(1, warmup)
+        return max(0.0, (total - t) / max(1, total - warmup))
+
+    return factor
+
+
+def test_hf_trainer_tells_skipped_updates_and_resumes_inside_a_later_epoch_exactly(tmp_path):
+    """HF Trainer with hf_trainer_lr_scheduler over the prepared loader, 2 epochs whose packings differ, the Trainer's
+    linear schedule with warmup, a real GradScaler skipping 3 updates (in epoch 0, right before the checkpoint inside
+    epoch 1, after it): every update at schedule(t) x B_b / mean(B) (t the updates taken before it), every logged
+    learning_rate its batch's, b = global_step and t = global_step - 3 at the end; resumed from the checkpoint by the
+    Trainer's own skip, the rest of the run trains the same batches at the same LRs; resumed over the unprepared
+    loader, or with ignore_data_skip=True, it is refused before any update, naming the fix."""
     pytest.importorskip("transformers")
     lengths = _hf_lengths()
-    common = dict(order="random", seed=0, save_strategy="steps", optim="adamw_torch")
-    probe = VariableBatchSampler(lengths, 256, budget="padded", order="random", seed=0)
-    at, total = 5, sum(probe.plan_for_epoch(e).num_batches for e in (0, 1))
+    seed = _packings_differ(lengths, 256, (0, 1), budget="padded", order="random")
+    gas = {"gradient_accumulation_steps": 2}
+    common = dict(order="random", seed=seed, sampler_options=gas, optim="adamw_torch", max_grad_norm=0.0, **gas)
+    probe = VariableBatchSampler(lengths, 256, budget="padded", order="random", seed=seed, **gas)
+    per_epoch = probe._batches_per_epoch()
+    at, skips = per_epoch + 3, {2, per_epoch + 2, per_epoch + 5}  # checkpoint-{at}: epoch 1, after its batch 2
+    schedule = _hf_linear(2 * per_epoch, 2)
+    run = dict(lr_scheduler_type="linear", warmup_steps=2, save_strategy="steps", save_steps=at, skips=skips)
     first, sampler, record = _hf_trainer(
-        tmp_path / "a",
-        lengths,
-        max_steps=at,
-        save_steps=at,
-        skips={at - 1},
-        max_grad_norm=0.0,
-        logging_steps=1,
-        logging_strategy="steps",
-        **common,
+        tmp_path / "a", lengths, logging_strategy="steps", logging_steps=1, **run, **common
     )
     first.accelerator.scaler = torch.amp.GradScaler("cpu")  # Accelerate makes none on CPU
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a tiny model: more threads only contend
     try:
         first.train()
-        resumed, _, rest = _hf_trainer(tmp_path / "b", lengths, save_steps=10_000, **common)
+        resumed, _, rest = _hf_trainer(tmp_path / "b", lengths, **run, **common)
         resumed.accelerator.scaler = torch.amp.GradScaler("cpu")  # the checkpoint holds the scaler's state
         resumed.train(resume_from_checkpoint=str(tmp_path / "a" / f"checkpoint-{at}"))
+        refusals = {}
+        for name, options in (("unprepared", {"prepared": False}), ("ignore_data_skip", {"ignore_data_skip": True})):
+            refused, _, never = _hf_trainer(tmp_path / name, lengths, **options, **common)
+            refused.accelerator.scaler = torch.amp.GradScaler("cpu")
+            with pytest.raises(RuntimeError) as caught:
+                refused.train(resume_from_checkpoint=str(tmp_path / "a" / f"checkpoint-{at}"))
+            refusals[name] = (str(caught.value), len(never.updates))
     finally:
         torch.set_num_threads(threads)
-    assert len(record.updates) == at - 1 and len(rest.updates) == total - at, "the skip did not happen"
-    run = [(e, b) for e in (0, 1) for b in range(probe.plan_for_epoch(e).num_batches)]
+    total = 2 * per_epoch
+    assert len(record.updates) == total - len(skips), "the GradScaler did not skip the updates"
+    assert (first.state.global_step, first.lr_scheduler.batches_trained) == (total, total)
+    assert first.lr_scheduler.last_epoch == total - len(skips), "the wrapped schedule moved on skipped updates"
+    assert _hf_updates_off(sampler, record, schedule=schedule, skips=skips) == 0
+    assert _hf_never_and_twice(sampler, record.trained, (0, 1)) == (0, 0)
     logged = [(entry["step"], entry["learning_rate"]) for entry in first.state.log_history if "learning_rate" in entry]
-    assert [step for step, _ in logged] == list(range(1, at + 1))
-    for step, lr in logged:
-        epoch, batch = run[step - 1]
+    assert [step for step, _ in logged] == list(range(1, total + 1))
+    for step, lr in logged:  # the skipped updates' entries too: the LR their update would have used
+        epoch, batch = divmod(step - 1, per_epoch)
         sizes = probe.plan_for_epoch(epoch).batch_sizes
-        _check_lr(step - 1, 1e-3 * sizes[batch] / sizes.mean(), lr)
-    assert _hf_updates_off(sampler, record) == 0 and _hf_updates_off(sampler, rest) == 0
-    assert _hf_never_and_twice(sampler, record.trained + rest.trained, (0, 1)) == (0, 0)
+        t = step - 1 - sum(1 for skip in skips if skip < step - 1)
+        _check_lr(step - 1, 1e-3 * schedule(t) * sizes[batch] / sizes.mean(), lr)
+    after = record.updates[at - sum(1 for skip in skips if skip < at) :]  # the real updates from batch `at` on
+    assert [pending for _, pending in rest.updates] == [pending for _, pending in after], "not the rest of the run"
+    assert [lr for lr, _ in rest.updates] == pytest.approx([lr for lr, _ in after], rel=1e-12), "LRs differ"
+    assert (resumed.state.global_step, resumed.lr_scheduler.batches_trained) == (total, total)
+    assert refusals["unprepared"][1] == refusals["ignore_data_skip"][1] == 0, "trained before the refusal"
+    assert "self.accelerator.prepare(loader)" in refusals["unprepared"][0], refusals
+    assert "ignore_data_skip=True" in refusals["ignore_data_skip"][0], refusals
 
 
-# -- HF Trainer's own resume skip over a loader it did not prepare, on 2 ranks ----------------------------------
+def _fake_trainer(gradient_accumulation_steps=1, ignore_data_skip=False):
+    """What hf_trainer_lr_scheduler reads of an HF Trainer: its args, add_callback (the callbacks kept in a list)."""
+    args = types.SimpleNamespace(
+        gradient_accumulation_steps=gradient_accumulation_steps, ignore_data_skip=ignore_data_skip
+    )
+    callbacks = []
+    return types.SimpleNamespace(args=args, add_callback=callbacks.append, accelerator=None, callbacks=callbacks)
 
-_UNDEALT_SKIP = r"skip_first_batches.*ignore_data_skip=True.*README's HF Trainer recipe.*self\.accelerator\.prepare"
+
+def test_hf_adapter_moves_b_to_global_step_and_refuses_a_scheduler_ahead_of_it():
+    """The adapter's callback at on_step_end: step(skipped=True) while HF's global_step is ahead of b (t stays); a
+    scheduler ahead of global_step (stepped besides the Trainer) is refused naming it; the callback of a scheduler that
+    another train() replaced does nothing; on_train_begin squares a resumed global_step the same way."""
+    pytest.importorskip("transformers")
+    trainer = _fake_trainer(gradient_accumulation_steps=2)  # the sampler's
+    sampler = _sampler(order="random")
+    scheduler = varbatch.hf_trainer_lr_scheduler(trainer, _optimizer(_BASE_LR), "mean", sampler)
+    (callback,) = trainer.callbacks
+    state, args = types.SimpleNamespace(global_step=3), trainer.args
+    callback.on_step_end(args, state, None, lr_scheduler=scheduler)
+    assert (scheduler.batches_trained, scheduler.last_epoch) == (3, 0), "b moves to global_step, t stays"
+    sizes = sampler.plan_for_epoch(0).batch_sizes
+    _check_lr(3, _BASE_LR * sizes[3] / sizes.mean(), scheduler.get_last_lr()[0])
+    callback.on_step_end(args, types.SimpleNamespace(global_step=99), None, lr_scheduler=object())
+    assert scheduler.batches_trained == 3, "the callback of a replaced scheduler moved it"
+    callback.on_train_begin(args, types.SimpleNamespace(global_step=5), None, lr_scheduler=scheduler)
+    assert scheduler.batches_trained == 5
+    with pytest.raises(RuntimeError, match=r"global_step is 4.*besides the Trainer"):
+        callback.on_step_end(args, types.SimpleNamespace(global_step=4), None, lr_scheduler=scheduler)
+
+
+@pytest.mark.parametrize("case", ["ignore_data_skip inside an epoch", "unprepared", "prepared", "at an epoch start"])
+def test_hf_adapter_refuses_a_resume_the_trainer_would_not_make_exact(case):
+    """on_train_begin of a resumed run (global_step > 0): ignore_data_skip=True inside an epoch, or varbatch's loader
+    as make_dataloader made it (not prepared), is refused naming the fix; a prepared loader, or ignore_data_skip at an
+    epoch's start (nothing to skip), goes on."""
+    pytest.importorskip("transformers")
+    ignore = case in ("ignore_data_skip inside an epoch", "at an epoch start")
+    trainer = _fake_trainer(gradient_accumulation_steps=2, ignore_data_skip=ignore)
+    sampler = _sampler(order="random")
+    loader = make_dataloader(_id_dataset(sampler.seqlens), sampler)
+    scheduler = varbatch.hf_trainer_lr_scheduler(trainer, _optimizer(), "mean", sampler)
+    per_epoch = sampler._batches_per_epoch()
+    global_step = per_epoch if case == "at an epoch start" else per_epoch + 2
+    given = loader if case == "unprepared" else object()  # object(): a loader Accelerate prepared
+    begin = functools.partial(
+        trainer.callbacks[0].on_train_begin,
+        trainer.args,
+        types.SimpleNamespace(global_step=global_step),
+        None,
+        lr_scheduler=scheduler,
+        train_dataloader=given,
+    )
+    if case in ("prepared", "at an epoch start"):
+        begin()
+        assert scheduler.batches_trained == global_step
+        return
+    fix = "leave ignore_data_skip False" if case.startswith("ignore") else "return self.accelerator.prepare(loader)"
+    with pytest.raises(RuntimeError, match=re.escape(fix)):
+        begin()
+
+
+# -- accelerate's skip_first_batches over a loader that was not prepared, on 2 ranks ------------------------------
+
+_UNDEALT_SKIP = r"skip_first_batches.*self\.accelerator\.prepare\(loader\).*README's HF Trainer recipe"
 
 
 @pytest.mark.parametrize("skip", [2, 3])
@@ -4469,7 +4558,7 @@ _UNDEALT_SKIP = r"skip_first_batches.*ignore_data_skip=True.*README's HF Trainer
 def test_a_resume_skip_over_a_loader_that_was_not_prepared_names_the_cause_and_the_fix(rank, skip):
     """accelerate's skip_first_batches (HF Trainer's resume skip) over an unprepared loader of rank 0 or 1 of 2
     rebuilds a DataLoader over every rank's step inputs: stopped at the first or second step input, naming
-    skip_first_batches, ignore_data_skip=True with the README recipe's sampler state, and accelerator.prepare."""
+    skip_first_batches and the fix, the loader prepared as the README's HF Trainer recipe returns it."""
     accelerate = pytest.importorskip("accelerate")
     sampler = VariableBatchSampler(_lengths(80, 1, 40, seed=8), 70, num_replicas=2, rank=rank, order="random", seed=4)
     loader = make_dataloader(_id_dataset(sampler.seqlens), sampler)
@@ -4478,21 +4567,6 @@ def test_a_resume_skip_over_a_loader_that_was_not_prepared_names_the_cause_and_t
         for step in accelerate.skip_first_batches(loader, skip):
             got.append(step)
     assert len(got) <= 1
-
-
-def test_hf_trainer_resumed_by_its_own_skip_over_an_unprepared_loader_of_rank_0_of_2_names_the_fix(tmp_path):
-    """HF Trainer (one process standing for rank 0 of 2, accumulating 2) resumed inside epoch 0 with
-    ignore_data_skip=False over the unprepared loader: refused at its second step input, before an update (the
-    Trainer fetches an update's step inputs first), naming the fix for this trainer."""
-    pytest.importorskip("transformers")
-    replica = {"num_replicas": 2, "rank": 0, "gradient_accumulation_steps": 2}
-    common = dict(order="random", seed=0, save_strategy="steps", gradient_accumulation_steps=2, sampler_options=replica)
-    first, _, _ = _hf_trainer(tmp_path / "a", _hf_lengths(), max_steps=3, save_steps=3, **common)
-    first.train()
-    resumed, _, record = _hf_trainer(tmp_path / "b", _hf_lengths(), save_steps=500, **common)
-    with pytest.raises(RuntimeError, match=_UNDEALT_SKIP):
-        resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-3"))
-    assert not record.updates
 
 
 # =============================================================================
@@ -5048,6 +5122,31 @@ _BAD_SCHEDULER = [
 @_rows(_BAD_SCHEDULER)
 def test_bad_input_VariableBatchSizeLR(call, error, names):
     """VariableBatchSizeLR refuses what it cannot scale (ReduceLROnPlateau: item 4) and bad values, naming them."""
+    _check_refused(call, error, names)
+
+
+_BAD_HF_ADAPTER = [
+    (
+        "not an HF Trainer",
+        lambda: varbatch.hf_trainer_lr_scheduler(object(), _optimizer(), 2, [2, 2]),
+        TypeError,
+        "but got object",
+    ),
+    (
+        "the Trainer's accumulation is not the sampler's",
+        lambda: varbatch.hf_trainer_lr_scheduler(_fake_trainer(1), _optimizer(), "mean", _sampler()),
+        ValueError,
+        "gradient_accumulation_steps=1 step inputs per update, but the sampler's batch is gradient_accumulation_"
+        "steps=2",
+    ),
+]
+
+
+@_rows(_BAD_HF_ADAPTER)
+def test_bad_input_hf_trainer_lr_scheduler(call, error, names):
+    """hf_trainer_lr_scheduler refuses what is not an HF Trainer, and a Trainer that accumulates another number of
+    step inputs than the sampler, before training, naming them."""
+    pytest.importorskip("transformers")
     _check_refused(call, error, names)
 
 

@@ -2451,11 +2451,10 @@ class _LoadStepInput:
             f"this process iterates every rank's step inputs, the view varbatch's loader shows launchers (its "
             f"batch_sampler), without dealing them to its num_replicas={ranks} ranks: a DataLoader rebuilt from a "
             f"loader that was not prepared, as accelerate's skip_first_batches makes (HF Trainer calls it to resume "
-            f"from a checkpoint inside an epoch, unless ignore_data_skip=True), or an Accelerator that deals to "
-            f"another number of processes; HF Trainer: save the sampler's position in each checkpoint and restore "
-            f"it, with TrainingArguments(ignore_data_skip=True), as the README's HF Trainer recipe does, or return "
-            f"self.accelerator.prepare(loader) from get_train_dataloader, whose skip deals; HF Accelerate: one "
-            f"process per rank, dispatch_batches=False and split_batches=False; {see}"
+            f"from a checkpoint inside an epoch), or an Accelerator that deals to another number of processes; HF "
+            f"Trainer: return self.accelerator.prepare(loader) from get_train_dataloader, whose skip deals, as the "
+            f"README's HF Trainer recipe does; HF Accelerate: one process per rank, dispatch_batches=False and "
+            f"split_batches=False; {see}"
         )
 
     def __call__(self, keys):
