@@ -7121,7 +7121,7 @@ def test_readme_hf_recipes_on_two_processes(hf_two_process_job, script):
     """The README's HF Trainer and TRL recipes under their `# run:` command (2 processes; the first part of the HF
     job): every planned sample once per epoch, each rank its share, at the plan's LRs."""
     pytest.importorskip(_README_RECIPE_NEEDS[script])
-    done, _, folder = hf_two_process_job
+    done, folder = hf_two_process_job
     records = folder / script.removesuffix(".py") / "records"
     assert records.is_dir(), f"{script} did not finish:\n{done.stderr[-3000:]}"
     assert len(_check_recipe_records(records)) == 2
@@ -7529,43 +7529,41 @@ def test_accelerate_settings_that_redeal_are_refused_at_the_first_batch(accelera
     assert sum(len(r) for r in records) <= 4, "trained on after the first batch"
 
 
-# The HF runs on 2 processes, one torchrun job (torch and transformers imported once): first, in the fresh
-# processes, the README's HF recipes as they are under the recorder (its `# run:` command with recorder.py before
-# the script), each in its folder OUT/<recipe>; then the resume by
-# HF's own skip over an unprepared loader (OUT/unprepared), whose refusal on every rank ends the job's work. Each
-# part saves OUT/part/rank{r}.json (a recipe: OUT/<recipe>/records/rank{r}.json).
+# The HF runs on 2 processes, one torchrun job (torch and transformers imported once): the README's HF recipes as
+# they are under the recorder (its `# run:` command with recorder.py before the script), each in its folder
+# OUT/<recipe>, recorded into OUT/<recipe>/records; then the HF recipe started again after its checkpoints past one
+# inside epoch 1 were deleted: it resumes there, by the Trainer's own skip over the prepared loader (OUT/hf_trainer/
+# resumed, and resumed_from, the checkpoint's step).
 _HF_TWO_PROCESS_SCRIPT = """
 import json, os, runpy, sys, pathlib, torch
 base = pathlib.Path(sys.argv[1])
-for script in sys.argv[2:]:  # the README's recipes: the Trainer's Accelerator sets up the processes
-    os.chdir(base / script.removesuffix(".py"))
-    sys.argv = ["recorder.py", script, "records"]
-    runpy.run_path("recorder.py", run_name="__main__")
-os.chdir(base)
-if not torch.distributed.is_initialized():
-    torch.distributed.init_process_group("gloo")
-import test_varbatch as T
-rank = torch.distributed.get_rank()
 
-out = base / "unprepared"
-common = dict(order="bucket", seed=0, save_strategy="steps", gradient_accumulation_steps=2,
-              sampler_options={"gradient_accumulation_steps": 2})
-first, _, _ = T._hf_trainer(out / "a", T._hf_lengths(), max_steps=1, save_steps=1, **common)
-first.train()
-resumed, _, record = T._hf_trainer(out / "b", T._hf_lengths(), save_steps=500, **common)
-try:
-    resumed.train(resume_from_checkpoint=str(out / "a" / "checkpoint-1"))  # in epoch 0: 2 step inputs skipped
-    error = None
-except RuntimeError as raised:
-    error = str(raised)
-json.dump({"error": error, "updates": len(record.updates)}, open(out / f"rank{rank}.json", "w"))
+
+def record(script, out):
+    os.chdir(base / script.removesuffix(".py"))
+    sys.argv = ["recorder.py", script, out]
+    runpy.run_path("recorder.py", run_name="__main__")
+
+
+recipes = sys.argv[2:]
+for script in recipes:  # the README's recipes: the Trainer's Accelerator sets up the processes
+    record(script, "records")
+if "hf_trainer.py" in recipes:
+    import test_varbatch as T
+    folder = base / "hf_trainer"
+    if torch.distributed.get_rank() == 0:
+        per_epoch = len(json.loads((folder / "records" / "rank0.json").read_text())["plans"][0]["batch_tokens"])
+        (folder / "resumed_from").write_text(str(T._resume_inside_epoch_1(folder / "out", per_epoch)))
+    torch.distributed.barrier()
+    record("hf_trainer.py", "resumed")
 torch.distributed.destroy_process_group()
 """
 
 
 @pytest.fixture(scope="module")
 def hf_two_process_job(tmp_path_factory):
-    """The job of ``_HF_TWO_PROCESS_SCRIPT`` (the README's recipes whose libraries are installed): (finished process, {part: [rank 0's results, rank 1's]}, the job's folder)."""
+    """The job of ``_HF_TWO_PROCESS_SCRIPT`` (the README's recipes whose libraries are installed): (finished process,
+    the job's folder)."""
     pytest.importorskip("transformers")
     tmp_path = tmp_path_factory.mktemp("hf_two_processes")
     recipes = [script for script in _README_RECORDED if importlib.util.find_spec(_README_RECIPE_NEEDS[script])]
@@ -7581,11 +7579,7 @@ def hf_two_process_job(tmp_path_factory):
     env = dict(os.environ, PYTHONPATH=_ROOT, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master-port"]
     done = _run([*command, str(_free_port()), str(script), str(tmp_path), *recipes], timeout=600, cwd=tmp_path, env=env)
-    parts = {}
-    for part in ("unprepared",):
-        files = [tmp_path / part / f"rank{r}.json" for r in (0, 1)]
-        parts[part] = [json.loads(f.read_text()) if f.exists() else None for f in files]
-    return done, parts, tmp_path
+    return done, tmp_path
 
 
 # -- Lightning -----------------------------------------------------------------------------------
@@ -7739,11 +7733,15 @@ def test_stateful_dataloader_restores_the_sampler_at_load_state_dict(stop, worke
 
 
 @pytest.mark.slow
-def test_hf_trainer_resumed_by_its_own_skip_over_an_unprepared_loader_on_two_processes(hf_two_process_job):
-    """HF Trainer on 2 processes over varbatch's loader as it is (not prepared), resumed inside epoch 0 with
-    ignore_data_skip=False: every rank stops at its first or second step input, before an update, naming the fix."""
-    done, parts, _ = hf_two_process_job
+def test_readme_hf_recipe_resumes_inside_an_epoch_on_two_processes(hf_two_process_job):
+    """The README's HF Trainer recipe on 2 processes (the second part of the HF job), started again after its
+    checkpoints past one inside epoch 1 were deleted: each rank trains the rest of its step inputs at the first run's
+    LRs, by the Trainer's own skip over the prepared loader."""
+    done, folder = hf_two_process_job
+    resumed = folder / "hf_trainer" / "resumed"
+    assert resumed.is_dir(), f"the resumed run did not finish:\n{done.stderr[-3000:]}"
     assert done.returncode == 0, done.stdout[-1500:] + done.stderr[-3000:]
-    runs = parts["unprepared"]
-    assert [run["updates"] for run in runs] == [0, 0], runs
-    assert all(re.search(_UNDEALT_SKIP, run["error"] or "") for run in runs), runs
+    step = int((folder / "hf_trainer" / "resumed_from").read_text())
+    first = _check_recipe_records(folder / "hf_trainer" / "records")
+    for rank, record in enumerate(first):
+        _check_resumed_records(record, json.loads((resumed / f"rank{rank}.json").read_text()), step)
