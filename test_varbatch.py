@@ -3346,6 +3346,42 @@ print(json.dumps(dict(calls=calls, batches=sampler.plan_for_epoch(0).num_batches
 """
 
 
+# The README Accelerate recipe's idiom under AMP: accumulate() over 2 step inputs, a real GradScaler (Accelerate makes
+# none on CPU) skipping the updates of the batches in SKIPS, the scheduler stepped when sync_gradients, told of skips.
+_ACCELERATE_AMP_SCRIPT = """
+import json, math, warnings
+import torch
+import varbatch
+from accelerate import Accelerator
+warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\\.step\\(\\)` before")
+accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+accelerator.scaler = torch.amp.GradScaler("cpu")  # before prepare(): the prepared optimizer steps through it
+lengths = torch.randint(5, 61, (200,), generator=torch.Generator().manual_seed(0)).tolist()
+model = torch.nn.Linear(1, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+sampler = varbatch.VariableBatchSampler(lengths, 256, budget="padded", order="random", gradient_accumulation_steps=2)
+loader = varbatch.make_dataloader([torch.randn(n, 1) for n in lengths], sampler, collate_fn=varbatch.PaddedCollate())
+schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: 0.9**t)
+scheduler = varbatch.VariableBatchSizeLR(schedule, "mean", sampler)
+SKIPS, batch, applied = {2, 9, 10}, 0, []
+optimizer.register_step_pre_hook(lambda opt, args, kwargs: applied.append([batch, opt.param_groups[0]["lr"]]))
+model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+for epoch in range(2):
+    loader.set_epoch(epoch)
+    for x, _ in loader:
+        with accelerator.accumulate(model):
+            accelerator.backward(model(x).pow(2).mean() * (math.inf if batch in SKIPS else 1.0))
+            optimizer.step()
+            if accelerator.sync_gradients:
+                scheduler.step(skipped=accelerator.optimizer_step_was_skipped)
+                batch += 1
+            optimizer.zero_grad()
+sizes = [sampler.plan_for_epoch(epoch).batch_sizes.tolist() for epoch in range(2)]
+print(json.dumps(dict(applied=applied, skips=sorted(SKIPS), sizes=sizes, b=scheduler.batches_trained,
+                      t=scheduler.last_epoch, batches=batch)))
+"""
+
+
 # Each script runs as a program of its own; one Python process runs them one after another (Accelerate imported once).
 _ONE_PROCESS_RUNNER = """
 import contextlib, runpy, sys
@@ -3361,7 +3397,11 @@ def accelerate_one_process(tmp_path_factory):
     script's last line of output}."""
     pytest.importorskip("accelerate")
     folder = tmp_path_factory.mktemp("accelerate_one_process")
-    scripts = {"skip_first_batches": _SKIP_FIRST_BATCHES_SCRIPT, "accumulate": _ACCUMULATE_SCRIPT}
+    scripts = {
+        "skip_first_batches": _SKIP_FIRST_BATCHES_SCRIPT,
+        "accumulate": _ACCUMULATE_SCRIPT,
+        "amp_skips": _ACCELERATE_AMP_SCRIPT,
+    }
     for name, source in scripts.items():
         (folder / f"{name}.py").write_text(source)
     done = subprocess.run(
@@ -3383,6 +3423,22 @@ def test_a_scheduler_stepped_per_step_input_under_accelerate_accumulate_stops_at
     assert out["error"] is not None, f"{out['calls']} scheduler steps for {out['batches']} batches, and no error"
     assert "called again for one update" in out["error"] and "accelerator.sync_gradients" in out["error"]
     assert out["calls"] == 1, f"raised at call {out['calls']}"
+
+
+def test_accelerate_amp_skips_told_by_the_recipes_idiom_give_every_update_its_batchs_lr(accelerate_one_process):
+    """HF Accelerate (one CPU process), accumulate() over 2 step inputs, a real GradScaler skipping 3 updates,
+    ``if accelerator.sync_gradients: scheduler.step(skipped=accelerator.optimizer_step_was_skipped)``: every update
+    at 0.1 x 0.9^t x B_b / mean(B), t the updates taken before it; b counts every batch, t the updates taken."""
+    out = accelerate_one_process["amp_skips"]
+    skips, sizes = set(out["skips"]), out["sizes"]
+    per_epoch = len(sizes[0])
+    assert out["b"] == out["batches"] == 2 * per_epoch
+    assert out["t"] == out["batches"] - len(skips), "the wrapped schedule moved on skipped updates"
+    assert [b for b, _ in out["applied"]] == [b for b in range(out["batches"]) if b not in skips], "no skip happened"
+    for b, lr in out["applied"]:
+        epoch, batch = divmod(b, per_epoch)
+        t = b - sum(1 for skip in skips if skip < b)
+        _check_lr(t, 0.1 * 0.9**t * sizes[epoch][batch] / np.mean(sizes[epoch]), lr)
 
 
 @pytest.mark.parametrize(
