@@ -2555,6 +2555,66 @@ def test_lightning_without_reloading_trains_every_epoch_whole():
     assert _hf_never_and_twice(sampler, trained, (0, 1)) == (0, 0)
 
 
+def test_lightning_amp_steps_the_scheduler_after_every_update_skipped_or_not():
+    """Lightning, automatic optimization, {"interval": "step"}, accumulate_grad_batches=2 (the sampler's), 16-mixed
+    with a real GradScaler skipping 3 updates: Lightning steps the scheduler after each batch, update or skip (b and t
+    both move: torch's meaning), and nothing else is needed: every update at schedule(b) x B_b / mean(B), every planned
+    sample once per epoch."""
+    pl = pytest.importorskip("pytorch_lightning")
+    from pytorch_lightning.plugins.precision import MixedPrecision
+
+    lengths = _lengths(200, 3, 40)
+    sampler = VariableBatchSampler(lengths, 128, order="random", seed=3, gradient_accumulation_steps=2)
+    data = [torch.full((n, 1), float(i)) for i, n in enumerate(lengths)]
+    skips, trained, applied, batches = {2, 9, 10}, [], [], [0]
+
+    class Model(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(1, 1)
+
+        def train_dataloader(self):
+            return make_dataloader(data, sampler, collate_fn=varbatch.PaddedCollate())
+
+        def training_step(self, batch, index):
+            trained.extend((sampler.state_dict()["epoch"], int(v)) for v in batch[0][:, 0, 0])
+            loss = (self.layer(batch[0] * 0) ** 2).mean() + 1
+            return loss * math.inf if batches[0] in skips else loss
+
+        def on_train_batch_end(self, outputs, batch, index):
+            batches[0] += index % 2  # a batch ends with its second step input
+
+        def configure_optimizers(self):
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+            schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: 0.9**t)
+            scheduler = VariableBatchSizeLR(schedule, "mean", sampler)
+            optimizer.register_step_pre_hook(lambda opt, *_: applied.append((batches[0], opt.param_groups[0]["lr"])))
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=2,
+        accumulate_grad_batches=2,
+        plugins=[MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=1.0))],  # skips: ours only
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Lightning's notes on CPU AMP and on workers
+        trainer.fit(Model())
+    per_epoch = sampler._batches_per_epoch()
+    assert batches[0] == 2 * per_epoch and trainer.lr_scheduler_configs[0].scheduler.batches_trained == batches[0]
+    assert [b for b, _ in applied] == [b for b in range(batches[0]) if b not in skips], "the GradScaler skipped none"
+    assert _hf_never_and_twice(sampler, trained, (0, 1)) == (0, 0)
+    for b, lr in applied:  # Lightning stepped the scheduler plainly after the skipped updates too: t = b
+        epoch, batch = divmod(b, per_epoch)
+        sizes = sampler.plan_for_epoch(epoch).batch_sizes
+        _check_lr(b, 0.1 * 0.9**b * sizes[batch] / sizes.mean(), lr)
+
+
 # -- drops are logged once per trained epoch -------------------------------------------------------
 
 
