@@ -3267,7 +3267,7 @@ def hf_trainer_lr_scheduler(trainer, lr_scheduler, base_batch_size, batch_sizes,
     NOTE [HF Trainer's skipped updates]: for each update the Trainer
     (transformers/trainer.py, ``Trainer._run_epoch``) steps the optimizer,
     steps the scheduler unless ``accelerator.optimizer_step_was_skipped`` (AMP
-    found inf/nan; DeepSpeed's engine, which then steps it, skips it alike),
+    found inf/nan; under DeepSpeed the engine steps it, and skips it alike),
     adds one to ``state.global_step`` either way, calls the callbacks'
     ``on_step_end``, and then saves a checkpoint if one is due (``scheduler.pt``
     beside ``trainer_state.json``, which holds ``global_step``). So
@@ -3299,8 +3299,7 @@ def hf_trainer_lr_scheduler(trainer, lr_scheduler, base_batch_size, batch_sizes,
             f"trainer should be a transformers.Trainer (or a TRL trainer), but got {type(trainer).__name__}; "
             f"call hf_trainer_lr_scheduler(self, ...) in your Trainer subclass's create_scheduler"
         )
-    scheduler = VariableBatchSizeLR(lr_scheduler, base_batch_size, batch_sizes, **options)
-    sampler = scheduler._sampler
+    sampler = _find_sampler(batch_sizes)
     if sampler is not None and trainer.args.gradient_accumulation_steps != sampler.gradient_accumulation_steps:
         raise ValueError(
             f"the Trainer accumulates gradient_accumulation_steps={trainer.args.gradient_accumulation_steps} step "
@@ -3308,6 +3307,7 @@ def hf_trainer_lr_scheduler(trainer, lr_scheduler, base_batch_size, batch_sizes,
             f"{sampler.gradient_accumulation_steps} per rank; make the sampler with gradient_accumulation_steps="
             f"self.args.gradient_accumulation_steps"
         )
+    scheduler = VariableBatchSizeLR(lr_scheduler, base_batch_size, batch_sizes, **options)
 
     class TellSkippedUpdates(transformers.TrainerCallback):
         """Moves b on to ``state.global_step`` (see NOTE [HF Trainer's skipped updates])."""
