@@ -3031,6 +3031,43 @@ def test_deepspeed_style_optimizer_wrapper(wrap_scheduler):
         _check_lr(t, _BASE_LR * form(t) * sampler.plan_for_epoch(epoch).batch_sizes[b] / reference, lr)
 
 
+class _NarrowingOptimizer(_WrappedOptimizer):
+    """Steps its optimizer one param group at a time, its ``param_groups`` narrowed to that group (as DeepSpeed's
+    ZeRO optimizer does around each inner step)."""
+
+    def step(self, closure=None):
+        self.steps += 1
+        groups = self.optimizer.param_groups
+        for group in groups:
+            self.optimizer.param_groups = [group]
+            self.optimizer.step()
+        self.optimizer.param_groups = groups
+
+
+@pytest.mark.parametrize("case", ["optimizer restored after the scheduler was made", "param groups narrowed"])
+def test_the_lr_reaches_the_param_groups_the_optimizer_steps(case):
+    """Two param groups: each update uses each group's base LR x B_b / mean(B), also after the optimizer's
+    load_state_dict made new param-group dicts (a resume) and where a wrapper narrows param_groups to the group it
+    steps (ZeRO)."""
+    sampler = _sampler(gradient_accumulation_steps=1)
+    params = [torch.nn.Parameter(torch.zeros(1)) for _ in range(2)]
+    inner = torch.optim.SGD([{"params": [params[0]]}, {"params": [params[1]], "lr": 2 * _BASE_LR}], lr=_BASE_LR)
+    optimizer = _NarrowingOptimizer(inner) if case == "param groups narrowed" else inner
+    scheduler = VariableBatchSizeLR(optimizer, "mean", sampler)
+    if case != "param groups narrowed":
+        inner.load_state_dict(inner.state_dict())  # new dicts, holding batch 0's LRs
+    applied = []  # registered after the scheduler's pre-step hook: the LR of each group each inner step uses
+    inner.register_step_pre_hook(lambda opt, args, kwargs: applied.extend(g["lr"] for g in opt.param_groups))
+    sizes = sampler.plan.batch_sizes
+    assert len({int(size) for size in sizes[:4]}) > 1, "the first batches have one size: the case could not fail"
+    for b, _ in zip(range(4), sampler):
+        optimizer.step()
+        scheduler.step()
+        factor = sizes[b] / sizes.mean()
+        _check_lr(b, _BASE_LR * factor, applied[-2])
+        _check_lr(b, 2 * _BASE_LR * factor, applied[-1])
+
+
 def test_deepspeed_glue_installs_the_scheduler_and_does_not_scale_twice():
     """The scheduler becomes engine.lr_scheduler; calling the glue again scales the original LR, not the scaled one."""
     engine, (_, first, _) = _glue(_glue_config(), dataset_seqlens=_GLUE_SEQLENS)

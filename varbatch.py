@@ -2764,9 +2764,9 @@ class VariableBatchSizeLR(LRScheduler):
     A trainer that skips updates without stepping the scheduler gets an adapter
     that tells it (DeepSpeed's engine: `_follow_skipped_steps`). Before batch
     b's update the optimizer holds ``schedule(t) x s(B_b / B_ref)``: written at
-    each step and again by an optimizer step-pre hook, into the param-group
-    dicts held since construction (ZeRO narrows ``optimizer.param_groups``
-    around its inner step). An epoch cut short (``break``, Lightning's
+    each step and again by an optimizer step-pre hook (`_param_groups`: also
+    where ZeRO narrows ``optimizer.param_groups`` around its inner step). An
+    epoch cut short (``break``, Lightning's
     ``limit_train_batches``) is squared when the sampler's next epoch is set:
     b moves to that epoch's first batch.
 
@@ -2851,7 +2851,7 @@ class VariableBatchSizeLR(LRScheduler):
         self._seen = 0  # what the clock counted: tokens or samples of the updates taken
         self._skipped, self._skipped_seen = None, 0  # an engine's count of skipped steps (_follow_skipped_steps)
         self._reported = -1  # the last epoch whose LR factors were logged
-        self._groups = list(optimizer.param_groups)  # the dicts the LRs are written into (see NOTE [the contract])
+        self._groups = list(optimizer.param_groups)  # the dicts the LRs are written into (see `_param_groups`)
         self._optimizer_steps = 0
         self._hooks = [
             optimizer.register_step_pre_hook(_weakly(self._before_update)),
@@ -2931,8 +2931,17 @@ class VariableBatchSizeLR(LRScheduler):
     def _write(self) -> None:
         """Writes ``get_lr()``, the LRs of batch b, into the optimizer; ``t`` unchanged."""
         self._last_lr = self.get_lr()
-        for group, lr in zip(self._groups, self._last_lr):
+        for group, lr in zip(self._param_groups(), self._last_lr):
             group["lr"] = lr
+
+    def _param_groups(self) -> list[dict]:
+        """The optimizer's param-group dicts: its own list where it holds them all, else (ZeRO narrows it to the
+        group it steps, around its inner step) the list as it last held them all. Never only the dicts held since
+        construction: the optimizer's load_state_dict makes new ones."""
+        groups = self.optimizer.param_groups
+        if len(groups) == len(self._unscaled):
+            self._groups = list(groups)
+        return self._groups
 
     # -- the contract ---------------------------------------------------------------------------------------------
 
@@ -3095,13 +3104,14 @@ class VariableBatchSizeLR(LRScheduler):
         """
         if self._base is None or not ticks:
             return
-        for group, lr in zip(self._groups, self._unscaled):
+        groups = self._param_groups()
+        for group, lr in zip(groups, self._unscaled):
             group["lr"] = lr
         with warnings.catch_warnings():  # torch's step-order check, which this class's own step makes
             warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
             for _ in range(ticks):
                 self._base.step()
-        self._unscaled = [group["lr"] for group in self._groups]
+        self._unscaled = [group["lr"] for group in groups]
 
     def _before_update(self, *hook_args) -> None:
         """An optimizer step-pre hook: the update of batch b, whose step inputs were handed out, uses its LR (b moved
