@@ -1892,8 +1892,7 @@ class _StepInputKey(typing.NamedTuple):
 class _Pass:
     """The record of a sampler's last pass, written where a pass starts: set_epoch, an iteration, load_state_dict.
 
-    A `VariableBatchSizeLR` reads it: a pass ``number`` it has not seen points
-    its LR at the pass's first batch, so the sampler never calls its schedulers.
+    Its ``number`` marks the keys a pass deals, by which `_LoadStepInput` checks the dealing.
 
     Attributes:
         number: passes started so far (an iterator of an older pass is stale).
