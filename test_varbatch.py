@@ -2516,6 +2516,20 @@ def test_hf_trainer_trains_every_epoch_whole_at_its_batches_lrs(tmp_path):
     assert _hf_updates_off(sampler, record) == 0
 
 
+def _quiet_lightning_trainer(pl, **options):
+    """A one-process CPU Lightning Trainer of 2 epochs that writes nothing (no logger, checkpoint or bars)."""
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **options,
+    )
+
+
 def test_lightning_without_reloading_trains_every_epoch_whole():
     """Lightning keeps the len(loader) it read first unless it reloads the loader: both epochs, whose packings differ
     in length, are trained whole without reloading."""
@@ -2542,15 +2556,7 @@ def test_lightning_without_reloading_trains_every_epoch_whole():
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=1e-3)
 
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = _quiet_lightning_trainer(pl)
     trainer.fit(Model())
     assert _hf_never_and_twice(sampler, trained, (0, 1)) == (0, 0)
 
@@ -2591,16 +2597,10 @@ def test_lightning_amp_steps_the_scheduler_after_every_update_skipped_or_not():
             optimizer.register_step_pre_hook(lambda opt, *_: applied.append((batches[0], opt.param_groups[0]["lr"])))
             return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=2,
+    trainer = _quiet_lightning_trainer(
+        pl,
         accumulate_grad_batches=2,
         plugins=[MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=1.0))],  # skips: ours only
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Lightning's notes on CPU AMP and on workers

@@ -2961,6 +2961,7 @@ class VariableBatchSizeLR(LRScheduler):
         if epoch is not None:
             return self._realign(epoch)
         self._check_update()
+        self._check_position(self._batches + 1)  # before anything moves: a refused call leaves it as it was
         epoch, batch = self._where()
         if not skipped:
             size = int(self._sizes(epoch, "tokens" if self.clock == "tokens" else "sequences")[batch])
@@ -2970,7 +2971,6 @@ class VariableBatchSizeLR(LRScheduler):
             self.last_epoch += 1
         self._log_factors_once(epoch)
         self._batches += 1
-        self._check_position(self._batches)
         self._write()
         if self.verbose:
             _logger.info(
@@ -3018,8 +3018,7 @@ class VariableBatchSizeLR(LRScheduler):
             return
         new = handed - last
         gas = sampler.gradient_accumulation_steps
-        per_epoch = sampler._batches_per_epoch() * gas
-        drained = (sampler._latest + 1) % per_epoch == 0 and (self._batches + 1) * gas <= sampler._latest + 1
+        drained = (sampler._latest + 1) % len(sampler) == 0 and (self._batches + 1) * gas <= sampler._latest + 1
         if new >= gas or drained:
             return
         raise RuntimeError(
@@ -3043,20 +3042,19 @@ class VariableBatchSizeLR(LRScheduler):
         if trained > handed:
             raise RuntimeError(
                 f"VariableBatchSizeLR counts {batches} batches, {trained} step inputs on this rank at "
-                f"gradient_accumulation_steps={gas}, but the loader handed "
-                f"out {handed}: the loop steps the scheduler more than once per update (HF Accelerate: keep it out "
-                f"of accelerator.prepare() and step it only when accelerator.sync_gradients), or for fewer step "
-                f"inputs than the sampler's batch ({_SAME_ACCUMULATION}), or the scheduler was restored from another "
-                f"point of the run than the sampler (restore both from one checkpoint)"
+                f"gradient_accumulation_steps={gas}, but the loader handed out {handed}: the loop steps the "
+                f"scheduler more than once per update (HF Accelerate: keep it out of accelerator.prepare() and step "
+                f"it only when accelerator.sync_gradients), or for fewer step inputs than the sampler's batch "
+                f"({_SAME_ACCUMULATION}), or the scheduler was restored from another point of the run than the "
+                f"sampler (restore both from one checkpoint)"
             )
         if handed - trained > ahead:
             raise RuntimeError(
                 f"the loader handed out {handed} step inputs on this rank, but VariableBatchSizeLR counts "
                 f"{batches} batches at gradient_accumulation_steps={gas} ({trained}): {handed - trained} more than "
-                f"the loader reads ahead "
-                f"({ahead}). The loop skips updates without telling the scheduler (call step(skipped=True) for "
-                f"them, or step() every iteration; HF Trainer and TRL: varbatch.hf_trainer_lr_scheduler; HF Accelerate: "
-                f"keep the scheduler out of accelerator.prepare(); "
+                f"the loader reads ahead ({ahead}). The loop skips updates without telling the scheduler (call "
+                f"step(skipped=True) for them, or step() every iteration; HF Trainer and TRL: varbatch."
+                f"hf_trainer_lr_scheduler; HF Accelerate: keep the scheduler out of accelerator.prepare(); "
                 f"Lightning: 'interval': 'step' in configure_optimizers), or accumulates more step inputs than the "
                 f"sampler's batch ({_SAME_ACCUMULATION}), or the sampler was restored without the scheduler "
                 f"(restore both from one checkpoint)"
