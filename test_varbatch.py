@@ -313,8 +313,23 @@ def test_varbatch_follows_the_style_rules():
         pytest.fail(f"{len(offences)} places break the style rules:\n" + "\n".join(offences), pytrace=False)
 
 
-def test_varbatch_uses_no_name_before_its_definition():
-    """A reader of varbatch.py top to bottom never meets a module-level name before its definition."""
+def _evaluated_at_import(node):
+    """The expressions of a module-level statement that Python evaluates when it runs: a function's decorators and
+    defaults (not its body or annotations, which `from __future__ import annotations` leaves unevaluated), a class's
+    bases, keywords, decorators and body statements, any other statement whole."""
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return [*node.decorator_list, *node.args.defaults, *(d for d in node.args.kw_defaults if d is not None)]
+    if isinstance(node, ast.ClassDef):
+        inside = [part for item in node.body for part in _evaluated_at_import(item)]
+        return [*node.decorator_list, *node.bases, *(k.value for k in node.keywords), *inside]
+    if isinstance(node, ast.AnnAssign):
+        return [node.value] if node.value is not None else []
+    return [node]
+
+
+def test_varbatch_runs_no_name_before_its_definition():
+    """Every module-level statement of varbatch.py uses only names defined above it (what Python needs to import
+    it); function bodies may call what a part defines below them, so each part reads top-down (issue 26)."""
     tree = ast.parse(Path(_ROOT, "varbatch.py").read_text(encoding="utf-8"))
     defined = {}  # module-level name -> the line of its first definition
     for node in tree.body:
@@ -328,54 +343,78 @@ def test_varbatch_uses_no_name_before_its_definition():
     early = [
         f"line {name.lineno}: {name.id} (defined at line {defined[name.id]})"
         for node in tree.body
-        for name in ast.walk(node)
+        for expression in _evaluated_at_import(node)
+        for name in ast.walk(expression)
         if isinstance(name, ast.Name) and defined.get(name.id, 0) > node.lineno
     ]
     assert not early, "names used before their definition:\n" + "\n".join(early)
 
 
-def _reading_path_lines(source: str) -> tuple[int, list[str]]:
-    """The lines of the definitions the module docstring's reading path names, and the names it cannot find.
-
-    A name is a top-level function or class, or a method (``Class.method`` or
-    a bare method name). A class is counted whole unless the path also names
-    some of its methods: then its header and docstring, and those methods.
-    """
-    tree = ast.parse(source)
-    docstring = ast.get_docstring(tree)
-    path = docstring[docstring.index("Reading path") :]
-    names = re.findall(r"``([A-Za-z_][\w.]*)``", path)
-    top = {node.name: node for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
-    methods = {}  # method name -> (class, method node)
-    for node in top.values():
-        if isinstance(node, ast.ClassDef):
-            for item in node.body:
-                if isinstance(item, ast.FunctionDef):
-                    methods[item.name] = (node.name, item)
-                    methods[f"{node.name}.{item.name}"] = (node.name, item)
-
-    def span(node):
-        return node.end_lineno - min([node.lineno, *(d.lineno for d in node.decorator_list)]) + 1
-
-    missing = [name for name in names if name not in top and name not in methods]
-    named_methods = {name: methods[name] for name in names if name not in top and name in methods}
-    owners = {owner for owner, _ in named_methods.values()}
-    total = sum(span(methods_node) for _, methods_node in {id(m): m for m in named_methods.values()}.values())
-    for name in set(names) & set(top):
-        node = top[name]
-        if name in owners:  # header and docstring only: its named methods are counted above
-            total += node.body[1].lineno - node.lineno if len(node.body) > 1 else span(node)
-        else:
-            total += span(node)
-    return total, missing
+_PARTS = ("I", "II", "III", "IV")
+_PART_I_CEILING = 1600  # formatted lines (issue 26)
 
 
-def test_the_reading_path_names_definitions_of_about_900_lines():
-    """The module docstring's reading path names definitions that exist, about 900 lines in all (issue 17)."""
-    with open(os.path.join(_ROOT, "varbatch.py"), encoding="utf-8") as file:
-        total, missing = _reading_path_lines(file.read())
-    assert not missing, f"the reading path names definitions varbatch.py does not have: {missing}"
-    assert 300 < total <= 950, f"the reading path spans {total} lines; it should be about 900"
+def _parts(source: str) -> dict:
+    """Each part's first and last line (1-based, banner to the line before the next part's banner), and each
+    module-level name's part (0: the header and the argument checks before Part I), from the banner comments."""
+    lines = source.splitlines()
+    banners = [next(i + 1 for i, line in enumerate(lines) if line.startswith(f"# Part {part}. ")) for part in _PARTS]
+    spans = dict(zip(_PARTS, zip(banners, [*(b - 1 for b in banners[1:]), len(lines)])))
+    owner = {}
+    for node in ast.parse(source).body:
+        part = sum(node.lineno > banner for banner in banners)
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            owner.setdefault(node.name, part)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                if isinstance(target, ast.Name):
+                    owner.setdefault(target.id, part)
+    return {"spans": spans, "owner": owner, "banners": banners}
+
+
+def _part_one_reach(source: str) -> tuple[list[str], bool, int]:
+    """What Part I refers to (by `ast`, bodies included) of Parts II-IV but the dispatch `_implementation`, whether
+    it calls the dispatch, and its size in lines."""
+    parts = _parts(source)
+    assert parts["banners"] == sorted(parts["banners"]), f"the parts are out of order: {parts['banners']}"
+    owner = parts["owner"]
+    first, last = parts["spans"]["I"]
+    reached = set()  # (name, its part) of every module-level name Part I refers to
+    for node in ast.parse(source).body:
+        if first <= node.lineno <= last:
+            reached |= {(n.id, owner[n.id]) for n in ast.walk(node) if isinstance(n, ast.Name) and n.id in owner}
+    later = sorted(name for name, part in reached if part >= 2 and name != "_implementation")
+    return later, ("_implementation", 2) in reached, last - first + 1
+
+
+def test_part_one_is_the_technique_on_its_own():
+    """varbatch.py has its four parts in order, marked by banners; Part I's definitions refer to nothing of Parts
+    III and IV and, of Part II, only to the one dispatch `_implementation`; Part I has at most 1,600 formatted
+    lines (issue 26)."""
+    later, dispatches, size = _part_one_reach(Path(_ROOT, "varbatch.py").read_text(encoding="utf-8"))
+    assert not later, f"Part I refers to definitions of the later parts: {later}"
+    assert dispatches, "Part I should run its steps through the dispatch of Part II"
+    assert size <= _PART_I_CEILING, f"Part I has {size} lines; its ceiling is {_PART_I_CEILING}"
+
+
+def test_the_part_check_finds_a_reference_to_a_later_part():
+    """The check above names a Part III definition that Part I calls, and counts Part I's lines."""
+    lines = [
+        "# Part I. The technique",
+        "def plan():",
+        "    return _implementation(glue)()",
+        "# Part II. The speed paths",
+        "def _implementation(f):",
+        "    return f",
+        "# Part III. Glue",
+        "def glue():",
+        "    return 1",
+        "# Part IV. Adapters",
+        "x = 1",
+    ]
+    assert _part_one_reach("\n".join(lines)) == (["glue"], True, 3)
+    lines[2] = "    return 1"
+    assert _part_one_reach("\n".join(lines)) == ([], False, 3)
 
 
 # =============================================================================
@@ -728,12 +767,12 @@ def test_readme_says_the_seqlens_count_what_the_collate_adds():
     assert "bounds every tensor a forward pass sees (seqlens that count what the collate adds)" in readme
 
 
-# -- the greedy rule, vectorized (NOTE [the greedy rule, vectorized]) ----------------------------------------------
+# -- the plain and the fast forms (NOTE [one dispatch]) -------------------------------------------------------------
 
 
 def _greedy_walk(seqlens, max_tokens, budget, min_batch_size, max_batch_size):
     """Single micro-batches packed sample by sample in plain Python: ``(start, n)`` per micro-batch, the starts
-    dropped as min_batch_size, and where the tail starts (the rule `_pack_rows` follows)."""
+    dropped as min_batch_size, and where the tail starts (DeepSpeed's greedy rule, from the design)."""
     total = len(seqlens)
     cap = max_batch_size or total
     blocks, too_small, start = [], [], 0
@@ -757,6 +796,25 @@ def _greedy_walk(seqlens, max_tokens, budget, min_batch_size, max_batch_size):
     return blocks, too_small, start
 
 
+def _in_form(form, chunk, **case):
+    """plan_batches(**case) with every step in ``form`` (chunks of ``chunk`` positions), or None without a batch."""
+    with varbatch._forms(form, chunk=chunk):
+        return _plan_or_none(case)
+
+
+def _same_plans(first, second):
+    """Raises unless two plans (or two Nones) are the same arrays, dtypes and drops."""
+    assert (first is None) == (second is None)
+    if first is None:
+        return
+    for name in _PLAN_ARRAYS:
+        got, expected = getattr(first, name), getattr(second, name)
+        assert (got.dtype, got.tolist()) == (expected.dtype, expected.tolist()), name
+    assert {r: ids.tolist() for r, ids in first.dropped.items()} == {
+        r: ids.tolist() for r, ids in second.dropped.items()
+    }
+
+
 @st.composite
 def greedy_cases(draw):
     """Lengths within max_tokens (some at it, many tied), a budget, bounds, and a chunk of positions."""
@@ -765,6 +823,7 @@ def greedy_cases(draw):
     seqlens = draw(
         st.lists(
             st.sampled_from(sorted({1, short, max(1, max_tokens // 2), max_tokens})) | st.integers(1, max_tokens),
+            min_size=1,
             max_size=120,
         )
     )
@@ -786,115 +845,20 @@ def greedy_cases(draw):
     case=dict(seqlens=[2, 2, 9, 2, 2], max_tokens=10, budget="sum", min_batch_size=2, max_batch_size=None, chunk=2)
 )
 @example(case=dict(seqlens=[1] * 9, max_tokens=4, budget="padded", min_batch_size=1, max_batch_size=3, chunk=2))
-def test_vectorized_greedy_rule_matches_the_sample_by_sample_walk(case):
-    """The per-position numpy rule and the walk over micro-batches pack as the plain greedy loop, for either
-    budget, any min/max_batch_size and chunks of positions of any size."""
+def test_both_forms_of_the_greedy_rule_pack_as_the_sample_by_sample_walk(case):
+    """One micro-batch per batch in index order: the plain loop and the vectorized rule (NOTE [the greedy rule,
+    vectorized]), over chunks of positions of any size, pack the micro-batches, drops and tail of the walk."""
     case = dict(case)
     chunk = case.pop("chunk")
     blocks, too_small, end = _greedy_walk(**case)
-    settings_ = varbatch._Settings(**{key: value for key, value in case.items() if key != "seqlens"})
-    lens = np.asarray(case["seqlens"], np.int32)
-    with unittest.mock.patch.object(varbatch, "_CHUNK", chunk):
-        table, got_too_small, got_end = varbatch._pack_rows(lens, settings_)
-        most = varbatch._fitting_rows(lens, len(lens), max(1, len(lens)), settings_)
-    assert [(start, n) for start, n, _ in table.tolist()] == blocks
-    assert (got_too_small, got_end) == (too_small, end)
-    for i in range(len(lens)):  # every position, not only where a micro-batch starts
-        expected = _greedy_walk(case["seqlens"][i:], case["max_tokens"], case["budget"], 1, None)[0][0][1]
-        assert most[i] == expected, f"position {i}: {most[i]} samples, expected {expected}"
-
-
-# The array fields of a Plan (its drops are a dict of arrays beside them).
-_PLAN_ARRAYS = (
-    "sample_ids",
-    "microbatch_offsets",
-    "padded_seqlens",
-    "batch_sizes",
-    "batch_tokens",
-    "batch_max_seqlens",
-)
-
-
-@given(case=plan_cases(orders=ORDERS), chunk=st.sampled_from([1, 2, 5]))
-@settings(max_examples=60)
-def test_plans_do_not_depend_on_the_chunk_size(case, chunk):
-    """The planner's chunked passes (positions, ranges, gathers, per-batch sums) give the plan of one pass."""
-    whole = _plan_or_none(case)
-    with unittest.mock.patch.object(varbatch, "_CHUNK", chunk):
-        chunked = _plan_or_none(case)
-    assume(whole is not None)
-    for name in _PLAN_ARRAYS:
-        assert getattr(chunked, name).tolist() == getattr(whole, name).tolist(), name
-    assert {r: ids.tolist() for r, ids in chunked.dropped.items()} == {
-        r: ids.tolist() for r, ids in whole.dropped.items()
-    }
-
-
-def _bits(bound):
-    """Bits that hold 0 .. bound - 1, at least one (the oracle's own count)."""
-    return max(1, len(bin(bound - 1)) - 2) if bound > 1 else 1
-
-
-def _oracle_random_order(ids, seed):
-    """NOTE [the random orders, sorted], slowly: each id draws random bits; ids ordered by (bits, id)."""
-    id_bits = _bits(max(ids, default=0) + 1)
-    noise = np.random.default_rng(seed).integers(0, 2 ** (64 - id_bits), len(ids), dtype=np.uint64).tolist()
-    return [i for _, i in sorted(zip(noise, ids))]
-
-
-def _oracle_bucket_order(ids, lengths, window, seed, key_bits=64):
-    """NOTE [the random orders, sorted], slowly: each id draws a window of ceil(N / window) and random bits from
-    what window, length and id leave of the key's bits; ids ordered by window, then length (descending in odd
-    windows), then those bits, then id. Returns the ids and their lengths in that order."""
-    windows = max(1, math.ceil(len(ids) / window))
-    spare = max(0, key_bits - _bits(windows) - _bits(max(lengths, default=0) + 1) - _bits(max(ids, default=0) + 1))
-    drawn = np.random.default_rng(seed).integers(0, windows << spare, len(ids), dtype=np.uint64).tolist()
-    rows = sorted(
-        zip(drawn, ids, lengths),
-        key=lambda row: (row[0] >> spare, -row[2] if (row[0] >> spare) % 2 else row[2], row[0] % 2**spare, row[1]),
-    )
-    return [i for _, i, _ in rows], [length for _, _, length in rows]
-
-
-@given(
-    seqlens=st.lists(st.integers(1, 40), max_size=300),
-    order=st.sampled_from(["random", "bucket"]),
-    seed=st.integers(0, 2**32 - 1),
-    dtype=st.sampled_from([np.int32, np.int64]),
-    bucket_size=st.one_of(st.none(), st.integers(1, 50)),
-    key_bits=st.sampled_from([64, 8]),
-)
-@example(seqlens=[], order="random", seed=0, dtype=np.int32, bucket_size=None, key_bits=64)
-@example(seqlens=[], order="bucket", seed=0, dtype=np.int32, bucket_size=None, key_bits=64)
-def test_random_orders_sort_random_keys(seqlens, order, seed, dtype, bucket_size, key_bits):
-    """The random orders are their keys sorted (NOTE [the random orders, sorted]), as the slow oracles sort them,
-    with the lengths read back in picking order; key_bits 8 makes `bucket` take numpy's lexsort (same order)."""
-    assume(order == "bucket" or key_bits == 64)  # the random order's key is its random bits and the id: no fallback
-    lens = np.asarray(seqlens, np.int64)
-    ids = np.arange(len(lens), dtype=dtype)[::-1].copy()  # not the positions themselves
-    settings_ = varbatch._Settings(max_tokens=64, order=order, bucket_size=bucket_size)
-    if order == "random":
-        expected_ids = _oracle_random_order(ids.tolist(), seed)
-    else:
-        window = varbatch._bucket_window(lens[ids], settings_)
-        expected_ids, _ = _oracle_bucket_order(ids.tolist(), lens[ids].tolist(), window, seed, key_bits)
-    with unittest.mock.patch.object(varbatch, "_KEY_BITS", key_bits):
-        got, got_lens = varbatch._picking_order(lens, ids.copy(), lens[ids], settings_, np.random.default_rng(seed))
-    assert got.dtype == dtype
-    assert got.tolist() == expected_ids
-    assert got_lens.dtype == np.int32
-    assert got_lens.tolist() == lens[expected_ids].tolist()
-
-
-def test_the_random_order_draws_every_permutation_alike():
-    """Over 4,800 seeds, each of the 24 orders of 4 samples comes out ~200 times (chi-square, 23 degrees of
-    freedom: above 60 once in ~20,000 runs of a uniform order; a sort by id alone gives 110,400)."""
-    counts = collections.Counter(
-        tuple(plan_batches([1, 1, 1, 1], 1, order="random", seed=seed).sample_ids.tolist()) for seed in range(4800)
-    )
-    assert len(counts) == 24
-    chi_square = sum((count - 200) ** 2 / 200 for count in counts.values())
-    assert chi_square < 60, counts
+    for form in ("plain", "fast"):
+        plan = _in_form(form, chunk, **case)
+        assert (plan is None) == (not blocks)
+        if plan is None:
+            continue
+        assert plan.microbatches() == [list(range(start, start + n)) for start, n in blocks], form
+        assert plan.dropped["min_batch_size"].tolist() == too_small, form
+        assert plan.dropped["tail"].tolist() == list(range(end, len(case["seqlens"]))), form
 
 
 def _interleaved_fit_by_rows(lens, start, rows_left, width, group, max_tokens, budget):
@@ -919,19 +883,22 @@ def _interleaved_fit_by_rows(lens, start, rows_left, width, group, max_tokens, b
     budget=st.sampled_from(BUDGETS),
     max_tokens=st.integers(1, 40),
     max_batch_size=st.one_of(st.none(), st.integers(1, 6)),
+    chunk=st.sampled_from([1, 2, 5, 2**16]),
 )
-@example(data=None, width=2, budget="padded", max_tokens=10, max_batch_size=None)  # None: lens below
-def test_vectorized_interleaved_blocks_match_the_row_by_row_check(data, width, budget, max_tokens, max_batch_size):
-    """`_interleaved_fits` (NOTE [interleaved blocks, vectorized]) finds, from any position and any first
-    position of a chunk, the rows the block's micro-batches fit checked row by row, for either budget and any
-    padding group of the block's micro-batches."""
+@example(data=None, width=2, budget="padded", max_tokens=10, max_batch_size=None, chunk=1)  # None: lens below
+def test_both_forms_pack_interleaved_blocks_as_the_row_by_row_check(
+    data, width, budget, max_tokens, max_batch_size, chunk
+):
+    """Same-size batches in index order: the plain rows and the vectorized ones (NOTE [interleaved blocks,
+    vectorized]) place the blocks that checking each block's rows one by one places, for either budget and any
+    padding group of a block's micro-batches."""
     if data is None:
-        lens, group, first = [5, 1, 1, 1, 6, 2, 1, 9], 1, 0
+        lens, group = [5, 1, 1, 1, 6, 2, 1, 9], 1
     else:
         lens = data.draw(st.lists(st.integers(1, max_tokens), min_size=width, max_size=60))
         group = data.draw(st.sampled_from([g for g in range(1, width + 1) if width % g == 0]))
-        first = data.draw(st.integers(0, len(lens) - width))
-    settings_ = varbatch._Settings(
+    case = dict(
+        seqlens=lens,
         max_tokens=max_tokens,
         budget=budget,
         effective_batch_size=width,
@@ -939,16 +906,97 @@ def test_vectorized_interleaved_blocks_match_the_row_by_row_check(data, width, b
         same_size=True,
         max_batch_size=max_batch_size,
     )
-    assert (settings_.unit_width, settings_.padding_group) == (width, group)
-    total = len(lens)
-    cap = max_batch_size or total
-    reach = max(1, min(cap, max_tokens // min(lens), total // width))
-    count = total - width + 1 - first
-    most = varbatch._interleaved_fits(np.asarray(lens, np.int32), first, count, reach, settings_)
-    for start in range(first, total - width + 1):
-        rows_left = min((total - start) // width, cap)
-        expected = _interleaved_fit_by_rows(lens, start, rows_left, width, group, max_tokens, budget)
-        assert min(int(most[start - first]), rows_left) == expected, f"position {start}"
+    cap = max_batch_size or len(lens)
+    expected, start = [], 0
+    while start + width <= len(lens):
+        rows_left = min((len(lens) - start) // width, cap)
+        n = _interleaved_fit_by_rows(lens, start, rows_left, width, group, max_tokens, budget)
+        expected += [[start + r * width + b for r in range(n)] for b in range(width)]
+        start += n * width
+    for form in ("plain", "fast"):
+        plan = _in_form(form, chunk, **case)
+        assert plan.microbatches() == expected, form
+        assert plan.dropped["tail"].tolist() == list(range(start, len(lens))), form
+
+
+# The array fields of a Plan (its drops are a dict of arrays beside them).
+_PLAN_ARRAYS = (
+    "sample_ids",
+    "microbatch_offsets",
+    "padded_seqlens",
+    "batch_sizes",
+    "batch_tokens",
+    "batch_max_seqlens",
+)
+
+
+@given(case=plan_cases(orders=ORDERS), chunk=st.sampled_from([1, 2, 5, 2**16]), epoch=st.integers(0, 3))
+@settings(max_examples=150)
+def test_the_fast_forms_plan_as_the_plain_forms(case, chunk, epoch):
+    """Every step's fast form, over chunks of any size, gives the plain form's plan: the same arrays, dtypes and
+    drops, in every order, budget and shape (NOTE [one dispatch])."""
+    case = {**case, "epoch": epoch}
+    _same_plans(_in_form("fast", chunk, **case), _in_form("plain", chunk, **case))
+
+
+def _bits(bound):
+    """Bits that hold 0 .. bound - 1, at least one (the oracle's own count)."""
+    return max(1, len(bin(bound - 1)) - 2) if bound > 1 else 1
+
+
+def _oracle_random_order(ids, rng):
+    """NOTE [the orders, as sorts], slowly: each id draws random bits; ids ordered by (bits, id)."""
+    id_bits = _bits(max(ids, default=0) + 1)
+    noise = rng.integers(0, 2 ** (64 - id_bits), len(ids), dtype=np.uint64).tolist()
+    return [i for _, i in sorted(zip(noise, ids))]
+
+
+def _oracle_bucket_order(ids, lengths, window, rng):
+    """NOTE [the orders, as sorts], slowly: each id draws a window of ceil(N / window) and random bits from what
+    window, length and id leave of 64 bits; ids ordered by window, then length (descending in odd windows), then
+    those bits, then id. Returns the ids and their lengths in that order."""
+    windows = max(1, math.ceil(len(ids) / window))
+    spare = max(0, 64 - _bits(windows) - _bits(max(lengths, default=0) + 1) - _bits(max(ids, default=0) + 1))
+    drawn = rng.integers(0, windows << spare, len(ids), dtype=np.uint64).tolist()
+    rows = sorted(
+        zip(drawn, ids, lengths),
+        key=lambda row: (row[0] >> spare, -row[2] if (row[0] >> spare) % 2 else row[2], row[0] % 2**spare, row[1]),
+    )
+    return [i for _, i, _ in rows], [length for _, _, length in rows]
+
+
+@given(
+    seqlens=st.lists(st.integers(1, 40), min_size=1, max_size=300),
+    order=st.sampled_from(["random", "bucket"]),
+    seed=st.integers(0, 2**32 - 1),
+    bucket_size=st.integers(1, 50),
+    form=st.sampled_from(["plain", "fast"]),
+)
+def test_random_orders_sort_random_keys(seqlens, order, seed, bucket_size, form):
+    """One sample per batch, the samples given in reverse: the random orders pick them as the slow oracles sort
+    their keys (NOTE [the orders, as sorts]), drawn from (seed, epoch 0, the plans' stream); `bucket` then shuffles
+    the batches with the next draw of the same generator. Both forms."""
+    ids = list(range(len(seqlens)))[::-1]  # not the positions themselves
+    rng = np.random.default_rng((seed, 0, varbatch._PLAN_STREAM))
+    if order == "random":
+        expected = _oracle_random_order(ids, rng)
+    else:
+        expected, _ = _oracle_bucket_order(ids, [seqlens[i] for i in ids], bucket_size, rng)
+        expected = [expected[b] for b in rng.permutation(len(expected))]
+    case = dict(seqlens=seqlens, max_tokens=64, order=order, seed=seed, bucket_size=bucket_size, max_batch_size=1)
+    plan = _in_form(form, 2**16, **case, sample_ids=ids)
+    assert plan.sample_ids.tolist() == expected
+
+
+def test_the_random_order_draws_every_permutation_alike():
+    """Over 4,800 seeds, each of the 24 orders of 4 samples comes out ~200 times (chi-square, 23 degrees of
+    freedom: above 60 once in ~20,000 runs of a uniform order; a sort by id alone gives 110,400)."""
+    counts = collections.Counter(
+        tuple(plan_batches([1, 1, 1, 1], 1, order="random", seed=seed).sample_ids.tolist()) for seed in range(4800)
+    )
+    assert len(counts) == 24
+    chi_square = sum((count - 200) ** 2 / 200 for count in counts.values())
+    assert chi_square < 60, counts
 
 
 # =============================================================================

@@ -17,43 +17,35 @@ DeepSpeed's signatures); ``plan_batches`` -> ``Plan``, ``VariableBatchSampler``,
 ``make_dataloader``, ``PaddedCollate``, ``pad_sample``, ``seqlens_from_padded``,
 ``micro_batch_loss_weight``, and HF Trainer's adapter ``hf_trainer_lr_scheduler``.
 Guarantees: no micro-batch costs more than ``max_tokens`` (in the seqlens
-given: they count what the collate adds); every
-sample is trained once per epoch or listed in ``Plan.dropped`` with a reason;
-every rank computes the same plan; every epoch of a sampler has the same
-number of step inputs. Needs numpy and torch (DeepSpeed only
-inside the functions that use it).
-The contract with a training loop: every epoch of a sampler has ``len(sampler)``
-step inputs; the loop calls ``scheduler.step()`` once per batch, after its
-update, and ``scheduler.step(skipped=True)`` after an update AMP skipped (or
-steps plainly every iteration, as torch's AMP recipe does). Nothing watches the
-model: misuse is found from the step inputs the loader handed out.
+given: they count what the collate adds); every sample is trained once per
+epoch or listed in ``Plan.dropped`` with a reason; every rank computes the same
+plan; every epoch of a sampler has the same number of step inputs. Needs numpy
+and torch (DeepSpeed and transformers only inside the functions that use them).
 Tests: ``python -m pytest test_varbatch.py``.
 
-Reading path: the definitions that carry the technique, in file order (about
-900 lines); the rest is validation, reports and launcher glue.
+The contract with a training loop:
+- make the sampler (``VariableBatchSampler``) after torch.distributed is up, and
+  the loader with ``make_dataloader``; every epoch has ``len(sampler)`` step inputs;
+- wrap the LR schedule in ``VariableBatchSizeLR`` and call ``scheduler.step()``
+  once per batch, after its update, and ``scheduler.step(skipped=True)`` after an
+  update AMP skipped (or step plainly every iteration, as torch's AMP recipe does);
+- save and restore the sampler's and the scheduler's states from one checkpoint;
+- HF Trainer and TRL: ``hf_trainer_lr_scheduler``; DeepSpeed's engine:
+  ``get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed``.
+Nothing watches the model: misuse is found from the step inputs the loader
+handed out, and refused with a message naming the fix.
 
-1. ``_Settings``: every plan option, checked once.
-2. ``Plan``: what one epoch's packing is, as plain data.
-3. ``_picking_order``, ``_pack_rows`` with ``_fitting_rows``, ``_single_rows`` and
-   ``_interleaved_fits``, and ``_pack``: the order samples are picked in, the packer's loop
-   and its invariant (NOTE [the greedy rule, vectorized], NOTE [interleaved blocks,
-   vectorized]), the steps of a plan; ``_equal_plan``: every epoch with epoch 0's
-   number of batches (NOTE [every epoch the same length]).
-4. ``_lr_factor`` and ``_lr_factors``: the LR rule, ``s(B / B_ref)``.
-5. ``PaddedCollate``: a step input as one padded ``B x S`` tensor.
-6. The dealing rule (the comment under "The batch sampler"), ``_Position``
-   and ``VariableBatchSampler._iter_keys``: which rank trains which step input.
-7. ``_Loader`` (NOTE [the loader deals itself]) and ``make_dataloader``.
-8. ``VariableBatchSizeLR``: its docstring's NOTEs (the contract: the loop
-   calls ``step()`` after each update, ``step(skipped=True)`` after a skipped
-   one) and ``step``, whose checks find misuse from the step inputs the
-   loader handed out.
-9. ``get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed``: the
-   DeepSpeed entry point, engine to loader and scheduler.
+The file has four parts. Part I is the technique in plain code, read top-down:
+the settings and the plan, the orders, the greedy rule, the equal epochs, the LR
+rule, the sampler and the scheduler. Part II holds the speed paths, each equal
+to a Part I step, and the one dispatch between them. Part III is the torch glue
+and its guards (collate, loader, dealing checks); Part IV the trainer adapters
+and the DeepSpeed-compatible functions. The argument checks come first.
 """
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import copy
 import dataclasses
@@ -113,16 +105,16 @@ _DEFAULT_SEED = 0
 # _BUCKET_MIN_WINDOWS of an epoch's samples, within this many blocks of micro-batches.
 _BUCKET_WINDOW_BLOCKS = (16, 64)
 _BUCKET_MIN_WINDOWS = 3
-_CHUNK = 2**16  # positions (or samples) per numpy pass: temporaries stay small and in cache
 _MAX_TOKENS_LIMIT = 2**31  # sums of up to 2**31 lengths below it stay inside int64
 
 
 # =============================================================================
-# Validation
+# Argument checks
 # =============================================================================
 # One template for every message: parameter, offending value, constraint, fix.
 
 
+# One template for every message: parameter, offending value, constraint, fix.
 def _check_int(name: str, value: Any, minimum: int = 0, maximum: int | None = None, fix: str = "") -> int:
     """``value`` as an int in ``[minimum, maximum]``, or raises naming ``name`` and the value."""
     fix = f"; {fix}" if fix else ""
@@ -234,6 +226,236 @@ def _digest(*arrays: Any) -> str | None:
     return digest.hexdigest()[:16]
 
 
+# lr = lr_ref x s(B / B_ref). Linear, s(r) = r: Goyal et al. 2017, SGD with warmup.
+# Square root, s(r) = sqrt(r): Krizhevsky 2014 derives it from the gradient's variance
+# (and reports the linear rule working better in his runs); Hoffer et al. 2017 use it
+# for SGD, Malladi et al. 2022 for Adam (also rescaling Adam's betas and epsilon). All
+# compare whole runs at fixed batch sizes: scaling each step by its own batch is a
+# heuristic built on them. B's unit should match the loss: tokens for a loss averaged
+# over tokens (a token budget keeps it nearly constant), sequences for one over sequences.
+def _check_lr_method(method: Any) -> Any:
+    """A valid LR scaling method: a name of `_LRMethod`, None (no scaling) or a callable."""
+    if method is None or callable(method):
+        return method
+    return _check_choice("lr_scaling_method", method.lower() if isinstance(method, str) else method, _LRMethod)
+
+
+def _check_reference(reference: Any, name: str = "lr_scaling_reference") -> Any:
+    """``B_ref`` as given: None (the default, ``train_batch_size``), ``"mean"``, or a number > 0."""
+    return (
+        reference
+        if reference is None or (isinstance(reference, str) and reference == "mean")
+        else _check_real(name, reference)
+    )
+
+
+def _check_clock(clock: Any, clock_step: Any, names: tuple = ("clock", "clock_step")) -> tuple[str, int]:
+    """What advances the wrapped schedule (see `VariableBatchSizeLR`) and by how much, checked together.
+
+    NOTE [clocks]: with ``clock="tokens"`` (``"samples"``) the wrapped schedule
+    steps once per ``clock_step`` tokens (samples) of the updates taken, so its
+    position is ``floor(seen / clock_step)``: warmup and decay land at their
+    token counts whatever the batch sizes. Any step-based torch scheduler works;
+    size it with ``sampler.horizon(epochs, "tokens") // clock_step``. For a
+    function ``f`` of tokens: ``LambdaLR(optimizer, lambda s: f(s * clock_step))``.
+    """
+    clock, step = (
+        _check_choice(names[0], clock, _Clock),
+        _check_int(names[1], clock_step, 1, fix="the tokens (samples) per schedule step"),
+    )
+    if clock == "steps" and step != 1:
+        raise ValueError(
+            f"{names[1]}={step} counts tokens or samples, but {names[0]}='steps' steps the schedule once "
+            f"per optimizer step; set {names[0]} to 'tokens' or 'samples', or {names[1]} to 1"
+        )
+    return clock, step
+
+
+def _mismatch(saved: Any, mine: dict, one: str) -> str | None:
+    """``"saved with seed=1 into a sampler with seed=2"`` for the first setting that differs (likeliest first);
+    settings nested under a key (a scheduler's sampler's) count as settings of their own, named ``sampler.seed``."""
+    if not isinstance(saved, Mapping) or set(saved) != set(mine):
+        return "saved with settings that are not this version's (pass a dict made by state_dict())"
+    settings = {}  # name -> (saved value, this value)
+    for key in mine:
+        if isinstance(saved[key], Mapping) and isinstance(mine[key], Mapping) and set(saved[key]) == set(mine[key]):
+            settings.update({f"{key}.{name}": (saved[key][name], mine[key][name]) for name in mine[key]})
+        else:
+            settings[key] = (saved[key], mine[key])
+    likeliest = ("num_replicas", "seqlens", "sample_ids")  # the world size, then the data
+    for name in sorted(settings, key=lambda name: (name.rpartition(".")[2] not in likeliest, name)):
+        before, now = settings[name]
+        if before == now:
+            continue
+        if name.rpartition(".")[2] in ("seqlens", "sample_ids", "fixed_plan", "batch_sizes", "sampler"):
+            return f"saved with other {name.replace('_', ' ')} (another dataset?) than this one's"
+        return f"saved with {name}={before!r} into {one} with {name}={now!r}"
+    return None
+
+
+def _check_state(owner: Any, state_dict: Any, expected: set) -> None:
+    """A state dict has exactly the keys ``owner.state_dict()`` makes, and ``owner``'s settings."""
+    name = type(owner).__name__
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"{name}.load_state_dict expects a dict, but got {type(state_dict).__name__}")
+    unknown, missing = sorted(set(state_dict) - expected), sorted(expected - set(state_dict))
+    if unknown or missing:
+        raise ValueError(
+            f"{name}.load_state_dict got unknown keys {unknown} and is missing keys {missing}; pass a "
+            f"dict made by {name}.state_dict()"
+        )
+    kind = "sampler" if isinstance(owner, Sampler) else "scheduler"
+    mismatch = _mismatch(state_dict["settings"], owner._state_settings(), "a sampler" if kind == "sampler" else "one")
+    if mismatch:
+        raise ValueError(
+            f"cannot load a {kind} state {mismatch}; resume with the same dataset, config, world size and LR settings"
+        )
+
+
+def _check_settings(settings: _Settings) -> None:
+    """Checks every option of ``settings`` and writes each back in its one form (0 and None: no bound): run once, by
+    `_Settings` as it is made."""
+
+    def put(name, value):
+        object.__setattr__(settings, name, value)
+
+    put(
+        "max_tokens",
+        _check_int(
+            "max_tokens", settings.max_tokens, 1, _MAX_TOKENS_LIMIT, "it is the token budget of one micro-batch"
+        ),
+    )
+    for name, fix in (
+        ("effective_batch_size", "it is train_batch_size, micro-batches per optimizer step"),
+        ("micro_batch_size", "it is train_micro_batch_size_per_gpu"),
+        ("num_replicas", ""),
+    ):
+        put(name, _check_int(name, getattr(settings, name), 1, fix=fix))
+    if settings.effective_batch_size % (settings.micro_batch_size * settings.num_replicas):
+        raise ValueError(
+            f"effective_batch_size={settings.effective_batch_size} should be a multiple of micro_batch_size"
+            f" x num_replicas = {settings.micro_batch_size} x {settings.num_replicas}; set train_batch_size = "
+            f"micro batch per GPU x gradient accumulation steps x data-parallel size"
+        )
+    for name, choices in (("budget", _Budget), ("order", _Order), ("on_overlong", _OnOverlong)):
+        put(
+            name, _check_choice("sequence_picking_order" if name == "order" else name, getattr(settings, name), choices)
+        )
+    for name in ("min_batch_size", "max_batch_size"):  # None or 0: no bound (DeepSpeed's convention)
+        value = getattr(settings, name)
+        zero = value is None or (not isinstance(value, bool) and isinstance(value, numbers.Integral) and value == 0)
+        put(name, None if zero else _check_int(name, value, 1, fix="or None for no bound"))
+    put("min_batch_size", settings.min_batch_size or 1)
+    if settings.max_batch_size is not None and settings.min_batch_size > settings.max_batch_size:
+        raise ValueError(
+            f"min_batch_size should be <= max_batch_size, but got min_batch_size={settings.min_batch_size} "
+            f"and max_batch_size={settings.max_batch_size}"
+        )
+    for name in ("same_size", "same_length"):
+        if not isinstance(getattr(settings, name), (bool, np.bool_)):
+            raise TypeError(f"{name} should be a bool, but got {name}={getattr(settings, name)!r}")
+        put(name, bool(getattr(settings, name)))
+    if settings.budget == "padded" and settings.same_length and not settings.same_size:
+        raise ValueError(
+            "budget='padded' with same_length=True needs same_size=True (the padded size of a micro-"
+            "batch then depends on the whole batch); set same_size=True or budget='sum'"
+        )
+    put("seed", _DEFAULT_SEED if settings.seed is None else _check_int("seed", settings.seed))
+    put("bucket_size", None if settings.bucket_size is None else _check_int("bucket_size", settings.bucket_size, 1))
+
+
+def _torch_optimizer(optimizer: Any) -> Optimizer:
+    """The torch `Optimizer` inside DeepSpeed's wrappers (ZeRO stages, fp16, bf16) and HF Accelerate's.
+
+    Accelerate's ``AcceleratedOptimizer`` (``accelerate/optimizer.py``) is an `Optimizer` in type only: it never runs
+    ``Optimizer.__init__``, so it has no step hooks; the optimizer it steps is its ``.optimizer``.
+    """
+    for _ in range(8):
+        if isinstance(optimizer, Optimizer) and hasattr(optimizer, "_optimizer_step_pre_hooks"):
+            return optimizer
+        optimizer = getattr(optimizer, "optimizer", None)
+    raise TypeError(
+        "expected a torch Optimizer, an LR scheduler, or a DeepSpeed or HF Accelerate optimizer wrapper around one"
+    )
+
+
+def _find_sampler(obj: Any, depth: int = 0) -> VariableBatchSampler | None:
+    """The `VariableBatchSampler` behind a sampler, a loader, or a launcher's wrapper of either."""
+    if isinstance(obj, VariableBatchSampler) or obj is None or depth > 4 or isinstance(obj, (str, bytes, Sequence)):
+        return obj if isinstance(obj, VariableBatchSampler) else None
+    for name in ("variable_batch_sampler", "batch_sampler", "sampler", "data_sampler", "base_dataloader"):
+        found = _find_sampler(getattr(obj, name, None), depth + 1)
+        if found is not None:
+            return found
+    return None
+
+
+def _schedule_to_wrap(lr_scheduler: Any) -> tuple[Any, Optimizer]:
+    """The scheduler a `VariableBatchSizeLR` wraps (None for an optimizer: a constant LR), and the torch optimizer."""
+    if isinstance(lr_scheduler, ReduceLROnPlateau):
+        raise TypeError(
+            "ReduceLROnPlateau steps on a validation metric, not on batches, so VariableBatchSizeLR "
+            "cannot wrap it; wrap a step-based schedule (LambdaLR, CosineAnnealingLR, OneCycleLR, ...) "
+            "or the optimizer itself (constant LR)"
+        )
+    # DeepSpeed's optimizer wrappers have `step` and `optimizer` as schedulers do, but also `param_groups`.
+    wraps = (
+        hasattr(lr_scheduler, "step")
+        and hasattr(lr_scheduler, "optimizer")
+        and not hasattr(lr_scheduler, "param_groups")
+    )
+    if wraps:
+        return lr_scheduler, _torch_optimizer(lr_scheduler.optimizer)
+    return None, _torch_optimizer(lr_scheduler)
+
+
+def _check_last_epoch(last_epoch: Any, optimizer: Optimizer) -> None:
+    """Raises unless ``last_epoch`` is -1, or resumes a schedule the optimizer's param groups remember."""
+    if _check_int("last_epoch", last_epoch, minimum=-1) == -1:
+        return
+    if any("initial_lr" not in group for group in optimizer.param_groups):
+        raise ValueError(
+            f"last_epoch={last_epoch} resumes a schedule whose param groups hold 'initial_lr', but "
+            f"these do not; make it with last_epoch=-1 and resume with load_state_dict()"
+        )
+
+
+def _listed_batch_sizes(batch_sizes: Any, sampler: VariableBatchSampler | None, **options: Any) -> np.ndarray | None:
+    """A `VariableBatchSizeLR`'s listed batch sizes (None with a sampler); raises on ``options`` that need the plans."""
+    if sampler is not None:
+        for name in ("lr_scaling_unit", "clock"):
+            if options[name] == "tokens":
+                sampler._check_tokens_known(f"{name}='tokens'")
+        return None
+    if isinstance(batch_sizes, (str, bytes)) or not hasattr(batch_sizes, "__len__") or not len(batch_sizes):
+        raise ValueError(
+            f"batch_sizes should be a VariableBatchSampler, a loader made with one, or a non-empty "
+            f"sequence of batch sizes, but got batch_sizes={batch_sizes!r}"
+        )
+    listed = _as_counts(batch_sizes, "batch_sizes", fix="pass the size of every batch")
+    for name, needs_plans in (
+        ("lr_scaling_unit", options["lr_scaling_unit"] != "sequences"),
+        ("clock", options["clock"] != "steps"),
+        ("base_batch_size", options["base_batch_size"] is None),
+    ):
+        if needs_plans:
+            raise ValueError(
+                f"{name}={options[name]!r} needs the plans (their tokens and train_batch_size); pass the "
+                f"VariableBatchSampler as batch_sizes, not a list"
+            )
+    return listed
+
+
+###############################################################################
+# Part I. The technique, in plain code
+###############################################################################
+
+
+# =============================================================================
+# Settings and the plan
+# =============================================================================
+
+
 @dataclasses.dataclass(frozen=True)
 class _Settings:
     """Every option of a plan, validated once; each is documented in `plan_batches`.
@@ -257,52 +479,7 @@ class _Settings:
     on_overlong: _OnOverlong = "skip"
 
     def __post_init__(self):
-        def put(name, value):
-            object.__setattr__(self, name, value)
-
-        put(
-            "max_tokens",
-            _check_int(
-                "max_tokens", self.max_tokens, 1, _MAX_TOKENS_LIMIT, "it is the token budget of one micro-batch"
-            ),
-        )
-        for name, fix in (
-            ("effective_batch_size", "it is train_batch_size, micro-batches per optimizer step"),
-            ("micro_batch_size", "it is train_micro_batch_size_per_gpu"),
-            ("num_replicas", ""),
-        ):
-            put(name, _check_int(name, getattr(self, name), 1, fix=fix))
-        if self.effective_batch_size % (self.micro_batch_size * self.num_replicas):
-            raise ValueError(
-                f"effective_batch_size={self.effective_batch_size} should be a multiple of micro_batch_size"
-                f" x num_replicas = {self.micro_batch_size} x {self.num_replicas}; set train_batch_size = "
-                f"micro batch per GPU x gradient accumulation steps x data-parallel size"
-            )
-        for name, choices in (("budget", _Budget), ("order", _Order), ("on_overlong", _OnOverlong)):
-            put(
-                name, _check_choice("sequence_picking_order" if name == "order" else name, getattr(self, name), choices)
-            )
-        for name in ("min_batch_size", "max_batch_size"):  # None or 0: no bound (DeepSpeed's convention)
-            value = getattr(self, name)
-            zero = value is None or (not isinstance(value, bool) and isinstance(value, numbers.Integral) and value == 0)
-            put(name, None if zero else _check_int(name, value, 1, fix="or None for no bound"))
-        put("min_batch_size", self.min_batch_size or 1)
-        if self.max_batch_size is not None and self.min_batch_size > self.max_batch_size:
-            raise ValueError(
-                f"min_batch_size should be <= max_batch_size, but got min_batch_size={self.min_batch_size} "
-                f"and max_batch_size={self.max_batch_size}"
-            )
-        for name in ("same_size", "same_length"):
-            if not isinstance(getattr(self, name), (bool, np.bool_)):
-                raise TypeError(f"{name} should be a bool, but got {name}={getattr(self, name)!r}")
-            put(name, bool(getattr(self, name)))
-        if self.budget == "padded" and self.same_length and not self.same_size:
-            raise ValueError(
-                "budget='padded' with same_length=True needs same_size=True (the padded size of a micro-"
-                "batch then depends on the whole batch); set same_size=True or budget='sum'"
-            )
-        put("seed", _DEFAULT_SEED if self.seed is None else _check_int("seed", self.seed))
-        put("bucket_size", None if self.bucket_size is None else _check_int("bucket_size", self.bucket_size, 1))
+        _check_settings(self)
 
     @classmethod
     def of(cls, **options: Any) -> _Settings:
@@ -338,23 +515,6 @@ class _Settings:
     def padding_group(self) -> int:
         """Adjacent micro-batches padded to one S: a batch (same_length) or a step input."""
         return self.effective_batch_size if self.same_length else self.micro_batch_size
-
-
-# =============================================================================
-# The planner (pure: plain data in, plain data out)
-# =============================================================================
-
-
-def _distribution(values: np.ndarray) -> dict | None:
-    """``{min, median, mean, max}`` of ``values`` as plain numbers (None when empty): what the reports print."""
-    if not len(values):
-        return None
-    return {
-        "min": values.min().item(),
-        "median": float(np.median(values)),
-        "mean": float(values.mean()),
-        "max": values.max().item(),
-    }
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -492,815 +652,21 @@ class Plan:
         }
 
 
-def _stable_argsort(values: np.ndarray) -> np.ndarray:
-    """A stable argsort; lengths below 2**16 take numpy's linear-time radix sort (of uint16)."""
-    if len(values) and values.max() < 2**16:
-        values = values.astype(np.uint16)
-    return np.argsort(values, kind="stable")
-
-
-# The `bucket` order sorts windows of randomly drawn samples; its window trades padding for fresh
-# micro-batches. In a window of W samples a micro-batch of B takes length neighbours among a
-# random W of the N: two samples that share one meet again next epoch only when they share
-# a window again (W / N) and stay neighbours in it (~0.4), against about B / N for random
-# micro-batches of the same sizes. So the share of pairs that meet again is ~0.4 W / B times
-# the random share at every N, and a micro-batch spans ~B / W of the length quantiles: the
-# window is counted in blocks (`_Settings.unit_width` micro-batches, B x unit_width samples at
-# the mean length). Measured on long-tailed lengths (lognormal(5.5, 0.9), max_tokens 16384, 1M
-# samples for the share, 200k for padding) and uniform 10..499 (max_tokens 4096, 20k), real /
-# padded B x S slots at k = 8, DDP and pipeline, both budgets:
-#   blocks per window   pairs meeting again / random   long-tailed   uniform
-#   24                  11x                            91-93%        94-95%
-#   40                  17x                            95%           96-97%
-#   64 (the default)    25x                            96-97%        96.8-97.9%
-# Sort keys with random jitter and windows cut at token sums fared no better, and no planner that
-# draws each epoch independently of the last (as `plan_for_epoch` must: epochs in any order) can do
-# much better. If a sample's B - 1 mates come from the share s of all N samples nearest its length,
-# with probabilities p_j, two that met meet again with probability sum(p_j^2) / (B - 1) >= (B - 1) /
-# (s N) (Cauchy-Schwarz: uniform p_j is the least), 1 / s times the random share, while s sets the
-# spread of lengths a micro-batch pads. Above, the ratio times the padded share stays near 0.85
-# (25x x 3.4%, 17x x 5%, 11x x 8%): 10x with 95% real tokens does not fit these lengths. A set of
-# a few thousand samples is a window or two of 64 blocks, the same micro-batches every epoch (98%
-# of pairs again at N = 2,000), so a window holds at most a third of the samples, down to 16
-# blocks: 7-8x at N = 2,000 (padding 89% in DDP, from 96% sorted whole). Small sets train for many
-# epochs, large ones for few.
-
-
-def _bucket_window(lengths: np.ndarray, settings: _Settings) -> int:
-    """Samples per sorted window of the `bucket` order over the packable samples, of seqlens ``lengths``."""
-    if settings.bucket_size is not None:
-        return settings.bucket_size
-    samples_per_block = settings.unit_width * settings.max_tokens * len(lengths) / max(int(lengths.sum()), 1)
-    smallest, largest = (math.ceil(blocks * samples_per_block) for blocks in _BUCKET_WINDOW_BLOCKS)
-    return max(1, min(largest, max(smallest, math.ceil(len(lengths) / _BUCKET_MIN_WINDOWS))))
-
-
-# NOTE [the random orders, sorted]: shuffling N ids swaps them at random places in memory, ~40-100 ns
-# a sample once they outgrow the cache, and reading their seqlens in the shuffled order costs as much
-# again, where numpy sorts N uint64 in ~10 ns a sample. So the random orders sort one uint64 key per
-# sample, its fields from the most significant bits down, and read the ids back from the sorted keys:
-# - `random`: (random bits, id). The ids come out in a uniformly random order (of N samples, about
-#   N^2 / 2^(65 - id bits) pairs draw equal random bits and keep their id order).
-# - `bucket`: (window, length, random bits, id), each sample's window drawn uniformly from ceil(N /
-#   W) windows (W the window's size), its length complemented (bits flipped) in odd windows, the bits
-#   the other fields leave over drawn at random. Sorted, the windows come one after another, each ~W
-#   samples (binomial) drawn at random and sorted by length, odd ones descending, ties in a random
-#   order (a set of one window still draws new micro-batches from its ties every epoch): a
-#   micro-batch that spans two windows joins samples of like length. The lengths come out of the
-#   keys too, so nothing is read in a random order.
-# Where window, length and id of `bucket` need more than 64 bits (2**30 samples of lengths up to
-# 2**20, say), numpy's lexsort sorts them instead (ties by id): at several times the time and memory.
-#
-# The generator of an epoch is seeded with (seed, epoch, `_PLAN_STREAM`): numpy seeds (seed, 0) as it
-# seeds seed alone, so without the third word epoch 0 would draw the very numbers of a
-# `default_rng(seed)` that made the data's lengths (synthetic sets do), and sort by them. A fourth
-# word, the attempt, draws an epoch again (NOTE [every epoch the same length]); attempt 0 seeds as
-# the three words alone.
-_KEY_BITS = 64
-_PLAN_STREAM = 0x76617262  # b"varb": the plans' own stream of a seed (see the NOTE above)
-
-
-def _bits(bound: int) -> int:
-    """The bits that hold every integer below ``bound`` (at least one)."""
-    return max(1, (bound - 1).bit_length())
-
-
-def _id_bits(ids: np.ndarray) -> int:
-    """The bits of a key's id field: they hold the largest of ``ids``."""
-    return _bits(int(ids.max()) + 1 if len(ids) else 1)
-
-
-def _chunk_spans(count: int) -> range:
-    """The starts of the `_CHUNK`-sized pieces of ``range(count)``, which numpy passes take one at a time."""
-    return range(0, count, _CHUNK)
-
-
-def _random_order(ids: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    """``ids`` in a uniformly random order, written over ``ids`` (NOTE [the random orders, sorted])."""
-    id_bits = _id_bits(ids)
-    keys = rng.integers(0, 2 ** (_KEY_BITS - id_bits), len(ids), dtype=np.uint64)
-    for a in _chunk_spans(len(ids)):
-        b = a + _CHUNK
-        keys[a:b] <<= np.uint64(id_bits)
-        keys[a:b] |= ids[a:b].astype(np.uint64)
-    keys.sort()
-    for a in _chunk_spans(len(ids)):
-        b = a + _CHUNK
-        ids[a:b] = keys[a:b] & np.uint64(2**id_bits - 1)
-    return ids
-
-
-def _length_field(lengths: np.ndarray, windows: np.ndarray, bits: int) -> np.ndarray:
-    """The `bucket` key's ``bits``-bit length field of samples in ``windows``: the length, complemented (all its
-    bits flipped: ``2**bits - 1`` less it) in odd windows, which sorts them descending. The complement is its own
-    inverse, so the same call reads the lengths back from the fields."""
-    flip = (windows & np.uint64(1)) * np.uint64(2**bits - 1)
-    return lengths.astype(np.uint64) ^ flip
-
-
-def _bucket_order(
-    ids: np.ndarray, lengths: np.ndarray, window: int, lens_dtype: type, rng: np.random.Generator
-) -> tuple[np.ndarray, np.ndarray]:
-    """``ids`` (of seqlens ``lengths``) in the `bucket` order, written over ``ids``, and their seqlens in that
-    order as ``lens_dtype``: windows of ``window`` samples on average (NOTE [the random orders, sorted])."""
-    windows = max(1, math.ceil(len(ids) / window))
-    longest = int(lengths.max()) if len(ids) else 0
-    id_bits, length_bits = _id_bits(ids), _bits(longest + 1)
-    needed = _bits(windows) + length_bits + id_bits  # the bits of window, length and id
-    spare = max(0, _KEY_BITS - needed)  # random bits that break ties
-    # One draw per sample: its window (the high part) and its tie-breaking bits (the low `spare` bits).
-    keys = rng.integers(0, windows << spare, len(ids), dtype=np.uint64)
-    if needed > _KEY_BITS:
-        order = np.lexsort((ids, _length_field(lengths, keys, length_bits), keys))
-        return ids[order], lengths[order].astype(lens_dtype)
-    for a in _chunk_spans(len(ids)):  # no view of the keys is kept: `del keys` below frees them
-        b = a + _CHUNK
-        ties = keys[a:b] & np.uint64(2**spare - 1)
-        keys[a:b] >>= np.uint64(spare)  # the window
-        field = _length_field(lengths[a:b], keys[a:b], length_bits)
-        keys[a:b] <<= np.uint64(length_bits)
-        keys[a:b] |= field
-        keys[a:b] <<= np.uint64(spare)
-        keys[a:b] |= ties
-        keys[a:b] <<= np.uint64(id_bits)
-        keys[a:b] |= ids[a:b].astype(np.uint64)
-    keys.sort()
-    # While the keys live, the lengths are read into uint16 where they fit (keys, ids and lengths: 14 bytes a
-    # sample), and widened once the keys are gone.
-    lens = np.empty(len(ids), np.uint16 if longest < 2**16 else lens_dtype)
-    for a in _chunk_spans(len(ids)):
-        b = a + _CHUNK
-        ids[a:b] = keys[a:b] & np.uint64(2**id_bits - 1)
-        fields = keys[a:b] >> np.uint64(id_bits + spare)
-        lens[a:b] = _length_field(fields & np.uint64(2**length_bits - 1), fields >> np.uint64(length_bits), length_bits)
-    del keys
-    return ids, lens.astype(lens_dtype, copy=False)
-
-
-def _index_dtype(bound: int) -> type:
-    """The dtype of ids, positions or seqlens below ``bound``: int32 where they fit (half the memory), else int64."""
-    return np.int32 if bound <= np.iinfo(np.int32).max + 1 else np.int64
-
-
-def _take(values: np.ndarray, indices: np.ndarray, dtype: type, out: np.ndarray | None = None) -> np.ndarray:
-    """``values[indices]`` as ``dtype``, a `_CHUNK` at a time (no temporary as long as the result), into ``out``
-    where given: ``indices`` itself may be it (each chunk of them is read before it is written), which spares a
-    fresh N-sized array and its first touch (~1 s per 400 MB on a virtual machine that backs memory lazily)."""
-    if out is None:
-        out = np.empty(len(indices), dtype)
-    for a in _chunk_spans(len(indices)):
-        out[a : a + _CHUNK] = values[indices[a : a + _CHUNK]]
-    return out
-
-
-def _picking_order(
-    seqlens: np.ndarray, ids: np.ndarray, lengths: np.ndarray, settings: _Settings, rng: np.random.Generator
-) -> tuple[np.ndarray, np.ndarray]:
-    """``ids`` (of seqlens ``lengths``) in the order in which the packer picks them, and their seqlens in that order
-    (int32 where ``max_tokens`` fits); the random orders write over ``ids``."""
-    lens_dtype = _index_dtype(settings.max_tokens + 1)
-    if settings.order == "bucket":
-        return _bucket_order(ids, lengths, _bucket_window(lengths, settings), lens_dtype, rng)
-    if settings.order == "seqlen":  # ties by id, whatever the order of `ids` (as DeepSpeed's sort of (len, id))
-        ascending = ids if (ids[1:] > ids[:-1]).all() else np.sort(ids)
-        ids = ascending[_stable_argsort(seqlens[ascending])]
-    elif settings.order == "random":
-        ids = _random_order(ids, rng)
-    return ids, _take(seqlens, ids, lens_dtype)
-
-
-# The cost of a micro-batch of n samples, which max_tokens bounds: the sum of their seqlens
-# (budget "sum"), or n x S (budget "padded"), S the longest seqlen of the micro-batches padded
-# together (`_Settings.padding_group`). Both grow with every sample added, so whether the first
-# n samples of a micro-batch fit is True up to some n, then False.
-#
-# NOTE [the greedy rule, vectorized]: with one micro-batch per block, the packer takes from
-# position i the most samples n(i) that fit (DeepSpeed's greedy rule). `_fitting_rows` finds
-# n(i) for a whole chunk of positions in a few numpy passes, so that the Python loop of
-# `_single_rows` runs once per micro-batch, not once per sample. With L the seqlens in picking
-# order and e(i) = i + n(i), the first position that cannot join the micro-batch from i:
-# - budget "sum": with C the running sums (C[0] = 0, C[j + 1] = C[j] + L[j]), e(i) is the last
-#   e with C[e] - C[i] <= max_tokens: one searchsorted over the sorted C.
-# - budget "padded" (one sample per micro-batch's S): sample j fits a micro-batch of at most
-#   c_j = max_tokens // L[j] samples, so position e can join iff e - i + 1 <= c_j for every j in
-#   [i, e]: e(i) = min over j >= i of max(j, i + c_j). Let d_j = j - c_j and J(i) the first j with
-#   d_j >= i (every j < i has d_j < i, as c_j >= 1, so J(i) is the first j whose running max of d
-#   reaches i: the count of running maxima below i, as they are sorted; len(L) where none).
-#   For j in [i, J(i)), d_j < i makes max(j, i + c_j) = i + c_j; j = J(i) gives J(i) (i + c_j <= j);
-#   every j > J(i) gives at least j > J(i). So e(i) = min(J(i), i + min(c[i:J(i)])): a range
-#   minimum, which `_range_extrema` answers from minima over windows of 2**k.
-# Both are capped at `reach`, the most samples a micro-batch can take (max_batch_size, or
-# max_tokens // the shortest seqlen): c_j is clipped to it, so n(i) comes out as min(n(i), reach),
-# and a chunk needs `reach` positions past its last one to see every micro-batch to its end.
-
-
-def _range_extrema(
-    values: np.ndarray, starts: np.ndarray, stops: np.ndarray, extremum: np.ufunc = np.minimum
-) -> np.ndarray:
-    """``extremum.reduce(values[a:b])`` for each pair ``a < b`` of ``starts`` and ``stops`` (the minimum by default).
-
-    Windows of 2**k samples cover ``[a, b)`` twice over where ``2**k <= b - a < 2**(k + 1)``: its
-    extremum is that of the windows at ``a`` and at ``b - 2**k``. The extrema over windows of 2**k
-    are built from those of 2**(k - 1), one level at a time, each pair answered at its level.
-    """
-    level = np.frexp(stops - starts)[1] - 1  # floor(log2(b - a)), exactly
-    extrema = np.empty(len(starts), values.dtype)
-    windows = values  # windows[a] = extremum over values[a : a + 2**k]
-    for k in range(int(level.max()) + 1 if len(level) else 0):
-        chosen = np.flatnonzero(level == k)
-        extrema[chosen] = extremum(windows[starts[chosen]], windows[stops[chosen] - 2**k])
-        windows = extremum(windows[: -(2**k)], windows[2**k :])
-    return extrema
-
-
-def _fitting_rows(lens: np.ndarray, count: int, reach: int, settings: _Settings) -> np.ndarray:
-    """For each of the first ``count`` positions of ``lens``, the most samples from it, at most ``reach``, that fit
-    one micro-batch (see NOTE [the greedy rule, vectorized]; ``lens`` runs ``reach`` past them, or to the end)."""
-    here = np.arange(count)
-    if settings.budget == "sum":
-        sums = np.zeros(len(lens) + 1, np.int64)
-        np.cumsum(lens, out=sums[1:])
-        ends = np.searchsorted(sums, sums[:count] + settings.max_tokens, side="right") - 1
-        return np.minimum(ends - here, reach)
-    most = np.minimum(settings.max_tokens // lens, reach)  # c_j, clipped
-    late = np.maximum.accumulate(np.arange(len(lens)) - most)  # the running max of d_j = j - c_j
-    # J(i) = #{j : late[j] < i} (late is sorted): late + 1 counted into bins 0..count, then summed up to i
-    stops = np.cumsum(np.bincount(np.clip(late + 1, 0, count), minlength=count + 1))[:count]
-    return np.minimum(stops, here + _range_extrema(most, here, stops)) - here
-
-
-def _block_table(starts: list[int], rows: list[int], consecutive: list[bool] | None = None) -> np.ndarray:
-    """The packer's blocks as one int64 table: a row ``(start, n, consecutive)`` per block, in position order."""
-    table = np.zeros((len(starts), 3), np.int64)
-    table[:, 0] = starts
-    table[:, 1] = rows
-    if consecutive is not None:
-        table[:, 2] = consecutive
-    return table
-
-
-def _single_rows(lens: np.ndarray, settings: _Settings) -> tuple[np.ndarray, list[int], int]:
-    """`_pack_rows` with one micro-batch per block: the greedy rule for a chunk of positions at a time, then a walk
-    from micro-batch to micro-batch (see NOTE [the greedy rule, vectorized])."""
-    total = len(lens)
-    cap = settings.max_batch_size or total
-    reach = min(cap, settings.max_tokens // int(lens.min()), total) if total else 1
-    chunk = max(_CHUNK, reach)
-    min_batch_size = settings.min_batch_size
-    starts = []
-    rows = []
-    too_small = []
-    start = 0
-    # Invariant: that of `_pack_rows`; `most` holds n(i) for positions [first, first + count).
-    while start < total:
-        first = start
-        count = min(chunk, total - first)
-        most = _fitting_rows(lens[first : first + count + reach], count, reach, settings)
-        while start < first + count:
-            n = most.item(start - first)  # at most the rows left: min(total - start, cap)
-            if n >= min_batch_size:
-                starts.append(start)
-                rows.append(n)
-                start += n
-            elif n == min(total - start, cap):  # ran out of samples, not of budget: the rest is the tail
-                return _block_table(starts, rows), too_small, start
-            else:
-                too_small.append(start)
-                start += 1
-    return _block_table(starts, rows), too_small, start
-
-
-def _prefix_costs(lens: np.ndarray, settings: _Settings) -> np.ndarray:
-    """The cost of the first 1, 2, ... rows of ``lens`` (one sample per row) as one micro-batch."""
-    if settings.budget == "sum":
-        return np.cumsum(lens, axis=0)
-    rows = np.arange(1, len(lens) + 1)
-    longest = np.maximum.accumulate(lens, axis=0)
-    return (rows if lens.ndim == 1 else rows[:, None]) * longest
-
-
-# NOTE [interleaved blocks, vectorized]: an interleaved block of width w at position p puts
-# sample p + r*w + b in row r of micro-batch b (DeepSpeed's interleaving). Its first n rows fit
-# iff every micro-batch's first n samples fit, and that is the greedy rule along strided samples:
-# - budget "sum": micro-batch b fits iff the column p + b, p + b + w, ... fits as one micro-batch
-#   would, so n(p) = min over b < w of g(p + b), g(q) the greedy rule along every w-th sample
-#   from q (`_strided_fitting_rows`): a minimum over w consecutive g.
-# - budget "padded": the padding groups split the block's columns, but every group fits (n x
-#   its longest <= max_tokens) iff n x the longest of all of them does. Row r's longest is
-#   M(p + r*w), M(q) = max(L[q : q + w]) (`_window_extrema`), so n(p) is the greedy rule of one
-#   micro-batch along M(p), M(p + w), ...: g over the M.
-# Either way whether the first n rows fit is True up to n(p), then False (every micro-batch's cost
-# grows with n), so min(n(p), rows left) is what checking the block's rows one by one finds (a
-# column may run a sample past the block's whole rows: the min drops it). n(p) is capped at
-# `reach` as in the single case, and M exists only where a whole row starts (q + w <= len(L)).
-
-
-def _window_extrema(values: np.ndarray, width: int, extremum: np.ufunc) -> np.ndarray:
-    """``extremum.reduce(values[q : q + width])`` for every ``q`` with ``q + width <= len(values)`` (`_range_extrema`)."""
-    starts = np.arange(len(values) - width + 1)
-    return _range_extrema(values, starts, starts + width, extremum)
-
-
-def _strided_fitting_rows(values: np.ndarray, count: int, reach: int, width: int, settings: _Settings) -> np.ndarray:
-    """For each of the first ``count`` positions q of ``values``, the most samples q, q + width, q + 2*width, ...,
-    at most ``reach``, that fit one micro-batch (``values`` runs ``reach`` rows past them, or to the end)."""
-    most = np.empty(count, np.int64)
-    for offset in range(min(width, count)):
-        column = values[offset::width]
-        most[offset::width] = _fitting_rows(column, len(range(offset, count, width)), reach, settings)
-    return most
-
-
-def _interleaved_fits(lens: np.ndarray, first: int, count: int, reach: int, settings: _Settings) -> np.ndarray:
-    """For each of the positions ``first .. first + count - 1`` (each with a whole row left), the most rows, at most
-    ``reach``, of the interleaved block there that fit (see NOTE [interleaved blocks, vectorized])."""
-    width = settings.unit_width
-    window = lens[first : first + count + (reach + 1) * width]
-    if settings.budget == "padded":
-        longest = _window_extrema(window, width, np.maximum)  # M, one per whole row
-        return _strided_fitting_rows(longest, count, reach, width, settings)
-    columns = _strided_fitting_rows(window, min(count + width - 1, len(window)), reach, width, settings)
-    return _window_extrema(columns, width, np.minimum)[:count]
-
-
-def _microbatches_fit(block: np.ndarray, settings: _Settings) -> bool:
-    """Whether every micro-batch of a consecutive ``block`` fits: ``width x n``, row b being micro-batch b."""
-    if settings.budget == "sum":
-        cost = block.sum(axis=1)
-    else:  # n x the longest of each padding group of rows
-        width, n = block.shape
-        cost = n * block.reshape(width // settings.padding_group, -1).max(axis=1)
-    return bool((cost <= settings.max_tokens).all())
-
-
-def _consecutive_rows(lens: np.ndarray, start: int, rows_left: int, settings: _Settings) -> int | None:
-    """The most rows, at least ``min_batch_size``, of a consecutive block at ``start`` that fit; or None.
-
-    The block's micro-batch b takes samples ``start + b*n .. start + b*n + n - 1``.
-    Whether n rows fit is not monotone in n (each n regroups the samples): every
-    n is tried, largest first, from the most that the first micro-batch allows.
-    """
-    width = settings.unit_width
-    most = int((_prefix_costs(lens[start : start + rows_left], settings) <= settings.max_tokens).sum())
-    for n in range(most, settings.min_batch_size - 1, -1):
-        if _microbatches_fit(lens[start : start + n * width].reshape(width, n), settings):
-            return n
-    return None
-
-
-def _block_rows(
-    lens: np.ndarray, start: int, rows_left: int, interleaved: int, settings: _Settings
-) -> tuple[int, bool]:
-    """How many rows ``n`` the block at ``start`` (``width`` > 1 micro-batches) takes, and whether it is consecutive.
-
-    The most interleaved rows that fit (``interleaved``, from `_interleaved_fits`, at most
-    ``rows_left``) where they reach ``min_batch_size`` (or all ``rows_left``); else the most
-    consecutive rows that fit where they do; else the interleaved ``n``, too few to place.
-    """
-    n = min(interleaved, rows_left)
-    if n < settings.min_batch_size <= rows_left:
-        consecutive = _consecutive_rows(lens, start, rows_left, settings)
-        if consecutive is not None:
-            return consecutive, True
-    return n, False
-
-
-def _pack_rows(lens: np.ndarray, settings: _Settings) -> tuple[np.ndarray, list[int], int]:
-    """Blocks of ``width`` micro-batches of ``n`` samples each from consecutive samples, ``n`` as large as fits.
-
-    ``lens`` are the seqlens in picking order; ``width`` is ``unit_width``. With
-    ``width`` 1 a block is one micro-batch (`_single_rows`); else see `_block_rows`.
-    ``n`` is at most ``max_batch_size``; a block of fewer than ``min_batch_size``
-    rows is never placed. Returns the blocks' table (`_block_table`), the
-    positions dropped as ``min_batch_size``, and where the tail starts.
-    """
-    width = settings.unit_width
-    if width == 1:
-        return _single_rows(lens, settings)
-    total = len(lens)
-    cap = settings.max_batch_size or total
-    reach = max(1, min(cap, settings.max_tokens // int(lens.min()), total // width)) if total else 1
-    starts = []
-    rows = []
-    consecutives = []
-    too_small = []
-    start = 0
-    # Invariant: positions [0, start) are each in one block of the table (n >= min_batch_size rows,
-    # every micro-batch within the budget) or in `too_small` (no block starts there); the blocks
-    # are in position order and [start, total) is unplaced. `most` holds the interleaved rows that
-    # fit (`_interleaved_fits`) at positions [first, first + count).
-    while start + width <= total:
-        first = start
-        count = min(max(_CHUNK, reach * width), total - width + 1 - first)
-        most = _interleaved_fits(lens, first, count, reach, settings)
-        while start < first + count:
-            rows_left = min((total - start) // width, cap)
-            n, consecutive = _block_rows(lens, start, rows_left, most.item(start - first), settings)
-            if n >= settings.min_batch_size:
-                starts.append(start)
-                rows.append(n)
-                consecutives.append(consecutive)
-                start += n * width
-            elif n == rows_left:  # ran out of samples, not of budget: the rest is the tail
-                return _block_table(starts, rows, consecutives), too_small, start
-            else:
-                too_small.append(start)
-                start += 1
-    return _block_table(starts, rows, consecutives), too_small, start
-
-
-def _chunks(lengths: np.ndarray) -> list[tuple[int, int]]:
-    """``(a, b)`` pairs that cut ``range(len(lengths))`` into runs of about `_CHUNK` summed ``lengths``."""
-    ends = np.cumsum(lengths)
-    cuts = np.searchsorted(ends, np.arange(_CHUNK, int(ends[-1]) if len(ends) else 0, _CHUNK), side="right")
-    bounds = np.unique(np.concatenate([[0], cuts, [len(lengths)]])).tolist()
-    return list(zip(bounds[:-1], bounds[1:]))
-
-
-def _ranges(
-    starts: np.ndarray, lengths: np.ndarray, values: np.ndarray | None = None, out: np.ndarray | None = None
-) -> np.ndarray:
-    """``values[start : start + length]`` for each pair, concatenated (``values`` None: the positions themselves),
-    into ``out`` where given (an array of that length and dtype that holds nothing needed: see `_take`).
-
-    Built a `_CHUNK` at a time, so that no temporary (int64) is as long as the result.
-    """
-    if values is None:
-        dtype = _index_dtype(int((starts + lengths).max()) if len(starts) else 0)
-    else:
-        dtype = values.dtype
-    if out is None:
-        out = np.empty(int(lengths.sum()), dtype)
-    done = 0
-    for a, b in _chunks(lengths):
-        part = lengths[a:b]
-        count = int(part.sum())
-        positions = np.arange(count) + np.repeat(starts[a:b] - np.cumsum(part) + part, part)
-        out[done : done + count] = positions if values is None else values[positions]
-        done += count
-    return out
-
-
-def _block_positions(table: np.ndarray, width: int) -> np.ndarray:
-    """`_positions` of the blocks of ``table`` (int64, as long as their samples)."""
-    starts = table[:, 0]
-    rows = table[:, 1]
-    per_block = rows * width
-    positions = _ranges(starts, per_block).astype(np.int64)  # start + b*n + r
-    first = np.repeat(starts, per_block)
-    n = np.repeat(rows, per_block)
-    local = positions - first
-    interleaved = first + local % n * width + local // n
-    return np.where(np.repeat(table[:, 2], per_block) == 1, positions, interleaved)
-
-
-def _positions(table: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
-    """The positions (in picking order) of the blocks' samples, micro-batch after micro-batch, and each one's size.
-
-    Row r of micro-batch b of block ``(start, n, consecutive)`` is position
-    ``start + b*n + r`` if consecutive, else (interleaved) ``start + r*width + b``.
-    """
-    sizes = np.repeat(table[:, 1], width)
-    if width == 1:
-        return _ranges(table[:, 0], table[:, 1]), sizes
-    per_block = table[:, 1] * width
-    positions = np.empty(int(per_block.sum()), _index_dtype(int((table[:, 0] + per_block).max()) if len(table) else 0))
-    done = 0
-    for a, b in _chunks(per_block):
-        part = _block_positions(table[a:b], width)
-        positions[done : done + len(part)] = part
-        done += len(part)
-    return positions, sizes
-
-
-def _resplit(blocks: list[list[np.ndarray]], count: int, min_bs: int) -> list[list[np.ndarray]] | None:
-    """Cuts fewer than ``count`` blocks (lists of equal-size micro-batches) into exactly ``count``, or None.
-
-    A part of a micro-batch never costs more than the whole. The block of most
-    rows is cut at a multiple of ``min_bs`` near its middle: ``r`` rows make at
-    most ``r // min_bs`` blocks and such a cut keeps that room, so this is None
-    exactly when the sum of ``r // min_bs`` is below ``count``.
-    """
-    blocks = list(blocks)
-    while len(blocks) < count:
-        j = max(range(len(blocks)), key=lambda p: len(blocks[p][0]))
-        rows = len(blocks[j][0])
-        if rows < 2 * min_bs:  # the largest, so every block, is too small to cut
-            return None
-        cut = min_bs * (rows // min_bs // 2)
-        blocks[j : j + 1] = [[mb[:cut] for mb in blocks[j]], [mb[cut:] for mb in blocks[j]]]
-    return blocks
-
-
-def _fill_last_batch(
-    positions: np.ndarray, sizes: np.ndarray, settings: _Settings
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Whole batches of k micro-batches: the blocks that cannot fill a last one, re-split or given up.
-
-    They are cut into exactly ``k / width`` blocks where they can be (see
-    `_resplit`; a same-size block is a whole batch, so none is ever left).
-    Returns the positions and micro-batch sizes of the batches, and the
-    positions left over (the tail, also when the cut cannot be made).
-    """
-    width = settings.unit_width
-    per_batch = settings.effective_batch_size // width  # blocks
-    kept = len(sizes) - len(sizes) // width % per_batch * width  # micro-batches in whole batches
-    samples = int(sizes[:kept].sum())
-    if kept == len(sizes):
-        return positions, sizes, positions[:0].copy()  # not a view: it would keep the positions alive
-    pieces = np.split(positions[samples:], np.cumsum(sizes[kept:])[:-1])
-    cut = _resplit([pieces[u : u + width] for u in range(0, len(pieces), width)], per_batch, settings.min_batch_size)
-    if cut is None:
-        return positions[:samples], sizes[:kept], positions[samples:].copy()
-    microbatches = [mb for block in cut for mb in block]
-    positions = np.concatenate([positions[:samples], *microbatches])
-    sizes = np.concatenate([sizes[:kept], [len(mb) for mb in microbatches]]).astype(np.int64)
-    return positions, sizes, positions[:0].copy()
-
-
-def _offsets(sizes: np.ndarray) -> np.ndarray:
-    """Where each micro-batch of ``sizes`` samples starts in the plan's ids, and the end (int64, one pass)."""
-    offsets = np.zeros(len(sizes) + 1, np.int64)
-    np.cumsum(sizes, out=offsets[1:])
-    return offsets
-
-
-def _microbatch_stats(
-    lens: np.ndarray, positions: np.ndarray, sizes: np.ndarray, settings: _Settings
-) -> tuple[np.ndarray, np.ndarray]:
-    """Each micro-batch's longest seqlen and each batch's tokens, of the micro-batches of ``sizes`` samples at
-    ``positions`` (``lens``: the seqlens in picking order), read a run of whole batches (about a `_CHUNK` of
-    samples) at a time."""
-    k = settings.effective_batch_size
-    offsets = _offsets(sizes)
-    batch_samples = np.diff(offsets[::k])
-    longest = np.zeros(len(sizes), np.int64)
-    tokens = np.zeros(len(batch_samples), np.int64)
-    for a, b in _chunks(batch_samples):  # batches a .. b - 1
-        first = offsets[a * k]
-        part = lens[positions[first : offsets[b * k]]]
-        longest[a * k : b * k] = np.maximum.reduceat(part, offsets[a * k : b * k] - first)
-        tokens[a:b] = np.add.reduceat(part, offsets[a * k : b * k : k] - first, dtype=np.int64)
-    return longest, tokens
-
-
-def _reordered_batches(
-    positions: np.ndarray,
-    sizes: np.ndarray,
-    longest: np.ndarray,
-    tokens: np.ndarray,
-    order: np.ndarray,
-    settings: _Settings,
-    spare: np.ndarray | None = None,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Whole batches of k micro-batches in the order ``order`` (batch indices): their positions (into ``spare``, an
-    array whose values are no longer needed, where it has their dtype and room: see `_take`), their micro-batches'
-    sizes and longest seqlens, and their tokens (`_microbatch_stats`), each reordered."""
-    k = settings.effective_batch_size
-    batch_samples = sizes.reshape(-1, k).sum(axis=1)
-    batch_starts = np.cumsum(batch_samples) - batch_samples
-    fits = spare is not None and spare.dtype == positions.dtype and len(spare) >= len(positions)
-    out = spare[: len(positions)] if fits else None
-    positions = _ranges(batch_starts[order], batch_samples[order], positions, out=out)
-    return positions, sizes.reshape(-1, k)[order].ravel(), longest.reshape(-1, k)[order].ravel(), tokens[order]
-
-
-def _plan_arrays(
-    packed: np.ndarray, sizes: np.ndarray, longest: np.ndarray, tokens: np.ndarray, settings: _Settings
-) -> dict:
-    """The `Plan`'s arrays for the ids ``packed``, in micro-batches of ``sizes`` samples, k to a batch, with their
-    longest seqlens and the batches' tokens (`_microbatch_stats`)."""
-    k = settings.effective_batch_size
-    group = settings.padding_group
-    offsets = _offsets(sizes)
-    return dict(
-        sample_ids=packed,
-        microbatch_offsets=offsets,
-        padded_seqlens=np.repeat(longest.reshape(-1, group).max(axis=1), group).astype(np.int64),
-        batch_sizes=np.diff(offsets[::k]),
-        batch_tokens=tokens,
-        batch_max_seqlens=longest.reshape(-1, k).max(axis=1),
-    )
-
-
-def _overlong(lengths: np.ndarray, ids: np.ndarray, settings: _Settings) -> np.ndarray:
-    """The ``ids`` (of seqlens ``lengths``) longer than ``max_tokens``, which fit no micro-batch under either budget.
-
-    Raises:
-        ValueError: there is one and ``on_overlong="error"``, or every sample is one.
-    """
-    overlong = ids[lengths > settings.max_tokens]
-    if len(overlong) and settings.on_overlong == "error":
-        raise ValueError(
-            f"max_tokens={settings.max_tokens} is smaller than {_format_ids(overlong)} (longest "
-            f"{int(lengths.max())}); raise max_tokens, truncate them, or pass on_overlong='skip'"
-        )
-    if len(overlong) and len(overlong) == len(ids):
-        raise ValueError(
-            f"every sample is longer than max_tokens={settings.max_tokens} "
-            f"(shortest {int(lengths.min())}); raise max_tokens"
-        )
-    return overlong
-
-
-def _picked(
-    seqlens: np.ndarray, sample_ids: np.ndarray | None, settings: _Settings, rng: np.random.Generator
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The packable ids in picking order (int32 where they fit), their seqlens in that order (int32 where
-    ``max_tokens`` fits), and the over-long ids (see `_overlong`).
-
-    Nothing N-sized is kept but the results; the random orders write the ids made
-    here over themselves (`_picking_order`), so no permutation of them is made.
-    """
-    dtype = _index_dtype(len(seqlens))
-    if sample_ids is None:
-        ids = np.arange(len(seqlens), dtype=dtype)
-        lengths = seqlens
-    else:
-        ids = sample_ids.astype(dtype)
-        lengths = seqlens[ids]
-    overlong = _overlong(lengths, ids, settings)
-    if len(overlong):
-        fits = lengths <= settings.max_tokens
-        ids, lengths = ids[fits], lengths[fits]
-    return (*_picking_order(seqlens, ids, lengths, settings, rng), overlong)
-
-
-def _pack(
-    seqlens: np.ndarray, settings: _Settings, sample_ids: np.ndarray | None, epoch: int, attempt: int = 0
-) -> Plan:
-    """The packing of one epoch as its orders draw it (without a batch when the samples cannot fill one: then all
-    are in its drops); ``attempt`` n > 0 draws the epoch's n-th other order (see NOTE [every epoch the same length]).
-
-    Positions below are indices into ``picked``, the packable samples in picking order.
-
-    Raises:
-        ValueError: from `_overlong`.
-    """
-    rng = np.random.default_rng((settings.seed, epoch, _PLAN_STREAM, attempt))  # attempt 0: as (seed, epoch, stream)
-    picked, lens, overlong = _picked(seqlens, sample_ids, settings, rng)
-    table, too_small, end = _pack_rows(lens, settings)
-    positions, sizes = _positions(table, settings.unit_width)
-    del table  # 24 bytes a block: not kept while the plan's arrays are made
-    positions, sizes, tail = _fill_last_batch(positions, sizes, settings)
-    longest, tokens = _microbatch_stats(lens, positions, sizes, settings)
-    if settings.order == "bucket":  # the windows are sorted: shuffle whole batches (into the lengths' array)
-        order = rng.permutation(len(tokens))
-        positions, sizes, longest, tokens = _reordered_batches(positions, sizes, longest, tokens, order, settings, lens)
-    del lens
-    packed = _take(picked, positions, picked.dtype, out=positions if positions.dtype == picked.dtype else None)
-    del positions  # packed may be its very array: picked and packed are the plan's peak, nothing else as long
-    dropped = {
-        "over_budget": np.sort(overlong),
-        "min_batch_size": np.sort(picked[np.asarray(too_small, np.int64)]),
-        "tail": np.sort(picked[np.concatenate([tail, np.arange(end, len(picked))])]),
-        "filtered": np.zeros(0, np.int64) if sample_ids is None else np.setdiff1d(np.arange(len(seqlens)), sample_ids),
-    }
-    dropped = {reason: ids.astype(np.int64) for reason, ids in dropped.items()}
-    arrays = _plan_arrays(packed, sizes, longest, tokens, settings)
-    for array in (*arrays.values(), *dropped.values()):
-        array.setflags(write=False)
-    return Plan(**arrays, dropped=dropped, settings=settings, epoch=epoch)
-
-
-def _empty_plan_message(plan: Plan) -> str:
-    """Why a plan has no batch, in numbers that add up, and what to change."""
-    settings, counts = plan.settings, {reason: len(ids) for reason, ids in plan.dropped.items()}
-    return (
-        f"not enough samples for one batch in epoch {plan.epoch}: of {plan.num_dropped - counts['filtered']} samples,"
-        f" {counts['over_budget']} are longer than max_tokens={settings.max_tokens}, {counts['min_batch_size']} cannot"
-        f" start a micro-batch of min_batch_size={settings.min_batch_size} within it, and the other {counts['tail']}"
-        f" cannot fill one batch of effective_batch_size={settings.effective_batch_size} micro-batches of at least"
-        f" min_batch_size samples (at least {settings.effective_batch_size * settings.min_batch_size}); use more"
-        f" data, fewer ranks or accumulation steps, or a smaller min_batch_size"
-    )
-
-
-# NOTE [every epoch the same length]: loops read len(loader) once (HF Trainer sizes every epoch by
-# epoch 0's, Lightning keeps its first num_training_batches unless told to reload, tqdm totals,
-# `len(loader) * epochs // G` schedules), so every epoch of a sampler has the same number of batches,
-# C, fixed by epoch 0's packing (B0 batches), and each epoch's plan is made to have it:
-# - C. The deterministic orders pack every epoch alike: C = B0. A drawn order's count is a renewal
-#   count (batches fill up with tokens until the epoch's tokens are spent), so it spreads over epochs
-#   by about sqrt(B0) x the coefficient of variation of a batch's tokens, here the interquartile
-#   range / 1.349 over the median, which the small last batch of the leftovers does not move (0.5-2x
-#   the spread measured over 15 epochs of the bench's sets). C = B0 + twice that, at most B0 /
-#   `_MARGIN_SHARE` (1 at least): few epochs pack longer, and the micro-batches added stay a small
-#   share. C is also at most B0 + the batches of epoch 0 that can be cut, so that epoch 0 reaches C.
-# - An epoch that packs B <= C batches gets its C - B batches of most samples, among those that can be
-#   cut, each cut in two (`_lengthened`): `_resplit` cuts a batch's blocks into twice as many, and
-#   each part of a micro-batch holds some of its rows (min_batch_size at least, max_batch_size at
-#   most). A part never costs more than its micro-batch under either budget: fewer seqlens to sum;
-#   fewer rows padded to at most the same S, as a block is a padding group or a run of whole ones (a
-#   padded step input, or a batch with same_size) and so is each part. A same-size block's parts keep
-#   one size each; no other batch moves; nothing is dropped or added: the drops are the packing's.
-# - An epoch that packs more than C batches, or fewer with too few batches that can be cut, is drawn
-#   again, from (seed, epoch, attempt) for attempt 1, 2, ... below `_REDRAWS` (`_pack`).
-# - The last resort cannot fail: epoch 0's plan (C batches; its budgets held) with its batches in an
-#   order drawn from (seed, epoch, `_REDRAWS`), and its drops (`_reshuffled`).
-# Each epoch's plan thus depends only on (seqlens, settings, seed, epoch), through epoch 0's: the same
-# on every rank and in any order of epochs. Epoch 0's plan is its packing with its cuts: unchanged
-# where C = B0, as in every plan of a deterministic order or of given micro-batches.
-_DRAWN_ORDERS = ("random", "bucket")
-_MARGIN_SPREADS = 2
-_MARGIN_SHARE = 400  # C - B0 <= B0 / 400: at most 0.25% more micro-batches than epoch 0 packs
-_REDRAWS = 8  # the packings drawn for an epoch before the last resort
-
-
-def _reshuffled(plan: Plan, epoch: int) -> Plan:
-    """``plan``'s batches in an order drawn from (seed, ``epoch``, `_REDRAWS`), as the plan of ``epoch``: the last
-    resort of NOTE [every epoch the same length]; its drops stay."""
-    settings = plan.settings
-    order = np.random.default_rng((settings.seed, epoch, _PLAN_STREAM, _REDRAWS)).permutation(plan.num_batches)
-    arrays = (plan.sample_ids, plan.microbatch_sizes(), plan.padded_seqlens, plan.batch_tokens)
-    # The padded seqlens stand in for the micro-batches' longest: `_plan_arrays` takes their groups' maxima,
-    # which they already are.
-    fresh = _plan_arrays(*_reordered_batches(*arrays, order, settings), settings)
-    for array in fresh.values():
-        array.setflags(write=False)
-    return dataclasses.replace(plan, **fresh, epoch=epoch)
-
-
-def _cuttable(plan: Plan) -> np.ndarray:
-    """Per batch of ``plan``, whether `_resplit` cuts its blocks into twice as many (its docstring's condition)."""
-    settings = plan.settings
-    width = settings.unit_width
-    rows = plan.microbatch_sizes()[::width].reshape(plan.num_batches, settings.effective_batch_size // width)
-    return (rows // settings.min_batch_size).sum(axis=1) >= 2 * rows.shape[1]
-
-
-def _spliced(mine: np.ndarray, theirs: np.ndarray, cut: list[int], bounds: tuple | None = None) -> np.ndarray:
-    """``mine``'s batches (rows, or runs between ``bounds``: where each batch starts, and the end, in each array)
-    with batch ``cut[i]`` replaced by ``theirs``' batches 2i and 2i + 1: one copy, whatever the arrays' size."""
-    starts = (np.arange(len(mine) + 1), np.arange(len(theirs) + 1)) if bounds is None else bounds
-    pieces, done = [], 0
-    for i, b in enumerate(cut):
-        pieces += [mine[starts[0][done] : starts[0][b]], theirs[starts[1][2 * i] : starts[1][2 * i + 2]]]
-        done = b + 1
-    return np.concatenate([*pieces, mine[starts[0][done] :]])
-
-
-def _lengthened(plan: Plan, seqlens: np.ndarray, batches: int) -> Plan | None:
-    """``plan`` with ``batches`` batches, its fullest batches that can be cut each cut in two; None where it has
-    more, or too few that can be cut (see NOTE [every epoch the same length])."""
-    cuts = batches - plan.num_batches
-    if cuts <= 0:
-        return plan if cuts == 0 else None
-    cuttable = np.flatnonzero(_cuttable(plan))
-    if len(cuttable) < cuts:
+def _distribution(values: np.ndarray) -> dict | None:
+    """``{min, median, mean, max}`` of ``values`` as plain numbers (None when empty): what the reports print."""
+    if not len(values):
         return None
-    fullest = np.sort(cuttable[np.argsort(-plan.batch_sizes[cuttable], kind="stable")[:cuts]]).tolist()
-    settings = plan.settings
-    k, width = settings.effective_batch_size, settings.unit_width
-    halves = []  # the micro-batches of the cut batches, two batches' worth each
-    for b in fullest:
-        microbatches = [plan.microbatch(j) for j in range(b * k, b * k + k)]
-        blocks = [microbatches[u : u + width] for u in range(0, k, width)]
-        halves += [mb for block in _resplit(blocks, 2 * len(blocks), settings.min_batch_size) for mb in block]
-    ids = np.concatenate(halves)
-    sizes = np.array([len(mb) for mb in halves], np.int64)
-    cut = _plan_arrays(ids, sizes, *_microbatch_stats(seqlens, ids, sizes, settings), settings)
-    starts = (plan.microbatch_offsets[::k], cut["microbatch_offsets"][::k])  # where each batch's samples start
-    microbatch_sizes = plan.microbatch_sizes().reshape(-1, k)
-    microbatch_sizes = _spliced(microbatch_sizes, np.diff(cut["microbatch_offsets"]).reshape(-1, k), fullest)
-    padded = _spliced(plan.padded_seqlens.reshape(-1, k), cut["padded_seqlens"].reshape(-1, k), fullest)
-    fresh = {
-        "sample_ids": _spliced(plan.sample_ids, cut["sample_ids"], fullest, starts),
-        "microbatch_offsets": _offsets(microbatch_sizes.ravel()),
-        "padded_seqlens": padded.ravel(),
-        **{
-            name: _spliced(getattr(plan, name), cut[name], fullest)
-            for name in ("batch_sizes", "batch_tokens", "batch_max_seqlens")
-        },
+    return {
+        "min": values.min().item(),
+        "median": float(np.median(values)),
+        "mean": float(values.mean()),
+        "max": values.max().item(),
     }
-    for array in fresh.values():
-        array.setflags(write=False)
-    return dataclasses.replace(plan, **fresh)
 
 
-def _reference_plan(seqlens: np.ndarray, settings: _Settings, sample_ids: np.ndarray | None) -> Plan:
-    """Epoch 0's plan, whose number of batches every epoch has (see NOTE [every epoch the same length])."""
-    plan = _pack(seqlens, settings, sample_ids, 0)
-    if settings.order not in _DRAWN_ORDERS or plan.num_batches == 0:
-        return plan
-    low, median, high = np.percentile(plan.batch_tokens, [25, 50, 75])
-    spread = math.sqrt(plan.num_batches) * (high - low) / 1.349 / median  # robust to the leftovers' last batch
-    margin = min(math.floor(_MARGIN_SPREADS * spread), max(1, plan.num_batches // _MARGIN_SHARE))
-    return _lengthened(plan, seqlens, plan.num_batches + min(margin, int(_cuttable(plan).sum())))
-
-
-def _equal_plan(
-    seqlens: np.ndarray, settings: _Settings, sample_ids: np.ndarray | None, epoch: int, reference: Plan
-) -> Plan:
-    """The plan of ``epoch``, with as many batches as ``reference``, epoch 0's (`_reference_plan`): its packing
-    lengthened, or one drawn again, or the last resort (see NOTE [every epoch the same length])."""
-    if epoch == 0 or settings.order not in _DRAWN_ORDERS:  # the deterministic orders pack every epoch alike
-        return dataclasses.replace(reference, epoch=epoch)
-    for attempt in range(_REDRAWS):
-        plan = _lengthened(_pack(seqlens, settings, sample_ids, epoch, attempt), seqlens, reference.num_batches)
-        if plan is not None:
-            return plan
-    return _reshuffled(reference, epoch)
+# =============================================================================
+# Packing one epoch
+# =============================================================================
 
 
 def plan_batches(
@@ -1372,23 +738,627 @@ def plan_batches(
     return _equal_plan(lengths, settings, ids, epoch, reference)
 
 
-# =============================================================================
-# Learning-rate math
-# =============================================================================
-# lr = lr_ref x s(B / B_ref). Linear, s(r) = r: Goyal et al. 2017, SGD with warmup.
-# Square root, s(r) = sqrt(r): Krizhevsky 2014 derives it from the gradient's variance
-# (and reports the linear rule working better in his runs); Hoffer et al. 2017 use it
-# for SGD, Malladi et al. 2022 for Adam (also rescaling Adam's betas and epsilon). All
-# compare whole runs at fixed batch sizes: scaling each step by its own batch is a
-# heuristic built on them. B's unit should match the loss: tokens for a loss averaged
-# over tokens (a token budget keeps it nearly constant), sequences for one over sequences.
+def _pack(
+    seqlens: np.ndarray, settings: _Settings, sample_ids: np.ndarray | None, epoch: int, attempt: int = 0
+) -> Plan:
+    """The packing of one epoch as its orders draw it (without a batch when the samples cannot fill one: then all
+    are in its drops); ``attempt`` n > 0 draws the epoch's n-th other order (see NOTE [every epoch the same length]).
+
+    The steps: the packable samples in picking order (`_picked`); blocks of micro-batches by the greedy rule
+    (`_pack_rows`); the positions of their samples (`_positions`); whole batches (`_fill_last_batch`); each
+    micro-batch's longest seqlen and each batch's tokens (`_microbatch_stats`); in the `bucket` order, the
+    batches shuffled (`_reordered_batches`); the ids at the positions (`_select`). Positions are indices into
+    ``picked``. Each step named through `_implementation` runs as written here, or on large epochs as its
+    Part II form, which computes the same arrays with less time and memory.
+
+    Raises:
+        ValueError: from `_overlong`.
+    """
+    size = len(seqlens)
+    rng = np.random.default_rng((settings.seed, epoch, _PLAN_STREAM, attempt))  # attempt 0: as (seed, epoch, stream)
+    picked, lens, overlong = _picked(seqlens, sample_ids, settings, rng)
+    table, too_small, end = _implementation(_pack_rows, size)(lens, settings)
+    positions, sizes = _implementation(_positions, size)(table, settings.unit_width)
+    del table  # 24 bytes a block: not kept while the plan's arrays are made
+    positions, sizes, tail = _fill_last_batch(positions, sizes, settings)
+    longest, tokens = _implementation(_microbatch_stats, size)(lens, positions, sizes, settings)
+    if settings.order == "bucket":  # the windows are sorted: shuffle whole batches
+        order = rng.permutation(len(tokens))
+        reorder = _implementation(_reordered_batches, size)
+        positions, sizes, longest, tokens = reorder(positions, sizes, longest, tokens, order, settings, spare=lens)
+    del lens
+    packed = _implementation(_select, size)(picked, positions)
+    del positions  # picked and packed are the plan's peak: nothing else as long is kept
+    dropped = {
+        "over_budget": np.sort(overlong),
+        "min_batch_size": np.sort(picked[np.asarray(too_small, np.int64)]),
+        "tail": np.sort(picked[np.concatenate([tail, np.arange(end, len(picked))])]),
+        "filtered": np.zeros(0, np.int64) if sample_ids is None else np.setdiff1d(np.arange(len(seqlens)), sample_ids),
+    }
+    dropped = {reason: ids.astype(np.int64) for reason, ids in dropped.items()}
+    arrays = _plan_arrays(packed, sizes, longest, tokens, settings)
+    for array in (*arrays.values(), *dropped.values()):
+        array.setflags(write=False)
+    return Plan(**arrays, dropped=dropped, settings=settings, epoch=epoch)
 
 
-def _check_lr_method(method: Any) -> Any:
-    """A valid LR scaling method: a name of `_LRMethod`, None (no scaling) or a callable."""
-    if method is None or callable(method):
-        return method
-    return _check_choice("lr_scaling_method", method.lower() if isinstance(method, str) else method, _LRMethod)
+def _empty_plan_message(plan: Plan) -> str:
+    """Why a plan has no batch, in numbers that add up, and what to change."""
+    settings, counts = plan.settings, {reason: len(ids) for reason, ids in plan.dropped.items()}
+    return (
+        f"not enough samples for one batch in epoch {plan.epoch}: of {plan.num_dropped - counts['filtered']} samples,"
+        f" {counts['over_budget']} are longer than max_tokens={settings.max_tokens}, {counts['min_batch_size']} cannot"
+        f" start a micro-batch of min_batch_size={settings.min_batch_size} within it, and the other {counts['tail']}"
+        f" cannot fill one batch of effective_batch_size={settings.effective_batch_size} micro-batches of at least"
+        f" min_batch_size samples (at least {settings.effective_batch_size * settings.min_batch_size}); use more"
+        f" data, fewer ranks or accumulation steps, or a smaller min_batch_size"
+    )
+
+
+def _picked(
+    seqlens: np.ndarray, sample_ids: np.ndarray | None, settings: _Settings, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The packable ids in picking order (int32 where they fit), their seqlens in that order (int32 where
+    ``max_tokens`` fits), and the over-long ids (see `_overlong`)."""
+    dtype = _index_dtype(len(seqlens))
+    if sample_ids is None:
+        ids = np.arange(len(seqlens), dtype=dtype)
+        lengths = seqlens
+    else:
+        ids = sample_ids.astype(dtype)
+        lengths = seqlens[ids]
+    overlong = _overlong(lengths, ids, settings)
+    if len(overlong):
+        fits = lengths <= settings.max_tokens
+        ids, lengths = ids[fits], lengths[fits]
+    return (*_implementation(_picking_order, len(seqlens))(seqlens, ids, lengths, settings, rng), overlong)
+
+
+def _overlong(lengths: np.ndarray, ids: np.ndarray, settings: _Settings) -> np.ndarray:
+    """The ``ids`` (of seqlens ``lengths``) longer than ``max_tokens``, which fit no micro-batch under either budget.
+
+    Raises:
+        ValueError: there is one and ``on_overlong="error"``, or every sample is one.
+    """
+    overlong = ids[lengths > settings.max_tokens]
+    if len(overlong) and settings.on_overlong == "error":
+        raise ValueError(
+            f"max_tokens={settings.max_tokens} is smaller than {_format_ids(overlong)} (longest "
+            f"{int(lengths.max())}); raise max_tokens, truncate them, or pass on_overlong='skip'"
+        )
+    if len(overlong) and len(overlong) == len(ids):
+        raise ValueError(
+            f"every sample is longer than max_tokens={settings.max_tokens} "
+            f"(shortest {int(lengths.min())}); raise max_tokens"
+        )
+    return overlong
+
+
+def _index_dtype(bound: int) -> type:
+    """The dtype of ids, positions or seqlens below ``bound``: int32 where they fit (half the memory), else int64."""
+    return np.int32 if bound <= np.iinfo(np.int32).max + 1 else np.int64
+
+
+# NOTE [the orders, as sorts]: each order is a sort of the packable samples by a key.
+# - `dataloader`: the ids as given; `seqlen`: (seqlen, id).
+# - `random`: (r, id), r drawn uniformly below 2**(64 - id bits) for each sample: the ids come out in a
+#   uniformly random order (of N samples, about N^2 / 2^(65 - id bits) pairs draw equal r and keep their id
+#   order).
+# - `bucket`: (w, seqlen, r, id), from one draw per sample below W' x 2**s: its window w (the high part,
+#   uniform over the W' = ceil(N / window size) windows) and tie-breaking bits r (the low s bits, what
+#   64 bits leave beside window, seqlen and id), seqlen descending in odd windows. The windows come one
+#   after another, each ~window size samples (binomial) drawn at random and sorted by length, odd ones
+#   descending, ties in a random order (a set of one window still draws new micro-batches from its ties
+#   every epoch): a micro-batch that spans two windows joins samples of like length.
+# The bounds of the draws are those of the 64-bit keys the Part II form sorts (NOTE [the orders, as packed
+# keys]), so that both draw the same numbers. The generator of an epoch is seeded with (seed, epoch,
+# `_PLAN_STREAM`): numpy seeds (seed, 0) as it seeds seed alone, so without the third word epoch 0 would
+# draw the very numbers of a `default_rng(seed)` that made the data's lengths (synthetic sets do), and sort
+# by them. A fourth word, the attempt, draws an epoch again (NOTE [every epoch the same length]); attempt 0
+# seeds as the three words alone.
+_KEY_BITS = 64
+_PLAN_STREAM = 0x76617262  # b"varb": the plans' own stream of a seed
+
+
+def _picking_order(
+    seqlens: np.ndarray, ids: np.ndarray, lengths: np.ndarray, settings: _Settings, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """``ids`` (of seqlens ``lengths``) in the order in which the packer picks them, and their seqlens in that order
+    (int32 where ``max_tokens`` fits): see NOTE [the orders, as sorts]."""
+    if settings.order == "dataloader":
+        order = np.arange(len(ids))
+    elif settings.order == "seqlen":  # ties by id, whatever the order of `ids` (as DeepSpeed's sort of (len, id))
+        order = np.lexsort((ids, lengths))
+    elif settings.order == "random":
+        order = _random_order(ids, rng)
+    else:
+        order = _bucket_order(ids, lengths, _bucket_window(lengths, settings), rng)
+    return ids[order], lengths[order].astype(_index_dtype(settings.max_tokens + 1))
+
+
+def _random_order(ids: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """The positions of ``ids`` sorted by (random bits, id): a uniformly random order."""
+    keys = rng.integers(0, 2 ** (_KEY_BITS - _id_bits(ids)), len(ids), dtype=np.uint64)
+    return np.lexsort((ids, keys))
+
+
+def _bucket_order(ids: np.ndarray, lengths: np.ndarray, window: int, rng: np.random.Generator) -> np.ndarray:
+    """The positions of ``ids`` (of seqlens ``lengths``) sorted by (window, seqlen, random bits, id), seqlen
+    descending in odd windows, in windows of ``window`` samples on average."""
+    windows = max(1, math.ceil(len(ids) / window))
+    length_bits = _bits(int(lengths.max()) + 1 if len(ids) else 1)
+    spare = max(0, _KEY_BITS - _bits(windows) - length_bits - _id_bits(ids))  # the bits of the tie-breakers
+    drawn = rng.integers(0, windows << spare, len(ids), dtype=np.uint64)
+    window_of = drawn >> np.uint64(spare)
+    ties = drawn & np.uint64(2**spare - 1)
+    signed = np.where(window_of % 2 == 1, -lengths.astype(np.int64), lengths)  # descending in odd windows
+    return np.lexsort((ids, ties, signed, window_of))
+
+
+def _bits(bound: int) -> int:
+    """The bits that hold every integer below ``bound`` (at least one)."""
+    return max(1, (bound - 1).bit_length())
+
+
+def _id_bits(ids: np.ndarray) -> int:
+    """The bits of a key's id field: they hold the largest of ``ids``."""
+    return _bits(int(ids.max()) + 1 if len(ids) else 1)
+
+
+# The `bucket` order sorts windows of randomly drawn samples; its window trades padding for fresh
+# micro-batches. In a window of W samples a micro-batch of B takes length neighbours among a
+# random W of the N: two samples that share one meet again next epoch only when they share
+# a window again (W / N) and stay neighbours in it (~0.4), against about B / N for random
+# micro-batches of the same sizes. So the share of pairs that meet again is ~0.4 W / B times
+# the random share at every N, and a micro-batch spans ~B / W of the length quantiles: the
+# window is counted in blocks (`_Settings.unit_width` micro-batches, B x unit_width samples at
+# the mean length). Measured on long-tailed lengths (lognormal(5.5, 0.9), max_tokens 16384, 1M
+# samples for the share, 200k for padding) and uniform 10..499 (max_tokens 4096, 20k), real /
+# padded B x S slots at k = 8, DDP and pipeline, both budgets:
+#   blocks per window   pairs meeting again / random   long-tailed   uniform
+#   24                  11x                            91-93%        94-95%
+#   40                  17x                            95%           96-97%
+#   64 (the default)    25x                            96-97%        96.8-97.9%
+# Sort keys with random jitter and windows cut at token sums fared no better, and no planner that
+# draws each epoch independently of the last (as `plan_for_epoch` must: epochs in any order) can do
+# much better. If a sample's B - 1 mates come from the share s of all N samples nearest its length,
+# with probabilities p_j, two that met meet again with probability sum(p_j^2) / (B - 1) >= (B - 1) /
+# (s N) (Cauchy-Schwarz: uniform p_j is the least), 1 / s times the random share, while s sets the
+# spread of lengths a micro-batch pads. Above, the ratio times the padded share stays near 0.85
+# (25x x 3.4%, 17x x 5%, 11x x 8%): 10x with 95% real tokens does not fit these lengths. A set of
+# a few thousand samples is a window or two of 64 blocks, the same micro-batches every epoch (98%
+# of pairs again at N = 2,000), so a window holds at most a third of the samples, down to 16
+# blocks: 7-8x at N = 2,000 (padding 89% in DDP, from 96% sorted whole). Small sets train for many
+# epochs, large ones for few.
+def _bucket_window(lengths: np.ndarray, settings: _Settings) -> int:
+    """Samples per sorted window of the `bucket` order over the packable samples, of seqlens ``lengths``."""
+    if settings.bucket_size is not None:
+        return settings.bucket_size
+    samples_per_block = settings.unit_width * settings.max_tokens * len(lengths) / max(int(lengths.sum()), 1)
+    smallest, largest = (math.ceil(blocks * samples_per_block) for blocks in _BUCKET_WINDOW_BLOCKS)
+    return max(1, min(largest, max(smallest, math.ceil(len(lengths) / _BUCKET_MIN_WINDOWS))))
+
+
+# The greedy rule. The cost of a micro-batch of n samples, which max_tokens bounds: the sum of
+# their seqlens (budget "sum"), or n x S (budget "padded"), S the longest seqlen of the micro-
+# batches padded together (`_Settings.padding_group`). Both grow with every sample added, so
+# whether the first n samples of a micro-batch fit is True up to some n, then False: the packer
+# takes, from each position in picking order, as many samples as fit (DeepSpeed's greedy rule).
+# A block is `_Settings.unit_width` micro-batches of one size n packed together (a padded step
+# input, or a batch with same_size): DeepSpeed interleaves them, row r of micro-batch b being
+# position start + r x width + b; where that places fewer than min_batch_size rows, consecutive
+# micro-batches are tried (`_block_rows`).
+
+
+def _pack_rows(lens: np.ndarray, settings: _Settings) -> tuple[np.ndarray, list[int], int]:
+    """Blocks of ``width`` micro-batches of ``n`` samples each from consecutive positions, ``n`` as large as fits.
+
+    ``lens`` are the seqlens in picking order; ``width`` is ``unit_width``. ``n``
+    is at most ``max_batch_size``; a block of fewer than ``min_batch_size`` rows
+    is never placed. Returns the blocks' table (`_block_table`), the positions
+    dropped as ``min_batch_size``, and where the tail starts.
+    """
+    values = lens.tolist()  # Python ints: the loop below reads them one at a time
+    width = settings.unit_width
+    total = len(values)
+    cap = settings.max_batch_size or total
+    starts = []
+    rows = []
+    consecutives = []
+    too_small = []
+    start = 0
+    # Invariant: positions [0, start) are each in one block of the table (n >= min_batch_size rows,
+    # every micro-batch within the budget) or in `too_small` (no block starts there); the blocks
+    # are in position order and [start, total) is unplaced.
+    while start + width <= total:
+        rows_left = min((total - start) // width, cap)
+        n, consecutive = _block_rows(values, start, rows_left, settings)
+        if n >= settings.min_batch_size:
+            starts.append(start)
+            rows.append(n)
+            consecutives.append(consecutive)
+            start += n * width
+        elif n == rows_left:  # ran out of samples, not of budget: the rest is the tail
+            break
+        else:
+            too_small.append(start)
+            start += 1
+    return _block_table(starts, rows, consecutives), too_small, start
+
+
+def _block_rows(
+    lens: Sequence[int], start: int, rows_left: int, settings: _Settings, interleaved: int | None = None
+) -> tuple[int, bool]:
+    """How many rows ``n`` the block at ``start`` takes, and whether it is consecutive.
+
+    The most interleaved rows that fit (``interleaved``, counted by `_interleaved_rows`
+    unless the caller has it) where they reach ``min_batch_size`` (or all ``rows_left``);
+    else the most consecutive rows that fit where they do; else the interleaved ``n``,
+    too few to place.
+    """
+    if interleaved is None:
+        interleaved = _interleaved_rows(lens, start, rows_left, settings)
+    n = min(interleaved, rows_left)
+    if n < settings.min_batch_size <= rows_left:
+        consecutive = _consecutive_rows(lens, start, rows_left, settings)
+        if consecutive is not None:
+            return consecutive, True
+    return n, False
+
+
+def _interleaved_rows(lens: Sequence[int], start: int, rows_left: int, settings: _Settings) -> int:
+    """The most rows ``n <= rows_left`` of the interleaved block at ``start`` whose micro-batches all fit.
+
+    Row r of micro-batch b is position ``start + r*width + b`` (with ``width`` 1:
+    one micro-batch, the greedy rule itself). Every micro-batch's cost grows with
+    each row, so rows are added while all still fit. Under the padded budget each
+    padding group of micro-batches fits iff ``n x`` its longest seqlen does.
+    """
+    width = settings.unit_width
+    group = settings.padding_group if settings.budget == "padded" else width
+    costs = [0] * width  # per micro-batch: its tokens (sum budget), or its padding group's longest seqlen
+    n = 0
+    while n < rows_left:
+        row = lens[start + n * width : start + n * width + width]
+        if settings.budget == "sum":
+            grown = [cost + length for cost, length in zip(costs, row)]
+            fits = max(grown) <= settings.max_tokens
+        else:
+            longest = [max(row[g : g + group]) for g in range(0, width, group)]
+            grown = [max(cost, longest[b // group]) for b, cost in enumerate(costs)]
+            fits = (n + 1) * max(grown) <= settings.max_tokens
+        if not fits:
+            break
+        costs = grown
+        n += 1
+    return n
+
+
+def _consecutive_rows(lens: Sequence[int], start: int, rows_left: int, settings: _Settings) -> int | None:
+    """The most rows, at least ``min_batch_size``, of a consecutive block at ``start`` that fit; or None.
+
+    The block's micro-batch b takes samples ``start + b*n .. start + b*n + n - 1``.
+    Whether n rows fit is not monotone in n (each n regroups the samples): every
+    n is tried, largest first, from the most that the first micro-batch allows.
+    """
+    width = settings.unit_width
+    most = int((_prefix_costs(np.asarray(lens[start : start + rows_left]), settings) <= settings.max_tokens).sum())
+    for n in range(most, settings.min_batch_size - 1, -1):
+        if _microbatches_fit(np.asarray(lens[start : start + n * width]).reshape(width, n), settings):
+            return n
+    return None
+
+
+def _microbatches_fit(block: np.ndarray, settings: _Settings) -> bool:
+    """Whether every micro-batch of a consecutive ``block`` fits: ``width x n``, row b being micro-batch b."""
+    if settings.budget == "sum":
+        cost = block.sum(axis=1)
+    else:  # n x the longest of each padding group of rows
+        width, n = block.shape
+        cost = n * block.reshape(width // settings.padding_group, -1).max(axis=1)
+    return bool((cost <= settings.max_tokens).all())
+
+
+def _prefix_costs(lens: np.ndarray, settings: _Settings) -> np.ndarray:
+    """The cost of the first 1, 2, ... rows of ``lens`` (one sample per row) as one micro-batch."""
+    if settings.budget == "sum":
+        return np.cumsum(lens, axis=0)
+    rows = np.arange(1, len(lens) + 1)
+    longest = np.maximum.accumulate(lens, axis=0)
+    return (rows if lens.ndim == 1 else rows[:, None]) * longest
+
+
+def _block_table(starts: list[int], rows: list[int], consecutive: list[bool] | None = None) -> np.ndarray:
+    """The packer's blocks as one int64 table: a row ``(start, n, consecutive)`` per block, in position order."""
+    table = np.zeros((len(starts), 3), np.int64)
+    table[:, 0] = starts
+    table[:, 1] = rows
+    if consecutive is not None:
+        table[:, 2] = consecutive
+    return table
+
+
+def _positions(table: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """The positions (in picking order) of the blocks' samples, micro-batch after micro-batch, and each one's size.
+
+    Row r of micro-batch b of block ``(start, n, consecutive)`` is position
+    ``start + b*n + r`` if consecutive, else (interleaved) ``start + r*width + b``.
+    """
+    positions = []
+    for start, n, consecutive in table.tolist():
+        for b in range(width):
+            if consecutive:
+                positions += range(start + b * n, start + b * n + n)
+            else:
+                positions += range(start + b, start + n * width, width)
+    bound = int((table[:, 0] + table[:, 1] * width).max()) if len(table) else 0
+    return np.array(positions, _index_dtype(bound)), np.repeat(table[:, 1], width)
+
+
+def _fill_last_batch(
+    positions: np.ndarray, sizes: np.ndarray, settings: _Settings
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Whole batches of k micro-batches: the blocks that cannot fill a last one, re-split or given up.
+
+    They are cut into exactly ``k / width`` blocks where they can be (see
+    `_resplit`; a same-size block is a whole batch, so none is ever left).
+    Returns the positions and micro-batch sizes of the batches, and the
+    positions left over (the tail, also when the cut cannot be made).
+    """
+    width = settings.unit_width
+    per_batch = settings.effective_batch_size // width  # blocks
+    kept = len(sizes) - len(sizes) // width % per_batch * width  # micro-batches in whole batches
+    samples = int(sizes[:kept].sum())
+    if kept == len(sizes):
+        return positions, sizes, positions[:0].copy()  # not a view: it would keep the positions alive
+    pieces = np.split(positions[samples:], np.cumsum(sizes[kept:])[:-1])
+    cut = _resplit([pieces[u : u + width] for u in range(0, len(pieces), width)], per_batch, settings.min_batch_size)
+    if cut is None:
+        return positions[:samples], sizes[:kept], positions[samples:].copy()
+    microbatches = [mb for block in cut for mb in block]
+    positions = np.concatenate([positions[:samples], *microbatches])
+    sizes = np.concatenate([sizes[:kept], [len(mb) for mb in microbatches]]).astype(np.int64)
+    return positions, sizes, positions[:0].copy()
+
+
+def _resplit(blocks: list[list[np.ndarray]], count: int, min_bs: int) -> list[list[np.ndarray]] | None:
+    """Cuts fewer than ``count`` blocks (lists of equal-size micro-batches) into exactly ``count``, or None.
+
+    A part of a micro-batch never costs more than the whole. The block of most
+    rows is cut at a multiple of ``min_bs`` near its middle: ``r`` rows make at
+    most ``r // min_bs`` blocks and such a cut keeps that room, so this is None
+    exactly when the sum of ``r // min_bs`` is below ``count``.
+    """
+    blocks = list(blocks)
+    while len(blocks) < count:
+        j = max(range(len(blocks)), key=lambda p: len(blocks[p][0]))
+        rows = len(blocks[j][0])
+        if rows < 2 * min_bs:  # the largest, so every block, is too small to cut
+            return None
+        cut = min_bs * (rows // min_bs // 2)
+        blocks[j : j + 1] = [[mb[:cut] for mb in blocks[j]], [mb[cut:] for mb in blocks[j]]]
+    return blocks
+
+
+def _microbatch_stats(
+    lens: np.ndarray, positions: np.ndarray, sizes: np.ndarray, settings: _Settings
+) -> tuple[np.ndarray, np.ndarray]:
+    """Each micro-batch's longest seqlen and each batch's tokens, of the micro-batches of ``sizes`` samples at
+    ``positions`` (``lens``: the seqlens in picking order), k micro-batches to a batch."""
+    k = settings.effective_batch_size
+    offsets = _offsets(sizes)
+    microbatches = [lens[positions[a:b]] for a, b in zip(offsets[:-1], offsets[1:])]
+    longest = [int(microbatch.max()) for microbatch in microbatches]
+    tokens = [sum(int(microbatch.sum()) for microbatch in microbatches[j : j + k]) for j in range(0, len(sizes), k)]
+    return np.array(longest, np.int64), np.array(tokens, np.int64)
+
+
+def _offsets(sizes: np.ndarray) -> np.ndarray:
+    """Where each micro-batch of ``sizes`` samples starts in the plan's ids, and the end (int64, one pass)."""
+    offsets = np.zeros(len(sizes) + 1, np.int64)
+    np.cumsum(sizes, out=offsets[1:])
+    return offsets
+
+
+def _reordered_batches(
+    positions: np.ndarray,
+    sizes: np.ndarray,
+    longest: np.ndarray,
+    tokens: np.ndarray,
+    order: np.ndarray,
+    settings: _Settings,
+    spare: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Whole batches of k micro-batches in the order ``order`` (batch indices): their positions, their
+    micro-batches' sizes and longest seqlens, and their tokens (`_microbatch_stats`), each reordered. (``spare``,
+    an array whose values are no longer needed, is where the Part II form may write the positions.)"""
+    k = settings.effective_batch_size
+    starts = _offsets(sizes)[::k]  # where each batch's samples start, and the end
+    positions = np.concatenate([positions[:0], *(positions[starts[b] : starts[b + 1]] for b in order)])
+    return positions, sizes.reshape(-1, k)[order].ravel(), longest.reshape(-1, k)[order].ravel(), tokens[order]
+
+
+def _select(values: np.ndarray, indices: np.ndarray) -> np.ndarray:
+    """``values[indices]``: the ids at the plan's positions."""
+    return values[indices]
+
+
+def _plan_arrays(
+    packed: np.ndarray, sizes: np.ndarray, longest: np.ndarray, tokens: np.ndarray, settings: _Settings
+) -> dict:
+    """The `Plan`'s arrays for the ids ``packed``, in micro-batches of ``sizes`` samples, k to a batch, with their
+    longest seqlens and the batches' tokens (`_microbatch_stats`)."""
+    k = settings.effective_batch_size
+    group = settings.padding_group
+    offsets = _offsets(sizes)
+    return dict(
+        sample_ids=packed,
+        microbatch_offsets=offsets,
+        padded_seqlens=np.repeat(longest.reshape(-1, group).max(axis=1), group).astype(np.int64),
+        batch_sizes=np.diff(offsets[::k]),
+        batch_tokens=tokens,
+        batch_max_seqlens=longest.reshape(-1, k).max(axis=1),
+    )
+
+
+# =============================================================================
+# Every epoch the same length
+# =============================================================================
+
+
+# NOTE [every epoch the same length]: loops read len(loader) once (HF Trainer sizes every epoch by
+# epoch 0's, Lightning keeps its first num_training_batches unless told to reload, tqdm totals,
+# `len(loader) * epochs // G` schedules), so every epoch of a sampler has the same number of batches,
+# C, fixed by epoch 0's packing (B0 batches), and each epoch's plan is made to have it:
+# - C. The deterministic orders pack every epoch alike: C = B0. A drawn order's count is a renewal
+#   count (batches fill up with tokens until the epoch's tokens are spent), so it spreads over epochs
+#   by about sqrt(B0) x the coefficient of variation of a batch's tokens, here the interquartile
+#   range / 1.349 over the median, which the small last batch of the leftovers does not move (0.5-2x
+#   the spread measured over 15 epochs of the bench's sets). C = B0 + twice that, at most B0 /
+#   `_MARGIN_SHARE` (1 at least): few epochs pack longer, and the micro-batches added stay a small
+#   share. C is also at most B0 + the batches of epoch 0 that can be cut, so that epoch 0 reaches C.
+# - An epoch that packs B <= C batches gets its C - B batches of most samples, among those that can be
+#   cut, each cut in two (`_lengthened`): `_resplit` cuts a batch's blocks into twice as many, and
+#   each part of a micro-batch holds some of its rows (min_batch_size at least, max_batch_size at
+#   most). A part never costs more than its micro-batch under either budget: fewer seqlens to sum;
+#   fewer rows padded to at most the same S, as a block is a padding group or a run of whole ones (a
+#   padded step input, or a batch with same_size) and so is each part. A same-size block's parts keep
+#   one size each; no other batch moves; nothing is dropped or added: the drops are the packing's.
+# - An epoch that packs more than C batches, or fewer with too few batches that can be cut, is drawn
+#   again, from (seed, epoch, attempt) for attempt 1, 2, ... below `_REDRAWS` (`_pack`).
+# - The last resort cannot fail: epoch 0's plan (C batches; its budgets held) with its batches in an
+#   order drawn from (seed, epoch, `_REDRAWS`), and its drops (`_reshuffled`).
+# Each epoch's plan thus depends only on (seqlens, settings, seed, epoch), through epoch 0's: the same
+# on every rank and in any order of epochs. Epoch 0's plan is its packing with its cuts: unchanged
+# where C = B0, as in every plan of a deterministic order or of given micro-batches.
+_DRAWN_ORDERS = ("random", "bucket")
+
+
+_MARGIN_SPREADS = 2
+
+
+_MARGIN_SHARE = 400  # C - B0 <= B0 / 400: at most 0.25% more micro-batches than epoch 0 packs
+
+
+_REDRAWS = 8  # the packings drawn for an epoch before the last resort
+
+
+def _reference_plan(seqlens: np.ndarray, settings: _Settings, sample_ids: np.ndarray | None) -> Plan:
+    """Epoch 0's plan, whose number of batches every epoch has (see NOTE [every epoch the same length])."""
+    plan = _pack(seqlens, settings, sample_ids, 0)
+    if settings.order not in _DRAWN_ORDERS or plan.num_batches == 0:
+        return plan
+    low, median, high = np.percentile(plan.batch_tokens, [25, 50, 75])
+    spread = math.sqrt(plan.num_batches) * (high - low) / 1.349 / median  # robust to the leftovers' last batch
+    margin = min(math.floor(_MARGIN_SPREADS * spread), max(1, plan.num_batches // _MARGIN_SHARE))
+    return _lengthened(plan, seqlens, plan.num_batches + min(margin, int(_cuttable(plan).sum())))
+
+
+def _equal_plan(
+    seqlens: np.ndarray, settings: _Settings, sample_ids: np.ndarray | None, epoch: int, reference: Plan
+) -> Plan:
+    """The plan of ``epoch``, with as many batches as ``reference``, epoch 0's (`_reference_plan`): its packing
+    lengthened, or one drawn again, or the last resort (see NOTE [every epoch the same length])."""
+    if epoch == 0 or settings.order not in _DRAWN_ORDERS:  # the deterministic orders pack every epoch alike
+        return dataclasses.replace(reference, epoch=epoch)
+    for attempt in range(_REDRAWS):
+        plan = _lengthened(_pack(seqlens, settings, sample_ids, epoch, attempt), seqlens, reference.num_batches)
+        if plan is not None:
+            return plan
+    return _reshuffled(reference, epoch)
+
+
+def _lengthened(plan: Plan, seqlens: np.ndarray, batches: int) -> Plan | None:
+    """``plan`` with ``batches`` batches, its fullest batches that can be cut each cut in two; None where it has
+    more, or too few that can be cut (see NOTE [every epoch the same length])."""
+    cuts = batches - plan.num_batches
+    if cuts <= 0:
+        return plan if cuts == 0 else None
+    cuttable = np.flatnonzero(_cuttable(plan))
+    if len(cuttable) < cuts:
+        return None
+    fullest = np.sort(cuttable[np.argsort(-plan.batch_sizes[cuttable], kind="stable")[:cuts]]).tolist()
+    settings = plan.settings
+    k, width = settings.effective_batch_size, settings.unit_width
+    halves = []  # the micro-batches of the cut batches, two batches' worth each
+    for b in fullest:
+        microbatches = [plan.microbatch(j) for j in range(b * k, b * k + k)]
+        blocks = [microbatches[u : u + width] for u in range(0, k, width)]
+        halves += [mb for block in _resplit(blocks, 2 * len(blocks), settings.min_batch_size) for mb in block]
+    ids = np.concatenate(halves)
+    sizes = np.array([len(mb) for mb in halves], np.int64)
+    cut = _plan_arrays(ids, sizes, *_microbatch_stats(seqlens, ids, sizes, settings), settings)
+    starts = (plan.microbatch_offsets[::k], cut["microbatch_offsets"][::k])  # where each batch's samples start
+    microbatch_sizes = plan.microbatch_sizes().reshape(-1, k)
+    microbatch_sizes = _spliced(microbatch_sizes, np.diff(cut["microbatch_offsets"]).reshape(-1, k), fullest)
+    padded = _spliced(plan.padded_seqlens.reshape(-1, k), cut["padded_seqlens"].reshape(-1, k), fullest)
+    fresh = {
+        "sample_ids": _spliced(plan.sample_ids, cut["sample_ids"], fullest, starts),
+        "microbatch_offsets": _offsets(microbatch_sizes.ravel()),
+        "padded_seqlens": padded.ravel(),
+        **{
+            name: _spliced(getattr(plan, name), cut[name], fullest)
+            for name in ("batch_sizes", "batch_tokens", "batch_max_seqlens")
+        },
+    }
+    for array in fresh.values():
+        array.setflags(write=False)
+    return dataclasses.replace(plan, **fresh)
+
+
+def _cuttable(plan: Plan) -> np.ndarray:
+    """Per batch of ``plan``, whether `_resplit` cuts its blocks into twice as many (its docstring's condition)."""
+    settings = plan.settings
+    width = settings.unit_width
+    rows = plan.microbatch_sizes()[::width].reshape(plan.num_batches, settings.effective_batch_size // width)
+    return (rows // settings.min_batch_size).sum(axis=1) >= 2 * rows.shape[1]
+
+
+def _spliced(mine: np.ndarray, theirs: np.ndarray, cut: list[int], bounds: tuple | None = None) -> np.ndarray:
+    """``mine``'s batches (rows, or runs between ``bounds``: where each batch starts, and the end, in each array)
+    with batch ``cut[i]`` replaced by ``theirs``' batches 2i and 2i + 1: one copy, whatever the arrays' size."""
+    starts = (np.arange(len(mine) + 1), np.arange(len(theirs) + 1)) if bounds is None else bounds
+    pieces, done = [], 0
+    for i, b in enumerate(cut):
+        pieces += [mine[starts[0][done] : starts[0][b]], theirs[starts[1][2 * i] : starts[1][2 * i + 2]]]
+        done = b + 1
+    return np.concatenate([*pieces, mine[starts[0][done] :]])
+
+
+def _reshuffled(plan: Plan, epoch: int) -> Plan:
+    """``plan``'s batches in an order drawn from (seed, ``epoch``, `_REDRAWS`), as the plan of ``epoch``: the last
+    resort of NOTE [every epoch the same length]; its drops stay."""
+    settings = plan.settings
+    order = np.random.default_rng((settings.seed, epoch, _PLAN_STREAM, _REDRAWS)).permutation(plan.num_batches)
+    arrays = (plan.sample_ids, plan.microbatch_sizes(), plan.padded_seqlens, plan.batch_tokens)
+    # The padded seqlens stand in for the micro-batches' longest: `_plan_arrays` takes their groups' maxima,
+    # which they already are.
+    reorder = _implementation(_reordered_batches, len(plan.sample_ids))
+    fresh = _plan_arrays(*reorder(*arrays, order, settings), settings)
+    for array in fresh.values():
+        array.setflags(write=False)
+    return dataclasses.replace(plan, **fresh, epoch=epoch)
+
+
+# =============================================================================
+# The learning rate
+# =============================================================================
+
+
+def scale_lr(base_batch_size, batch_size, base_lr=1, method="linear"):
+    """The learning rate for ``batch_size``, given ``base_lr`` tuned at ``base_batch_size`` (same unit).
+
+    ``method``: ``"linear"`` (``lr x B/B_ref``), ``"sqrt"`` (``lr x sqrt(B/B_ref)``),
+    ``"none"`` or None (``lr``), or a callable ``f(B/B_ref) -> factor``.
+
+    Example:
+        >>> scale_lr(2, 10, 1e-3), scale_lr(2, 4, 1e-3), scale_lr(4, 16, 1.0, "sqrt")
+        (0.005, 0.002, 2.0)
+    """
+    ratio = _check_real("batch_size", batch_size, strict=False) / _check_real("base_batch_size", base_batch_size)
+    if isinstance(base_lr, bool) or not isinstance(base_lr, (numbers.Real, torch.Tensor)):
+        raise TypeError(f"base_lr should be a number (or a tensor), but got base_lr={base_lr!r}")
+    return base_lr * _lr_factor(ratio, _check_lr_method(method))
 
 
 def _lr_factor(ratio: float, method: Any) -> float:
@@ -1409,53 +1379,6 @@ def _lr_factor(ratio: float, method: Any) -> float:
             f"for the batch-size ratio {ratio}"
         )
     return float(factor)
-
-
-def scale_lr(base_batch_size, batch_size, base_lr=1, method="linear"):
-    """The learning rate for ``batch_size``, given ``base_lr`` tuned at ``base_batch_size`` (same unit).
-
-    ``method``: ``"linear"`` (``lr x B/B_ref``), ``"sqrt"`` (``lr x sqrt(B/B_ref)``),
-    ``"none"`` or None (``lr``), or a callable ``f(B/B_ref) -> factor``.
-
-    Example:
-        >>> scale_lr(2, 10, 1e-3), scale_lr(2, 4, 1e-3), scale_lr(4, 16, 1.0, "sqrt")
-        (0.005, 0.002, 2.0)
-    """
-    ratio = _check_real("batch_size", batch_size, strict=False) / _check_real("base_batch_size", base_batch_size)
-    if isinstance(base_lr, bool) or not isinstance(base_lr, (numbers.Real, torch.Tensor)):
-        raise TypeError(f"base_lr should be a number (or a tensor), but got base_lr={base_lr!r}")
-    return base_lr * _lr_factor(ratio, _check_lr_method(method))
-
-
-def _check_reference(reference: Any, name: str = "lr_scaling_reference") -> Any:
-    """``B_ref`` as given: None (the default, ``train_batch_size``), ``"mean"``, or a number > 0."""
-    return (
-        reference
-        if reference is None or (isinstance(reference, str) and reference == "mean")
-        else _check_real(name, reference)
-    )
-
-
-def _check_clock(clock: Any, clock_step: Any, names: tuple = ("clock", "clock_step")) -> tuple[str, int]:
-    """What advances the wrapped schedule (see `VariableBatchSizeLR`) and by how much, checked together.
-
-    NOTE [clocks]: with ``clock="tokens"`` (``"samples"``) the wrapped schedule
-    steps once per ``clock_step`` tokens (samples) of the updates taken, so its
-    position is ``floor(seen / clock_step)``: warmup and decay land at their
-    token counts whatever the batch sizes. Any step-based torch scheduler works;
-    size it with ``sampler.horizon(epochs, "tokens") // clock_step``. For a
-    function ``f`` of tokens: ``LambdaLR(optimizer, lambda s: f(s * clock_step))``.
-    """
-    clock, step = (
-        _check_choice(names[0], clock, _Clock),
-        _check_int(names[1], clock_step, 1, fix="the tokens (samples) per schedule step"),
-    )
-    if clock == "steps" and step != 1:
-        raise ValueError(
-            f"{names[1]}={step} counts tokens or samples, but {names[0]}='steps' steps the schedule once "
-            f"per optimizer step; set {names[0]} to 'tokens' or 'samples', or {names[1]} to 1"
-        )
-    return clock, step
 
 
 def _lr_factors(
@@ -1481,6 +1404,18 @@ def _lr_warning(mean: float, b_ref: float, unit: str) -> str:
         f"counts micro-batches, B counts {unit} (about max_tokens / mean seqlen of them per micro-batch); set "
         f'lr_scaling_reference to "mean" or to the batch size (in {unit}) your LR was tuned for'
     )
+
+
+def _is_unit_trap(mean: float, default_reference: bool) -> bool:
+    """Whether `_lr_warning` is due: the default ``B_ref`` (``train_batch_size``) puts the mean LR factor ``mean``
+    outside [0.5, 2]. The plan command's totals ask it.
+
+    NOTE [the unit trap]: DeepSpeed's ``B_ref`` is ``train_batch_size``, a count
+    of micro-batches, against ``B`` in sequences: the LR comes out about
+    ``max_tokens / mean seqlen`` times the configured one. It stays the default
+    (None) for compatibility, with a warning; each trained epoch's factors are logged.
+    """
+    return default_reference and not 0.5 <= mean <= 2.0
 
 
 def micro_batch_loss_weight(count, batch_count, *, num_replicas=1, gradient_accumulation_steps=1):
@@ -1521,419 +1456,9 @@ def micro_batch_loss_weight(count, batch_count, *, num_replicas=1, gradient_accu
     )
 
 
-def _is_unit_trap(mean: float, default_reference: bool) -> bool:
-    """Whether `_lr_warning` is due: the default ``B_ref`` (``train_batch_size``) puts the mean LR factor ``mean``
-    outside [0.5, 2]. The plan command's totals ask it.
-
-    NOTE [the unit trap]: DeepSpeed's ``B_ref`` is ``train_batch_size``, a count
-    of micro-batches, against ``B`` in sequences: the LR comes out about
-    ``max_tokens / mean seqlen`` times the configured one. It stays the default
-    (None) for compatibility, with a warning; each trained epoch's factors are logged.
-    """
-    return default_reference and not 0.5 <= mean <= 2.0
-
-
 # =============================================================================
-# Torch adapters: padding, collate, seqlens of a collated batch
+# The batch sampler
 # =============================================================================
-# A sample is one sequence (a tensor, array or list of numbers, sequence first), a
-# tuple (or list) of fields (`(label, tokens)`), or a dict (Hugging Face style): a list
-# of lists is fields, so per-token features come as a tensor or array. Fields with a
-# sequence dimension are padded along it; others are kept. len() means nothing here.
-
-
-def _is_one_sequence(sample: Any) -> bool:
-    """A tensor, an array, or a flat list of numbers (not a tuple of fields)."""
-    return isinstance(sample, (torch.Tensor, np.ndarray)) or (
-        isinstance(sample, (list, tuple)) and all(isinstance(x, numbers.Number) for x in sample)
-    )
-
-
-def _fields(sample: Any) -> list[tuple[Any, Any]]:
-    """``(key, value)`` per field: dict keys, tuple positions, or ``(None, sample)`` for one sequence."""
-    if isinstance(sample, Mapping):
-        return list(sample.items())
-    if _is_one_sequence(sample) or not isinstance(sample, (tuple, list)):
-        return [(None, sample)]
-    return list(enumerate(sample))
-
-
-def _as_tensor(value: Any) -> torch.Tensor | None:
-    """``value`` as a tensor, or None for what is not numeric (text, None)."""
-    try:
-        return torch.as_tensor(value)
-    except (TypeError, ValueError, RuntimeError):
-        return None
-
-
-def _pad_field(value: Any, length: int, pad_value: Any, key: Any) -> torch.Tensor:
-    """One field padded along its first dimension to ``length``."""
-    tensor, where = _as_tensor(value), "" if key is None else f" (field {key!r})"
-    if tensor is None or tensor.dim() == 0:
-        raise ValueError(
-            f"cannot pad {type(value).__name__}{where} to length={length}: it has no sequence dimension; "
-            f"name the fields to pad with fields=..., or pass your own sample_padding_fn"
-        )
-    if tensor.shape[0] > length:
-        raise ValueError(
-            f"cannot pad a sample{where} of seqlen {tensor.shape[0]} to length={length}: the planned length "
-            f"is shorter than the sample; the seqlens given to varbatch do not match the dataset"
-        )
-    value = pad_value.get(key, 0) if isinstance(pad_value, Mapping) else pad_value
-    return torch.cat([tensor, tensor.new_full((length - tensor.shape[0], *tensor.shape[1:]), value)])
-
-
-def pad_sample(sample, length, pad_value=0, fields=None):
-    """Pads a sample to ``length`` along its sequence (first) dimension: the default ``sample_padding_fn``.
-
-    ``sample``: one sequence (tensor, array, list of numbers), a tuple of
-    fields, or a dict of fields; ``pad_value``: a number, or a dict field ->
-    number (``{"labels": -100}``; others get 0); ``fields``: the dict keys or
-    tuple positions to pad (default: every field with a sequence dimension).
-    Returns the sample in its own structure, padded fields as tensors. Picklable.
-
-    Example:
-        >>> pad_sample(torch.ones(2, 3), 4).shape, pad_sample({"ids": [5, 6], "label": 1}, 3)
-        (torch.Size([4, 3]), {'ids': tensor([5, 6, 0]), 'label': 1})
-    """
-    length = _check_int("length", length)
-    padded, chosen = [], []
-    for key, value in _fields(sample):
-        tensor = _as_tensor(value)
-        chosen.append(key is None or (tensor is not None and tensor.dim() > 0 if fields is None else key in fields))
-        padded.append(_pad_field(value, length, pad_value, key) if chosen[-1] else value)
-    if not any(chosen):
-        raise ValueError(
-            f"pad_sample found no field to pad in a {type(sample).__name__} sample (fields="
-            f"{fields!r}): it pads numeric fields with a sequence dimension; name them with fields=..., "
-            f"or pass your own sample_padding_fn (e.g. one that pads text)"
-        )
-    if isinstance(sample, Mapping):
-        return dict(zip(sample, padded))
-    if _fields(sample)[0][0] is None:
-        return padded[0]
-    return type(sample)(*padded) if hasattr(sample, "_fields") else type(sample)(padded)  # namedtuples too
-
-
-# NOTE [same-length lengths reach PaddedCollate]: in same-length mode the samples
-# reach the collate padded to their batch's longest seqlen, so their real lengths
-# can no longer be measured. A collate_fn with a `seqlens` parameter gets them as an
-# argument; any other (a lambda, a partial, a class, a wrapper of a wrapper) may
-# call PaddedCollate without them. So `_LoadStepInput` sets this variable to the
-# plan's lengths around the collate call (in the loader's worker, in the thread
-# that runs the collate), and PaddedCollate given no seqlens takes them from it.
-# A context variable, not a global: each thread sees its own, and a collate run
-# inside another is restored by `reset`. Unpadded samples are measured as before:
-# their lengths in the tensor are what the collate made of them (BOS/EOS included).
-_PADDED_SEQLENS = contextvars.ContextVar("varbatch_padded_seqlens", default=None)
-
-
-class _PaddedBatch(tuple):
-    """`PaddedCollate`'s ``(*fields, seqlens)``: its type tells `seqlens_from_padded` what the last item is."""
-
-    __slots__ = ()
-
-
-class PaddedCollate:
-    """Collates samples of different seqlens into ``B x S x ...`` tensors plus their real lengths.
-
-    One-sequence samples give ``(padded, seqlens)``; tuples ``(*fields,
-    seqlens)`` (sequence fields padded, scalars stacked, text kept as lists);
-    dicts a dict of padded fields plus ``seqlens_key`` (None leaves it out, e.g.
-    for ``model(**batch)``). ``seqlens`` (``B``, int64) are the lengths
-    `make_dataloader` passes (the plan's, also for samples padded to their
-    batch's S in same-length mode), else the first sequence field's. Called
-    without ``seqlens`` inside varbatch's loader in same-length mode, by any
-    collate_fn, it takes the plan's (see NOTE [same-length lengths reach
-    PaddedCollate]) and refuses another number of samples than the step input's.
-
-    Example:
-        >>> x, lens = PaddedCollate()([torch.ones(2, 4), torch.ones(3, 4)])
-        >>> tuple(x.shape), lens.tolist()
-        ((2, 3, 4), [2, 3])
-    """
-
-    def __init__(self, pad_value=0, seqlens_key="seqlens"):
-        self.pad_value, self.seqlens_key = pad_value, seqlens_key
-
-    def __call__(self, samples, seqlens=None):
-        if len(samples) == 0:
-            raise ValueError("PaddedCollate got an empty list of samples")
-        one_tensor = isinstance(samples[0], torch.Tensor)  # the common case, kept cheap: no look at every sample
-        if one_tensor:
-            columns = [(None, samples)]
-        else:  # fields by key (dicts list theirs in any order), the same fields in every sample
-            rows = [dict(_fields(sample)) for sample in samples]
-            odd = next((i for i, row in enumerate(rows) if row.keys() != rows[0].keys()), None)
-            if odd is not None:
-                raise ValueError(
-                    f"PaddedCollate needs samples with the same fields, but sample 0 has fields "
-                    f"{list(rows[0])} and sample {odd} has {list(rows[odd])}"
-                )
-            columns = [(key, [row[key] for row in rows]) for key in rows[0]]
-        out = []
-        for key, values in columns:
-            tensors = values if one_tensor else [_as_tensor(value) for value in values]
-            value = self.pad_value.get(key, 0) if isinstance(self.pad_value, Mapping) else self.pad_value
-            if any(t is None for t in tensors):  # not numeric (text): kept as a list
-                out.append(values)
-            elif not tensors[0].dim():
-                out.append(torch.stack(tensors))  # B
-            else:
-                out.append(
-                    torch.nn.utils.rnn.pad_sequence(tensors, batch_first=True, padding_value=value)
-                )  # B x S x ...
-        if seqlens is None:
-            seqlens = self._lengths(columns, out, len(samples))
-        if len(seqlens) != len(samples):
-            raise ValueError(f"PaddedCollate got {len(seqlens)} seqlens for {len(samples)} samples")
-        lengths = torch.as_tensor(list(seqlens), dtype=torch.int64)
-        if not isinstance(samples[0], Mapping):
-            return _PaddedBatch((*out, lengths))
-        batch = {key: tensor for (key, _), tensor in zip(columns, out)}
-        return {**batch, self.seqlens_key: lengths} if self.seqlens_key is not None else batch
-
-    @staticmethod
-    def _lengths(columns: list, out: list, count: int) -> list[int]:
-        """The plan's lengths of ``count`` samples varbatch padded, else the first sequence field's, measured."""
-        planned = _PADDED_SEQLENS.get()
-        if planned is not None:
-            if len(planned) != count:
-                raise ValueError(
-                    f"PaddedCollate got {count} samples in same-length mode, where they arrive padded to their "
-                    f"batch's longest seqlen, but the step input has {len(planned)}: it cannot tell their real "
-                    f"lengths; pass seqlens= (a collate_fn with a seqlens parameter gets the step input's)"
-                )
-            return list(planned)
-        sequence = next((v for (_, v), t in zip(columns, out) if isinstance(t, torch.Tensor) and t.dim() > 1), None)
-        if sequence is None:
-            raise ValueError("PaddedCollate found no field with a sequence dimension; pass seqlens")
-        return [torch.as_tensor(v).shape[0] for v in sequence]
-
-    def __repr__(self):
-        return f"PaddedCollate(pad_value={self.pad_value!r}, seqlens_key={self.seqlens_key!r})"
-
-
-def seqlens_from_padded(batch, pad_value=0, seqlens_key="seqlens"):
-    """The real length of every sample of a collated batch (a ``batch_seqlens_fn``).
-
-    `PaddedCollate`'s lengths are recognised by its output's type (tuples) or
-    the ``seqlens_key`` key (dicts: pass PaddedCollate's own, e.g. with
-    ``functools.partial``); a dict's ``attention_mask`` gives its row
-    sums. Anything else is measured on its first tensor (a tuple's first item,
-    a dict's first field), ``B x S x ...``: a sample runs to its last position
-    holding a value other than ``pad_value``.
-
-    Example:
-        >>> seqlens_from_padded(torch.tensor([[5, 6, 0], [7, 0, 0]]))
-        [2, 1]
-    """
-    if isinstance(batch, _PaddedBatch) or (
-        isinstance(batch, Mapping) and (seqlens_key in batch or "attention_mask" in batch)
-    ):
-        lengths = batch[-1] if isinstance(batch, _PaddedBatch) else batch.get(seqlens_key)
-        return [int(x) for x in (torch.as_tensor(batch["attention_mask"]).sum(dim=1) if lengths is None else lengths)]
-    batch = next(iter(batch.values())) if isinstance(batch, Mapping) else batch
-    while isinstance(batch, (tuple, list)) and len(batch) and not _is_one_sequence(batch):
-        batch = batch[0]
-    tensor = torch.as_tensor(batch)
-    if tensor.dim() < 2:
-        raise ValueError(
-            f"seqlens_from_padded needs a collated B x S (x ...) batch, but got shape {tuple(tensor.shape)}"
-            f"; collate the samples first (e.g. with varbatch.PaddedCollate())"
-        )
-    real = (tensor != pad_value).reshape(tensor.shape[0], tensor.shape[1], -1).any(dim=2)  # B x S
-    return [int(x) for x in (real * torch.arange(1, tensor.shape[1] + 1)).max(dim=1).values]
-
-
-def _padded_tensor(batch: Any, depth: int = 0) -> torch.Tensor | None:
-    """The ``B x S (x ...)`` tensor of a collated step input, or None where none is seen.
-
-    The batch itself; a dict's ``input_ids``, else its first field with a
-    sequence dimension; a tuple's first (PaddedCollate's output, ``(x, lengths)``),
-    two levels deep. Fields only, never the samples: lists are not looked into.
-    """
-    if isinstance(batch, torch.Tensor):
-        return batch if batch.dim() > 1 else None
-    if depth == 2:
-        return None
-    if isinstance(batch, Mapping):
-        fields = [batch["input_ids"]] if isinstance(batch.get("input_ids"), torch.Tensor) else batch.values()
-    elif isinstance(batch, tuple):
-        fields = batch
-    else:
-        return None
-    return next((t for t in (_padded_tensor(field, depth + 1) for field in fields) if t is not None), None)
-
-
-# =============================================================================
-# The batch sampler and its DataLoader
-# =============================================================================
-# The dealing rule, written once (`VariableBatchSampler._iter_keys`): step input g of an
-# epoch is micro-batches g*m .. g*m + m - 1 of the plan (m = micro_batch_size), and
-# rank r trains step inputs r, r + R, r + 2R, ... (R ranks), its t-th being g = t*R + r.
-# A batch is k = m*G*R micro-batches (G = gradient_accumulation_steps), so every rank
-# trains G step inputs of every batch; with m = 1, micro-batch j goes to rank j % R, as
-# in DeepSpeed. The loader deals by this rule itself (NOTE [the loader deals itself]).
-
-
-def _world(group: Any = None) -> tuple[int, int]:
-    """``(rank, size)`` of this process in torch.distributed (in ``group``); ``(0, 1)`` without it."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(group=group), torch.distributed.get_world_size(group=group)
-    return 0, 1
-
-
-def _gather(obj: Any) -> list:
-    """``obj`` of every rank (a list of one without torch.distributed)."""
-    if _world()[1] == 1:
-        return [obj]
-    out = [None] * _world()[1]
-    torch.distributed.all_gather_object(out, obj)
-    return out
-
-
-def _on_rank_zero(rank: int) -> bool:
-    """Whether this process reports for the job: global rank 0, or ``rank`` 0 without torch.distributed."""
-    return (_world()[0] if _world()[1] > 1 else rank) == 0
-
-
-def _log_plan(plan: Plan, verbose: bool) -> None:
-    """The drops, one warning per reason with a count and the first ids (never an unbounded line); with
-    ``verbose`` the plan's totals."""
-    for reason in ("over_budget", "min_batch_size", "tail"):
-        if len(plan.dropped[reason]):
-            _logger.warning("epoch %d: dropped %s as %s", plan.epoch, _format_ids(plan.dropped[reason]), reason)
-    if verbose:
-        # One line of JSON with sorted keys: a log line a script parses back (json.loads) and that compares key by
-        # key with another epoch's; the table for people is `python plan.py`, kept out of the vendored file.
-        _logger.info("epoch %d plan totals: %s", plan.epoch, json.dumps(plan.totals(), sort_keys=True))
-
-
-def _mismatch(saved: Any, mine: dict, one: str) -> str | None:
-    """``"saved with seed=1 into a sampler with seed=2"`` for the first setting that differs (likeliest first);
-    settings nested under a key (a scheduler's sampler's) count as settings of their own, named ``sampler.seed``."""
-    if not isinstance(saved, Mapping) or set(saved) != set(mine):
-        return "saved with settings that are not this version's (pass a dict made by state_dict())"
-    settings = {}  # name -> (saved value, this value)
-    for key in mine:
-        if isinstance(saved[key], Mapping) and isinstance(mine[key], Mapping) and set(saved[key]) == set(mine[key]):
-            settings.update({f"{key}.{name}": (saved[key][name], mine[key][name]) for name in mine[key]})
-        else:
-            settings[key] = (saved[key], mine[key])
-    likeliest = ("num_replicas", "seqlens", "sample_ids")  # the world size, then the data
-    for name in sorted(settings, key=lambda name: (name.rpartition(".")[2] not in likeliest, name)):
-        before, now = settings[name]
-        if before == now:
-            continue
-        if name.rpartition(".")[2] in ("seqlens", "sample_ids", "fixed_plan", "batch_sizes", "sampler"):
-            return f"saved with other {name.replace('_', ' ')} (another dataset?) than this one's"
-        return f"saved with {name}={before!r} into {one} with {name}={now!r}"
-    return None
-
-
-def _check_state(owner: Any, state_dict: Any, expected: set) -> None:
-    """A state dict has exactly the keys ``owner.state_dict()`` makes, and ``owner``'s settings."""
-    name = type(owner).__name__
-    if not isinstance(state_dict, Mapping):
-        raise TypeError(f"{name}.load_state_dict expects a dict, but got {type(state_dict).__name__}")
-    unknown, missing = sorted(set(state_dict) - expected), sorted(expected - set(state_dict))
-    if unknown or missing:
-        raise ValueError(
-            f"{name}.load_state_dict got unknown keys {unknown} and is missing keys {missing}; pass a "
-            f"dict made by {name}.state_dict()"
-        )
-    kind = "sampler" if isinstance(owner, Sampler) else "scheduler"
-    mismatch = _mismatch(state_dict["settings"], owner._state_settings(), "a sampler" if kind == "sampler" else "one")
-    if mismatch:
-        raise ValueError(
-            f"cannot load a {kind} state {mismatch}; resume with the same dataset, config, world size and LR settings"
-        )
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class _Planner:
-    """epoch -> `Plan` of one dataset and settings, or always one ``fixed`` plan (DeepSpeed's micro-batch lists)."""
-
-    seqlens: np.ndarray | None
-    settings: _Settings
-    sample_ids: np.ndarray | None = None
-    fixed: Plan | None = None
-
-    @functools.cached_property
-    def reference(self) -> Plan:
-        """Epoch 0's plan, computed once: every epoch has its number of batches (the fixed plan: the plan)."""
-        return self.fixed if self.fixed is not None else _reference_plan(self.seqlens, self.settings, self.sample_ids)
-
-    def __call__(self, epoch: int) -> Plan:
-        if self.fixed is not None:
-            return self.fixed
-        return _equal_plan(self.seqlens, self.settings, self.sample_ids, epoch, self.reference)
-
-
-_KEY_RUN = 256  # step inputs (of every rank) whose ids `VariableBatchSampler._epoch_keys` reads as one list
-
-
-class _StepInputKey(typing.NamedTuple):
-    """One step input as the sampler hands it to the loader: what a loader worker needs to load its samples, pad
-    and collate them, and check that it was dealt to this rank (a tuple of plain data: it travels to workers)."""
-
-    sample_ids: tuple[int, ...]
-    seqlens: tuple[int, ...] | None  # the plan's real lengths of the samples (None: given micro-batches)
-    pad_to: int  # the batch's longest seqlen in same-length mode, else 0 (no padding)
-    epoch: int
-    pass_number: int  # the sampler's pass that dealt it (a new pass over an epoch gets a new number)
-    pass_start: int  # this rank's step input t that the pass started at
-    step_input: int  # g, its index among the epoch's step inputs of all ranks (see the dealing rule)
-    every_rank: bool = False  # from the view of every rank's step inputs that launchers deal (see `_StepInputKeys`)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Pass:
-    """The record of a sampler's last pass, written where a pass starts: set_epoch, an iteration, load_state_dict.
-
-    Its ``number`` marks the keys a pass deals, by which `_LoadStepInput` checks the dealing.
-
-    Attributes:
-        number: passes started so far (an iterator of an older pass is stale).
-        epoch, start: the epoch of the pass and its first step input.
-        restored: the position came from load_state_dict, and no iteration has started since.
-    """
-
-    number: int = 0
-    epoch: int = 0
-    start: int = 0
-    restored: bool = False
-
-
-@dataclasses.dataclass
-class _Position:
-    """Where a sampler stands: its last pass, and how far that pass got.
-
-    Invariant: ``last.start <= steps_done <= T`` (T: the step inputs of an
-    epoch), and ``finished`` only with ``steps_done == T``: set once an iteration (or a
-    restored position) reached the epoch's end, never by set_epoch (not even
-    for an empty epoch); then the next iteration yields the next epoch.
-
-    Each pass gets a new one, which its iterator moves on in place (a new one
-    per step input costs more than the rest of it): an iterator whose position
-    is no longer its sampler's is stale.
-    """
-
-    last: _Pass = _Pass()
-    steps_done: int = 0
-    finished: bool = False
-
-    @property
-    def epoch(self) -> int:
-        """The epoch the next iteration yields: the last one's, or the next once it finished."""
-        return self.last.epoch + self.finished
-
-    def next_start(self) -> tuple[int, int]:
-        """``(epoch, step input)`` where the next pass starts: a restored position, else the epoch's first."""
-        if self.last.restored and not self.finished:
-            return self.epoch, self.last.start
-        return self.epoch, 0
 
 
 class VariableBatchSampler(Sampler[list[int]]):
@@ -2273,461 +1798,124 @@ class VariableBatchSampler(Sampler[list[int]]):
         self._start_pass(epoch, steps, restored=True, finished=steps == total)
 
 
-class _KeyDataset(Dataset):
-    """Item ``key`` is ``key``: the loader's sampler yields step-input keys, `_LoadStepInput` loads their samples.
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Planner:
+    """epoch -> `Plan` of one dataset and settings, or always one ``fixed`` plan (DeepSpeed's micro-batch lists)."""
 
-    Its ``set_epoch`` is ``sampler``'s: accelerate's ``DataLoaderShard.set_epoch``
-    falls back to its dataset's where its batch sampler hides the sampler, as in
-    the loader that accelerate's ``skip_first_batches`` rebuilds from a prepared
-    one (a ``SkipBatchSampler`` over a ``BatchSamplerShard``; HF Trainer resumes
-    inside an epoch with it), whose epoch would otherwise stay the sampler's last.
+    seqlens: np.ndarray | None
+    settings: _Settings
+    sample_ids: np.ndarray | None = None
+    fixed: Plan | None = None
+
+    @functools.cached_property
+    def reference(self) -> Plan:
+        """Epoch 0's plan, computed once: every epoch has its number of batches (the fixed plan: the plan)."""
+        return self.fixed if self.fixed is not None else _reference_plan(self.seqlens, self.settings, self.sample_ids)
+
+    def __call__(self, epoch: int) -> Plan:
+        if self.fixed is not None:
+            return self.fixed
+        return _equal_plan(self.seqlens, self.settings, self.sample_ids, epoch, self.reference)
+
+
+_KEY_RUN = 256  # step inputs (of every rank) whose ids `VariableBatchSampler._epoch_keys` reads as one list
+
+
+class _StepInputKey(typing.NamedTuple):
+    """One step input as the sampler hands it to the loader: what a loader worker needs to load its samples, pad
+    and collate them, and check that it was dealt to this rank (a tuple of plain data: it travels to workers)."""
+
+    sample_ids: tuple[int, ...]
+    seqlens: tuple[int, ...] | None  # the plan's real lengths of the samples (None: given micro-batches)
+    pad_to: int  # the batch's longest seqlen in same-length mode, else 0 (no padding)
+    epoch: int
+    pass_number: int  # the sampler's pass that dealt it (a new pass over an epoch gets a new number)
+    pass_start: int  # this rank's step input t that the pass started at
+    step_input: int  # g, its index among the epoch's step inputs of all ranks (see the dealing rule)
+    every_rank: bool = False  # from the view of every rank's step inputs that launchers deal (see `_StepInputKeys`)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pass:
+    """The record of a sampler's last pass, written where a pass starts: set_epoch, an iteration, load_state_dict.
+
+    Its ``number`` marks the keys a pass deals, by which `_LoadStepInput` checks the dealing.
+
+    Attributes:
+        number: passes started so far (an iterator of an older pass is stale).
+        epoch, start: the epoch of the pass and its first step input.
+        restored: the position came from load_state_dict, and no iteration has started since.
     """
 
-    def __init__(self, sampler: VariableBatchSampler | None = None):
-        self.variable_batch_sampler = sampler
-
-    def __reduce__(self):  # a loader worker's copy loads keys only: no sampler (no copy of its plans)
-        return (_KeyDataset, ())
-
-    def set_epoch(self, epoch):
-        if self.variable_batch_sampler is not None:
-            self.variable_batch_sampler.set_epoch(epoch)
-
-    def __getitem__(self, key):
-        return key
-
-    def __len__(self):  # DeepSpeed's deepspeed_io() takes only datasets that have one
-        raise TypeError("varbatch's key dataset has no length: its items are the keys its sampler yields")
+    number: int = 0
+    epoch: int = 0
+    start: int = 0
+    restored: bool = False
 
 
-class _StepInputKeys(DistributedSampler):
-    """The `_StepInputKey` of each step input of ``sampler``'s passes: every rank's (``every_rank``: the ``sampler``
-    and ``batch_sampler`` launchers see) or this rank's (what the loader iterates); ``[key]`` each when ``batched``
-    (a batch sampler's batch of one), else the keys themselves (a sampler a loader batches by one).
+@dataclasses.dataclass
+class _Position:
+    """Where a sampler stands: its last pass, and how far that pass got.
 
-    A `DistributedSampler` in type only (its ``__init__`` is not called): see NOTE [the loader deals itself]. Its
-    state is ``sampler``'s, which torchdata's StatefulDataLoader saves with the loader's.
+    Invariant: ``last.start <= steps_done <= T`` (T: the step inputs of an
+    epoch), and ``finished`` only with ``steps_done == T``: set once an iteration (or a
+    restored position) reached the epoch's end, never by set_epoch (not even
+    for an empty epoch); then the next iteration yields the next epoch.
+
+    Each pass gets a new one, which its iterator moves on in place (a new one
+    per step input costs more than the rest of it): an iterator whose position
+    is no longer its sampler's is stale.
     """
 
-    def __init__(self, sampler: VariableBatchSampler, *, every_rank: bool, batched: bool):
-        self.variable_batch_sampler = sampler
-        self.every_rank = every_rank
-        self.batched = batched
-
-    def __iter__(self):
-        keys = self.variable_batch_sampler._iter_keys(self.every_rank)
-        if self.batched:
-            return ([key] for key in keys)
-        return keys
-
-    def __len__(self):
-        sampler = self.variable_batch_sampler
-        return len(sampler) * sampler.num_replicas if self.every_rank else len(sampler)
-
-    def set_epoch(self, epoch):  # a launcher's, through the loader
-        self.variable_batch_sampler.set_epoch(epoch)
-
-    def state_dict(self):
-        return self.variable_batch_sampler.state_dict()
-
-    def load_state_dict(self, state_dict):
-        self.variable_batch_sampler.load_state_dict(state_dict)
-
-
-class _Loader(DataLoader):
-    """`make_dataloader`'s loader: launchers see every rank's step inputs, its iterators take this rank's.
-
-    NOTE [the loader deals itself]: launchers deal a loader's batches to the
-    processes themselves, or replace its sampler; a loader of this rank's step
-    inputs would be dealt twice. So the attributes launchers read show every
-    rank's step inputs, and the loader deals them where torch reads:
-
-    - HF Accelerate's ``prepare`` rebuilds a plain `DataLoader` from the
-      loader's public attributes and wraps its ``batch_sampler`` in a
-      ``BatchSamplerShard``, of which process p keeps the batches with
-      ``idx % R == p`` (accelerate/data_loader.py). Here ``batch_sampler``
-      batches by one the keys of every rank in the order g = 0, 1, ..., so its
-      dealing is varbatch's and each process trains its own step inputs.
-    - Lightning injects a distributed sampler into a loader unless its
-      ``sampler`` is a `DistributedSampler` (its distributed sampler injection,
-      pytorch_lightning/trainer/connectors/data_connector.py): ``sampler``,
-      every rank's keys, is one in type, so Lightning leaves the loader as it is.
-    - torch's iterators and ``len()`` read the private ``_index_sampler``, not
-      ``batch_sampler`` (torch/utils/data/dataloader.py): here, this rank's
-      keys, so the loader iterated as it is takes this rank's step inputs.
-
-    A loader rebuilt as its own class (Lightning's, when it injects a sampler
-    anyway) lacks this rank's keys and refuses to iterate; `_LoadStepInput`
-    checks the dealing, so any other re-dealing fails at the first batch.
-    """
+    last: _Pass = _Pass()
+    steps_done: int = 0
+    finished: bool = False
 
     @property
-    def _index_sampler(self):
-        if "_local" not in self.__dict__:
-            raise RuntimeError(
-                "this DataLoader was rebuilt from varbatch's loader and lost its dealing of step "
-                "inputs to the ranks; use varbatch's loader as it is (Lightning: use_distributed_"
-                "sampler=False)"
-            )
-        return self.__dict__["_local"]
+    def epoch(self) -> int:
+        """The epoch the next iteration yields: the last one's, or the next once it finished."""
+        return self.last.epoch + self.finished
+
+    def next_start(self) -> tuple[int, int]:
+        """``(epoch, step input)`` where the next pass starts: a restored position, else the epoch's first."""
+        if self.last.restored and not self.finished:
+            return self.epoch, self.last.start
+        return self.epoch, 0
 
 
-class _RestoresAtOnce:
-    """A stateful loader's ``load_state_dict`` that also restores the sampler at once, not only when the next
-    iterator starts (torchdata's does that), so that ``sampler.epoch`` right after it is the epoch to resume."""
-
-    def load_state_dict(self, state_dict):
-        super().load_state_dict(state_dict)
-        pending = [state_dict]
-        while pending:  # the sampler's state, wherever the loader's format nests it
-            node = pending.pop()
-            if isinstance(node, Mapping) and set(node) == set(VariableBatchSampler._STATE):
-                return self.variable_batch_sampler.load_state_dict(node)
-            pending += list(node.values()) if isinstance(node, Mapping) else []
-
-
-class _LoadStepInput:
-    """The loader's collate: loads the samples of a step-input key, checks that the key was dealt to this rank,
-    pads the samples in same-length mode and collates them (in the loader's workers, if it has any).
-
-    ``step_input_bound`` (the padded budget's ``micro_batch_size x max_tokens``,
-    None under the sum budget) is checked against the collated tensor.
-    """
-
-    def __init__(self, dataset, collate_fn=None, sample_padding_fn=None, num_replicas=1, rank=0, step_input_bound=None):
-        self.dataset = dataset
-        self.collate_fn = collate_fn
-        self.sample_padding_fn = sample_padding_fn
-        self.num_replicas, self.rank = num_replicas, rank  # the dealing this rank's step inputs follow
-        self.step_input_bound = step_input_bound
-        self._last_seen = (None, -1)  # ((epoch, pass number), step input g) of the last key this copy got
-        try:  # a collate_fn with a `seqlens` parameter gets the plan's real lengths
-            self.pass_seqlens = collate_fn is not None and "seqlens" in inspect.signature(collate_fn).parameters
-        except (TypeError, ValueError):
-            self.pass_seqlens = False
-
-    def _check_dealing(self, key: _StepInputKey) -> None:
-        """Raises unless ``key`` is a step input that this copy of the collate should get next on this rank.
-
-        The invariant it relies on: with ``in_order=True`` (make_dataloader
-        refuses another) torch hands the step inputs of a pass to the W workers
-        in turn (worker w gets the indices w, w + W, ... of the pass), each
-        worker with its own copy of this collate (W = 1 without workers), so
-        each copy sees every (R x W)-th step input of its rank: after step input
-        g, g + R x W. A pass's first key in a copy is one of this rank's, at or
-        after the step input the pass started at.
-        """
-        info = torch.utils.data.get_worker_info()
-        workers = 1 if info is None else info.num_workers
-        ranks, rank = self.num_replicas, self.rank
-        g = key.step_input
-        this_pass = (key.epoch, key.pass_number)
-        dealt = g % ranks == rank and g >= key.pass_start * ranks
-        if self._last_seen[0] == this_pass:
-            expected = f"{self._last_seen[1] + ranks * workers}"
-            dealt = dealt and g == self._last_seen[1] + ranks * workers
-        else:
-            expected = f"one of {key.pass_start * ranks + rank}, +{ranks}, ..."
-        self._last_seen = (this_pass, g)
-        if not dealt:
-            raise RuntimeError(
-                f"rank {rank} got step input {g} of epoch {key.epoch}, not {expected}: " + self._misdealt(key)
-            )
-
-    def _misdealt(self, key: _StepInputKey) -> str:
-        """The cause and the fix of a step input this rank should not get: the view of every rank's step inputs
-        iterated without varbatch's dealing (HF Trainer's resume skip over a loader it did not prepare), or a
-        launcher that re-dealt this rank's own step inputs."""
-        ranks = self.num_replicas
-        see = 'see the README section "Use with torchrun, DeepSpeed, Accelerate, Lightning"'
-        if not key.every_rank:
-            return (
-                f"something re-dealt varbatch's loader, which deals the step inputs to its num_replicas={ranks} "
-                f"ranks itself (rank r trains r, r + {ranks}, ...); turn the launcher's dealing off (HF Accelerate: "
-                f"dispatch_batches=False and split_batches=False), {see}"
-            )
-        return (
-            f"this process iterates every rank's step inputs, the view varbatch's loader shows launchers (its "
-            f"batch_sampler), without dealing them to its num_replicas={ranks} ranks: a DataLoader rebuilt from a "
-            f"loader that was not prepared, as accelerate's skip_first_batches makes (HF Trainer calls it to resume "
-            f"from a checkpoint inside an epoch), or an Accelerator that deals to another number of processes; HF "
-            f"Trainer: return self.accelerator.prepare(loader) from get_train_dataloader, whose skip deals, as the "
-            f"README's HF Trainer recipe does; HF Accelerate: one process per rank, dispatch_batches=False and "
-            f"split_batches=False; {see}"
-        )
-
-    def __call__(self, keys):
-        (key,) = keys  # the loader batches the keys by one
-        self._check_dealing(key)
-        samples = [self.dataset[i] for i in key.sample_ids]
-        if key.pad_to:  # same-length mode: every sample of the batch to the batch's longest
-            samples = [self.sample_padding_fn(sample, key.pad_to) for sample in samples]
-            wrong = [
-                (i, len(x))
-                for i, x in zip(key.sample_ids, samples)
-                if isinstance(x, torch.Tensor) and len(x) != key.pad_to
-            ]
-            if wrong:
-                raise ValueError(
-                    f"sample_padding_fn should return a sample of length {key.pad_to}, but returned length "
-                    f"{wrong[0][1]} for sample {wrong[0][0]}; it must pad the first dimension to `length`"
-                )
-        if self.collate_fn is None:
-            return samples
-        padded = _PADDED_SEQLENS.set(key.seqlens if key.pad_to else None)  # NOTE [same-length lengths reach ...]
-        try:
-            if self.pass_seqlens and key.seqlens is not None:
-                batch = self.collate_fn(samples, seqlens=list(key.seqlens))
-            else:
-                batch = self.collate_fn(samples)
-        finally:
-            _PADDED_SEQLENS.reset(padded)
-        if self.step_input_bound is not None:
-            self._check_budget(batch, key)
-        return batch
-
-    def _check_budget(self, batch: Any, key: _StepInputKey) -> None:
-        """Raises when the collated step input's ``B x S`` tensor is over the padded budget's bound.
-
-        NOTE [a collate that adds tokens]: the plan bounds the tensors its
-        seqlens describe; a collate_fn that adds tokens the seqlens do not count
-        (BOS/EOS: TRL appends EOS; padding to a multiple of 8) makes larger ones,
-        the memory bound the budget promised is gone. This is an error, not a
-        warning: the seqlens are wrong about the data (as for a sample longer
-        than its planned length, which `pad_sample` refuses), a collate that
-        adds tokens to every sample shows it within the first step inputs
-        (packed up to the budget), and an exception raised in a
-        loader worker reaches the training process once (torch re-raises it
-        there), where a warning would print once in every worker process, out of
-        reach of the user's warning filters. Under the sum budget the tensor is
-        not bounded (``B x S`` may exceed ``max_tokens`` by design): there the
-        seqlens must count the same tokens, or the real tokens exceed the sum.
-        """
-        tensor = _padded_tensor(batch)
-        if tensor is None or tensor.shape[0] * tensor.shape[1] <= self.step_input_bound:
-            return
-        raise ValueError(
-            f"step input {key.step_input} of epoch {key.epoch} was collated into a {tensor.shape[0]} x "
-            f"{tensor.shape[1]} tensor of {tensor.shape[0] * tensor.shape[1]} tokens, over the padded budget's "
-            f"micro_batch_size x max_tokens = {self.step_input_bound}: collate_fn adds tokens the seqlens do not "
-            f"count (BOS/EOS, padding to a multiple); count them in the seqlens (e.g. [len(ids) + 1 for ids in "
-            f"tokenized] for an EOS the collate appends)"
-        )
+# The dealing rule, written once (`VariableBatchSampler._iter_keys`): step input g of an
+# epoch is micro-batches g*m .. g*m + m - 1 of the plan (m = micro_batch_size), and
+# rank r trains step inputs r, r + R, r + 2R, ... (R ranks), its t-th being g = t*R + r.
+# A batch is k = m*G*R micro-batches (G = gradient_accumulation_steps), so every rank
+# trains G step inputs of every batch; with m = 1, micro-batch j goes to rank j % R, as
+# in DeepSpeed. The loader deals by this rule itself (NOTE [the loader deals itself]).
+def _world(group: Any = None) -> tuple[int, int]:
+    """``(rank, size)`` of this process in torch.distributed (in ``group``); ``(0, 1)`` without it."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(group=group), torch.distributed.get_world_size(group=group)
+    return 0, 1
 
 
-def _check_ranks_agree(sampler: VariableBatchSampler) -> None:
-    """Raises unless every process planned the same epoch and the ranks 0 .. R-1 each appear alike.
-
-    A collective: every process calls it. Ranks that planned differently train
-    samples twice or never and disagree on the number of steps (a hang at the
-    first collective that one rank never reaches).
-    """
-    everyone = _gather((sampler.plan.fingerprint(), sampler.num_replicas, sampler.rank))
-    differ = [r for r, (fingerprint, replicas, _) in enumerate(everyone) if (fingerprint, replicas) != everyone[0][:2]]
-    if differ:
-        raise RuntimeError(
-            f"rank {differ[0]} planned a different epoch than rank 0 ({len(differ)} rank(s) differ): the "
-            f"ranks see different seqlens, sample_ids or settings; give every rank the same dataset, "
-            f"seqlens and config (delete a seqlen cache in metrics_path that is not shared)"
-        )
-    dealt = [rank for _, _, rank in everyone]
-    if sorted(set(dealt)) != list(range(sampler.num_replicas)) or len({dealt.count(r) for r in set(dealt)}) > 1:
-        raise RuntimeError(
-            f"the processes deal to ranks {dealt}, not to each of 0 .. {sampler.num_replicas - 1} "
-            f"alike: pass every process its own data-parallel rank"
-        )
+def _on_rank_zero(rank: int) -> bool:
+    """Whether this process reports for the job: global rank 0, or ``rank`` 0 without torch.distributed."""
+    return (_world()[0] if _world()[1] > 1 else rank) == 0
 
 
-def make_dataloader(
-    dataset,
-    batch_sampler: VariableBatchSampler,
-    *,
-    collate_fn=None,
-    sample_padding_fn=None,
-    num_workers=0,
-    pin_memory=False,
-    dataloader_class=None,
-    **dataloader_kwargs,
-) -> DataLoader:
-    """A `DataLoader` over ``batch_sampler``'s step inputs: ``collate_fn(samples)`` for each (the list without one).
-
-    In same-length mode every sample is first padded with
-    ``sample_padding_fn(sample, length)`` to its batch's longest seqlen. A
-    ``collate_fn`` with a ``seqlens`` parameter (as `PaddedCollate`) gets the
-    plan's real lengths of its samples, also when they arrive padded; any other
-    that calls `PaddedCollate` without them gets them there in same-length mode
-    (see NOTE [same-length lengths reach PaddedCollate]). Under the padded budget
-    a collated tensor (see `_padded_tensor`) over ``micro_batch_size x
-    max_tokens`` is an error: the seqlens must count what ``collate_fn`` adds. Works with
-    workers (also spawned), ``pin_memory`` and ``persistent_workers``, under
-    torchrun, DeepSpeed, HF Accelerate's ``prepare`` and Lightning (see README);
-    ``dataloader_class`` (a DataLoader subclass, e.g. torchdata's
-    ``StatefulDataLoader``) replaces torch's. ``loader.variable_batch_sampler``
-    is ``batch_sampler``. Under torch.distributed with ``num_replicas > 1`` it is
-    a collective: every process calls it, and the processes check that they
-    planned the same epoch (see `_check_ranks_agree`).
-
-    Raises:
-        TypeError, ValueError: another sampler, same-length mode without
-        ``sample_padding_fn``, a dataset of another size than the seqlens, or a
-        DataLoader option the sampler decides (batch size, shuffling); while
-        iterating, ValueError: a collated tensor over the padded budget;
-        RuntimeError: the processes planned differently.
-    """
-    if not isinstance(batch_sampler, VariableBatchSampler):
-        raise TypeError(f"batch_sampler should be a VariableBatchSampler, but got {type(batch_sampler).__name__}")
-    for name, fn in (("collate_fn", collate_fn), ("sample_padding_fn", sample_padding_fn)):
-        if fn is not None and not callable(fn):
-            raise TypeError(f"{name} should be a function or None, but got {name}={fn!r}")
-    taken = sorted({"batch_size", "shuffle", "sampler", "batch_sampler", "drop_last"} & set(dataloader_kwargs))
-    if dataloader_kwargs.get("in_order", True) is not True:  # workers would hand step inputs out of the plan's order
-        taken.append("in_order")
-    if taken:
-        raise TypeError(f"make_dataloader got {taken}, which the VariableBatchSampler decides; leave them out")
-    seqlens = batch_sampler.seqlens
-    if hasattr(dataset, "__len__") and seqlens is not None and len(dataset) != len(seqlens):
-        raise ValueError(
-            f"the dataset has {len(dataset)} samples but the sampler was given {len(seqlens)} seqlens; give "
-            f"one seqlen per sample of this dataset"
-        )
-    if batch_sampler.same_length and sample_padding_fn is None:
-        raise ValueError(
-            "sample_padding_fn is None, but same-length mode pads every sample of a batch to the batch's "
-            "max seqlen; pass sample_padding_fn=varbatch.pad_sample or your own fn(sample, length)"
-        )
-    if dataloader_class is None:
-        loader_class = _Loader
-    else:  # varbatch's dealing over the given class (and, for a stateful one, a sampler restored at once)
-        bases = (_Loader, dataloader_class)
-        if hasattr(dataloader_class, "load_state_dict"):
-            bases = (_RestoresAtOnce, *bases)
-        loader_class = type(f"_{dataloader_class.__name__}", bases, {})
-    settings = batch_sampler.settings
-    load_step_input = _LoadStepInput(
-        dataset,
-        collate_fn,
-        sample_padding_fn,
-        num_replicas=batch_sampler.num_replicas,
-        rank=batch_sampler.rank,
-        step_input_bound=settings.step_input_bound if settings.budget == "padded" else None,
-    )
-    loader = loader_class(
-        _KeyDataset(batch_sampler),
-        batch_size=1,
-        sampler=_StepInputKeys(batch_sampler, every_rank=True, batched=False),
-        num_workers=num_workers,
-        pin_memory=pin_memory,
-        collate_fn=load_step_input,
-        **dataloader_kwargs,
-    )
-    # see NOTE [the loader deals itself]
-    loader._local = _StepInputKeys(batch_sampler, every_rank=False, batched=True)
-    loader.variable_batch_sampler = batch_sampler
-    # What this loader's workers read ahead of the loop, and one step input a loop that fetches one batch ahead
-    # reads (HF Accelerate's and Lightning's): see NOTE [misuse, seen from the loader].
-    prefetch = loader.prefetch_factor if num_workers else 0
-    batch_sampler._read_ahead = max(batch_sampler._read_ahead, num_workers * prefetch + 1)
-    if batch_sampler.num_replicas > 1 and _world()[1] > 1:  # one plan dealt over ranks: every process planned it?
-        _check_ranks_agree(batch_sampler)
-    return loader
+def _log_plan(plan: Plan, verbose: bool) -> None:
+    """The drops, one warning per reason with a count and the first ids (never an unbounded line); with
+    ``verbose`` the plan's totals."""
+    for reason in ("over_budget", "min_batch_size", "tail"):
+        if len(plan.dropped[reason]):
+            _logger.warning("epoch %d: dropped %s as %s", plan.epoch, _format_ids(plan.dropped[reason]), reason)
+    if verbose:
+        # One line of JSON with sorted keys: a log line a script parses back (json.loads) and that compares key by
+        # key with another epoch's; the table for people is `python plan.py`, kept out of the vendored file.
+        _logger.info("epoch %d plan totals: %s", plan.epoch, json.dumps(plan.totals(), sort_keys=True))
 
 
 # =============================================================================
 # The LR scheduler
 # =============================================================================
-
-
-def _torch_optimizer(optimizer: Any) -> Optimizer:
-    """The torch `Optimizer` inside DeepSpeed's wrappers (ZeRO stages, fp16, bf16) and HF Accelerate's.
-
-    Accelerate's ``AcceleratedOptimizer`` (``accelerate/optimizer.py``) is an `Optimizer` in type only: it never runs
-    ``Optimizer.__init__``, so it has no step hooks; the optimizer it steps is its ``.optimizer``.
-    """
-    for _ in range(8):
-        if isinstance(optimizer, Optimizer) and hasattr(optimizer, "_optimizer_step_pre_hooks"):
-            return optimizer
-        optimizer = getattr(optimizer, "optimizer", None)
-    raise TypeError(
-        "expected a torch Optimizer, an LR scheduler, or a DeepSpeed or HF Accelerate optimizer wrapper around one"
-    )
-
-
-def _find_sampler(obj: Any, depth: int = 0) -> VariableBatchSampler | None:
-    """The `VariableBatchSampler` behind a sampler, a loader, or a launcher's wrapper of either."""
-    if isinstance(obj, VariableBatchSampler) or obj is None or depth > 4 or isinstance(obj, (str, bytes, Sequence)):
-        return obj if isinstance(obj, VariableBatchSampler) else None
-    for name in ("variable_batch_sampler", "batch_sampler", "sampler", "data_sampler", "base_dataloader"):
-        found = _find_sampler(getattr(obj, name, None), depth + 1)
-        if found is not None:
-            return found
-    return None
-
-
-def _weakly(method: Callable) -> Callable:
-    """``method`` as a hook that does not keep its object alive (and does nothing once it is gone)."""
-    ref = weakref.WeakMethod(method)
-
-    def hook(*args):
-        target = ref()
-        return None if target is None else target(*args)
-
-    return hook
-
-
-def _schedule_to_wrap(lr_scheduler: Any) -> tuple[Any, Optimizer]:
-    """The scheduler a `VariableBatchSizeLR` wraps (None for an optimizer: a constant LR), and the torch optimizer."""
-    if isinstance(lr_scheduler, ReduceLROnPlateau):
-        raise TypeError(
-            "ReduceLROnPlateau steps on a validation metric, not on batches, so VariableBatchSizeLR "
-            "cannot wrap it; wrap a step-based schedule (LambdaLR, CosineAnnealingLR, OneCycleLR, ...) "
-            "or the optimizer itself (constant LR)"
-        )
-    # DeepSpeed's optimizer wrappers have `step` and `optimizer` as schedulers do, but also `param_groups`.
-    wraps = (
-        hasattr(lr_scheduler, "step")
-        and hasattr(lr_scheduler, "optimizer")
-        and not hasattr(lr_scheduler, "param_groups")
-    )
-    if wraps:
-        return lr_scheduler, _torch_optimizer(lr_scheduler.optimizer)
-    return None, _torch_optimizer(lr_scheduler)
-
-
-def _check_last_epoch(last_epoch: Any, optimizer: Optimizer) -> None:
-    """Raises unless ``last_epoch`` is -1, or resumes a schedule the optimizer's param groups remember."""
-    if _check_int("last_epoch", last_epoch, minimum=-1) == -1:
-        return
-    if any("initial_lr" not in group for group in optimizer.param_groups):
-        raise ValueError(
-            f"last_epoch={last_epoch} resumes a schedule whose param groups hold 'initial_lr', but "
-            f"these do not; make it with last_epoch=-1 and resume with load_state_dict()"
-        )
-
-
-def _listed_batch_sizes(batch_sizes: Any, sampler: VariableBatchSampler | None, **options: Any) -> np.ndarray | None:
-    """A `VariableBatchSizeLR`'s listed batch sizes (None with a sampler); raises on ``options`` that need the plans."""
-    if sampler is not None:
-        for name in ("lr_scaling_unit", "clock"):
-            if options[name] == "tokens":
-                sampler._check_tokens_known(f"{name}='tokens'")
-        return None
-    if isinstance(batch_sizes, (str, bytes)) or not hasattr(batch_sizes, "__len__") or not len(batch_sizes):
-        raise ValueError(
-            f"batch_sizes should be a VariableBatchSampler, a loader made with one, or a non-empty "
-            f"sequence of batch sizes, but got batch_sizes={batch_sizes!r}"
-        )
-    listed = _as_counts(batch_sizes, "batch_sizes", fix="pass the size of every batch")
-    for name, needs_plans in (
-        ("lr_scaling_unit", options["lr_scaling_unit"] != "sequences"),
-        ("clock", options["clock"] != "steps"),
-        ("base_batch_size", options["base_batch_size"] is None),
-    ):
-        if needs_plans:
-            raise ValueError(
-                f"{name}={options[name]!r} needs the plans (their tokens and train_batch_size); pass the "
-                f"VariableBatchSampler as batch_sizes, not a list"
-            )
-    return listed
 
 
 # The fix of a loop that accumulates another number of step inputs per update than the sampler (two messages).
@@ -3199,71 +2387,1086 @@ class VariableBatchSizeLR(LRScheduler):
         self._write()
 
 
-def lr_scheduler_for_variable_batch_size(
-    base_batch_size,
-    batch_sizes,
-    dataloader,
-    lr_scheduler_or_optimizer,
-    lr_scaling_method="linear",
-    verbose=False,
-    **options,
-):
-    """A `VariableBatchSizeLR` (DeepSpeed's signature; ``**options``: ``lr_scaling_unit``, ``clock``, ``clock_step``)."""
-    if lr_scheduler_or_optimizer is None:
-        raise TypeError(
-            "lr_scheduler_or_optimizer is None; pass the optimizer (constant LR) or the LR scheduler whose LR is scaled"
-        )
-    return VariableBatchSizeLR(
-        lr_scheduler_or_optimizer,
-        base_batch_size,
-        batch_sizes,
-        dataloader,
-        lr_scaling_method=lr_scaling_method,
-        verbose=verbose,
-        **options,
+def _weakly(method: Callable) -> Callable:
+    """``method`` as a hook that does not keep its object alive (and does nothing once it is gone)."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(*args):
+        target = ref()
+        return None if target is None else target(*args)
+
+    return hook
+
+
+###############################################################################
+# Part II. The speed paths
+###############################################################################
+
+
+# NOTE [one dispatch]: Part I's steps of a plan, written as loops and sorts a reader can follow, cost
+# ~1 us a sample in Python; an epoch of 1M samples takes seconds, and some steps hold several N-sized
+# temporaries. Each step below computes the same arrays (the same values in the same dtypes) from
+# the same inputs, in a few numpy passes over chunks of `_CHUNK` positions, and says which Part I
+# definition it equals and why. `_implementation` is the one place that chooses: the plain form for
+# epochs of up to `_PLAIN_UP_TO` samples (a few milliseconds: every test-sized plan runs it), the
+# fast form above. `_forms` is the seam of the tests: inside it every step runs in the form it names,
+# the fast ones in chunks of the size it names, so that the two are compared on the same inputs.
+_PLAIN_UP_TO = 4096
+_CHUNK = 2**16  # positions (or samples) per numpy pass: temporaries stay small and in cache
+_FORM = contextvars.ContextVar("varbatch_form", default=None)  # (form, chunk) inside `_forms`, else None
+
+
+def _implementation(plain: Callable, size: int) -> Callable:
+    """The form of Part I's step ``plain`` to run on an epoch of ``size`` samples: ``plain`` itself up to
+    `_PLAIN_UP_TO` samples, else its fast form (`_FAST_FORMS`); the one `_forms` names inside it."""
+    chosen = _FORM.get()
+    if chosen is None:
+        form = "plain" if size <= _PLAIN_UP_TO else "fast"
+    else:
+        form = chosen[0]
+    return plain if form == "plain" else _FAST_FORMS[plain]
+
+
+@contextlib.contextmanager
+def _forms(form: Literal["plain", "fast"], chunk: int = _CHUNK) -> Iterator[None]:
+    """Runs every step of the plans made inside in ``form``, the fast ones over chunks of ``chunk`` positions."""
+    token = _FORM.set((_check_choice("form", form, Literal["plain", "fast"]), _check_int("chunk", chunk, 1)))
+    try:
+        yield
+    finally:
+        _FORM.reset(token)
+
+
+def _chunk() -> int:
+    """Positions per numpy pass: `_CHUNK`, or the size `_forms` names."""
+    chosen = _FORM.get()
+    return _CHUNK if chosen is None else chosen[1]
+
+
+def _chunk_spans(count: int) -> range:
+    """The starts of the `_chunk`-sized pieces of ``range(count)``, which numpy passes take one at a time."""
+    return range(0, count, _chunk())
+
+
+def _chunks(lengths: np.ndarray) -> list[tuple[int, int]]:
+    """``(a, b)`` pairs that cut ``range(len(lengths))`` into runs of about `_chunk` summed ``lengths``."""
+    chunk = _chunk()
+    ends = np.cumsum(lengths)
+    cuts = np.searchsorted(ends, np.arange(chunk, int(ends[-1]) if len(ends) else 0, chunk), side="right")
+    bounds = np.unique(np.concatenate([[0], cuts, [len(lengths)]])).tolist()
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+# NOTE [the orders, as packed keys]: shuffling N ids swaps them at random places in memory, ~40-100 ns
+# a sample once they outgrow the cache, and reading their seqlens in the shuffled order costs as much
+# again, where numpy sorts N uint64 in ~10 ns a sample. So the random orders pack each sample's sort key
+# of NOTE [the orders, as sorts] into one uint64, its fields from the most significant bits down, sort
+# the keys, and read the ids (and, for `bucket`, the lengths) back from them: nothing is read in a
+# random order. The lemma: fields of fixed widths, each below 2**width, laid side by side compare as
+# integers exactly as the tuple of fields compares (the first field that differs decides, and it
+# outweighs all the bits below it), and the id field makes every key distinct, so an unstable sort of
+# the keys is the tuple sort. The draws are the plain form's (same bounds, same generator calls), and
+# the `bucket` key's length in odd windows is its complement, 2**bits - 1 - length, which orders as
+# -length does. Where window, length and id of `bucket` need more than 64 bits (2**30 samples of
+# lengths up to 2**20, say), the plain form runs instead. `seqlen` sorts lengths below 2**16 as uint16,
+# which numpy sorts by radix in linear time (a stable sort of the ascending ids: (length, id)).
+
+
+def _picking_order_fast(
+    seqlens: np.ndarray, ids: np.ndarray, lengths: np.ndarray, settings: _Settings, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """`_picking_order`, by the packed keys of NOTE [the orders, as packed keys]; the random orders write over
+    ``ids``."""
+    lens_dtype = _index_dtype(settings.max_tokens + 1)
+    if settings.order == "bucket":
+        return _bucket_order_fast(ids, lengths, _bucket_window(lengths, settings), lens_dtype, rng)
+    if settings.order == "seqlen":  # ties by id, whatever the order of `ids` (as DeepSpeed's sort of (len, id))
+        ascending = ids if (ids[1:] > ids[:-1]).all() else np.sort(ids)
+        ids = ascending[_stable_argsort(seqlens[ascending])]
+    elif settings.order == "random":
+        ids = _random_order_fast(ids, rng)
+    return ids, _take(seqlens, ids, lens_dtype)
+
+
+def _random_order_fast(ids: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """``ids`` in `_random_order`'s order, written over ``ids``: keys (random bits, id) packed and sorted."""
+    id_bits = _id_bits(ids)
+    keys = rng.integers(0, 2 ** (_KEY_BITS - id_bits), len(ids), dtype=np.uint64)
+    chunk = _chunk()
+    for a in _chunk_spans(len(ids)):
+        b = a + chunk
+        keys[a:b] <<= np.uint64(id_bits)
+        keys[a:b] |= ids[a:b].astype(np.uint64)
+    keys.sort()
+    for a in _chunk_spans(len(ids)):
+        b = a + chunk
+        ids[a:b] = keys[a:b] & np.uint64(2**id_bits - 1)
+    return ids
+
+
+def _bucket_order_fast(
+    ids: np.ndarray, lengths: np.ndarray, window: int, lens_dtype: type, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """``ids`` (of seqlens ``lengths``) in `_bucket_order`'s order, written over ``ids``, and their seqlens in that
+    order as ``lens_dtype``: keys (window, length, random bits, id) packed and sorted."""
+    windows = max(1, math.ceil(len(ids) / window))
+    longest = int(lengths.max()) if len(ids) else 0
+    id_bits, length_bits = _id_bits(ids), _bits(longest + 1)
+    needed = _bits(windows) + length_bits + id_bits  # the bits of window, length and id
+    if needed > _KEY_BITS:
+        order = _bucket_order(ids, lengths, window, rng)
+        return ids[order], lengths[order].astype(lens_dtype)
+    spare = _KEY_BITS - needed  # random bits that break ties
+    # One draw per sample: its window (the high part) and its tie-breaking bits (the low `spare` bits).
+    keys = rng.integers(0, windows << spare, len(ids), dtype=np.uint64)
+    chunk = _chunk()
+    for a in _chunk_spans(len(ids)):  # no view of the keys is kept: `del keys` below frees them
+        b = a + chunk
+        ties = keys[a:b] & np.uint64(2**spare - 1)
+        keys[a:b] >>= np.uint64(spare)  # the window
+        field = _length_field(lengths[a:b], keys[a:b], length_bits)
+        keys[a:b] <<= np.uint64(length_bits)
+        keys[a:b] |= field
+        keys[a:b] <<= np.uint64(spare)
+        keys[a:b] |= ties
+        keys[a:b] <<= np.uint64(id_bits)
+        keys[a:b] |= ids[a:b].astype(np.uint64)
+    keys.sort()
+    # While the keys live, the lengths are read into uint16 where they fit (keys, ids and lengths: 14 bytes a
+    # sample), and widened once the keys are gone.
+    lens = np.empty(len(ids), np.uint16 if longest < 2**16 else lens_dtype)
+    for a in _chunk_spans(len(ids)):
+        b = a + chunk
+        ids[a:b] = keys[a:b] & np.uint64(2**id_bits - 1)
+        fields = keys[a:b] >> np.uint64(id_bits + spare)
+        lens[a:b] = _length_field(fields & np.uint64(2**length_bits - 1), fields >> np.uint64(length_bits), length_bits)
+    del keys
+    return ids, lens.astype(lens_dtype, copy=False)
+
+
+def _length_field(lengths: np.ndarray, windows: np.ndarray, bits: int) -> np.ndarray:
+    """The `bucket` key's ``bits``-bit length field of samples in ``windows``: the length, complemented (all its
+    bits flipped: ``2**bits - 1`` less it) in odd windows, which sorts them descending. The complement is its own
+    inverse, so the same call reads the lengths back from the fields."""
+    flip = (windows & np.uint64(1)) * np.uint64(2**bits - 1)
+    return lengths.astype(np.uint64) ^ flip
+
+
+def _stable_argsort(values: np.ndarray) -> np.ndarray:
+    """A stable argsort; lengths below 2**16 take numpy's linear-time radix sort (of uint16)."""
+    if len(values) and values.max() < 2**16:
+        values = values.astype(np.uint16)
+    return np.argsort(values, kind="stable")
+
+
+def _take(values: np.ndarray, indices: np.ndarray, dtype: type, out: np.ndarray | None = None) -> np.ndarray:
+    """``values[indices]`` as ``dtype``, a `_chunk` at a time (no temporary as long as the result), into ``out``
+    where given: ``indices`` itself may be it (each chunk of them is read before it is written), which spares a
+    fresh N-sized array and its first touch (~1 s per 400 MB on a virtual machine that backs memory lazily)."""
+    if out is None:
+        out = np.empty(len(indices), dtype)
+    chunk = _chunk()
+    for a in _chunk_spans(len(indices)):
+        out[a : a + chunk] = values[indices[a : a + chunk]]
+    return out
+
+
+def _select_in_place(values: np.ndarray, indices: np.ndarray) -> np.ndarray:
+    """`_select`, written over ``indices`` where they have the dtype of ``values`` (see `_take`)."""
+    return _take(values, indices, values.dtype, out=indices if indices.dtype == values.dtype else None)
+
+
+# NOTE [the greedy rule, vectorized]: `_interleaved_rows` adds a block's rows one at a time, a Python
+# step per sample. With one micro-batch per block, `_fitting_rows` finds for a whole chunk of
+# positions i the samples n(i) that fit from i, in a few numpy passes, so that the Python loop of
+# `_single_rows` runs once per micro-batch, not once per sample. With L the seqlens in picking
+# order and e(i) = i + n(i), the first position that cannot join the micro-batch from i:
+# - budget "sum": with C the running sums (C[0] = 0, C[j + 1] = C[j] + L[j]), e(i) is the last
+#   e with C[e] - C[i] <= max_tokens: one searchsorted over the sorted C.
+# - budget "padded" (one sample per micro-batch's S): sample j fits a micro-batch of at most
+#   c_j = max_tokens // L[j] samples, so position e can join iff e - i + 1 <= c_j for every j in
+#   [i, e]: e(i) = min over j >= i of max(j, i + c_j). Let d_j = j - c_j and J(i) the first j with
+#   d_j >= i (every j < i has d_j < i, as c_j >= 1, so J(i) is the first j whose running max of d
+#   reaches i: the count of running maxima below i, as they are sorted; len(L) where none).
+#   For j in [i, J(i)), d_j < i makes max(j, i + c_j) = i + c_j; j = J(i) gives J(i) (i + c_j <= j);
+#   every j > J(i) gives at least j > J(i). So e(i) = min(J(i), i + min(c[i:J(i)])): a range
+#   minimum, which `_range_extrema` answers from minima over windows of 2**k.
+# Both are capped at `reach`, the most samples a micro-batch can take (max_batch_size, or
+# max_tokens // the shortest seqlen): c_j is clipped to it, so n(i) comes out as min(n(i), reach),
+# which is what the plain loop finds (it stops at the rows left, and no micro-batch takes more than
+# `reach`), and a chunk needs `reach` positions past its last one to see every micro-batch to its end.
+#
+# NOTE [interleaved blocks, vectorized]: an interleaved block of width w at position p puts
+# sample p + r*w + b in row r of micro-batch b. Its first n rows fit iff every micro-batch's first
+# n samples fit, and that is the greedy rule along strided samples:
+# - budget "sum": micro-batch b fits iff the column p + b, p + b + w, ... fits as one micro-batch
+#   would, so n(p) = min over b < w of g(p + b), g(q) the greedy rule along every w-th sample
+#   from q (`_strided_fitting_rows`): a minimum over w consecutive g.
+# - budget "padded": the padding groups split the block's columns, but every group fits (n x
+#   its longest <= max_tokens) iff n x the longest of all of them does. Row r's longest is
+#   M(p + r*w), M(q) = max(L[q : q + w]) (`_window_extrema`), so n(p) is the greedy rule of one
+#   micro-batch along M(p), M(p + w), ...: g over the M.
+# Either way whether the first n rows fit is True up to n(p), then False (every micro-batch's cost
+# grows with n), so min(n(p), rows left) is what `_interleaved_rows` finds row by row (a column may
+# run a sample past the block's whole rows: the min drops it). n(p) is capped at `reach` as in the
+# single case, and M exists only where a whole row starts (q + w <= len(L)).
+
+
+def _pack_rows_fast(lens: np.ndarray, settings: _Settings) -> tuple[np.ndarray, list[int], int]:
+    """`_pack_rows`, with the interleaved rows of a chunk of positions counted at once (NOTE [interleaved blocks,
+    vectorized]); with ``width`` 1, `_single_rows`."""
+    width = settings.unit_width
+    if width == 1:
+        return _single_rows(lens, settings)
+    total = len(lens)
+    cap = settings.max_batch_size or total
+    reach = max(1, min(cap, settings.max_tokens // int(lens.min()), total // width)) if total else 1
+    starts = []
+    rows = []
+    consecutives = []
+    too_small = []
+    start = 0
+    # Invariant: that of `_pack_rows`; `most` holds the interleaved rows that fit (`_interleaved_fits`) at
+    # positions [first, first + count).
+    while start + width <= total:
+        first = start
+        count = min(max(_chunk(), reach * width), total - width + 1 - first)
+        most = _interleaved_fits(lens, first, count, reach, settings)
+        while start < first + count:
+            rows_left = min((total - start) // width, cap)
+            n, consecutive = _block_rows(lens, start, rows_left, settings, interleaved=most.item(start - first))
+            if n >= settings.min_batch_size:
+                starts.append(start)
+                rows.append(n)
+                consecutives.append(consecutive)
+                start += n * width
+            elif n == rows_left:  # ran out of samples, not of budget: the rest is the tail
+                return _block_table(starts, rows, consecutives), too_small, start
+            else:
+                too_small.append(start)
+                start += 1
+    return _block_table(starts, rows, consecutives), too_small, start
+
+
+def _single_rows(lens: np.ndarray, settings: _Settings) -> tuple[np.ndarray, list[int], int]:
+    """`_pack_rows` with one micro-batch per block: the greedy rule for a chunk of positions at a time, then a walk
+    from micro-batch to micro-batch (NOTE [the greedy rule, vectorized]). A micro-batch's rows are never
+    consecutive-placed with ``width`` 1 (`_consecutive_rows` finds no more rows than the greedy rule)."""
+    total = len(lens)
+    cap = settings.max_batch_size or total
+    reach = min(cap, settings.max_tokens // int(lens.min()), total) if total else 1
+    chunk = max(_chunk(), reach)
+    min_batch_size = settings.min_batch_size
+    starts = []
+    rows = []
+    too_small = []
+    start = 0
+    # Invariant: that of `_pack_rows`; `most` holds n(i) for positions [first, first + count).
+    while start < total:
+        first = start
+        count = min(chunk, total - first)
+        most = _fitting_rows(lens[first : first + count + reach], count, reach, settings)
+        while start < first + count:
+            n = most.item(start - first)  # at most the rows left: min(total - start, cap)
+            if n >= min_batch_size:
+                starts.append(start)
+                rows.append(n)
+                start += n
+            elif n == min(total - start, cap):  # ran out of samples, not of budget: the rest is the tail
+                return _block_table(starts, rows), too_small, start
+            else:
+                too_small.append(start)
+                start += 1
+    return _block_table(starts, rows), too_small, start
+
+
+def _fitting_rows(lens: np.ndarray, count: int, reach: int, settings: _Settings) -> np.ndarray:
+    """For each of the first ``count`` positions of ``lens``, the most samples from it, at most ``reach``, that fit
+    one micro-batch (see NOTE [the greedy rule, vectorized]; ``lens`` runs ``reach`` past them, or to the end)."""
+    here = np.arange(count)
+    if settings.budget == "sum":
+        sums = np.zeros(len(lens) + 1, np.int64)
+        np.cumsum(lens, out=sums[1:])
+        ends = np.searchsorted(sums, sums[:count] + settings.max_tokens, side="right") - 1
+        return np.minimum(ends - here, reach)
+    most = np.minimum(settings.max_tokens // lens, reach)  # c_j, clipped
+    late = np.maximum.accumulate(np.arange(len(lens)) - most)  # the running max of d_j = j - c_j
+    # J(i) = #{j : late[j] < i} (late is sorted): late + 1 counted into bins 0..count, then summed up to i
+    stops = np.cumsum(np.bincount(np.clip(late + 1, 0, count), minlength=count + 1))[:count]
+    return np.minimum(stops, here + _range_extrema(most, here, stops)) - here
+
+
+def _range_extrema(
+    values: np.ndarray, starts: np.ndarray, stops: np.ndarray, extremum: np.ufunc = np.minimum
+) -> np.ndarray:
+    """``extremum.reduce(values[a:b])`` for each pair ``a < b`` of ``starts`` and ``stops`` (the minimum by default).
+
+    Windows of 2**k samples cover ``[a, b)`` twice over where ``2**k <= b - a < 2**(k + 1)``: its
+    extremum is that of the windows at ``a`` and at ``b - 2**k``. The extrema over windows of 2**k
+    are built from those of 2**(k - 1), one level at a time, each pair answered at its level.
+    """
+    level = np.frexp(stops - starts)[1] - 1  # floor(log2(b - a)), exactly
+    extrema = np.empty(len(starts), values.dtype)
+    windows = values  # windows[a] = extremum over values[a : a + 2**k]
+    for k in range(int(level.max()) + 1 if len(level) else 0):
+        chosen = np.flatnonzero(level == k)
+        extrema[chosen] = extremum(windows[starts[chosen]], windows[stops[chosen] - 2**k])
+        windows = extremum(windows[: -(2**k)], windows[2**k :])
+    return extrema
+
+
+def _interleaved_fits(lens: np.ndarray, first: int, count: int, reach: int, settings: _Settings) -> np.ndarray:
+    """`_interleaved_rows` at each of the positions ``first .. first + count - 1`` (each with a whole row left),
+    capped at ``reach`` (see NOTE [interleaved blocks, vectorized])."""
+    width = settings.unit_width
+    window = lens[first : first + count + (reach + 1) * width]
+    if settings.budget == "padded":
+        longest = _window_extrema(window, width, np.maximum)  # M, one per whole row
+        return _strided_fitting_rows(longest, count, reach, width, settings)
+    columns = _strided_fitting_rows(window, min(count + width - 1, len(window)), reach, width, settings)
+    return _window_extrema(columns, width, np.minimum)[:count]
+
+
+def _strided_fitting_rows(values: np.ndarray, count: int, reach: int, width: int, settings: _Settings) -> np.ndarray:
+    """For each of the first ``count`` positions q of ``values``, the most samples q, q + width, q + 2*width, ...,
+    at most ``reach``, that fit one micro-batch (``values`` runs ``reach`` rows past them, or to the end)."""
+    most = np.empty(count, np.int64)
+    for offset in range(min(width, count)):
+        column = values[offset::width]
+        most[offset::width] = _fitting_rows(column, len(range(offset, count, width)), reach, settings)
+    return most
+
+
+def _window_extrema(values: np.ndarray, width: int, extremum: np.ufunc) -> np.ndarray:
+    """``extremum.reduce(values[q : q + width])`` for every ``q`` with ``q + width <= len(values)`` (`_range_extrema`)."""
+    starts = np.arange(len(values) - width + 1)
+    return _range_extrema(values, starts, starts + width, extremum)
+
+
+# The positions and the per-batch passes, chunked: each pass below reads a run of about `_chunk`
+# samples at a time, so no temporary is as long as the epoch; the arrays it writes are those of the
+# plain form (the same values in the same dtypes), piece by piece.
+
+
+def _positions_fast(table: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """`_positions`, a run of blocks at a time (`_block_positions`: the same formula over arrays)."""
+    sizes = np.repeat(table[:, 1], width)
+    if width == 1:
+        return _ranges(table[:, 0], table[:, 1]), sizes
+    per_block = table[:, 1] * width
+    positions = np.empty(int(per_block.sum()), _index_dtype(int((table[:, 0] + per_block).max()) if len(table) else 0))
+    done = 0
+    for a, b in _chunks(per_block):
+        part = _block_positions(table[a:b], width)
+        positions[done : done + len(part)] = part
+        done += len(part)
+    return positions, sizes
+
+
+def _block_positions(table: np.ndarray, width: int) -> np.ndarray:
+    """`_positions` of the blocks of ``table`` (int64, as long as their samples)."""
+    starts = table[:, 0]
+    rows = table[:, 1]
+    per_block = rows * width
+    positions = _ranges(starts, per_block).astype(np.int64)  # start + b*n + r
+    first = np.repeat(starts, per_block)
+    n = np.repeat(rows, per_block)
+    local = positions - first
+    interleaved = first + local % n * width + local // n
+    return np.where(np.repeat(table[:, 2], per_block) == 1, positions, interleaved)
+
+
+def _ranges(
+    starts: np.ndarray, lengths: np.ndarray, values: np.ndarray | None = None, out: np.ndarray | None = None
+) -> np.ndarray:
+    """``values[start : start + length]`` for each pair, concatenated (``values`` None: the positions themselves),
+    into ``out`` where given (an array of that length and dtype that holds nothing needed: see `_take`).
+
+    Built a `_chunk` at a time, so that no temporary (int64) is as long as the result.
+    """
+    if values is None:
+        dtype = _index_dtype(int((starts + lengths).max()) if len(starts) else 0)
+    else:
+        dtype = values.dtype
+    if out is None:
+        out = np.empty(int(lengths.sum()), dtype)
+    done = 0
+    for a, b in _chunks(lengths):
+        part = lengths[a:b]
+        count = int(part.sum())
+        positions = np.arange(count) + np.repeat(starts[a:b] - np.cumsum(part) + part, part)
+        out[done : done + count] = positions if values is None else values[positions]
+        done += count
+    return out
+
+
+def _microbatch_stats_fast(
+    lens: np.ndarray, positions: np.ndarray, sizes: np.ndarray, settings: _Settings
+) -> tuple[np.ndarray, np.ndarray]:
+    """`_microbatch_stats`, a run of whole batches (about a `_chunk` of samples) at a time, by ``reduceat``."""
+    k = settings.effective_batch_size
+    offsets = _offsets(sizes)
+    batch_samples = np.diff(offsets[::k])
+    longest = np.zeros(len(sizes), np.int64)
+    tokens = np.zeros(len(batch_samples), np.int64)
+    for a, b in _chunks(batch_samples):  # batches a .. b - 1
+        first = offsets[a * k]
+        part = lens[positions[first : offsets[b * k]]]
+        longest[a * k : b * k] = np.maximum.reduceat(part, offsets[a * k : b * k] - first)
+        tokens[a:b] = np.add.reduceat(part, offsets[a * k : b * k : k] - first, dtype=np.int64)
+    return longest, tokens
+
+
+def _reordered_batches_fast(
+    positions: np.ndarray,
+    sizes: np.ndarray,
+    longest: np.ndarray,
+    tokens: np.ndarray,
+    order: np.ndarray,
+    settings: _Settings,
+    spare: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """`_reordered_batches`, the positions gathered by `_ranges` into ``spare`` where it has their dtype and room
+    (see `_take`)."""
+    k = settings.effective_batch_size
+    batch_samples = sizes.reshape(-1, k).sum(axis=1)
+    batch_starts = np.cumsum(batch_samples) - batch_samples
+    fits = spare is not None and spare.dtype == positions.dtype and len(spare) >= len(positions)
+    out = spare[: len(positions)] if fits else None
+    positions = _ranges(batch_starts[order], batch_samples[order], positions, out=out)
+    return positions, sizes.reshape(-1, k)[order].ravel(), longest.reshape(-1, k)[order].ravel(), tokens[order]
+
+
+# Each Part I step with a fast form, and that form (NOTE [one dispatch]).
+_FAST_FORMS = {
+    _picking_order: _picking_order_fast,
+    _pack_rows: _pack_rows_fast,
+    _positions: _positions_fast,
+    _microbatch_stats: _microbatch_stats_fast,
+    _reordered_batches: _reordered_batches_fast,
+    _select: _select_in_place,
+}
+
+
+###############################################################################
+# Part III. Torch glue and guards
+###############################################################################
+
+
+# =============================================================================
+# Padding and collating
+# =============================================================================
+
+
+# A sample is one sequence (a tensor, array or list of numbers, sequence first), a
+# tuple (or list) of fields (`(label, tokens)`), or a dict (Hugging Face style): a list
+# of lists is fields, so per-token features come as a tensor or array. Fields with a
+# sequence dimension are padded along it; others are kept. len() means nothing here.
+def _is_one_sequence(sample: Any) -> bool:
+    """A tensor, an array, or a flat list of numbers (not a tuple of fields)."""
+    return isinstance(sample, (torch.Tensor, np.ndarray)) or (
+        isinstance(sample, (list, tuple)) and all(isinstance(x, numbers.Number) for x in sample)
     )
+
+
+# NOTE [same-length lengths reach PaddedCollate]: in same-length mode the samples
+# reach the collate padded to their batch's longest seqlen, so their real lengths
+# can no longer be measured. A collate_fn with a `seqlens` parameter gets them as an
+# argument; any other (a lambda, a partial, a class, a wrapper of a wrapper) may
+# call PaddedCollate without them. So `_LoadStepInput` sets this variable to the
+# plan's lengths around the collate call (in the loader's worker, in the thread
+# that runs the collate), and PaddedCollate given no seqlens takes them from it.
+# A context variable, not a global: each thread sees its own, and a collate run
+# inside another is restored by `reset`. Unpadded samples are measured as before:
+# their lengths in the tensor are what the collate made of them (BOS/EOS included).
+_PADDED_SEQLENS = contextvars.ContextVar("varbatch_padded_seqlens", default=None)
+
+
+class PaddedCollate:
+    """Collates samples of different seqlens into ``B x S x ...`` tensors plus their real lengths.
+
+    One-sequence samples give ``(padded, seqlens)``; tuples ``(*fields,
+    seqlens)`` (sequence fields padded, scalars stacked, text kept as lists);
+    dicts a dict of padded fields plus ``seqlens_key`` (None leaves it out, e.g.
+    for ``model(**batch)``). ``seqlens`` (``B``, int64) are the lengths
+    `make_dataloader` passes (the plan's, also for samples padded to their
+    batch's S in same-length mode), else the first sequence field's. Called
+    without ``seqlens`` inside varbatch's loader in same-length mode, by any
+    collate_fn, it takes the plan's (see NOTE [same-length lengths reach
+    PaddedCollate]) and refuses another number of samples than the step input's.
+
+    Example:
+        >>> x, lens = PaddedCollate()([torch.ones(2, 4), torch.ones(3, 4)])
+        >>> tuple(x.shape), lens.tolist()
+        ((2, 3, 4), [2, 3])
+    """
+
+    def __init__(self, pad_value=0, seqlens_key="seqlens"):
+        self.pad_value, self.seqlens_key = pad_value, seqlens_key
+
+    def __call__(self, samples, seqlens=None):
+        if len(samples) == 0:
+            raise ValueError("PaddedCollate got an empty list of samples")
+        one_tensor = isinstance(samples[0], torch.Tensor)  # the common case, kept cheap: no look at every sample
+        if one_tensor:
+            columns = [(None, samples)]
+        else:  # fields by key (dicts list theirs in any order), the same fields in every sample
+            rows = [dict(_fields(sample)) for sample in samples]
+            odd = next((i for i, row in enumerate(rows) if row.keys() != rows[0].keys()), None)
+            if odd is not None:
+                raise ValueError(
+                    f"PaddedCollate needs samples with the same fields, but sample 0 has fields "
+                    f"{list(rows[0])} and sample {odd} has {list(rows[odd])}"
+                )
+            columns = [(key, [row[key] for row in rows]) for key in rows[0]]
+        out = []
+        for key, values in columns:
+            tensors = values if one_tensor else [_as_tensor(value) for value in values]
+            value = self.pad_value.get(key, 0) if isinstance(self.pad_value, Mapping) else self.pad_value
+            if any(t is None for t in tensors):  # not numeric (text): kept as a list
+                out.append(values)
+            elif not tensors[0].dim():
+                out.append(torch.stack(tensors))  # B
+            else:
+                out.append(
+                    torch.nn.utils.rnn.pad_sequence(tensors, batch_first=True, padding_value=value)
+                )  # B x S x ...
+        if seqlens is None:
+            seqlens = self._lengths(columns, out, len(samples))
+        if len(seqlens) != len(samples):
+            raise ValueError(f"PaddedCollate got {len(seqlens)} seqlens for {len(samples)} samples")
+        lengths = torch.as_tensor(list(seqlens), dtype=torch.int64)
+        if not isinstance(samples[0], Mapping):
+            return _PaddedBatch((*out, lengths))
+        batch = {key: tensor for (key, _), tensor in zip(columns, out)}
+        return {**batch, self.seqlens_key: lengths} if self.seqlens_key is not None else batch
+
+    @staticmethod
+    def _lengths(columns: list, out: list, count: int) -> list[int]:
+        """The plan's lengths of ``count`` samples varbatch padded, else the first sequence field's, measured."""
+        planned = _PADDED_SEQLENS.get()
+        if planned is not None:
+            if len(planned) != count:
+                raise ValueError(
+                    f"PaddedCollate got {count} samples in same-length mode, where they arrive padded to their "
+                    f"batch's longest seqlen, but the step input has {len(planned)}: it cannot tell their real "
+                    f"lengths; pass seqlens= (a collate_fn with a seqlens parameter gets the step input's)"
+                )
+            return list(planned)
+        sequence = next((v for (_, v), t in zip(columns, out) if isinstance(t, torch.Tensor) and t.dim() > 1), None)
+        if sequence is None:
+            raise ValueError("PaddedCollate found no field with a sequence dimension; pass seqlens")
+        return [torch.as_tensor(v).shape[0] for v in sequence]
+
+    def __repr__(self):
+        return f"PaddedCollate(pad_value={self.pad_value!r}, seqlens_key={self.seqlens_key!r})"
+
+
+class _PaddedBatch(tuple):
+    """`PaddedCollate`'s ``(*fields, seqlens)``: its type tells `seqlens_from_padded` what the last item is."""
+
+    __slots__ = ()
+
+
+def seqlens_from_padded(batch, pad_value=0, seqlens_key="seqlens"):
+    """The real length of every sample of a collated batch (a ``batch_seqlens_fn``).
+
+    `PaddedCollate`'s lengths are recognised by its output's type (tuples) or
+    the ``seqlens_key`` key (dicts: pass PaddedCollate's own, e.g. with
+    ``functools.partial``); a dict's ``attention_mask`` gives its row
+    sums. Anything else is measured on its first tensor (a tuple's first item,
+    a dict's first field), ``B x S x ...``: a sample runs to its last position
+    holding a value other than ``pad_value``.
+
+    Example:
+        >>> seqlens_from_padded(torch.tensor([[5, 6, 0], [7, 0, 0]]))
+        [2, 1]
+    """
+    if isinstance(batch, _PaddedBatch) or (
+        isinstance(batch, Mapping) and (seqlens_key in batch or "attention_mask" in batch)
+    ):
+        lengths = batch[-1] if isinstance(batch, _PaddedBatch) else batch.get(seqlens_key)
+        return [int(x) for x in (torch.as_tensor(batch["attention_mask"]).sum(dim=1) if lengths is None else lengths)]
+    batch = next(iter(batch.values())) if isinstance(batch, Mapping) else batch
+    while isinstance(batch, (tuple, list)) and len(batch) and not _is_one_sequence(batch):
+        batch = batch[0]
+    tensor = torch.as_tensor(batch)
+    if tensor.dim() < 2:
+        raise ValueError(
+            f"seqlens_from_padded needs a collated B x S (x ...) batch, but got shape {tuple(tensor.shape)}"
+            f"; collate the samples first (e.g. with varbatch.PaddedCollate())"
+        )
+    real = (tensor != pad_value).reshape(tensor.shape[0], tensor.shape[1], -1).any(dim=2)  # B x S
+    return [int(x) for x in (real * torch.arange(1, tensor.shape[1] + 1)).max(dim=1).values]
+
+
+def _padded_tensor(batch: Any, depth: int = 0) -> torch.Tensor | None:
+    """The ``B x S (x ...)`` tensor of a collated step input, or None where none is seen.
+
+    The batch itself; a dict's ``input_ids``, else its first field with a
+    sequence dimension; a tuple's first (PaddedCollate's output, ``(x, lengths)``),
+    two levels deep. Fields only, never the samples: lists are not looked into.
+    """
+    if isinstance(batch, torch.Tensor):
+        return batch if batch.dim() > 1 else None
+    if depth == 2:
+        return None
+    if isinstance(batch, Mapping):
+        fields = [batch["input_ids"]] if isinstance(batch.get("input_ids"), torch.Tensor) else batch.values()
+    elif isinstance(batch, tuple):
+        fields = batch
+    else:
+        return None
+    return next((t for t in (_padded_tensor(field, depth + 1) for field in fields) if t is not None), None)
+
+
+def pad_sample(sample, length, pad_value=0, fields=None):
+    """Pads a sample to ``length`` along its sequence (first) dimension: the default ``sample_padding_fn``.
+
+    ``sample``: one sequence (tensor, array, list of numbers), a tuple of
+    fields, or a dict of fields; ``pad_value``: a number, or a dict field ->
+    number (``{"labels": -100}``; others get 0); ``fields``: the dict keys or
+    tuple positions to pad (default: every field with a sequence dimension).
+    Returns the sample in its own structure, padded fields as tensors. Picklable.
+
+    Example:
+        >>> pad_sample(torch.ones(2, 3), 4).shape, pad_sample({"ids": [5, 6], "label": 1}, 3)
+        (torch.Size([4, 3]), {'ids': tensor([5, 6, 0]), 'label': 1})
+    """
+    length = _check_int("length", length)
+    padded, chosen = [], []
+    for key, value in _fields(sample):
+        tensor = _as_tensor(value)
+        chosen.append(key is None or (tensor is not None and tensor.dim() > 0 if fields is None else key in fields))
+        padded.append(_pad_field(value, length, pad_value, key) if chosen[-1] else value)
+    if not any(chosen):
+        raise ValueError(
+            f"pad_sample found no field to pad in a {type(sample).__name__} sample (fields="
+            f"{fields!r}): it pads numeric fields with a sequence dimension; name them with fields=..., "
+            f"or pass your own sample_padding_fn (e.g. one that pads text)"
+        )
+    if isinstance(sample, Mapping):
+        return dict(zip(sample, padded))
+    if _fields(sample)[0][0] is None:
+        return padded[0]
+    return type(sample)(*padded) if hasattr(sample, "_fields") else type(sample)(padded)  # namedtuples too
+
+
+def _pad_field(value: Any, length: int, pad_value: Any, key: Any) -> torch.Tensor:
+    """One field padded along its first dimension to ``length``."""
+    tensor, where = _as_tensor(value), "" if key is None else f" (field {key!r})"
+    if tensor is None or tensor.dim() == 0:
+        raise ValueError(
+            f"cannot pad {type(value).__name__}{where} to length={length}: it has no sequence dimension; "
+            f"name the fields to pad with fields=..., or pass your own sample_padding_fn"
+        )
+    if tensor.shape[0] > length:
+        raise ValueError(
+            f"cannot pad a sample{where} of seqlen {tensor.shape[0]} to length={length}: the planned length "
+            f"is shorter than the sample; the seqlens given to varbatch do not match the dataset"
+        )
+    value = pad_value.get(key, 0) if isinstance(pad_value, Mapping) else pad_value
+    return torch.cat([tensor, tensor.new_full((length - tensor.shape[0], *tensor.shape[1:]), value)])
+
+
+def _fields(sample: Any) -> list[tuple[Any, Any]]:
+    """``(key, value)`` per field: dict keys, tuple positions, or ``(None, sample)`` for one sequence."""
+    if isinstance(sample, Mapping):
+        return list(sample.items())
+    if _is_one_sequence(sample) or not isinstance(sample, (tuple, list)):
+        return [(None, sample)]
+    return list(enumerate(sample))
+
+
+def _as_tensor(value: Any) -> torch.Tensor | None:
+    """``value`` as a tensor, or None for what is not numeric (text, None)."""
+    try:
+        return torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+
+
+# =============================================================================
+# The loader
+# =============================================================================
+
+
+def make_dataloader(
+    dataset,
+    batch_sampler: VariableBatchSampler,
+    *,
+    collate_fn=None,
+    sample_padding_fn=None,
+    num_workers=0,
+    pin_memory=False,
+    dataloader_class=None,
+    **dataloader_kwargs,
+) -> DataLoader:
+    """A `DataLoader` over ``batch_sampler``'s step inputs: ``collate_fn(samples)`` for each (the list without one).
+
+    In same-length mode every sample is first padded with
+    ``sample_padding_fn(sample, length)`` to its batch's longest seqlen. A
+    ``collate_fn`` with a ``seqlens`` parameter (as `PaddedCollate`) gets the
+    plan's real lengths of its samples, also when they arrive padded; any other
+    that calls `PaddedCollate` without them gets them there in same-length mode
+    (see NOTE [same-length lengths reach PaddedCollate]). Under the padded budget
+    a collated tensor (see `_padded_tensor`) over ``micro_batch_size x
+    max_tokens`` is an error: the seqlens must count what ``collate_fn`` adds. Works with
+    workers (also spawned), ``pin_memory`` and ``persistent_workers``, under
+    torchrun, DeepSpeed, HF Accelerate's ``prepare`` and Lightning (see README);
+    ``dataloader_class`` (a DataLoader subclass, e.g. torchdata's
+    ``StatefulDataLoader``) replaces torch's. ``loader.variable_batch_sampler``
+    is ``batch_sampler``. Under torch.distributed with ``num_replicas > 1`` it is
+    a collective: every process calls it, and the processes check that they
+    planned the same epoch (see `_check_ranks_agree`).
+
+    Raises:
+        TypeError, ValueError: another sampler, same-length mode without
+        ``sample_padding_fn``, a dataset of another size than the seqlens, or a
+        DataLoader option the sampler decides (batch size, shuffling); while
+        iterating, ValueError: a collated tensor over the padded budget;
+        RuntimeError: the processes planned differently.
+    """
+    if not isinstance(batch_sampler, VariableBatchSampler):
+        raise TypeError(f"batch_sampler should be a VariableBatchSampler, but got {type(batch_sampler).__name__}")
+    for name, fn in (("collate_fn", collate_fn), ("sample_padding_fn", sample_padding_fn)):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{name} should be a function or None, but got {name}={fn!r}")
+    taken = sorted({"batch_size", "shuffle", "sampler", "batch_sampler", "drop_last"} & set(dataloader_kwargs))
+    if dataloader_kwargs.get("in_order", True) is not True:  # workers would hand step inputs out of the plan's order
+        taken.append("in_order")
+    if taken:
+        raise TypeError(f"make_dataloader got {taken}, which the VariableBatchSampler decides; leave them out")
+    seqlens = batch_sampler.seqlens
+    if hasattr(dataset, "__len__") and seqlens is not None and len(dataset) != len(seqlens):
+        raise ValueError(
+            f"the dataset has {len(dataset)} samples but the sampler was given {len(seqlens)} seqlens; give "
+            f"one seqlen per sample of this dataset"
+        )
+    if batch_sampler.same_length and sample_padding_fn is None:
+        raise ValueError(
+            "sample_padding_fn is None, but same-length mode pads every sample of a batch to the batch's "
+            "max seqlen; pass sample_padding_fn=varbatch.pad_sample or your own fn(sample, length)"
+        )
+    if dataloader_class is None:
+        loader_class = _Loader
+    else:  # varbatch's dealing over the given class (and, for a stateful one, a sampler restored at once)
+        bases = (_Loader, dataloader_class)
+        if hasattr(dataloader_class, "load_state_dict"):
+            bases = (_RestoresAtOnce, *bases)
+        loader_class = type(f"_{dataloader_class.__name__}", bases, {})
+    settings = batch_sampler.settings
+    load_step_input = _LoadStepInput(
+        dataset,
+        collate_fn,
+        sample_padding_fn,
+        num_replicas=batch_sampler.num_replicas,
+        rank=batch_sampler.rank,
+        step_input_bound=settings.step_input_bound if settings.budget == "padded" else None,
+    )
+    loader = loader_class(
+        _KeyDataset(batch_sampler),
+        batch_size=1,
+        sampler=_StepInputKeys(batch_sampler, every_rank=True, batched=False),
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        collate_fn=load_step_input,
+        **dataloader_kwargs,
+    )
+    # see NOTE [the loader deals itself]
+    loader._local = _StepInputKeys(batch_sampler, every_rank=False, batched=True)
+    loader.variable_batch_sampler = batch_sampler
+    # What this loader's workers read ahead of the loop, and one step input a loop that fetches one batch ahead
+    # reads (HF Accelerate's and Lightning's): see NOTE [misuse, seen from the loader].
+    prefetch = loader.prefetch_factor if num_workers else 0
+    batch_sampler._read_ahead = max(batch_sampler._read_ahead, num_workers * prefetch + 1)
+    if batch_sampler.num_replicas > 1 and _world()[1] > 1:  # one plan dealt over ranks: every process planned it?
+        _check_ranks_agree(batch_sampler)
+    return loader
+
+
+class _Loader(DataLoader):
+    """`make_dataloader`'s loader: launchers see every rank's step inputs, its iterators take this rank's.
+
+    NOTE [the loader deals itself]: launchers deal a loader's batches to the
+    processes themselves, or replace its sampler; a loader of this rank's step
+    inputs would be dealt twice. So the attributes launchers read show every
+    rank's step inputs, and the loader deals them where torch reads:
+
+    - HF Accelerate's ``prepare`` rebuilds a plain `DataLoader` from the
+      loader's public attributes and wraps its ``batch_sampler`` in a
+      ``BatchSamplerShard``, of which process p keeps the batches with
+      ``idx % R == p`` (accelerate/data_loader.py). Here ``batch_sampler``
+      batches by one the keys of every rank in the order g = 0, 1, ..., so its
+      dealing is varbatch's and each process trains its own step inputs.
+    - Lightning injects a distributed sampler into a loader unless its
+      ``sampler`` is a `DistributedSampler` (its distributed sampler injection,
+      pytorch_lightning/trainer/connectors/data_connector.py): ``sampler``,
+      every rank's keys, is one in type, so Lightning leaves the loader as it is.
+    - torch's iterators and ``len()`` read the private ``_index_sampler``, not
+      ``batch_sampler`` (torch/utils/data/dataloader.py): here, this rank's
+      keys, so the loader iterated as it is takes this rank's step inputs.
+
+    A loader rebuilt as its own class (Lightning's, when it injects a sampler
+    anyway) lacks this rank's keys and refuses to iterate; `_LoadStepInput`
+    checks the dealing, so any other re-dealing fails at the first batch.
+    """
+
+    @property
+    def _index_sampler(self):
+        if "_local" not in self.__dict__:
+            raise RuntimeError(
+                "this DataLoader was rebuilt from varbatch's loader and lost its dealing of step "
+                "inputs to the ranks; use varbatch's loader as it is (Lightning: use_distributed_"
+                "sampler=False)"
+            )
+        return self.__dict__["_local"]
+
+
+class _KeyDataset(Dataset):
+    """Item ``key`` is ``key``: the loader's sampler yields step-input keys, `_LoadStepInput` loads their samples.
+
+    Its ``set_epoch`` is ``sampler``'s: accelerate's ``DataLoaderShard.set_epoch``
+    falls back to its dataset's where its batch sampler hides the sampler, as in
+    the loader that accelerate's ``skip_first_batches`` rebuilds from a prepared
+    one (a ``SkipBatchSampler`` over a ``BatchSamplerShard``; HF Trainer resumes
+    inside an epoch with it), whose epoch would otherwise stay the sampler's last.
+    """
+
+    def __init__(self, sampler: VariableBatchSampler | None = None):
+        self.variable_batch_sampler = sampler
+
+    def __reduce__(self):  # a loader worker's copy loads keys only: no sampler (no copy of its plans)
+        return (_KeyDataset, ())
+
+    def set_epoch(self, epoch):
+        if self.variable_batch_sampler is not None:
+            self.variable_batch_sampler.set_epoch(epoch)
+
+    def __getitem__(self, key):
+        return key
+
+    def __len__(self):  # DeepSpeed's deepspeed_io() takes only datasets that have one
+        raise TypeError("varbatch's key dataset has no length: its items are the keys its sampler yields")
+
+
+class _StepInputKeys(DistributedSampler):
+    """The `_StepInputKey` of each step input of ``sampler``'s passes: every rank's (``every_rank``: the ``sampler``
+    and ``batch_sampler`` launchers see) or this rank's (what the loader iterates); ``[key]`` each when ``batched``
+    (a batch sampler's batch of one), else the keys themselves (a sampler a loader batches by one).
+
+    A `DistributedSampler` in type only (its ``__init__`` is not called): see NOTE [the loader deals itself]. Its
+    state is ``sampler``'s, which torchdata's StatefulDataLoader saves with the loader's.
+    """
+
+    def __init__(self, sampler: VariableBatchSampler, *, every_rank: bool, batched: bool):
+        self.variable_batch_sampler = sampler
+        self.every_rank = every_rank
+        self.batched = batched
+
+    def __iter__(self):
+        keys = self.variable_batch_sampler._iter_keys(self.every_rank)
+        if self.batched:
+            return ([key] for key in keys)
+        return keys
+
+    def __len__(self):
+        sampler = self.variable_batch_sampler
+        return len(sampler) * sampler.num_replicas if self.every_rank else len(sampler)
+
+    def set_epoch(self, epoch):  # a launcher's, through the loader
+        self.variable_batch_sampler.set_epoch(epoch)
+
+    def state_dict(self):
+        return self.variable_batch_sampler.state_dict()
+
+    def load_state_dict(self, state_dict):
+        self.variable_batch_sampler.load_state_dict(state_dict)
+
+
+class _RestoresAtOnce:
+    """A stateful loader's ``load_state_dict`` that also restores the sampler at once, not only when the next
+    iterator starts (torchdata's does that), so that ``sampler.epoch`` right after it is the epoch to resume."""
+
+    def load_state_dict(self, state_dict):
+        super().load_state_dict(state_dict)
+        pending = [state_dict]
+        while pending:  # the sampler's state, wherever the loader's format nests it
+            node = pending.pop()
+            if isinstance(node, Mapping) and set(node) == set(VariableBatchSampler._STATE):
+                return self.variable_batch_sampler.load_state_dict(node)
+            pending += list(node.values()) if isinstance(node, Mapping) else []
+
+
+class _LoadStepInput:
+    """The loader's collate: loads the samples of a step-input key, checks that the key was dealt to this rank,
+    pads the samples in same-length mode and collates them (in the loader's workers, if it has any).
+
+    ``step_input_bound`` (the padded budget's ``micro_batch_size x max_tokens``,
+    None under the sum budget) is checked against the collated tensor.
+    """
+
+    def __init__(self, dataset, collate_fn=None, sample_padding_fn=None, num_replicas=1, rank=0, step_input_bound=None):
+        self.dataset = dataset
+        self.collate_fn = collate_fn
+        self.sample_padding_fn = sample_padding_fn
+        self.num_replicas, self.rank = num_replicas, rank  # the dealing this rank's step inputs follow
+        self.step_input_bound = step_input_bound
+        self._last_seen = (None, -1)  # ((epoch, pass number), step input g) of the last key this copy got
+        try:  # a collate_fn with a `seqlens` parameter gets the plan's real lengths
+            self.pass_seqlens = collate_fn is not None and "seqlens" in inspect.signature(collate_fn).parameters
+        except (TypeError, ValueError):
+            self.pass_seqlens = False
+
+    def _check_dealing(self, key: _StepInputKey) -> None:
+        """Raises unless ``key`` is a step input that this copy of the collate should get next on this rank.
+
+        The invariant it relies on: with ``in_order=True`` (make_dataloader
+        refuses another) torch hands the step inputs of a pass to the W workers
+        in turn (worker w gets the indices w, w + W, ... of the pass), each
+        worker with its own copy of this collate (W = 1 without workers), so
+        each copy sees every (R x W)-th step input of its rank: after step input
+        g, g + R x W. A pass's first key in a copy is one of this rank's, at or
+        after the step input the pass started at.
+        """
+        info = torch.utils.data.get_worker_info()
+        workers = 1 if info is None else info.num_workers
+        ranks, rank = self.num_replicas, self.rank
+        g = key.step_input
+        this_pass = (key.epoch, key.pass_number)
+        dealt = g % ranks == rank and g >= key.pass_start * ranks
+        if self._last_seen[0] == this_pass:
+            expected = f"{self._last_seen[1] + ranks * workers}"
+            dealt = dealt and g == self._last_seen[1] + ranks * workers
+        else:
+            expected = f"one of {key.pass_start * ranks + rank}, +{ranks}, ..."
+        self._last_seen = (this_pass, g)
+        if not dealt:
+            raise RuntimeError(
+                f"rank {rank} got step input {g} of epoch {key.epoch}, not {expected}: " + self._misdealt(key)
+            )
+
+    def _misdealt(self, key: _StepInputKey) -> str:
+        """The cause and the fix of a step input this rank should not get: the view of every rank's step inputs
+        iterated without varbatch's dealing (HF Trainer's resume skip over a loader it did not prepare), or a
+        launcher that re-dealt this rank's own step inputs."""
+        ranks = self.num_replicas
+        see = 'see the README section "Use with torchrun, DeepSpeed, Accelerate, Lightning"'
+        if not key.every_rank:
+            return (
+                f"something re-dealt varbatch's loader, which deals the step inputs to its num_replicas={ranks} "
+                f"ranks itself (rank r trains r, r + {ranks}, ...); turn the launcher's dealing off (HF Accelerate: "
+                f"dispatch_batches=False and split_batches=False), {see}"
+            )
+        return (
+            f"this process iterates every rank's step inputs, the view varbatch's loader shows launchers (its "
+            f"batch_sampler), without dealing them to its num_replicas={ranks} ranks: a DataLoader rebuilt from a "
+            f"loader that was not prepared, as accelerate's skip_first_batches makes (HF Trainer calls it to resume "
+            f"from a checkpoint inside an epoch), or an Accelerator that deals to another number of processes; HF "
+            f"Trainer: return self.accelerator.prepare(loader) from get_train_dataloader, whose skip deals, as the "
+            f"README's HF Trainer recipe does; HF Accelerate: one process per rank, dispatch_batches=False and "
+            f"split_batches=False; {see}"
+        )
+
+    def __call__(self, keys):
+        (key,) = keys  # the loader batches the keys by one
+        self._check_dealing(key)
+        samples = [self.dataset[i] for i in key.sample_ids]
+        if key.pad_to:  # same-length mode: every sample of the batch to the batch's longest
+            samples = [self.sample_padding_fn(sample, key.pad_to) for sample in samples]
+            wrong = [
+                (i, len(x))
+                for i, x in zip(key.sample_ids, samples)
+                if isinstance(x, torch.Tensor) and len(x) != key.pad_to
+            ]
+            if wrong:
+                raise ValueError(
+                    f"sample_padding_fn should return a sample of length {key.pad_to}, but returned length "
+                    f"{wrong[0][1]} for sample {wrong[0][0]}; it must pad the first dimension to `length`"
+                )
+        if self.collate_fn is None:
+            return samples
+        padded = _PADDED_SEQLENS.set(key.seqlens if key.pad_to else None)  # NOTE [same-length lengths reach ...]
+        try:
+            if self.pass_seqlens and key.seqlens is not None:
+                batch = self.collate_fn(samples, seqlens=list(key.seqlens))
+            else:
+                batch = self.collate_fn(samples)
+        finally:
+            _PADDED_SEQLENS.reset(padded)
+        if self.step_input_bound is not None:
+            self._check_budget(batch, key)
+        return batch
+
+    def _check_budget(self, batch: Any, key: _StepInputKey) -> None:
+        """Raises when the collated step input's ``B x S`` tensor is over the padded budget's bound.
+
+        NOTE [a collate that adds tokens]: the plan bounds the tensors its
+        seqlens describe; a collate_fn that adds tokens the seqlens do not count
+        (BOS/EOS: TRL appends EOS; padding to a multiple of 8) makes larger ones,
+        the memory bound the budget promised is gone. This is an error, not a
+        warning: the seqlens are wrong about the data (as for a sample longer
+        than its planned length, which `pad_sample` refuses), a collate that
+        adds tokens to every sample shows it within the first step inputs
+        (packed up to the budget), and an exception raised in a
+        loader worker reaches the training process once (torch re-raises it
+        there), where a warning would print once in every worker process, out of
+        reach of the user's warning filters. Under the sum budget the tensor is
+        not bounded (``B x S`` may exceed ``max_tokens`` by design): there the
+        seqlens must count the same tokens, or the real tokens exceed the sum.
+        """
+        tensor = _padded_tensor(batch)
+        if tensor is None or tensor.shape[0] * tensor.shape[1] <= self.step_input_bound:
+            return
+        raise ValueError(
+            f"step input {key.step_input} of epoch {key.epoch} was collated into a {tensor.shape[0]} x "
+            f"{tensor.shape[1]} tensor of {tensor.shape[0] * tensor.shape[1]} tokens, over the padded budget's "
+            f"micro_batch_size x max_tokens = {self.step_input_bound}: collate_fn adds tokens the seqlens do not "
+            f"count (BOS/EOS, padding to a multiple); count them in the seqlens (e.g. [len(ids) + 1 for ids in "
+            f"tokenized] for an EOS the collate appends)"
+        )
+
+
+def _check_ranks_agree(sampler: VariableBatchSampler) -> None:
+    """Raises unless every process planned the same epoch and the ranks 0 .. R-1 each appear alike.
+
+    A collective: every process calls it. Ranks that planned differently train
+    samples twice or never and disagree on the number of steps (a hang at the
+    first collective that one rank never reaches).
+    """
+    everyone = _gather((sampler.plan.fingerprint(), sampler.num_replicas, sampler.rank))
+    differ = [r for r, (fingerprint, replicas, _) in enumerate(everyone) if (fingerprint, replicas) != everyone[0][:2]]
+    if differ:
+        raise RuntimeError(
+            f"rank {differ[0]} planned a different epoch than rank 0 ({len(differ)} rank(s) differ): the "
+            f"ranks see different seqlens, sample_ids or settings; give every rank the same dataset, "
+            f"seqlens and config (delete a seqlen cache in metrics_path that is not shared)"
+        )
+    dealt = [rank for _, _, rank in everyone]
+    if sorted(set(dealt)) != list(range(sampler.num_replicas)) or len({dealt.count(r) for r in set(dealt)}) > 1:
+        raise RuntimeError(
+            f"the processes deal to ranks {dealt}, not to each of 0 .. {sampler.num_replicas - 1} "
+            f"alike: pass every process its own data-parallel rank"
+        )
+
+
+def _gather(obj: Any) -> list:
+    """``obj`` of every rank (a list of one without torch.distributed)."""
+    if _world()[1] == 1:
+        return [obj]
+    out = [None] * _world()[1]
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
+###############################################################################
+# Part IV. Trainer adapters and DeepSpeed
+###############################################################################
 
 
 # =============================================================================
 # HF Trainer and TRL
 # =============================================================================
-
-
-def _is_the_trainers(scheduler: VariableBatchSizeLR, given: Any) -> bool:
-    """Whether ``given``, the scheduler HF's callbacks get, is ``scheduler`` (or an Accelerate wrapper of it)."""
-    return scheduler in (given, getattr(given, "scheduler", None))
-
-
-def _tell_skipped_updates(scheduler: VariableBatchSizeLR, global_step: int) -> None:
-    """``step(skipped=True)`` while HF's ``global_step`` is ahead of b (see NOTE [HF Trainer's skipped updates])."""
-    while global_step > scheduler.batches_trained:
-        scheduler.step(skipped=True)
-    if scheduler.batches_trained > global_step:
-        raise RuntimeError(
-            f"VariableBatchSizeLR counts {scheduler.batches_trained} batches, but the Trainer's global_step is "
-            f"{global_step}: something steps the scheduler besides the Trainer (a callback, compute_loss, a loop of "
-            f"your own), or it was restored from another checkpoint than the Trainer's state; let the Trainer step it "
-            f"and resume with resume_from_checkpoint"
-        )
-
-
-def _check_trainer_resume(args: Any, global_step: int, scheduler: VariableBatchSizeLR, loader: Any) -> None:
-    """Raises when an HF Trainer resumes at ``global_step`` where its data would not be the uninterrupted run's."""
-    if not global_step:
-        return
-    if args.ignore_data_skip and global_step % scheduler._batches_per_epoch():
-        raise RuntimeError(
-            f"the Trainer resumes at global_step={global_step}, inside an epoch, with ignore_data_skip=True: it "
-            f"would train that epoch again from its start at the LRs of later batches; leave ignore_data_skip "
-            f"False (skipping varbatch's trained step inputs reads no samples)"
-        )
-    if isinstance(loader, _Loader):
-        raise RuntimeError(
-            "the Trainer resumes over varbatch's loader as make_dataloader made it: its skip of the trained step "
-            "inputs (accelerate's skip_first_batches) would rebuild it over every rank's, and its set_epoch would "
-            "not reach the sampler; return self.accelerator.prepare(loader) from get_train_dataloader (see the "
-            "README's HF Trainer recipe)"
-        )
 
 
 def hf_trainer_lr_scheduler(trainer, lr_scheduler, base_batch_size, batch_sizes, **options):
@@ -3333,6 +3536,43 @@ def hf_trainer_lr_scheduler(trainer, lr_scheduler, base_batch_size, batch_sizes,
     return scheduler
 
 
+def _is_the_trainers(scheduler: VariableBatchSizeLR, given: Any) -> bool:
+    """Whether ``given``, the scheduler HF's callbacks get, is ``scheduler`` (or an Accelerate wrapper of it)."""
+    return scheduler in (given, getattr(given, "scheduler", None))
+
+
+def _tell_skipped_updates(scheduler: VariableBatchSizeLR, global_step: int) -> None:
+    """``step(skipped=True)`` while HF's ``global_step`` is ahead of b (see NOTE [HF Trainer's skipped updates])."""
+    while global_step > scheduler.batches_trained:
+        scheduler.step(skipped=True)
+    if scheduler.batches_trained > global_step:
+        raise RuntimeError(
+            f"VariableBatchSizeLR counts {scheduler.batches_trained} batches, but the Trainer's global_step is "
+            f"{global_step}: something steps the scheduler besides the Trainer (a callback, compute_loss, a loop of "
+            f"your own), or it was restored from another checkpoint than the Trainer's state; let the Trainer step it "
+            f"and resume with resume_from_checkpoint"
+        )
+
+
+def _check_trainer_resume(args: Any, global_step: int, scheduler: VariableBatchSizeLR, loader: Any) -> None:
+    """Raises when an HF Trainer resumes at ``global_step`` where its data would not be the uninterrupted run's."""
+    if not global_step:
+        return
+    if args.ignore_data_skip and global_step % scheduler._batches_per_epoch():
+        raise RuntimeError(
+            f"the Trainer resumes at global_step={global_step}, inside an epoch, with ignore_data_skip=True: it "
+            f"would train that epoch again from its start at the LRs of later batches; leave ignore_data_skip "
+            f"False (skipping varbatch's trained step inputs reads no samples)"
+        )
+    if isinstance(loader, _Loader):
+        raise RuntimeError(
+            "the Trainer resumes over varbatch's loader as make_dataloader made it: its skip of the trained step "
+            "inputs (accelerate's skip_first_batches) would rebuild it over every rank's, and its set_epoch would "
+            "not reach the sampler; return self.accelerator.prepare(loader) from get_train_dataloader (see the "
+            "README's HF Trainer recipe)"
+        )
+
+
 # =============================================================================
 # DeepSpeed-compatible functions
 # =============================================================================
@@ -3380,53 +3620,6 @@ def batch_by_seqlens(
         [(j // k, ids) for j, ids in enumerate(plan.microbatches())],
         plan.batch_sizes.tolist(),
         plan.batch_max_seqlens.tolist(),
-    )
-
-
-def _loader_and_scheduler(
-    dataset,
-    seqlens,
-    settings: _Settings,
-    sample_ids,
-    rank,
-    base,
-    lr: Mapping,
-    verbose,
-    *,
-    fixed: Plan | None = None,
-    **loader_options,
-):
-    """The sampler, loader, scheduler and ``deepspeed_io`` keyword arguments of the three functions below."""
-    seqlens = None if fixed is not None else _as_counts(seqlens, "dataset_seqlens")
-    ids = None if sample_ids is None else _as_sample_ids(sample_ids, len(seqlens))
-    rank = _check_int("dataloader_rank", rank, minimum=0, maximum=settings.num_replicas - 1)
-    sampler = VariableBatchSampler._of(_Planner(seqlens, settings, ids, fixed), rank, verbose)
-    loader = make_dataloader(dataset, sampler, **loader_options)
-    if callable(base) and not hasattr(base, "step"):  # an lr_scheduler_fn: the schedule made from the sampler
-        base = base(sampler)
-    scheduler = None
-    if base is not None:
-        scheduler = VariableBatchSizeLR(
-            base,
-            lr.get("lr_scaling_reference"),
-            sampler,
-            lr_scaling_method=lr.get("lr_scaling_method", "linear"),
-            verbose=verbose,
-            lr_scaling_unit=lr.get("lr_scaling_unit", "sequences"),
-            clock=lr.get("lr_clock", "steps"),
-            clock_step=lr.get("lr_clock_step", 1),
-        )
-    return (
-        loader,
-        scheduler,
-        dict(
-            dataset=loader.dataset,
-            batch_size=1,
-            pin_memory=loader.pin_memory,
-            data_sampler=_StepInputKeys(sampler, every_rank=False, batched=False),
-            collate_fn=loader.collate_fn,
-            num_local_io_workers=loader.num_workers,
-        ),
     )
 
 
@@ -3570,217 +3763,81 @@ def get_dataloader_and_lr_scheduler_for_variable_batch_size(
     )
 
 
+def _loader_and_scheduler(
+    dataset,
+    seqlens,
+    settings: _Settings,
+    sample_ids,
+    rank,
+    base,
+    lr: Mapping,
+    verbose,
+    *,
+    fixed: Plan | None = None,
+    **loader_options,
+):
+    """The sampler, loader, scheduler and ``deepspeed_io`` keyword arguments of the three functions below."""
+    seqlens = None if fixed is not None else _as_counts(seqlens, "dataset_seqlens")
+    ids = None if sample_ids is None else _as_sample_ids(sample_ids, len(seqlens))
+    rank = _check_int("dataloader_rank", rank, minimum=0, maximum=settings.num_replicas - 1)
+    sampler = VariableBatchSampler._of(_Planner(seqlens, settings, ids, fixed), rank, verbose)
+    loader = make_dataloader(dataset, sampler, **loader_options)
+    if callable(base) and not hasattr(base, "step"):  # an lr_scheduler_fn: the schedule made from the sampler
+        base = base(sampler)
+    scheduler = None
+    if base is not None:
+        scheduler = VariableBatchSizeLR(
+            base,
+            lr.get("lr_scaling_reference"),
+            sampler,
+            lr_scaling_method=lr.get("lr_scaling_method", "linear"),
+            verbose=verbose,
+            lr_scaling_unit=lr.get("lr_scaling_unit", "sequences"),
+            clock=lr.get("lr_clock", "steps"),
+            clock_step=lr.get("lr_clock_step", 1),
+        )
+    return (
+        loader,
+        scheduler,
+        dict(
+            dataset=loader.dataset,
+            batch_size=1,
+            pin_memory=loader.pin_memory,
+            data_sampler=_StepInputKeys(sampler, every_rank=False, batched=False),
+            collate_fn=loader.collate_fn,
+            num_local_io_workers=loader.num_workers,
+        ),
+    )
+
+
+def lr_scheduler_for_variable_batch_size(
+    base_batch_size,
+    batch_sizes,
+    dataloader,
+    lr_scheduler_or_optimizer,
+    lr_scaling_method="linear",
+    verbose=False,
+    **options,
+):
+    """A `VariableBatchSizeLR` (DeepSpeed's signature; ``**options``: ``lr_scaling_unit``, ``clock``, ``clock_step``)."""
+    if lr_scheduler_or_optimizer is None:
+        raise TypeError(
+            "lr_scheduler_or_optimizer is None; pass the optimizer (constant LR) or the LR scheduler whose LR is scaled"
+        )
+    return VariableBatchSizeLR(
+        lr_scheduler_or_optimizer,
+        base_batch_size,
+        batch_sizes,
+        dataloader,
+        lr_scaling_method=lr_scaling_method,
+        verbose=verbose,
+        **options,
+    )
+
+
 # =============================================================================
 # DeepSpeed glue: the config section, the seqlens, the engine
 # =============================================================================
-
-_SECTION = ("data_efficiency", "data_sampling", "dynamic_batching")
-# Each key of the section, and the plan option (or scheduler option, or loader setting) it sets.
-_PLAN_KEYS = {
-    "max_tokens": "max_tokens",
-    "min_batch_size": "min_batch_size",
-    "max_batch_size": "max_batch_size",
-    "sequence_picking_order": "order",
-    "sentence_picking_order": "order",
-    "seed": "seed",
-    "budget": "budget",
-    "bucket_size": "bucket_size",
-    "on_overlong": "on_overlong",
-}
-_LR_DEFAULTS = {
-    "lr_scaling_method": "linear",
-    "lr_scaling_unit": "sequences",
-    "lr_scaling_reference": None,
-    "lr_clock": "steps",
-    "lr_clock_step": 1,
-}
-_OTHER_KEYS = ("enabled", "metrics_path", "verbose", "num_workers", "pin_memory")
-_SEQLEN_CACHE = "varbatch_seqlens.npy"
-
-
-def _check_batch_geometry(k: int, micro: int, gas: int, world: int, fix: str) -> None:
-    """DeepSpeed's batch relation: train_batch_size = micro-batches per rank's step x accumulation steps x ranks."""
-    if k != micro * gas * world:
-        raise ValueError(
-            f"train_batch_size={k} should be train_micro_batch_size_per_gpu x gradient_accumulation_steps"
-            f" x data-parallel size = {micro} x {gas} x {world}; {fix}"
-        )
-
-
-def _find_section(config: Any) -> tuple[Mapping, Mapping, Mapping]:
-    """``(data_efficiency, data_sampling, dynamic_batching)`` of a DeepSpeed config; the first two may be empty."""
-    nodes, path = [config], "the DeepSpeed config"  # the objects along the section's key path; where the last is
-    for key in _SECTION:
-        if not isinstance(nodes[-1], Mapping):
-            raise ValueError(f"{path} should be a JSON object (a dict), but is {nodes[-1]!r:.60}")
-        path = ".".join(_SECTION[: len(nodes)])
-        nodes.append(nodes[-1].get(key, {} if key != "dynamic_batching" else None))
-    section = nodes[-1]
-    if section is None:
-        raise ValueError(f'the DeepSpeed config has no {path} section; add one with "enabled": true and "max_tokens"')
-    if not isinstance(section, Mapping):
-        raise ValueError(f"{path} should be a JSON object (a dict), but is {section!r:.60}")
-    return nodes[1], nodes[2], section
-
-
-def _check_section_keys(section: Mapping, path: str) -> None:
-    """The section's keys are known ones, it is enabled, has max_tokens and at most one picking order."""
-    known = (*_PLAN_KEYS, *_LR_DEFAULTS, *_OTHER_KEYS)
-    for key in section:
-        if key not in known:
-            close = difflib.get_close_matches(str(key), known, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ValueError(f"unknown key {key!r} in {path}{hint} (valid keys: {', '.join(known)})")
-    if section.get("enabled") is not True:
-        raise ValueError(
-            f'{path}.enabled is {section.get("enabled")!r}, not true (a JSON boolean); set "enabled": '
-            f"true to use dynamic batching"
-        )
-    if "max_tokens" not in section:
-        raise ValueError(f"{path}.max_tokens is missing; set it to the tokens one micro-batch may hold")
-    orders = {section[key] for key in ("sequence_picking_order", "sentence_picking_order") if key in section}
-    if len(orders) > 1:
-        raise ValueError(
-            f"{path} sets sequence_picking_order and its older spelling sentence_picking_order to "
-            f"different values {sorted(map(str, orders))}; keep one"
-        )
-
-
-def _loader_settings(section: Mapping, data_sampling: Mapping, path: str) -> dict:
-    """The section's loader settings, checked; ``num_workers`` and ``pin_memory`` default to data_sampling's."""
-    settings = {
-        "metrics_path": section.get("metrics_path"),
-        "verbose": section.get("verbose", False),
-        "num_workers": section.get("num_workers", data_sampling.get("num_workers", 0)),
-        "pin_memory": section.get("pin_memory", data_sampling.get("pin_memory", False)),
-    }
-    for key in ("num_workers", "pin_memory", "verbose"):
-        value = settings[key]
-        where = path if key in section else ".".join(_SECTION[:2])  # num_workers, pin_memory: data_sampling's
-        whole = not isinstance(value, bool) and isinstance(value, numbers.Integral)
-        if key == "num_workers":
-            valid, expected = whole and value >= 0, "an integer >= 0"
-        else:
-            valid, expected = isinstance(value, bool), "true or false"
-        if not valid:
-            error = ValueError if whole else TypeError
-            raise error(f"in {where}: {key} should be {expected}, but got {key}={value!r}")
-    metrics_path = settings["metrics_path"]
-    if metrics_path is not None and not isinstance(metrics_path, str):
-        raise TypeError(
-            f"in {path}: metrics_path should be a folder path (a string), but got metrics_path={metrics_path!r}"
-        )
-    return settings
-
-
-def _read_config(config: Any) -> tuple[dict, dict, dict]:
-    """``(plan options, LR options, loader settings)`` from a DeepSpeed config's dynamic_batching section.
-
-    The one reader of the section: training and the plan command both call it.
-    Every value is validated here, each error naming its key path.
-    """
-    data_efficiency, data_sampling, section = _find_section(config)
-    path = ".".join(_SECTION)
-    _check_section_keys(section, path)
-    plan = {option: section[key] for key, option in _PLAN_KEYS.items() if key in section}
-    if plan.get("seed") is None:  # absent or null: the data_efficiency seed, as DeepSpeed's data sampling uses
-        plan["seed"] = data_efficiency.get("seed", 1234)
-    lr = {key: section.get(key, default) for key, default in _LR_DEFAULTS.items()}
-    try:  # every value now, before any engine or data is touched
-        _Settings.of(**plan)
-        _check_lr_method(lr["lr_scaling_method"])
-        _check_reference(lr["lr_scaling_reference"])
-        _check_choice("lr_scaling_unit", lr["lr_scaling_unit"], _LRUnit)
-        _check_clock(lr["lr_clock"], lr["lr_clock_step"], ("lr_clock", "lr_clock_step"))
-    except (TypeError, ValueError) as error:
-        raise type(error)(f"in {path}: {error}") from None
-    return plan, lr, _loader_settings(section, data_sampling, path)
-
-
-def _seqlens_of(dataset, ids: np.ndarray, batch_seqlens_fn: Callable, collate_fn: Callable | None) -> np.ndarray:
-    """``batch_seqlens_fn(collate_fn(samples))`` over the samples ``ids``, 256 at a time.
-
-    As in DeepSpeed, ``batch_seqlens_fn`` gets a batch made by the training
-    collate function (without one, by `PaddedCollate`) and returns one length per sample.
-    """
-    lengths = np.zeros(len(ids), dtype=np.int64)
-    for start in range(0, len(ids), 256):
-        chunk = ids[start : start + 256]
-        got = batch_seqlens_fn((collate_fn or PaddedCollate())([dataset[int(i)] for i in chunk]))
-        got = got.detach().cpu().reshape(-1).tolist() if isinstance(got, torch.Tensor) else list(got)
-        if len(got) != len(chunk):
-            raise ValueError(
-                f"batch_seqlens_fn returned {len(got)} lengths for a batch of {len(chunk)} samples; it "
-                f"must return one length per sample of the batch that dataloader_collate_fn made"
-            )
-        lengths[start : start + len(chunk)] = _as_counts(got, "batch_seqlens_fn's lengths")
-    return lengths
-
-
-def _cached_seqlens(metrics_path: str, num_samples: int) -> np.ndarray | None:
-    """Seqlens cached in ``metrics_path`` (varbatch's .npy or DeepSpeed's metric files) for this many samples."""
-    ours = os.path.join(metrics_path, _SEQLEN_CACHE)
-    theirs = os.path.join(metrics_path, "seqlen", "seqlen_sample_to_metric")
-    if os.path.exists(ours):
-        seqlens = np.load(ours)
-    elif os.path.exists(theirs + ".bin") and os.path.exists(theirs + ".idx"):  # DeepSpeed's DataAnalyzer: N x 1
-        from deepspeed.runtime.data_pipeline.data_sampling.indexed_dataset import MMapIndexedDataset
-
-        metric = MMapIndexedDataset(theirs, skip_warmup=True)
-        seqlens = np.concatenate([np.asarray(metric[i]).reshape(-1) for i in range(len(metric))])
-    else:
-        return None
-    if len(seqlens) != num_samples:
-        _logger.warning(
-            "the seqlen cache in %s has %d entries but the dataset %d samples: recomputing it",
-            metrics_path,
-            len(seqlens),
-            num_samples,
-        )
-        return None
-    return seqlens.astype(np.int64)
-
-
-def _dataset_seqlens(dataset, metrics_path: str | None, batch_seqlens_fn, collate_fn) -> np.ndarray:
-    """Seqlens from the cache in ``metrics_path`` (spot-checked), else computed once, sharded over ranks, cached."""
-    if not hasattr(dataset, "__len__"):
-        raise ValueError("the dataset has no __len__, so its seqlens cannot be computed; pass dataset_seqlens")
-    num_samples = len(dataset)
-    cached = _cached_seqlens(metrics_path, num_samples) if metrics_path else None
-    if cached is not None and batch_seqlens_fn is not None and num_samples:
-        # A cache outlives the dataset it was made for: recompute 16 entries (the same on every rank).
-        ids = np.unique(np.linspace(0, num_samples - 1, min(num_samples, 16)).astype(np.int64))
-        stale = np.flatnonzero(_seqlens_of(dataset, ids, batch_seqlens_fn, collate_fn) != cached[ids])
-        if len(stale):
-            _logger.warning(
-                "the seqlen cache in %s disagrees with batch_seqlens_fn on sample %d: it is from another "
-                "dataset; recomputing it",
-                metrics_path,
-                int(ids[stale[0]]),
-            )
-            cached = None
-    if not all(_gather(cached is not None)):  # a cache some ranks lack or find stale (node-local disks): all compute
-        cached = None
-    if cached is not None:
-        return cached
-    if batch_seqlens_fn is None:
-        raise ValueError(
-            "no dataset_seqlens, no seqlen cache in metrics_path, and batch_seqlens_fn is None; pass "
-            "dataset_seqlens, or batch_seqlens_fn (e.g. varbatch.seqlens_from_padded) to compute them once"
-        )
-    rank, world_size = _world()  # each rank measures every world_size-th sample, then all gather
-    shard = np.arange(rank, num_samples, world_size, dtype=np.int64)
-    seqlens = np.zeros(num_samples, dtype=np.int64)
-    for ids, part in _gather((shard, _seqlens_of(dataset, shard, batch_seqlens_fn, collate_fn))):
-        seqlens[ids] = part
-    if metrics_path and rank == 0:
-        os.makedirs(metrics_path, exist_ok=True)
-        tmp = os.path.join(metrics_path, f".{_SEQLEN_CACHE}.{os.getpid()}.npy")
-        np.save(tmp, seqlens)
-        os.replace(tmp, os.path.join(metrics_path, _SEQLEN_CACHE))  # atomic: no rank reads half a file
-    if world_size > 1:
-        torch.distributed.barrier()
-    return seqlens
 
 
 def get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
@@ -3870,3 +3927,220 @@ def get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
         # optimizer nor this scheduler, but the data moves on; engine.load_checkpoint restores skipped_steps.
         scheduler._follow_skipped_steps(lambda: int(getattr(engine, "skipped_steps", 0)))
     return loader, scheduler, io_kwargs
+
+
+_SECTION = ("data_efficiency", "data_sampling", "dynamic_batching")
+
+
+# Each key of the section, and the plan option (or scheduler option, or loader setting) it sets.
+_PLAN_KEYS = {
+    "max_tokens": "max_tokens",
+    "min_batch_size": "min_batch_size",
+    "max_batch_size": "max_batch_size",
+    "sequence_picking_order": "order",
+    "sentence_picking_order": "order",
+    "seed": "seed",
+    "budget": "budget",
+    "bucket_size": "bucket_size",
+    "on_overlong": "on_overlong",
+}
+
+
+_LR_DEFAULTS = {
+    "lr_scaling_method": "linear",
+    "lr_scaling_unit": "sequences",
+    "lr_scaling_reference": None,
+    "lr_clock": "steps",
+    "lr_clock_step": 1,
+}
+
+
+_OTHER_KEYS = ("enabled", "metrics_path", "verbose", "num_workers", "pin_memory")
+
+
+_SEQLEN_CACHE = "varbatch_seqlens.npy"
+
+
+def _read_config(config: Any) -> tuple[dict, dict, dict]:
+    """``(plan options, LR options, loader settings)`` from a DeepSpeed config's dynamic_batching section.
+
+    The one reader of the section: training and the plan command both call it.
+    Every value is validated here, each error naming its key path.
+    """
+    data_efficiency, data_sampling, section = _find_section(config)
+    path = ".".join(_SECTION)
+    _check_section_keys(section, path)
+    plan = {option: section[key] for key, option in _PLAN_KEYS.items() if key in section}
+    if plan.get("seed") is None:  # absent or null: the data_efficiency seed, as DeepSpeed's data sampling uses
+        plan["seed"] = data_efficiency.get("seed", 1234)
+    lr = {key: section.get(key, default) for key, default in _LR_DEFAULTS.items()}
+    try:  # every value now, before any engine or data is touched
+        _Settings.of(**plan)
+        _check_lr_method(lr["lr_scaling_method"])
+        _check_reference(lr["lr_scaling_reference"])
+        _check_choice("lr_scaling_unit", lr["lr_scaling_unit"], _LRUnit)
+        _check_clock(lr["lr_clock"], lr["lr_clock_step"], ("lr_clock", "lr_clock_step"))
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"in {path}: {error}") from None
+    return plan, lr, _loader_settings(section, data_sampling, path)
+
+
+def _find_section(config: Any) -> tuple[Mapping, Mapping, Mapping]:
+    """``(data_efficiency, data_sampling, dynamic_batching)`` of a DeepSpeed config; the first two may be empty."""
+    nodes, path = [config], "the DeepSpeed config"  # the objects along the section's key path; where the last is
+    for key in _SECTION:
+        if not isinstance(nodes[-1], Mapping):
+            raise ValueError(f"{path} should be a JSON object (a dict), but is {nodes[-1]!r:.60}")
+        path = ".".join(_SECTION[: len(nodes)])
+        nodes.append(nodes[-1].get(key, {} if key != "dynamic_batching" else None))
+    section = nodes[-1]
+    if section is None:
+        raise ValueError(f'the DeepSpeed config has no {path} section; add one with "enabled": true and "max_tokens"')
+    if not isinstance(section, Mapping):
+        raise ValueError(f"{path} should be a JSON object (a dict), but is {section!r:.60}")
+    return nodes[1], nodes[2], section
+
+
+def _check_section_keys(section: Mapping, path: str) -> None:
+    """The section's keys are known ones, it is enabled, has max_tokens and at most one picking order."""
+    known = (*_PLAN_KEYS, *_LR_DEFAULTS, *_OTHER_KEYS)
+    for key in section:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), known, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"unknown key {key!r} in {path}{hint} (valid keys: {', '.join(known)})")
+    if section.get("enabled") is not True:
+        raise ValueError(
+            f'{path}.enabled is {section.get("enabled")!r}, not true (a JSON boolean); set "enabled": '
+            f"true to use dynamic batching"
+        )
+    if "max_tokens" not in section:
+        raise ValueError(f"{path}.max_tokens is missing; set it to the tokens one micro-batch may hold")
+    orders = {section[key] for key in ("sequence_picking_order", "sentence_picking_order") if key in section}
+    if len(orders) > 1:
+        raise ValueError(
+            f"{path} sets sequence_picking_order and its older spelling sentence_picking_order to "
+            f"different values {sorted(map(str, orders))}; keep one"
+        )
+
+
+def _check_batch_geometry(k: int, micro: int, gas: int, world: int, fix: str) -> None:
+    """DeepSpeed's batch relation: train_batch_size = micro-batches per rank's step x accumulation steps x ranks."""
+    if k != micro * gas * world:
+        raise ValueError(
+            f"train_batch_size={k} should be train_micro_batch_size_per_gpu x gradient_accumulation_steps"
+            f" x data-parallel size = {micro} x {gas} x {world}; {fix}"
+        )
+
+
+def _loader_settings(section: Mapping, data_sampling: Mapping, path: str) -> dict:
+    """The section's loader settings, checked; ``num_workers`` and ``pin_memory`` default to data_sampling's."""
+    settings = {
+        "metrics_path": section.get("metrics_path"),
+        "verbose": section.get("verbose", False),
+        "num_workers": section.get("num_workers", data_sampling.get("num_workers", 0)),
+        "pin_memory": section.get("pin_memory", data_sampling.get("pin_memory", False)),
+    }
+    for key in ("num_workers", "pin_memory", "verbose"):
+        value = settings[key]
+        where = path if key in section else ".".join(_SECTION[:2])  # num_workers, pin_memory: data_sampling's
+        whole = not isinstance(value, bool) and isinstance(value, numbers.Integral)
+        if key == "num_workers":
+            valid, expected = whole and value >= 0, "an integer >= 0"
+        else:
+            valid, expected = isinstance(value, bool), "true or false"
+        if not valid:
+            error = ValueError if whole else TypeError
+            raise error(f"in {where}: {key} should be {expected}, but got {key}={value!r}")
+    metrics_path = settings["metrics_path"]
+    if metrics_path is not None and not isinstance(metrics_path, str):
+        raise TypeError(
+            f"in {path}: metrics_path should be a folder path (a string), but got metrics_path={metrics_path!r}"
+        )
+    return settings
+
+
+def _dataset_seqlens(dataset, metrics_path: str | None, batch_seqlens_fn, collate_fn) -> np.ndarray:
+    """Seqlens from the cache in ``metrics_path`` (spot-checked), else computed once, sharded over ranks, cached."""
+    if not hasattr(dataset, "__len__"):
+        raise ValueError("the dataset has no __len__, so its seqlens cannot be computed; pass dataset_seqlens")
+    num_samples = len(dataset)
+    cached = _cached_seqlens(metrics_path, num_samples) if metrics_path else None
+    if cached is not None and batch_seqlens_fn is not None and num_samples:
+        # A cache outlives the dataset it was made for: recompute 16 entries (the same on every rank).
+        ids = np.unique(np.linspace(0, num_samples - 1, min(num_samples, 16)).astype(np.int64))
+        stale = np.flatnonzero(_seqlens_of(dataset, ids, batch_seqlens_fn, collate_fn) != cached[ids])
+        if len(stale):
+            _logger.warning(
+                "the seqlen cache in %s disagrees with batch_seqlens_fn on sample %d: it is from another "
+                "dataset; recomputing it",
+                metrics_path,
+                int(ids[stale[0]]),
+            )
+            cached = None
+    if not all(_gather(cached is not None)):  # a cache some ranks lack or find stale (node-local disks): all compute
+        cached = None
+    if cached is not None:
+        return cached
+    if batch_seqlens_fn is None:
+        raise ValueError(
+            "no dataset_seqlens, no seqlen cache in metrics_path, and batch_seqlens_fn is None; pass "
+            "dataset_seqlens, or batch_seqlens_fn (e.g. varbatch.seqlens_from_padded) to compute them once"
+        )
+    rank, world_size = _world()  # each rank measures every world_size-th sample, then all gather
+    shard = np.arange(rank, num_samples, world_size, dtype=np.int64)
+    seqlens = np.zeros(num_samples, dtype=np.int64)
+    for ids, part in _gather((shard, _seqlens_of(dataset, shard, batch_seqlens_fn, collate_fn))):
+        seqlens[ids] = part
+    if metrics_path and rank == 0:
+        os.makedirs(metrics_path, exist_ok=True)
+        tmp = os.path.join(metrics_path, f".{_SEQLEN_CACHE}.{os.getpid()}.npy")
+        np.save(tmp, seqlens)
+        os.replace(tmp, os.path.join(metrics_path, _SEQLEN_CACHE))  # atomic: no rank reads half a file
+    if world_size > 1:
+        torch.distributed.barrier()
+    return seqlens
+
+
+def _seqlens_of(dataset, ids: np.ndarray, batch_seqlens_fn: Callable, collate_fn: Callable | None) -> np.ndarray:
+    """``batch_seqlens_fn(collate_fn(samples))`` over the samples ``ids``, 256 at a time.
+
+    As in DeepSpeed, ``batch_seqlens_fn`` gets a batch made by the training
+    collate function (without one, by `PaddedCollate`) and returns one length per sample.
+    """
+    lengths = np.zeros(len(ids), dtype=np.int64)
+    for start in range(0, len(ids), 256):
+        chunk = ids[start : start + 256]
+        got = batch_seqlens_fn((collate_fn or PaddedCollate())([dataset[int(i)] for i in chunk]))
+        got = got.detach().cpu().reshape(-1).tolist() if isinstance(got, torch.Tensor) else list(got)
+        if len(got) != len(chunk):
+            raise ValueError(
+                f"batch_seqlens_fn returned {len(got)} lengths for a batch of {len(chunk)} samples; it "
+                f"must return one length per sample of the batch that dataloader_collate_fn made"
+            )
+        lengths[start : start + len(chunk)] = _as_counts(got, "batch_seqlens_fn's lengths")
+    return lengths
+
+
+def _cached_seqlens(metrics_path: str, num_samples: int) -> np.ndarray | None:
+    """Seqlens cached in ``metrics_path`` (varbatch's .npy or DeepSpeed's metric files) for this many samples."""
+    ours = os.path.join(metrics_path, _SEQLEN_CACHE)
+    theirs = os.path.join(metrics_path, "seqlen", "seqlen_sample_to_metric")
+    if os.path.exists(ours):
+        seqlens = np.load(ours)
+    elif os.path.exists(theirs + ".bin") and os.path.exists(theirs + ".idx"):  # DeepSpeed's DataAnalyzer: N x 1
+        from deepspeed.runtime.data_pipeline.data_sampling.indexed_dataset import MMapIndexedDataset
+
+        metric = MMapIndexedDataset(theirs, skip_warmup=True)
+        seqlens = np.concatenate([np.asarray(metric[i]).reshape(-1) for i in range(len(metric))])
+    else:
+        return None
+    if len(seqlens) != num_samples:
+        _logger.warning(
+            "the seqlen cache in %s has %d entries but the dataset %d samples: recomputing it",
+            metrics_path,
+            len(seqlens),
+            num_samples,
+        )
+        return None
+    return seqlens.astype(np.int64)
