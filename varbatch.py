@@ -226,13 +226,6 @@ def _digest(*arrays: Any) -> str | None:
     return digest.hexdigest()[:16]
 
 
-# lr = lr_ref x s(B / B_ref). Linear, s(r) = r: Goyal et al. 2017, SGD with warmup.
-# Square root, s(r) = sqrt(r): Krizhevsky 2014 derives it from the gradient's variance
-# (and reports the linear rule working better in his runs); Hoffer et al. 2017 use it
-# for SGD, Malladi et al. 2022 for Adam (also rescaling Adam's betas and epsilon). All
-# compare whole runs at fixed batch sizes: scaling each step by its own batch is a
-# heuristic built on them. B's unit should match the loss: tokens for a loss averaged
-# over tokens (a token budget keeps it nearly constant), sequences for one over sequences.
 def _check_lr_method(method: Any) -> Any:
     """A valid LR scaling method: a name of `_LRMethod`, None (no scaling) or a callable."""
     if method is None or callable(method):
@@ -364,6 +357,142 @@ def _check_settings(settings: _Settings) -> None:
     put("bucket_size", None if settings.bucket_size is None else _check_int("bucket_size", settings.bucket_size, 1))
 
 
+# The fix of a loop that accumulates another number of step inputs per update than the sampler (two messages).
+_SAME_ACCUMULATION = (
+    "make the loop's accumulation the sampler's gradient_accumulation_steps: HF Trainer's TrainingArguments."
+    "gradient_accumulation_steps, Lightning's Trainer(accumulate_grad_batches=...), HF Accelerate's Accelerator("
+    "gradient_accumulation_steps=...)"
+)
+
+
+# NOTE [misuse, seen from the loader]: the loop's misuse is found from what
+# varbatch hands out, never from the model. Between two `step()` calls the
+# sampler counts the step inputs its loaders handed out on this rank, and an
+# optimizer step-post hook counts the updates. Then, with G the sampler's
+# gradient_accumulation_steps, `latest` the absolute index of the last
+# step input handed out (`epoch x len(sampler) + t`) and W what loaders
+# read ahead (workers x prefetch_factor, plus one for a loop that fetches one
+# batch ahead: HF Accelerate's and Lightning's do):
+# - a `step()` with no optimizer step since the last one is a skipped update
+#   only if G new step inputs were handed out since (or the epoch's last was
+#   handed out before: loaders hand out nothing while they drain their
+#   read-ahead); else it is a second `step()` for one update: refused at once;
+# - b never runs ahead, `b x G <= latest + 1`, and runs behind by at most W,
+#   `latest + 1 - b x G <= W`: a loop that accumulates G' step inputs an
+#   update drifts `|G - G'|` a batch and is refused within `ceil(W /
+#   |G - G'|) + 2` updates; one that skips updates without telling is refused
+#   at the first untold skip past `W / G`. Fewer untold skips in a whole run
+#   cannot be seen (the loader's read-ahead hides them).
+# A rank whose loader hands out nothing (DeepSpeed's middle pipeline stages)
+# is not checked, nor a scheduler until a step input is handed out after it
+# was made or restored (a sampler not yet iterated is at no other position).
+def _check_update(scheduler: VariableBatchSizeLR) -> None:
+    """Raises when this `step` is a second one for one update (see NOTE [misuse, seen from the loader])."""
+    sampler, handed = scheduler._sampler, scheduler._handed()
+    last, updated = scheduler._handed_at_step, scheduler._optimizer_steps != scheduler._steps_at_step
+    scheduler._handed_at_step, scheduler._steps_at_step = handed, scheduler._optimizer_steps
+    if sampler is None or updated or last is None or handed == scheduler._handed_floor:
+        return
+    new = handed - last
+    gas = sampler.gradient_accumulation_steps
+    drained = (sampler._latest + 1) % len(sampler) == 0 and (scheduler._batches + 1) * gas <= sampler._latest + 1
+    if new >= gas or drained:
+        return
+    raise RuntimeError(
+        f"VariableBatchSizeLR.step() was called again for one update: since the last call no optimizer step "
+        f"ran and this rank's loader handed out {new} of a batch's {gas} step inputs; call it once per batch, "
+        f"after its update (step(skipped=True) for an update AMP skipped). HF Accelerate: keep the scheduler "
+        f"out of accelerator.prepare() (its wrapper steps it once per process) and, under accelerator."
+        f"accumulate(), step it only when accelerator.sync_gradients; see the README, 'Use with torchrun, "
+        f"DeepSpeed, Accelerate, Lightning'"
+    )
+
+
+def _check_position(scheduler: VariableBatchSizeLR, batches: int) -> None:
+    """Raises when ``batches``, the batches trained (after a `step`) or being trained (before an update), run
+    ahead of the step inputs handed out, or behind them by more than the loaders read ahead."""
+    sampler = scheduler._sampler
+    if sampler is None or scheduler._handed() == scheduler._handed_floor:
+        return
+    gas, ahead = sampler.gradient_accumulation_steps, sampler._read_ahead
+    handed = sampler._latest + 1  # this rank's step inputs from the run's start to the last handed out
+    trained = batches * gas  # this rank's step inputs of those batches
+    if trained > handed:
+        raise RuntimeError(
+            f"VariableBatchSizeLR counts {batches} batches, {trained} step inputs on this rank at "
+            f"gradient_accumulation_steps={gas}, but the loader handed out {handed}: the loop steps the "
+            f"scheduler more than once per update (HF Accelerate: keep it out of accelerator.prepare() and step "
+            f"it only when accelerator.sync_gradients), or for fewer step inputs than the sampler's batch "
+            f"({_SAME_ACCUMULATION}), or the scheduler was restored from another point of the run than the "
+            f"sampler (restore both from one checkpoint)"
+        )
+    if handed - trained > ahead:
+        raise RuntimeError(
+            f"the loader handed out {handed} step inputs on this rank, but VariableBatchSizeLR counts "
+            f"{batches} batches at gradient_accumulation_steps={gas} ({trained}): {handed - trained} more than "
+            f"the loader reads ahead ({ahead}). The loop skips updates without telling the scheduler (call "
+            f"step(skipped=True) for them, or step() every iteration; HF Trainer and TRL: varbatch."
+            f"hf_trainer_lr_scheduler; HF Accelerate: keep the scheduler out of accelerator.prepare(); "
+            f"Lightning: 'interval': 'step' in configure_optimizers), or accumulates more step inputs than the "
+            f"sampler's batch ({_SAME_ACCUMULATION}), or the sampler was restored without the scheduler "
+            f"(restore both from one checkpoint)"
+        )
+
+
+def _check_world(sampler: VariableBatchSampler) -> None:
+    """Raises when torch.distributed came up with more ranks after a sampler that deals to 1 was made."""
+    if sampler._alone and _world()[1] > 1:
+        raise RuntimeError(
+            f"this VariableBatchSampler was made before torch.distributed was initialized, so it "
+            f"deals to 1 rank, but the job now has {_world()[1]}: every rank would train every "
+            f"sample; make it after init_process_group, or pass num_replicas and rank"
+        )
+
+
+def _check_tokens_known(sampler: VariableBatchSampler, what: str) -> None:
+    """Raises when the plans have no token counts: given micro-batches come without their seqlens."""
+    if sampler._planner.fixed is not None:
+        raise ValueError(
+            f"{what} counts tokens, but a loader over given micro-batches (dataloader_for_variable_"
+            f"batch_size) has no seqlens; count sequences, or plan with get_dataloader_and_lr_"
+            f"scheduler_for_variable_batch_size or make_dataloader, which have them"
+        )
+
+
+def _is_unit_trap(mean: float, default_reference: bool) -> bool:
+    """Whether `_lr_warning` is due: the default ``B_ref`` (``train_batch_size``) puts the mean LR factor ``mean``
+    outside [0.5, 2]. The plan command's totals ask it.
+
+    NOTE [the unit trap]: DeepSpeed's ``B_ref`` is ``train_batch_size``, a count
+    of micro-batches, against ``B`` in sequences: the LR comes out about
+    ``max_tokens / mean seqlen`` times the configured one. It stays the default
+    (None) for compatibility, with a warning; each trained epoch's factors are logged.
+    """
+    return default_reference and not 0.5 <= mean <= 2.0
+
+
+def _lr_warning(mean: float, b_ref: float, unit: str) -> str:
+    """What the default ``B_ref`` does to the LR, and the setting that fixes it."""
+    return (
+        f"the configured LR is multiplied by {mean:.3g} on average: the default B_ref=train_batch_size={b_ref:g} "
+        f"counts micro-batches, B counts {unit} (about max_tokens / mean seqlen of them per micro-batch); set "
+        f'lr_scaling_reference to "mean" or to the batch size (in {unit}) your LR was tuned for'
+    )
+
+
+def _empty_plan_message(plan: Plan) -> str:
+    """Why a plan has no batch, in numbers that add up, and what to change."""
+    settings, counts = plan.settings, {reason: len(ids) for reason, ids in plan.dropped.items()}
+    return (
+        f"not enough samples for one batch in epoch {plan.epoch}: of {plan.num_dropped - counts['filtered']} samples,"
+        f" {counts['over_budget']} are longer than max_tokens={settings.max_tokens}, {counts['min_batch_size']} cannot"
+        f" start a micro-batch of min_batch_size={settings.min_batch_size} within it, and the other {counts['tail']}"
+        f" cannot fill one batch of effective_batch_size={settings.effective_batch_size} micro-batches of at least"
+        f" min_batch_size samples (at least {settings.effective_batch_size * settings.min_batch_size}); use more"
+        f" data, fewer ranks or accumulation steps, or a smaller min_batch_size"
+    )
+
+
 def _torch_optimizer(optimizer: Any) -> Optimizer:
     """The torch `Optimizer` inside DeepSpeed's wrappers (ZeRO stages, fp16, bf16) and HF Accelerate's.
 
@@ -425,7 +554,7 @@ def _listed_batch_sizes(batch_sizes: Any, sampler: VariableBatchSampler | None, 
     if sampler is not None:
         for name in ("lr_scaling_unit", "clock"):
             if options[name] == "tokens":
-                sampler._check_tokens_known(f"{name}='tokens'")
+                _check_tokens_known(sampler, f"{name}='tokens'")
         return None
     if isinstance(batch_sizes, (str, bytes)) or not hasattr(batch_sizes, "__len__") or not len(batch_sizes):
         raise ValueError(
@@ -780,19 +909,6 @@ def _pack(
     for array in (*arrays.values(), *dropped.values()):
         array.setflags(write=False)
     return Plan(**arrays, dropped=dropped, settings=settings, epoch=epoch)
-
-
-def _empty_plan_message(plan: Plan) -> str:
-    """Why a plan has no batch, in numbers that add up, and what to change."""
-    settings, counts = plan.settings, {reason: len(ids) for reason, ids in plan.dropped.items()}
-    return (
-        f"not enough samples for one batch in epoch {plan.epoch}: of {plan.num_dropped - counts['filtered']} samples,"
-        f" {counts['over_budget']} are longer than max_tokens={settings.max_tokens}, {counts['min_batch_size']} cannot"
-        f" start a micro-batch of min_batch_size={settings.min_batch_size} within it, and the other {counts['tail']}"
-        f" cannot fill one batch of effective_batch_size={settings.effective_batch_size} micro-batches of at least"
-        f" min_batch_size samples (at least {settings.effective_batch_size * settings.min_batch_size}); use more"
-        f" data, fewer ranks or accumulation steps, or a smaller min_batch_size"
-    )
 
 
 def _picked(
@@ -1345,6 +1461,15 @@ def _reshuffled(plan: Plan, epoch: int) -> Plan:
 # =============================================================================
 
 
+# lr = lr_ref x s(B / B_ref). Linear, s(r) = r: Goyal et al. 2017, SGD with warmup.
+# Square root, s(r) = sqrt(r): Krizhevsky 2014 derives it from the gradient's variance
+# (and reports the linear rule working better in his runs); Hoffer et al. 2017 use it
+# for SGD, Malladi et al. 2022 for Adam (also rescaling Adam's betas and epsilon). All
+# compare whole runs at fixed batch sizes: scaling each step by its own batch is a
+# heuristic built on them. B's unit should match the loss: tokens for a loss averaged
+# over tokens (a token budget keeps it nearly constant), sequences for one over sequences.
+
+
 def scale_lr(base_batch_size, batch_size, base_lr=1, method="linear"):
     """The learning rate for ``batch_size``, given ``base_lr`` tuned at ``base_batch_size`` (same unit).
 
@@ -1397,27 +1522,6 @@ def _lr_factors(
     return np.array([_lr_factor(b / b_ref, method) for b in chosen]), b_ref
 
 
-def _lr_warning(mean: float, b_ref: float, unit: str) -> str:
-    """What the default ``B_ref`` does to the LR, and the setting that fixes it."""
-    return (
-        f"the configured LR is multiplied by {mean:.3g} on average: the default B_ref=train_batch_size={b_ref:g} "
-        f"counts micro-batches, B counts {unit} (about max_tokens / mean seqlen of them per micro-batch); set "
-        f'lr_scaling_reference to "mean" or to the batch size (in {unit}) your LR was tuned for'
-    )
-
-
-def _is_unit_trap(mean: float, default_reference: bool) -> bool:
-    """Whether `_lr_warning` is due: the default ``B_ref`` (``train_batch_size``) puts the mean LR factor ``mean``
-    outside [0.5, 2]. The plan command's totals ask it.
-
-    NOTE [the unit trap]: DeepSpeed's ``B_ref`` is ``train_batch_size``, a count
-    of micro-batches, against ``B`` in sequences: the LR comes out about
-    ``max_tokens / mean seqlen`` times the configured one. It stays the default
-    (None) for compatibility, with a warning; each trained epoch's factors are logged.
-    """
-    return default_reference and not 0.5 <= mean <= 2.0
-
-
 def micro_batch_loss_weight(count, batch_count, *, num_replicas=1, gradient_accumulation_steps=1):
     """The weight of one step input's mean loss, so the batch's gradient is the gradient of the batch mean.
 
@@ -1459,6 +1563,14 @@ def micro_batch_loss_weight(count, batch_count, *, num_replicas=1, gradient_accu
 # =============================================================================
 # The batch sampler
 # =============================================================================
+
+
+# The dealing rule, written once (`VariableBatchSampler.__iter__`): step input g of an
+# epoch is micro-batches g*m .. g*m + m - 1 of the plan (m = micro_batch_size), and
+# rank r trains step inputs r, r + R, r + 2R, ... (R ranks), its t-th being g = t*R + r.
+# A batch is k = m*G*R micro-batches (G = gradient_accumulation_steps), so every rank
+# trains G step inputs of every batch; with m = 1, micro-batch j goes to rank j % R, as
+# in DeepSpeed. The loader deals by this rule itself (NOTE [the loader deals itself]).
 
 
 class VariableBatchSampler(Sampler[list[int]]):
@@ -1653,7 +1765,7 @@ class VariableBatchSampler(Sampler[list[int]]):
                 f"every epoch: {len(self) // self.gradient_accumulation_steps} x {epochs}; count tokens or samples"
             )
         if unit == "tokens":
-            self._check_tokens_known("horizon(unit='tokens')")
+            _check_tokens_known(self, "horizon(unit='tokens')")
 
         def amount(plan, skip):
             return int(plan._amounts(unit)[skip:].sum())
@@ -1663,90 +1775,6 @@ class VariableBatchSampler(Sampler[list[int]]):
         if self.settings.order in ("dataloader", "seqlen") or self._planner.fixed is not None:
             return total + (epochs - 1) * amount(self.plan, 0)  # one plan for every epoch: plan it once
         return total + sum(amount(self._planner(e), 0) for e in range(self.epoch + 1, self.epoch + epochs))
-
-    def _check_tokens_known(self, what: str) -> None:
-        """Raises when the plans have no token counts: given micro-batches come without their seqlens."""
-        if self._planner.fixed is not None:
-            raise ValueError(
-                f"{what} counts tokens, but a loader over given micro-batches (dataloader_for_variable_"
-                f"batch_size) has no seqlens; count sequences, or plan with get_dataloader_and_lr_"
-                f"scheduler_for_variable_batch_size or make_dataloader, which have them"
-            )
-
-    def _check_world(self) -> None:
-        """Raises when torch.distributed came up with more ranks after a sampler that deals to 1 was made."""
-        if self._alone and _world()[1] > 1:
-            raise RuntimeError(
-                f"this VariableBatchSampler was made before torch.distributed was initialized, so it "
-                f"deals to 1 rank, but the job now has {_world()[1]}: every rank would train every "
-                f"sample; make it after init_process_group, or pass num_replicas and rank"
-            )
-
-    def _iter_keys(self, every_rank: bool = False, ids_only: bool = False) -> Iterator[tuple]:
-        """Keys of this rank's step inputs of the epoch, from the resume position (with ``every_rank``, all ranks').
-
-        The one dealing rule (see above). A key is a `_StepInputKey`: the step
-        input's sample ids, their seqlens, the length to pad them to, and where
-        the pass dealt it, by which `_LoadStepInput` checks the dealing. The position
-        follows this rank's keys; after its last one the sampler is at the next
-        epoch, also when the iterator is not exhausted (trainers stop at len()).
-        With ``ids_only`` each key is only its sample ids, as a list (what `__iter__` yields; this rank's only).
-        """
-        self._check_world()
-        epoch, start = self._position.next_start()
-        self._start_pass(epoch, start, finished=start >= len(self))  # empty: done at once
-        yield from self._epoch_keys(epoch, start, self._position, every_rank, ids_only)
-
-    def _epoch_keys(
-        self, epoch: int, start: int, position: _Position, every_rank: bool, ids_only: bool
-    ) -> Iterator[tuple]:
-        """The keys of `_iter_keys`' pass at ``position`` in ``epoch`` from step input ``start``.
-
-        The plan's arrays are read a run of `_KEY_RUN` step inputs (of every rank) at a
-        time, each as one list, and cut into the keys' tuples there: a numpy call per
-        step input would cost more than the rest of the key. Each of this rank's step
-        inputs moves ``position`` on before it is handed out (`_hand_out`).
-        """
-        total = len(self)
-        plan = self.plan_for_epoch(epoch)
-        m, ranks = self.micro_batch_size, self.num_replicas
-        passes = position.last.number
-        if epoch not in self._logged and _on_rank_zero(self.rank):  # once per trained epoch, for the whole job
-            self._logged.add(epoch)
-            _log_plan(plan, self.verbose)
-        for run in range(start, total, _KEY_RUN):
-            steps = range(run, min(run + _KEY_RUN, total))
-            first = steps.start * ranks  # the run's first step input g, of any rank
-            offsets = plan.microbatch_offsets[first * m : steps.stop * ranks * m + 1 : m]
-            ids = plan.sample_ids[offsets[0] : offsets[-1]]
-            bounds = (offsets - offsets[0]).tolist()  # step input g: ids[bounds[g - first] : bounds[g - first + 1]]
-            if ids_only:  # this rank's ids alone, what __iter__ yields: the loop of the common case, kept short
-                ids = ids.tolist()
-                starts, ends = bounds[self.rank :: ranks], bounds[self.rank + 1 :: ranks]  # of this rank's t in steps
-                for t, a, b in zip(steps, starts, ends):
-                    if not self._hand_out(position, t + 1, total):
-                        return
-                    yield ids[a:b]
-                continue
-            lens = None if self.seqlens is None else self.seqlens[ids].tolist()
-            ids = ids.tolist()
-            pad_to = plan.padded_seqlens[first * m : steps.stop * ranks * m : m].tolist() if self.same_length else None
-            for t in steps:
-                dealt = range(t * ranks, (t + 1) * ranks) if every_rank else (t * ranks + self.rank,)
-                for g in dealt:
-                    if g % ranks == self.rank and not self._hand_out(position, t + 1, total):  # this rank's t-th
-                        return
-                    a, b = bounds[g - first], bounds[g - first + 1]
-                    yield _StepInputKey(
-                        sample_ids=tuple(ids[a:b]),
-                        seqlens=None if lens is None else tuple(lens[a:b]),
-                        pad_to=0 if pad_to is None else pad_to[g - first],
-                        epoch=epoch,
-                        pass_number=passes,
-                        pass_start=start,
-                        step_input=g,
-                        every_rank=every_rank,  # marked, so that the dealing check can tell a view that was not dealt
-                    )
 
     def _hand_out(self, position: _Position, steps_done: int, total: int) -> bool:
         """Moves the pass at ``position`` on by one step input, the ``steps_done``-th of the ``total`` of its epoch.
@@ -1763,7 +1791,41 @@ class VariableBatchSampler(Sampler[list[int]]):
         return True
 
     def __iter__(self) -> Iterator[list[int]]:
-        return self._iter_keys(ids_only=True)
+        """This rank's step inputs of the epoch, from the resume position, each as its sample ids: its t-th is step
+        input g = t*R + rank (the dealing rule above). The position follows them, each moving it on as it is handed
+        out (`_hand_out`); after the last one the sampler is at the next epoch, also when the iterator is not
+        exhausted (trainers stop at len())."""
+        epoch, start, position = self._begin_pass()
+        rank, ranks = self.rank, self.num_replicas
+        for steps, ids, bounds in self._runs(epoch, start):
+            ids = ids.tolist()
+            for t, a, b in zip(steps, bounds[rank::ranks], bounds[rank + 1 :: ranks]):
+                if not self._hand_out(position, t + 1, len(self)):
+                    return
+                yield ids[a:b]
+
+    def _begin_pass(self) -> tuple[int, int, _Position]:
+        """Starts a pass from the resume position (an iterator of an older pass goes stale): its epoch, its first
+        step input of this rank, and its position."""
+        _check_world(self)
+        epoch, start = self._position.next_start()
+        self._start_pass(epoch, start, finished=start >= len(self))  # empty: done at once
+        return epoch, start, self._position
+
+    def _runs(self, epoch: int, start: int) -> Iterator[tuple[range, np.ndarray, list[int]]]:
+        """The plan of ``epoch`` from this rank's step input ``start`` on, a run of `_KEY_RUN` steps t at a time: the
+        steps, the sample ids of their step inputs (of every rank), and where each step input g of them starts in
+        those ids, from the run's first ``g = steps.start x R`` (and the end). A numpy call per step input would cost
+        more than the rest of it. Logs the plan once per trained epoch (rank 0)."""
+        plan = self.plan_for_epoch(epoch)
+        m, ranks = self.micro_batch_size, self.num_replicas
+        if epoch not in self._logged and _on_rank_zero(self.rank):  # once per trained epoch, for the whole job
+            self._logged.add(epoch)
+            _log_plan(plan, self.verbose)
+        for run in range(start, len(self), _KEY_RUN):
+            steps = range(run, min(run + _KEY_RUN, len(self)))
+            offsets = plan.microbatch_offsets[steps.start * ranks * m : steps.stop * ranks * m + 1 : m]
+            yield steps, plan.sample_ids[offsets[0] : offsets[-1]], (offsets - offsets[0]).tolist()
 
     def _state_settings(self) -> dict:
         """What the plans depend on besides the epoch, as plain data (the data as hashes)."""
@@ -1818,21 +1880,7 @@ class _Planner:
         return _equal_plan(self.seqlens, self.settings, self.sample_ids, epoch, self.reference)
 
 
-_KEY_RUN = 256  # step inputs (of every rank) whose ids `VariableBatchSampler._epoch_keys` reads as one list
-
-
-class _StepInputKey(typing.NamedTuple):
-    """One step input as the sampler hands it to the loader: what a loader worker needs to load its samples, pad
-    and collate them, and check that it was dealt to this rank (a tuple of plain data: it travels to workers)."""
-
-    sample_ids: tuple[int, ...]
-    seqlens: tuple[int, ...] | None  # the plan's real lengths of the samples (None: given micro-batches)
-    pad_to: int  # the batch's longest seqlen in same-length mode, else 0 (no padding)
-    epoch: int
-    pass_number: int  # the sampler's pass that dealt it (a new pass over an epoch gets a new number)
-    pass_start: int  # this rank's step input t that the pass started at
-    step_input: int  # g, its index among the epoch's step inputs of all ranks (see the dealing rule)
-    every_rank: bool = False  # from the view of every rank's step inputs that launchers deal (see `_StepInputKeys`)
+_KEY_RUN = 256  # step inputs (of every rank) whose ids `VariableBatchSampler._runs` reads as one list
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1883,12 +1931,6 @@ class _Position:
         return self.epoch, 0
 
 
-# The dealing rule, written once (`VariableBatchSampler._iter_keys`): step input g of an
-# epoch is micro-batches g*m .. g*m + m - 1 of the plan (m = micro_batch_size), and
-# rank r trains step inputs r, r + R, r + 2R, ... (R ranks), its t-th being g = t*R + r.
-# A batch is k = m*G*R micro-batches (G = gradient_accumulation_steps), so every rank
-# trains G step inputs of every batch; with m = 1, micro-batch j goes to rank j % R, as
-# in DeepSpeed. The loader deals by this rule itself (NOTE [the loader deals itself]).
 def _world(group: Any = None) -> tuple[int, int]:
     """``(rank, size)`` of this process in torch.distributed (in ``group``); ``(0, 1)`` without it."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -1916,14 +1958,6 @@ def _log_plan(plan: Plan, verbose: bool) -> None:
 # =============================================================================
 # The LR scheduler
 # =============================================================================
-
-
-# The fix of a loop that accumulates another number of step inputs per update than the sampler (two messages).
-_SAME_ACCUMULATION = (
-    "make the loop's accumulation the sampler's gradient_accumulation_steps: HF Trainer's TrainingArguments."
-    "gradient_accumulation_steps, Lightning's Trainer(accumulate_grad_batches=...), HF Accelerate's Accelerator("
-    "gradient_accumulation_steps=...)"
-)
 
 
 class VariableBatchSizeLR(LRScheduler):
@@ -1957,27 +1991,8 @@ class VariableBatchSizeLR(LRScheduler):
     ``limit_train_batches``) is squared when the sampler's next epoch is set:
     b moves to that epoch's first batch.
 
-    NOTE [misuse, seen from the loader]: the loop's misuse is found from what
-    varbatch hands out, never from the model. Between two ``step()`` calls the
-    sampler counts the step inputs its loaders handed out on this rank, and an
-    optimizer step-post hook counts the updates. Then, with G the sampler's
-    gradient_accumulation_steps, ``latest`` the absolute index of the last
-    step input handed out (``epoch x len(sampler) + t``) and W what loaders
-    read ahead (workers x prefetch_factor, plus one for a loop that fetches one
-    batch ahead: HF Accelerate's and Lightning's do):
-    - a ``step()`` with no optimizer step since the last one is a skipped update
-      only if G new step inputs were handed out since (or the epoch's last was
-      handed out before: loaders hand out nothing while they drain their
-      read-ahead); else it is a second ``step()`` for one update: refused at once;
-    - b never runs ahead, ``b x G <= latest + 1``, and runs behind by at most W,
-      ``latest + 1 - b x G <= W``: a loop that accumulates G' step inputs an
-      update drifts ``|G - G'|`` a batch and is refused within ``ceil(W /
-      |G - G'|) + 2`` updates; one that skips updates without telling is refused
-      at the first untold skip past ``W / G``. Fewer untold skips in a whole run
-      cannot be seen (the loader's read-ahead hides them).
-    A rank whose loader hands out nothing (DeepSpeed's middle pipeline stages)
-    is not checked, nor a scheduler until a step input is handed out after it
-    was made or restored (a sampler not yet iterated is at no other position).
+    Misuse is found from the step inputs the loader handed out (NOTE [misuse, seen from the loader], above
+    `_check_update`).
 
     Args:
         lr_scheduler: a torch scheduler (``SequentialLR``, ``ChainedScheduler``
@@ -2148,8 +2163,8 @@ class VariableBatchSizeLR(LRScheduler):
         self._follow_engine()
         if epoch is not None:
             return self._realign(epoch)
-        self._check_update()
-        self._check_position(self._batches + 1)  # before anything moves: a refused call leaves it as it was
+        _check_update(self)
+        _check_position(self, self._batches + 1)  # before anything moves: a refused call leaves it as it was
         epoch, batch = self._where()
         if not skipped:
             size = int(self._sizes(epoch, "tokens" if self.clock == "tokens" else "sequences")[batch])
@@ -2196,57 +2211,6 @@ class VariableBatchSizeLR(LRScheduler):
 
     def _handed(self) -> int:
         return 0 if self._sampler is None else self._sampler._handed
-
-    def _check_update(self) -> None:
-        """Raises when this `step` is a second one for one update (see NOTE [misuse, seen from the loader])."""
-        sampler, handed = self._sampler, self._handed()
-        last, updated = self._handed_at_step, self._optimizer_steps != self._steps_at_step
-        self._handed_at_step, self._steps_at_step = handed, self._optimizer_steps
-        if sampler is None or updated or last is None or handed == self._handed_floor:
-            return
-        new = handed - last
-        gas = sampler.gradient_accumulation_steps
-        drained = (sampler._latest + 1) % len(sampler) == 0 and (self._batches + 1) * gas <= sampler._latest + 1
-        if new >= gas or drained:
-            return
-        raise RuntimeError(
-            f"VariableBatchSizeLR.step() was called again for one update: since the last call no optimizer step "
-            f"ran and this rank's loader handed out {new} of a batch's {gas} step inputs; call it once per batch, "
-            f"after its update (step(skipped=True) for an update AMP skipped). HF Accelerate: keep the scheduler "
-            f"out of accelerator.prepare() (its wrapper steps it once per process) and, under accelerator."
-            f"accumulate(), step it only when accelerator.sync_gradients; see the README, 'Use with torchrun, "
-            f"DeepSpeed, Accelerate, Lightning'"
-        )
-
-    def _check_position(self, batches: int) -> None:
-        """Raises when ``batches``, the batches trained (after a `step`) or being trained (before an update), run
-        ahead of the step inputs handed out, or behind them by more than the loaders read ahead."""
-        sampler = self._sampler
-        if sampler is None or self._handed() == self._handed_floor:
-            return
-        gas, ahead = sampler.gradient_accumulation_steps, sampler._read_ahead
-        handed = sampler._latest + 1  # this rank's step inputs from the run's start to the last handed out
-        trained = batches * gas  # this rank's step inputs of those batches
-        if trained > handed:
-            raise RuntimeError(
-                f"VariableBatchSizeLR counts {batches} batches, {trained} step inputs on this rank at "
-                f"gradient_accumulation_steps={gas}, but the loader handed out {handed}: the loop steps the "
-                f"scheduler more than once per update (HF Accelerate: keep it out of accelerator.prepare() and step "
-                f"it only when accelerator.sync_gradients), or for fewer step inputs than the sampler's batch "
-                f"({_SAME_ACCUMULATION}), or the scheduler was restored from another point of the run than the "
-                f"sampler (restore both from one checkpoint)"
-            )
-        if handed - trained > ahead:
-            raise RuntimeError(
-                f"the loader handed out {handed} step inputs on this rank, but VariableBatchSizeLR counts "
-                f"{batches} batches at gradient_accumulation_steps={gas} ({trained}): {handed - trained} more than "
-                f"the loader reads ahead ({ahead}). The loop skips updates without telling the scheduler (call "
-                f"step(skipped=True) for them, or step() every iteration; HF Trainer and TRL: varbatch."
-                f"hf_trainer_lr_scheduler; HF Accelerate: keep the scheduler out of accelerator.prepare(); "
-                f"Lightning: 'interval': 'step' in configure_optimizers), or accumulates more step inputs than the "
-                f"sampler's batch ({_SAME_ACCUMULATION}), or the sampler was restored without the scheduler "
-                f"(restore both from one checkpoint)"
-            )
 
     def _square(self, epoch: int) -> None:
         """The sampler's next epoch is ``epoch``: an epoch before it that was cut short ends here (NOTE [the contract])."""
@@ -2303,7 +2267,7 @@ class VariableBatchSizeLR(LRScheduler):
         """An optimizer step-pre hook: the update of batch b, whose step inputs were handed out, uses its LR (b moved
         on by an engine's skips); a scheduler and a sampler at different points are refused before it."""
         self._follow_engine()
-        self._check_position(self._batches + 1)
+        _check_position(self, self._batches + 1)
         self._write()
 
     def _count_update(self, *hook_args) -> None:
@@ -3250,6 +3214,56 @@ class _KeyDataset(Dataset):
         raise TypeError("varbatch's key dataset has no length: its items are the keys its sampler yields")
 
 
+class _StepInputKey(typing.NamedTuple):
+    """One step input as the sampler hands it to the loader: what a loader worker needs to load its samples, pad
+    and collate them, and check that it was dealt to this rank (a tuple of plain data: it travels to workers)."""
+
+    sample_ids: tuple[int, ...]
+    seqlens: tuple[int, ...] | None  # the plan's real lengths of the samples (None: given micro-batches)
+    pad_to: int  # the batch's longest seqlen in same-length mode, else 0 (no padding)
+    epoch: int
+    pass_number: int  # the sampler's pass that dealt it (a new pass over an epoch gets a new number)
+    pass_start: int  # this rank's step input t that the pass started at
+    step_input: int  # g, its index among the epoch's step inputs of all ranks (see the dealing rule)
+    every_rank: bool = False  # from the view of every rank's step inputs that launchers deal (see `_StepInputKeys`)
+
+
+def _step_input_keys(sampler: VariableBatchSampler, every_rank: bool) -> Iterator[_StepInputKey]:
+    """A pass of ``sampler`` as the loader reads it: the `_StepInputKey` of each of this rank's step inputs (with
+    ``every_rank``, of every rank's, in the order g = 0, 1, ...), dealt as `VariableBatchSampler.__iter__` deals
+    them; this rank's move the position on as they are handed out.
+
+    A key holds the step input's sample ids, their seqlens, the length to pad
+    them to, and where the pass dealt it, by which `_LoadStepInput` checks the
+    dealing.
+    """
+    epoch, start, position = sampler._begin_pass()
+    plan = sampler.plan_for_epoch(epoch)
+    m, ranks = sampler.micro_batch_size, sampler.num_replicas
+    rank = sampler.rank
+    for steps, ids, bounds in sampler._runs(epoch, start):
+        first = steps.start * ranks  # the run's first step input g, of any rank
+        lens = None if sampler.seqlens is None else sampler.seqlens[ids].tolist()
+        ids = ids.tolist()
+        pad_to = plan.padded_seqlens[first * m : steps.stop * ranks * m : m].tolist() if sampler.same_length else None
+        for t in steps:
+            dealt = range(t * ranks, (t + 1) * ranks) if every_rank else (t * ranks + rank,)
+            for g in dealt:
+                if g % ranks == rank and not sampler._hand_out(position, t + 1, len(sampler)):  # this rank's t-th
+                    return
+                a, b = bounds[g - first], bounds[g - first + 1]
+                yield _StepInputKey(
+                    sample_ids=tuple(ids[a:b]),
+                    seqlens=None if lens is None else tuple(lens[a:b]),
+                    pad_to=0 if pad_to is None else pad_to[g - first],
+                    epoch=epoch,
+                    pass_number=position.last.number,
+                    pass_start=start,
+                    step_input=g,
+                    every_rank=every_rank,  # marked, so that the dealing check can tell a view that was not dealt
+                )
+
+
 class _StepInputKeys(DistributedSampler):
     """The `_StepInputKey` of each step input of ``sampler``'s passes: every rank's (``every_rank``: the ``sampler``
     and ``batch_sampler`` launchers see) or this rank's (what the loader iterates); ``[key]`` each when ``batched``
@@ -3265,7 +3279,7 @@ class _StepInputKeys(DistributedSampler):
         self.batched = batched
 
     def __iter__(self):
-        keys = self.variable_batch_sampler._iter_keys(self.every_rank)
+        keys = _step_input_keys(self.variable_batch_sampler, self.every_rank)
         if self.batched:
             return ([key] for key in keys)
         return keys
