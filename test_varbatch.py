@@ -351,7 +351,9 @@ def test_varbatch_runs_no_name_before_its_definition():
 
 
 _PARTS = ("I", "II", "III", "IV")
-_PART_I_CEILING = 1800  # formatted lines: issue 26 asked for 1,600; the sampler and the scheduler under their contract take 770
+_PART_I_CEILING = (
+    1800  # formatted lines: issue 26 asked for 1,600; the sampler and the scheduler under their contract take 770
+)
 
 
 def _parts(source: str) -> dict:
@@ -937,6 +939,23 @@ def test_the_fast_forms_plan_as_the_plain_forms(case, chunk, epoch):
     drops, in every order, budget and shape (NOTE [one dispatch])."""
     case = {**case, "epoch": epoch}
     _same_plans(_in_form("fast", chunk, **case), _in_form("plain", chunk, **case))
+
+
+def test_the_dispatch_runs_the_plain_forms_on_small_epochs_and_the_readme_says_where():
+    """`_implementation` picks each step's plain form up to `_PLAIN_UP_TO` samples and its fast form above (every
+    Part I step with a fast form: `_FAST_FORMS`), `_forms` overrides it, and the README names the size."""
+    limit = varbatch._PLAIN_UP_TO
+    for plain, fast in varbatch._FAST_FORMS.items():
+        assert plain.__name__ + "_" in fast.__name__ or fast.__name__ == "_select_in_place", (plain, fast)
+        assert varbatch._implementation(plain, limit) is plain
+        assert varbatch._implementation(plain, limit + 1) is fast
+        with varbatch._forms("fast", chunk=3):
+            assert varbatch._implementation(plain, 1) is fast
+        with varbatch._forms("plain"):
+            assert varbatch._implementation(plain, 10**9) is plain
+    assert f"epochs of up to {limit:,} samples" in Path(_ROOT, "README.md").read_text(encoding="utf-8")
+    with pytest.raises(ValueError, match="form should be one of 'plain', 'fast', but got form='quick'"):
+        varbatch._forms("quick").__enter__()
 
 
 def _bits(bound):
