@@ -89,6 +89,8 @@ PUBLIC_NAMES = {
     "seqlens_from_padded",
     "micro_batch_loss_weight",
     "hf_trainer_lr_scheduler",  # issue 28: the one adapter factory
+    "FlatCollate",  # issue 29: padding-free step inputs
+    "check_padding_free",
 }
 _ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -182,11 +184,12 @@ def test_docstring_examples_run():
 
 
 def test_import_defines_names_only():
-    """Importing varbatch prints nothing, leaves logging unconfigured, and imports neither DeepSpeed nor matplotlib."""
+    """Importing varbatch prints nothing, leaves logging unconfigured, and imports no DeepSpeed, transformers or
+    matplotlib."""
     code = (
         "import logging, sys, varbatch; "
         "assert not logging.getLogger().handlers and not logging.getLogger('varbatch').handlers; "
-        "loaded = [m for m in ('deepspeed', 'matplotlib') if m in sys.modules]; assert not loaded, loaded; "
+        "loaded = [m for m in ('deepspeed', 'transformers', 'matplotlib') if m in sys.modules]; assert not loaded, loaded; "
         "missing = [n for n in varbatch.__all__ if not hasattr(varbatch, n)]; assert not missing, missing"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=_ROOT)
@@ -194,9 +197,9 @@ def test_import_defines_names_only():
     assert done.stdout == ""
 
 
-def test_public_api_is_the_sixteen_names():
-    """__all__ is exactly the 16 public names, and every other name varbatch defines starts with '_'."""
-    assert sorted(varbatch.__all__) == sorted(PUBLIC_NAMES) and len(varbatch.__all__) == 16
+def test_public_api_is_the_eighteen_names():
+    """__all__ is exactly the 18 public names, and every other name varbatch defines starts with '_'."""
+    assert sorted(varbatch.__all__) == sorted(PUBLIC_NAMES) and len(varbatch.__all__) == 18
     own = [
         name
         for name, value in vars(varbatch).items()
@@ -353,6 +356,7 @@ def test_varbatch_runs_no_name_before_its_definition():
 _PARTS = ("I", "II", "III", "IV")
 _PART_I_CEILING = (
     1800  # formatted lines: issue 26 asked for 1,600; the sampler and the scheduler under their contract take 770
+    + 20  # issue 29: the padding-free setting (its check, its rows in the plan and their totals)
 )
 
 
@@ -5663,6 +5667,312 @@ def test_values_once_mangled_are_handled():
     assert PaddedCollate()([[1, 2, 3], [4, 5]])[0].tolist() == [[1, 2, 3], [4, 5, 0]]
     x, y = pad_sample((torch.ones(2, 3), torch.tensor([1, 2])), 4)
     assert x.shape == (4, 3) and y.tolist() == [1, 2, 0, 0]
+
+
+# =============================================================================
+# 9a. Padding-free step inputs: one flat row per step input (DESIGN.md, item 11)
+# =============================================================================
+# HF-style rows against transformers' DataCollatorWithFlattening, other rows against PaddedCollate; training on
+# flat rows against padded batches (a tiny config-built Llama, sdpa and eager; a plain block-diagonal sdpa mask);
+# the plans, the loader's rows and pipeline rows; the check's refusals. transformers is imported inside the tests.
+
+
+def _tiny_llama(attn_implementation="sdpa", use_cache=False):
+    """A 2-layer Llama built from its config (nothing downloaded), the same weights on every call."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=100,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        use_cache=use_cache,
+        attn_implementation=attn_implementation,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
+def _token_samples(lengths, seed=1):
+    """HF-style samples: ``input_ids``, ``labels`` (a fifth -100) and an ``attention_mask`` of ones."""
+    generator = torch.Generator().manual_seed(seed)
+    samples = []
+    for length in lengths:
+        input_ids = torch.randint(0, 100, (length,), generator=generator)
+        labels = input_ids.masked_fill(torch.rand(length, generator=generator) < 0.2, -100)
+        samples.append({"input_ids": input_ids, "labels": labels, "attention_mask": torch.ones_like(input_ids)})
+    return samples
+
+
+def _gradient_difference(model, loss, reference):
+    """The largest, over the parameters, of max |grad - grad_reference| / max |grad_reference|."""
+    grads = []
+    for each in (loss, reference):
+        model.zero_grad()
+        each.backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    return max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(*grads))
+
+
+@st.composite
+def hf_step_inputs(draw):
+    """HF-style samples (all with labels or none; lists, tensors or arrays; some with a mask) and HF's options."""
+    container = draw(st.sampled_from([list, torch.tensor, np.array]))
+    with_labels = draw(st.booleans())
+    samples = []
+    for length in draw(st.lists(st.integers(1, 8), min_size=1, max_size=5)):
+        sample = {"input_ids": container(draw(st.lists(st.integers(0, 999), min_size=length, max_size=length)))}
+        if with_labels:
+            sample["labels"] = container(draw(st.lists(st.integers(-100, 999), min_size=length, max_size=length)))
+        if draw(st.booleans()):
+            sample["attention_mask"] = container([1] * length)
+        samples.append(sample)
+    options = {
+        "return_position_ids": draw(st.booleans()),
+        "separator_id": draw(st.integers(-200, 200)),
+        "return_flash_attn_kwargs": draw(st.booleans()),
+        "return_seq_idx": draw(st.booleans()),
+        "position_ids_start": draw(st.integers(0, 3)),
+    }
+    return samples, options
+
+
+@given(case=hf_step_inputs())
+@settings(max_examples=60)
+# every sample one token: every position a start, every label a separator
+@example(case=([{"input_ids": [7], "labels": [3]}, {"input_ids": [8], "labels": [4]}], {"return_seq_idx": True}))
+def test_flat_collate_gives_what_data_collator_with_flattening_gives(case):
+    """HF-style samples: every key in HF's order, with HF's dtype, shape and values (ints stay Python ints)."""
+    samples, options = case
+    expected = pytest.importorskip("transformers").DataCollatorWithFlattening(**options)(samples)
+    batch = varbatch.FlatCollate(**options)(samples)
+    assert list(batch) == list(expected)
+    for key, value in expected.items():
+        if isinstance(value, torch.Tensor):
+            assert batch[key].dtype == value.dtype and torch.equal(batch[key], value), key
+        else:
+            assert type(batch[key]) is int and batch[key] == value, key
+
+
+@given(
+    form=st.sampled_from(["tensor", "tuple", "dict"]),
+    lengths=st.lists(st.integers(1, 6), min_size=1, max_size=5),
+    width=st.sampled_from([(), (3,)]),
+)
+@settings(max_examples=40)
+def test_flat_collate_keeps_padded_collates_structure(form, lengths, width):
+    """Other samples: each sequence field is PaddedCollate's without its padding, as one 1 x T x ... row;
+    cu_seqlens (int32), max_seqlen (an int) and position_ids (1 x T int64) stand where seqlens stands."""
+    samples = []
+    for index, length in enumerate(lengths):
+        features, targets = torch.randn(length, *width), torch.randint(0, 9, (length,))
+        samples.append(
+            {"tensor": features, "tuple": (features, targets, index, f"text {index}"), "dict": {"x": features}}[form]
+        )
+    padded, flat = PaddedCollate()(samples), varbatch.FlatCollate()(samples)
+    if form == "dict":
+        padded, flat = [*padded.values()], [*flat.values()]
+        assert list(varbatch.FlatCollate()(samples)) == ["x", "cu_seqlens", "max_seqlen", "position_ids"]
+    seqlens, (cu_seqlens, max_seqlen, positions) = padded[-1], flat[-3:]
+    assert len(flat) == len(padded) + 2
+    for flat_field, padded_field in zip(flat[:-3], padded[:-1]):
+        if isinstance(padded_field, list) or padded_field.dim() == 1:  # text, or one number per sample
+            assert (
+                flat_field == padded_field if isinstance(padded_field, list) else torch.equal(flat_field, padded_field)
+            )
+        else:
+            assert torch.equal(flat_field, torch.cat([row[:n] for row, n in zip(padded_field, seqlens)])[None])
+    assert cu_seqlens.dtype == torch.int32 and cu_seqlens.tolist() == [0, *np.cumsum(lengths)]
+    assert type(max_seqlen) is int and max_seqlen == max(lengths)
+    assert positions.dtype == torch.int64 and positions.tolist() == [[i for n in lengths for i in range(n)]]
+
+
+@given(
+    lengths=st.lists(st.integers(1, 12), min_size=8, max_size=40),
+    extra=st.integers(0, 2),
+    micro_batch_size=st.integers(1, 3),
+    order=st.sampled_from(["dataloader", "random", "bucket"]),
+)
+@settings(max_examples=12)
+def test_padding_free_rows_within_the_sum_budget_every_sample_once(lengths, extra, micro_batch_size, order):
+    """The same plan as the sum budget's; each step input one row of at most micro_batch_size x max_tokens
+    tokens and no padding (the plan's totals say so), every sample once; seqlens may count what a collate adds."""
+    dataset = [{"input_ids": torch.full((n,), i)} for i, n in enumerate(lengths)]
+    planned = [n + extra for n in lengths]
+    options = dict(max_tokens=16, micro_batch_size=micro_batch_size, order=order, num_replicas=1, rank=0)
+    sampler = VariableBatchSampler(planned, padding_free=True, **options)
+    padded = VariableBatchSampler(planned, **options).plan
+    assert np.array_equal(sampler.plan.sample_ids, padded.sample_ids)
+    assert np.array_equal(sampler.plan.microbatch_offsets, padded.microbatch_offsets)
+    totals = sampler.plan.totals()
+    assert totals["padded_tokens"] == totals["real_tokens"] and totals["padding_free"]
+    assert totals["largest_step_input"]["tokens"] <= micro_batch_size * 16
+    seen = []
+    for batch in make_dataloader(dataset, sampler):  # FlatCollate by default
+        assert batch["input_ids"].shape[0] == 1 and batch["input_ids"].shape[1] <= micro_batch_size * 16
+        seen += batch["input_ids"][0, batch["position_ids"][0] == 0].tolist()
+    dropped = [int(i) for ids in sampler.plan.dropped.values() for i in ids]
+    assert sorted(seen + dropped) == list(range(len(lengths)))
+
+
+def test_padding_free_pipeline_rows_share_their_batchs_length():
+    """same_length: every row of a batch is as long as its longest (the plan's padded_seqlens, the key's pad_to);
+    the rest a padding segment of its own (positions from 0, labels -100) that the totals count as padding."""
+    lengths = [3, 9, 4, 7, 2, 8, 5, 6, 1, 9, 3, 4]
+    dataset = [{"input_ids": torch.full((n,), i)} for i, n in enumerate(lengths)]
+    sampler = VariableBatchSampler(
+        lengths, 12, gradient_accumulation_steps=2, padding_free=True, same_length=True, num_replicas=1, rank=0
+    )
+    plan, rows = sampler.plan, list(make_dataloader(dataset, sampler))
+    for b in range(plan.num_batches):
+        batch_rows = rows[2 * b : 2 * b + 2]
+        assert {row["input_ids"].shape for row in batch_rows} == {(1, int(plan.padded_seqlens[2 * b]))}
+        for row, ids in zip(batch_rows, (plan.microbatch(2 * b), plan.microbatch(2 * b + 1))):
+            real = int(sum(lengths[i] for i in ids))
+            assert row["input_ids"][0, row["position_ids"][0] == 0][: len(ids)].tolist() == ids.tolist()
+            assert (row["labels"][0, real:] == -100).all()
+            assert row["position_ids"][0, real:].tolist() == list(range(row["input_ids"].shape[1] - real))
+    totals = plan.totals()
+    assert totals["padded_tokens"] == sum(row["input_ids"].shape[1] for row in rows) > totals["real_tokens"]
+
+
+def test_padding_free_pipeline_refuses_a_collate_that_makes_rows_of_another_length():
+    """A pipeline's rows must share their batch's length; a collate that does not pad them is named."""
+    sampler = VariableBatchSampler(
+        [3, 5, 2, 4], 8, gradient_accumulation_steps=2, padding_free=True, same_length=True, num_replicas=1, rank=0
+    )
+    loader = make_dataloader([torch.ones(n) for n in [3, 5, 2, 4]], sampler, collate_fn=lambda s: torch.cat(s)[None])
+    with pytest.raises(ValueError, match=r"rows of their batch's longest, 1 x 8: collate with varbatch.FlatCollate"):
+        list(loader)
+
+
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+def test_hf_llama_trains_a_flat_row_as_the_padded_batch(attn_implementation):
+    """use_cache=False: each sample's logits (max |diff| <= 1e-4), the token-mean loss (1e-5), the gradients (1e-4)."""
+    model, lengths = _tiny_llama(attn_implementation), [5, 11, 1, 8, 3]
+    samples = _token_samples(lengths)
+    flat = model(**varbatch.FlatCollate()(samples))
+    padded = model(**PaddedCollate(pad_value={"labels": -100}, seqlens_key=None)(samples))
+    starts = np.cumsum([0, *lengths])
+    for i, n in enumerate(lengths):
+        difference = (flat.logits[0, starts[i] : starts[i + 1]] - padded.logits[i, :n]).abs().max()
+        assert float(difference.detach()) <= 1e-4, i
+    assert abs(float(flat.loss.detach()) / float(padded.loss.detach()) - 1) <= 1e-5
+    assert _gradient_difference(model, flat.loss, padded.loss) <= 1e-4
+
+
+def block_causal_mask(position_ids):
+    """``T x T`` bool from a row's ``1 x T`` positions: each token sees its own sample's tokens up to itself."""
+    sample = (position_ids[0] == 0).cumsum(0)  # T: the sample of each token (positions restart at 0)
+    return torch.ones(len(sample), len(sample), dtype=torch.bool).tril() & (sample[:, None] == sample[None, :])
+
+
+def test_plain_sdpa_with_a_block_diagonal_mask_trains_a_flat_row_as_the_padded_batch():
+    """The README's plain-loop recipe: torch's sdpa, the mask from the positions; outputs, loss and gradients."""
+    torch.manual_seed(0)
+    qkv, head, lengths = torch.nn.Linear(16, 48), torch.nn.Linear(16, 5), [5, 11, 1, 8, 3]
+    model = torch.nn.ModuleList([qkv, head])
+
+    def forward(x, mask):  # B x S x 16, B x S x S -> B x S x 5
+        q, k, v = qkv(x).chunk(3, dim=-1)
+        return head(torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+
+    generator = torch.Generator().manual_seed(2)
+    samples = [
+        (torch.randn(n, 16, generator=generator), torch.randint(0, 5, (n,), generator=generator)) for n in lengths
+    ]
+    x, y, _, _, positions = varbatch.FlatCollate()(samples)
+    flat = forward(x, block_causal_mask(positions)[None])[0]
+    flat_loss = torch.nn.functional.cross_entropy(flat, y[0])
+    x, y, seqlens = PaddedCollate(pad_value={1: -100})(samples)
+    real = torch.arange(x.shape[1]) < seqlens[:, None]  # B x S
+    padded = forward(x, torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).tril() & real[:, None, :])
+    padded_loss = torch.nn.functional.cross_entropy(padded.flatten(0, 1), y.flatten(), ignore_index=-100)
+    assert float((flat - padded[real]).abs().max().detach()) <= 1e-5
+    assert abs(float(flat_loss.detach()) / float(padded_loss.detach()) - 1) <= 1e-6
+    assert _gradient_difference(model, flat_loss, padded_loss) <= 1e-5
+    assert varbatch.check_padding_free(lambda batch: forward(batch[0], block_causal_mask(batch[-1])), samples) < 1e-5
+
+
+def _positions_counting_on(samples):
+    batch = varbatch.FlatCollate()(samples)
+    return {**batch, "position_ids": torch.arange(batch["input_ids"].shape[1])[None]}
+
+
+def _mask_kept(samples):
+    batch = varbatch.FlatCollate()(samples)
+    return {**batch, "attention_mask": torch.ones_like(batch["input_ids"])}
+
+
+@pytest.mark.parametrize(
+    ("use_cache", "collate_fn", "cause"),
+    [(False, None, None), (True, None, "use_cache=True"), (False, _positions_counting_on, ""), (False, _mask_kept, "")],
+    ids=["correct", "use_cache", "positions", "attention_mask"],
+)
+def test_check_padding_free_refuses_samples_that_attend_to_each_other(use_cache, collate_fn, cause):
+    """An HF Llama: passes with use_cache=False and FlatCollate's row; refuses a cache, positions that do not
+    restart and a kept mask, naming the fixes; in eval mode and without gradients, every module's mode restored."""
+    model = _tiny_llama(use_cache=use_cache).train()
+    model.lm_head.eval()
+    seen = []
+    model.register_forward_pre_hook(lambda module, args: seen.append((module.training, torch.is_grad_enabled())))
+    samples = _token_samples([5, 11, 1, 8])
+    if cause is None:
+        assert varbatch.check_padding_free(model, samples) <= 1e-5
+    else:
+        with pytest.raises(ValueError, match=rf"attend to each other.*restart at every sample.*{cause}.*attention_m"):
+            varbatch.check_padding_free(model, samples, collate_fn)
+    assert set(seen) == {(False, False)} and model.training and model.model.training and not model.lm_head.training
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (lambda: varbatch.FlatCollate()([]), ValueError, "empty list of samples"),
+        (lambda: varbatch.FlatCollate()([torch.ones(2), torch.ones(4)], [2, 3]), ValueError, r"seqlens \[2, 4\] for"),
+        (lambda: varbatch.FlatCollate()([{"input_ids": [1]}, {"input_ids": [2], "labels": [2]}]), ValueError, r"\[1\]"),
+        (lambda: varbatch.FlatCollate()([{"input_ids": [1, 2], "labels": [1]}]), ValueError, "one label per token"),
+        (lambda: varbatch.FlatCollate()([{"input_ids": "text"}]), ValueError, "input_ids of one id per token"),
+        (lambda: varbatch.FlatCollate()([torch.ones(0)]), ValueError, "sample 0 of the step input is empty"),
+        (lambda: varbatch.FlatCollate()([(torch.ones(2), torch.ones(3))]), ValueError, "field 1 has other seqlens"),
+        (lambda: varbatch.FlatCollate()([(1, "text")]), ValueError, "no field with a sequence dimension"),
+        (lambda: varbatch.FlatCollate(return_seq_idx=1), TypeError, "return_seq_idx should be a bool"),
+        (lambda: varbatch.FlatCollate(position_ids_start=-1), ValueError, "position_ids_start=-1"),
+        (lambda: varbatch.check_padding_free(torch.nn.Identity(), [torch.ones(2)]), ValueError, "at least 2 samples"),
+        (lambda: varbatch.check_padding_free(lambda b: b[0] / 0, [torch.ones(2), torch.ones(1)]), ValueError, "nan"),
+        (lambda: varbatch.check_padding_free(lambda b: "x", [torch.ones(2), torch.ones(1)]), TypeError, "'x'"),
+        (lambda: varbatch.check_padding_free(lambda b: b[0].sum(1), [torch.ones(2), torch.ones(1)]), ValueError, "1 "),
+        (lambda: plan_batches([3, 4], 8, budget="padded", padding_free=True), ValueError, "budget='sum'"),
+        (lambda: plan_batches([3, 4], 8, padding_free=1), TypeError, "padding_free=1"),
+    ],
+)
+def test_padding_free_refuses_bad_input(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+
+
+def test_check_padding_free_refuses_what_cannot_run_whole_on_one_rank():
+    """A PipelineModule's stages live on other ranks; a DeepSpeed engine or ZeRO-3 parameters would hang."""
+    pipe = pytest.importorskip("deepspeed.pipe")
+    zero3 = torch.nn.Linear(4, 4)
+    zero3.weight.ds_id = 0
+    for model in (pipe.PipelineModule.__new__(pipe.PipelineModule), zero3):
+        with pytest.raises(TypeError, match=r"run it on the plain model .* before deepspeed.initialize"):
+            varbatch.check_padding_free(model, [torch.ones(2, 4), torch.ones(3, 4)])
+
+
+def test_padding_free_states_before_the_setting_load_with_it_off():
+    """A sampler state saved before padding_free existed (no such setting) loads into one with it off, and a
+    padding-free state is refused by one with it off."""
+    sampler = VariableBatchSampler([3, 5, 2, 6, 4, 1], 8, num_replicas=1, rank=0)
+    state = sampler.state_dict()
+    assert "padding_free" not in state["settings"]
+    VariableBatchSampler([3, 5, 2, 6, 4, 1], 8, num_replicas=1, rank=0).load_state_dict(state)
+    flat = VariableBatchSampler([3, 5, 2, 6, 4, 1], 8, num_replicas=1, rank=0, padding_free=True).state_dict()
+    with pytest.raises(ValueError, match="cannot load a sampler state"):
+        sampler.load_state_dict(flat)
 
 
 # =============================================================================

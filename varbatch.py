@@ -87,6 +87,8 @@ __all__ = [  # DeepSpeed's names (deepspeed.runtime.data_pipeline.data_sampling.
     "seqlens_from_padded",
     "micro_batch_loss_weight",
     "hf_trainer_lr_scheduler",
+    "FlatCollate",
+    "check_padding_free",
 ]
 __version__ = "0.3.0"
 _logger = logging.getLogger("varbatch")
@@ -344,7 +346,7 @@ def _check_settings(settings: _Settings) -> None:
             f"min_batch_size should be <= max_batch_size, but got min_batch_size={settings.min_batch_size} "
             f"and max_batch_size={settings.max_batch_size}"
         )
-    for name in ("same_size", "same_length"):
+    for name in ("same_size", "same_length", "padding_free"):
         if not isinstance(getattr(settings, name), (bool, np.bool_)):
             raise TypeError(f"{name} should be a bool, but got {name}={getattr(settings, name)!r}")
         put(name, bool(getattr(settings, name)))
@@ -352,6 +354,11 @@ def _check_settings(settings: _Settings) -> None:
         raise ValueError(
             "budget='padded' with same_length=True needs same_size=True (the padded size of a micro-"
             "batch then depends on the whole batch); set same_size=True or budget='sum'"
+        )
+    if settings.padding_free and settings.budget == "padded":
+        raise ValueError(
+            "padding_free=True with budget='padded': a flat row has no padded B x S tensor to bound; use "
+            "budget='sum', which bounds a row's tokens by micro_batch_size x max_tokens"
         )
     put("seed", _DEFAULT_SEED if settings.seed is None else _check_int("seed", settings.seed))
     put("bucket_size", None if settings.bucket_size is None else _check_int("bucket_size", settings.bucket_size, 1))
@@ -606,6 +613,7 @@ class _Settings:
     seed: int | None = None
     bucket_size: int | None = None
     on_overlong: _OnOverlong = "skip"
+    padding_free: bool = False
 
     def __post_init__(self):
         _check_settings(self)
@@ -657,7 +665,7 @@ class Plan:
     effective_batch_size``); a step input is ``micro_batch_size`` consecutive
     micro-batches collated into one ``B x S`` tensor. ``padded_seqlens`` is,
     per micro-batch, that S (its step input's longest sample; its batch's in
-    same-length mode). ``batch_sizes`` (the B of the LR rule), ``batch_tokens``
+    same-length mode; padding-free, the ``1 x T`` row's T). ``batch_sizes`` (the B of the LR rule), ``batch_tokens``
     and ``batch_max_seqlens`` describe each batch; ``dropped`` maps each reason
     (``over_budget``, ``min_batch_size``, ``tail``, ``filtered``) to sorted ids.
     ``sample_ids``, one entry per sample, is int32 where the ids fit (datasets
@@ -730,7 +738,8 @@ class Plan:
         return _digest(self.sample_ids, self.microbatch_offsets, [self.effective_batch_size])
 
     def totals(self) -> dict:
-        """The totals as plain (JSON) data: batches, drops, padding (a micro-batch costs ``n x S``), B and S.
+        """The totals as plain (JSON) data: batches, drops, padding (a micro-batch costs ``n x S``; padding-free, a
+        step input its row: ``padded_seqlens``), B and S.
 
         ``largest_step_input`` compares the largest tensor a forward pass sees
         with its bound under the padded budget, ``micro_batch_size x max_tokens``.
@@ -743,6 +752,8 @@ class Plan:
         settings, sizes = self.settings, self.microbatch_sizes()
         per_input = settings.micro_batch_size  # micro-batches per step input
         tensor_tokens = (sizes * self.padded_seqlens).reshape(-1, per_input).sum(axis=1)  # B x S of each step input
+        if settings.padding_free:
+            tensor_tokens = self.padded_seqlens[::per_input]  # 1 x T: each step input's row
         real, padded = int(self.batch_tokens.sum()), int(tensor_tokens.sum())
         largest = {"sequences": 0, "padded_seqlen": 0, "tokens": 0, "bound": settings.step_input_bound}
         if len(tensor_tokens):
@@ -758,6 +769,7 @@ class Plan:
                     "max_tokens",
                     "budget",
                     "same_length",
+                    "padding_free",
                     "effective_batch_size",
                     "micro_batch_size",
                     "gradient_accumulation_steps",
@@ -841,7 +853,9 @@ def plan_batches(
             in random micro-batches, ~7x at 2,000 samples; larger, less padding and
             randomness. ``on_overlong``: samples
             longer than ``max_tokens`` are dropped as ``over_budget`` (``"skip"``)
-            or refused (``"error"``).
+            or refused (``"error"``). ``padding_free``: each step input one
+            flat row of its samples, under the sum budget (same_length: a
+            batch's rows padded to its longest row; see `FlatCollate`).
 
     Returns:
         The `Plan`. Micro-batches that do not fill a last batch are cut into
@@ -905,7 +919,7 @@ def _pack(
         "filtered": np.zeros(0, np.int64) if sample_ids is None else np.setdiff1d(np.arange(len(seqlens)), sample_ids),
     }
     dropped = {reason: ids.astype(np.int64) for reason, ids in dropped.items()}
-    arrays = _plan_arrays(packed, sizes, longest, tokens, settings)
+    arrays = _plan_arrays(packed, sizes, longest, tokens, settings, seqlens)
     for array in (*arrays.values(), *dropped.values()):
         array.setflags(write=False)
     return Plan(**arrays, dropped=dropped, settings=settings, epoch=epoch)
@@ -1300,17 +1314,27 @@ def _select(values: np.ndarray, indices: np.ndarray) -> np.ndarray:
 
 
 def _plan_arrays(
-    packed: np.ndarray, sizes: np.ndarray, longest: np.ndarray, tokens: np.ndarray, settings: _Settings
+    packed: np.ndarray,
+    sizes: np.ndarray,
+    longest: np.ndarray,
+    tokens: np.ndarray,
+    settings: _Settings,
+    seqlens: np.ndarray | None = None,
 ) -> dict:
     """The `Plan`'s arrays for the ids ``packed``, in micro-batches of ``sizes`` samples, k to a batch, with their
-    longest seqlens and the batches' tokens (`_microbatch_stats`)."""
+    longest seqlens and the batches' tokens (`_microbatch_stats`). Padding-free, given the ``seqlens`` of the ids,
+    a micro-batch's padded seqlen is its step input's flat row: its tokens (its batch's longest row, same_length)."""
     k = settings.effective_batch_size
     group = settings.padding_group
     offsets = _offsets(sizes)
+    widths = longest
+    if settings.padding_free and seqlens is not None:
+        m = settings.micro_batch_size
+        widths = np.repeat(np.add.reduceat(seqlens[packed], offsets[:-1:m], dtype=np.int64), m)
     return dict(
         sample_ids=packed,
         microbatch_offsets=offsets,
-        padded_seqlens=np.repeat(longest.reshape(-1, group).max(axis=1), group).astype(np.int64),
+        padded_seqlens=np.repeat(widths.reshape(-1, group).max(axis=1), group).astype(np.int64),
         batch_sizes=np.diff(offsets[::k]),
         batch_tokens=tokens,
         batch_max_seqlens=longest.reshape(-1, k).max(axis=1),
@@ -1403,7 +1427,7 @@ def _lengthened(plan: Plan, seqlens: np.ndarray, batches: int) -> Plan | None:
         halves += [mb for block in _resplit(blocks, 2 * len(blocks), settings.min_batch_size) for mb in block]
     ids = np.concatenate(halves)
     sizes = np.array([len(mb) for mb in halves], np.int64)
-    cut = _plan_arrays(ids, sizes, *_microbatch_stats(seqlens, ids, sizes, settings), settings)
+    cut = _plan_arrays(ids, sizes, *_microbatch_stats(seqlens, ids, sizes, settings), settings, seqlens)
     starts = (plan.microbatch_offsets[::k], cut["microbatch_offsets"][::k])  # where each batch's samples start
     microbatch_sizes = plan.microbatch_sizes().reshape(-1, k)
     microbatch_sizes = _spliced(microbatch_sizes, np.diff(cut["microbatch_offsets"]).reshape(-1, k), fullest)
@@ -1836,7 +1860,10 @@ class VariableBatchSampler(Sampler[list[int]]):
                 "sample_ids": _digest(self._planner.sample_ids),
                 "fixed_plan": fixed and fixed.fingerprint(),
             }
-        return {**dataclasses.asdict(self.settings), **self._data}
+        settings = dataclasses.asdict(self.settings)
+        if not settings["padding_free"]:  # as states saved before the setting were: they load with it off
+            del settings["padding_free"]
+        return {**settings, **self._data}
 
     def state_dict(self, steps_done: int | None = None) -> dict:
         """The position to resume from (epoch, step inputs done in it) and the settings, as plain data.
@@ -2872,17 +2899,7 @@ class PaddedCollate:
         if len(samples) == 0:
             raise ValueError("PaddedCollate got an empty list of samples")
         one_tensor = isinstance(samples[0], torch.Tensor)  # the common case, kept cheap: no look at every sample
-        if one_tensor:
-            columns = [(None, samples)]
-        else:  # fields by key (dicts list theirs in any order), the same fields in every sample
-            rows = [dict(_fields(sample)) for sample in samples]
-            odd = next((i for i, row in enumerate(rows) if row.keys() != rows[0].keys()), None)
-            if odd is not None:
-                raise ValueError(
-                    f"PaddedCollate needs samples with the same fields, but sample 0 has fields "
-                    f"{list(rows[0])} and sample {odd} has {list(rows[odd])}"
-                )
-            columns = [(key, [row[key] for row in rows]) for key in rows[0]]
+        columns = _columns(samples, "PaddedCollate")
         out = []
         for key, values in columns:
             tensors = values if one_tensor else [_as_tensor(value) for value in values]
@@ -2924,6 +2941,20 @@ class PaddedCollate:
 
     def __repr__(self):
         return f"PaddedCollate(pad_value={self.pad_value!r}, seqlens_key={self.seqlens_key!r})"
+
+
+def _columns(samples: list, collate: str) -> list[tuple[Any, list]]:
+    """``(key, values)`` per field, one value per sample (dicts list theirs in any order); the same fields in all."""
+    if isinstance(samples[0], torch.Tensor):  # the common case, kept cheap: no look at every sample
+        return [(None, samples)]
+    rows = [dict(_fields(sample)) for sample in samples]
+    odd = next((i for i, row in enumerate(rows) if row.keys() != rows[0].keys()), None)
+    if odd is not None:
+        raise ValueError(
+            f"{collate} needs samples with the same fields, but sample 0 has fields "
+            f"{list(rows[0])} and sample {odd} has {list(rows[odd])}"
+        )
+    return [(key, [row[key] for row in rows]) for key in rows[0]]
 
 
 class _PaddedBatch(tuple):
@@ -3051,6 +3082,288 @@ def _as_tensor(value: Any) -> torch.Tensor | None:
 
 
 # =============================================================================
+# Padding-free step inputs
+# =============================================================================
+
+
+# NOTE [the flat row]: a flat step input is its samples concatenated into one row,
+# positions restarting at every sample, so that attention stays inside each. HF-style
+# samples (dicts with `input_ids`) get what `transformers.DataCollatorWithFlattening`
+# returns (transformers/data/data_collator.py): `1 x T` int64 `input_ids`, `labels`
+# and `position_ids`, each sample's first label `separator_id`, so the loss never
+# predicts a sample's first token from the one before it. transformers finds the
+# samples of a row from `position_ids` only when `attention_mask` is None and no
+# cache is made (transformers/masking_utils.py, its packed-sequence detection), so
+# the row keeps no `attention_mask` (a mask of ones turns the detection off) and no
+# `seqlens` (`model(**batch)` would refuse it). Other samples keep `PaddedCollate`'s
+# structure as one `1 x T x ...` row, with flash-attn's varlen arguments
+# (`cu_seqlens`, `max_seqlen`) and the positions for its `seqlens`. In a pipeline
+# (same_length) the loader sets `_FLAT_ROW` to the batch's longest row, as
+# `_PADDED_SEQLENS` (NOTE [same-length lengths reach PaddedCollate]): the row ends
+# in a padding segment of its own (positions from 0 again, labels `separator_id`), so
+# the stages exchange tensors of one shape and derive every mask from `position_ids`.
+_FLAT_ROW = contextvars.ContextVar("varbatch_flat_row", default=0)
+
+
+class FlatCollate:
+    """Collates the samples of a step input into one flat row without padding: a padding-free step input.
+
+    Dict samples with ``input_ids`` give what ``transformers.DataCollatorWithFlattening`` gives, under its
+    argument names: ``1 x T`` int64 ``input_ids``, ``labels`` (the sample's own, else its ``input_ids``; each
+    sample's first ``separator_id``) and ``position_ids`` (restarting at ``position_ids_start``); int32
+    ``cu_seq_lens_q/k`` and int ``max_length_q/k`` (``return_flash_attn_kwargs``); ``1 x T`` int32 ``seq_idx``
+    (``return_seq_idx``); other fields, ``attention_mask`` among them, are dropped. Other samples (a tensor, a
+    tuple or dict of fields) keep `PaddedCollate`'s structure, sequence fields concatenated into ``1 x T x ...``
+    (scalars stacked, text kept as lists), with ``cu_seqlens`` (int32, ``n + 1`` offsets), ``max_seqlen`` (an
+    int) and ``position_ids`` (``1 x T`` int64) where it gives ``seqlens``. A sample's seqlen is measured; one
+    longer than its planned seqlen (``seqlens``, which `make_dataloader` passes) is refused: it could break its
+    row's bound. ``pad_value`` (a number, or a field -> number dict) fills a pipeline row's padding segment.
+    See NOTE [the flat row].
+
+    Example:
+        >>> FlatCollate()([{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}])["position_ids"]
+        tensor([[0, 1, 2, 0, 1]])
+        >>> x, cu_seqlens, max_seqlen, position_ids = FlatCollate()([torch.ones(3, 4), torch.ones(2, 4)])
+        >>> tuple(x.shape), cu_seqlens.tolist(), max_seqlen
+        ((1, 5, 4), [0, 3, 5], 3)
+    """
+
+    def __init__(
+        self,
+        return_position_ids=True,
+        separator_id=-100,
+        return_flash_attn_kwargs=False,
+        return_seq_idx=False,
+        position_ids_start=0,
+        pad_value=0,
+    ):
+        switches = dict(
+            return_position_ids=return_position_ids,
+            return_flash_attn_kwargs=return_flash_attn_kwargs,
+            return_seq_idx=return_seq_idx,
+        )
+        for name, value in switches.items():
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} should be a bool, but got {name}={value!r}")
+        self.return_position_ids, self.return_flash_attn_kwargs = return_position_ids, return_flash_attn_kwargs
+        self.return_seq_idx, self.pad_value = return_seq_idx, pad_value
+        self.separator_id = _check_int("separator_id", separator_id, -(2**63), 2**63 - 1)
+        self.position_ids_start = _check_int("position_ids_start", position_ids_start)
+
+    def __call__(self, samples, seqlens=None):
+        if len(samples) == 0:
+            raise ValueError("FlatCollate got an empty list of samples")
+        if isinstance(samples[0], Mapping) and "input_ids" in samples[0]:
+            return self._hf_row(samples, seqlens)
+        columns = _columns(samples, "FlatCollate")
+        tensors = [[_as_tensor(value) for value in values] for _, values in columns]
+        lengths = None
+        for (key, _), column in zip(columns, tensors):
+            if any(t is None or t.dim() == 0 for t in column):
+                continue
+            if lengths is not None and [len(t) for t in column] != lengths:
+                raise ValueError(f"FlatCollate got samples whose field {key!r} has other seqlens than their first")
+            lengths = [len(t) for t in column]
+        if lengths is None:
+            raise ValueError("FlatCollate found no field with a sequence dimension; give each sample a tensor field")
+        pad = self._padding(lengths, seqlens)
+        out = []
+        for (key, values), column in zip(columns, tensors):
+            value = self.pad_value.get(key, 0) if isinstance(self.pad_value, Mapping) else self.pad_value
+            if any(t is None for t in column):  # not numeric (text): kept as a list
+                out.append(values)
+            elif column[0].dim() == 0:
+                out.append(torch.stack(column))  # n
+            else:
+                out.append(torch.cat([*column, column[0].new_full((pad, *column[0].shape[1:]), value)])[None])
+        cu_seqlens = _cu_seqlens(lengths, pad)
+        flat = (cu_seqlens, int(cu_seqlens.diff().max()), self._positions(cu_seqlens))  # 1 x T x ..., n + 1, 1 x T
+        if not isinstance(samples[0], Mapping):
+            return (*out, *flat)
+        return {**{key: field for (key, _), field in zip(columns, out)}, **dict(zip(_FLAT_KEYS, flat))}
+
+    def _hf_row(self, samples: list, seqlens: Any) -> dict:
+        """`DataCollatorWithFlattening`'s keys, dtypes and values for HF-style samples (and a padding segment)."""
+        labelled = ["labels" in sample for sample in samples]
+        if not all(labelled) and any(labelled):
+            raise ValueError(
+                f"FlatCollate needs labels in every sample of a step input or in none, but samples "
+                f"{[i for i, x in enumerate(labelled) if x]} of {len(samples)} have them; give every sample labels"
+            )
+        ids = [_token_ids(sample, "input_ids") for sample in samples]
+        labels = [_token_ids(sample, "labels" if labelled[0] else "input_ids").clone() for sample in samples]
+        if [len(x) for x in labels] != [len(x) for x in ids]:
+            raise ValueError("FlatCollate needs one label per token in every sample (-100 where none is learned)")
+        pad = self._padding([len(x) for x in ids], seqlens)
+        for sample_labels in labels:
+            sample_labels[0] = self.separator_id
+        cu_seqlens = _cu_seqlens([len(x) for x in ids], pad)
+        batch = {  # 1 x T
+            "input_ids": torch.cat([*ids, torch.zeros(pad, dtype=torch.int64)])[None],
+            "labels": torch.cat([*labels, torch.full((pad,), self.separator_id)])[None],
+        }
+        if self.return_position_ids:
+            batch["position_ids"] = self._positions(cu_seqlens)
+        if self.return_seq_idx:
+            sizes = cu_seqlens.diff()
+            batch["seq_idx"] = torch.repeat_interleave(torch.arange(len(sizes), dtype=torch.int32), sizes)[None]
+        if self.return_flash_attn_kwargs:
+            longest = int(cu_seqlens.diff().max())
+            batch.update(cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens.clone())
+            batch.update(max_length_q=longest, max_length_k=longest)
+        return batch
+
+    @staticmethod
+    def _padding(lengths: list[int], seqlens: Any) -> int:
+        """The tokens of the row's padding segment (a pipeline's, up to `_FLAT_ROW`), after checking the seqlens."""
+        if 0 in lengths:
+            raise ValueError(f"sample {lengths.index(0)} of the step input is empty; varbatch plans seqlens >= 1")
+        planned = seqlens if seqlens is not None else [math.inf] * len(lengths)
+        longer = [i for i, (length, bound) in enumerate(zip(lengths, planned)) if length > bound]
+        if len(planned) != len(lengths) or longer:
+            raise ValueError(
+                f"FlatCollate got samples of seqlens {lengths} for planned seqlens {list(planned)}: a sample "
+                f"longer than planned could break its row's bound; give varbatch the seqlens of this dataset"
+            )
+        row = _FLAT_ROW.get()
+        if row and sum(lengths) > row:
+            raise ValueError(f"FlatCollate got {sum(lengths)} tokens for a pipeline row of {row}")
+        return max(0, row - sum(lengths))
+
+    def _positions(self, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """``1 x T`` int64 positions, restarting at ``position_ids_start`` at every segment."""
+        sizes = cu_seqlens.diff().to(torch.int64)
+        starts = torch.repeat_interleave(cu_seqlens[:-1].to(torch.int64), sizes)
+        return (torch.arange(int(cu_seqlens[-1])) - starts + self.position_ids_start)[None]
+
+    def __repr__(self):
+        names = ("return_position_ids", "separator_id", "return_flash_attn_kwargs", "return_seq_idx")
+        names += ("position_ids_start", "pad_value")
+        return f"FlatCollate({', '.join(f'{name}={getattr(self, name)!r}' for name in names)})"
+
+
+_FLAT_KEYS = ("cu_seqlens", "max_seqlen", "position_ids")  # what a dict sample's row has for `seqlens`
+
+
+def _token_ids(sample: Mapping, key: str) -> torch.Tensor:
+    """A sample's ``input_ids`` or ``labels`` as a 1-D int64 tensor."""
+    tensor = _as_tensor(sample[key])
+    if tensor is None or tensor.dim() != 1:
+        raise ValueError(f"FlatCollate needs {key} of one id per token, but got {sample[key]!r:.60}")
+    return tensor.to(torch.int64)
+
+
+def _cu_seqlens(lengths: list[int], pad: int = 0) -> torch.Tensor:
+    """int32 offsets of the samples in the row, ``[0, L_0, L_0 + L_1, ...]``, and of a padding segment of ``pad``."""
+    sizes = torch.as_tensor([*lengths, pad] if pad else lengths, dtype=torch.int64)
+    return torch.cat([sizes.new_zeros(1), sizes.cumsum(0)]).to(torch.int32)
+
+
+# The largest difference allowed between a sample's outputs in a flat row and alone, relative to the largest output:
+# a few hundred units in the last place (matmuls of other shapes sum in another order). Samples that attend to each
+# other move outputs by percents.
+_CHECK_RTOL = {torch.float64: 1e-9, torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}
+
+
+# NOTE [checking padding-free on the model itself]: a model can train flat rows
+# silently wrong: when their samples attend to each other, the loss stays within
+# a fraction of a percent while the gradients are far off (a tiny Llama: 0.07%
+# and 64%), and nothing in the row shows it. transformers decides in the forward
+# call (see NOTE [the flat row]): an HF model makes a cache whenever
+# `config.use_cache` is True (`LlamaConfig`'s default), in training mode too, and
+# then attends across the row. So the check runs the model, once, before
+# training: on the plain model, as under ZeRO-3 a forward pass on one rank waits
+# for the others' parameters, and a PipelineModule's stages live on other ranks.
+def check_padding_free(model, samples, collate_fn=None, rtol=None):
+    """Refuses a model and collate under which the samples of a flat step input attend to each other.
+
+    Runs ``model`` on ``collate_fn(samples)`` (one flat row) and on ``collate_fn([sample])`` for each sample
+    alone, in eval mode (every module's mode restored after) under ``torch.no_grad()``, and compares each sample's
+    outputs. Run it once before training, on the plain model (before ``deepspeed.initialize``). See NOTE
+    [checking padding-free on the model itself].
+
+    Args:
+        model: an HF model (a module with a ``config``: ``model(**batch)``), or any callable from a collated
+            batch to per-token outputs (``T x ...`` or ``1 x T x ...``, or a tuple or output whose ``logits`` or
+            first item is that).
+        samples: at least two samples as the dataset gives them (a few short ones suffice).
+        collate_fn: the training's collate (default ``FlatCollate()``).
+        rtol: the largest difference allowed, relative to the largest output (default by dtype: 1e-4 in float32).
+
+    Returns:
+        The largest difference found.
+
+    Raises:
+        ValueError: the samples attend to each other (naming the fix); TypeError: a DeepSpeed engine, a
+            PipelineModule, or a model under ZeRO-3.
+
+    Example:
+        >>> dense = torch.nn.Linear(4, 3)
+        >>> check_padding_free(lambda batch: dense(batch[0]), [torch.ones(2, 4), torch.ones(3, 4)])
+        0.0
+    """
+    if isinstance(model, torch.nn.Module) and (
+        type(model).__name__ in ("PipelineModule", "DeepSpeedEngine", "PipelineEngine")
+        or any(hasattr(parameter, "ds_id") for parameter in model.parameters())
+    ):
+        raise TypeError(
+            f"check_padding_free runs the whole model on one rank, which a {type(model).__name__} (or a model under "
+            f"ZeRO-3) cannot; run it on the plain model (a pipeline's layers as torch.nn.Sequential) before "
+            f"deepspeed.initialize"
+        )
+    collate_fn = FlatCollate() if collate_fn is None else collate_fn
+    samples = list(samples)
+    if len(samples) < 2:
+        raise ValueError(f"check_padding_free needs at least 2 samples, but got {len(samples)}")
+    modes = [(module, module.training) for module in model.modules()] if isinstance(model, torch.nn.Module) else []
+    try:
+        for module, _ in modes:
+            module.training = False
+        with torch.no_grad():
+            row = _output(model, collate_fn(samples))
+            alone = [_output(model, collate_fn([sample])) for sample in samples]
+    finally:
+        for module, training in modes:
+            module.training = training
+    if row.dim() > 1 and row.shape[0] == 1:  # a batch-first model's one row (of >= 2 tokens): 1 x T x ...
+        row, alone = row[0], [out[0] for out in alone]
+    row, alone = row.reshape(len(row), -1), [out.reshape(len(out), -1) for out in alone]  # T x F
+    if len(row) != sum(len(out) for out in alone):
+        raise ValueError(
+            f"check_padding_free got {len(row)} outputs for the row and {[len(out) for out in alone]} for the "
+            f"samples alone; pass a model (or a wrapper) that returns one output per token"
+        )
+    rtol = _check_real("rtol", _CHECK_RTOL.get(row.dtype, 0.0) if rtol is None else rtol, strict=False)
+    scale = max(float(out.abs().max()) for out in alone)
+    pieces = torch.split(row, [len(out) for out in alone])
+    worst = max(float((piece.double() - out.double()).abs().max()) for piece, out in zip(pieces, alone))
+    if not worst <= rtol * scale:  # NaN fails too
+        cache = ""
+        if getattr(getattr(model, "config", None), "use_cache", False):
+            cache = " (this model's config has use_cache=True)"
+        raise ValueError(
+            f"check_padding_free: a sample's outputs in the flat row differ from its outputs alone by {worst:.3g}, "
+            f"over rtol={rtol:g} x the largest output {scale:.3g}: the samples of a row attend to each other, and "
+            f"training on such rows is silently wrong (the loss looks right, the gradients are not); give it "
+            f"positions that restart at every sample, use_cache=False{cache}, no attention_mask, and an attention "
+            f"implementation that honours the positions (a plain model: a block-diagonal causal mask)"
+        )
+    return worst
+
+
+def _output(model: Any, batch: Any) -> torch.Tensor:
+    """The model's output tensor on a collated batch: ``model(**batch)`` for an HF model, else ``model(batch)``."""
+    hf = isinstance(batch, Mapping) and isinstance(model, torch.nn.Module) and hasattr(model, "config")
+    output = model(**batch) if hf else model(batch)
+    output = getattr(output, "logits", output)
+    if isinstance(output, (tuple, list)) and output:
+        output = output[0]
+    if not isinstance(output, torch.Tensor) or output.dim() == 0:
+        raise TypeError(f"check_padding_free needs per-token output tensors, but the model returned {output!r:.60}")
+    return output
+
+
+# =============================================================================
 # The loader
 # =============================================================================
 
@@ -3069,13 +3382,15 @@ def make_dataloader(
     """A `DataLoader` over ``batch_sampler``'s step inputs: ``collate_fn(samples)`` for each (the list without one).
 
     In same-length mode every sample is first padded with
-    ``sample_padding_fn(sample, length)`` to its batch's longest seqlen. A
+    ``sample_padding_fn(sample, length)`` to its batch's longest seqlen; with
+    ``padding_free`` none is (the collate, by default `FlatCollate`, makes one
+    row of a step input; in same-length mode, of its batch's longest row). A
     ``collate_fn`` with a ``seqlens`` parameter (as `PaddedCollate`) gets the
     plan's real lengths of its samples, also when they arrive padded; any other
     that calls `PaddedCollate` without them gets them there in same-length mode
     (see NOTE [same-length lengths reach PaddedCollate]). Under the padded budget
     a collated tensor (see `_padded_tensor`) over ``micro_batch_size x
-    max_tokens`` is an error: the seqlens must count what ``collate_fn`` adds. Works with
+    max_tokens`` is an error, as is a padding-free row over it: the seqlens must count what ``collate_fn`` adds. Works with
     workers (also spawned), ``pin_memory`` and ``persistent_workers``, under
     torchrun, DeepSpeed, HF Accelerate's ``prepare`` and Lightning (see README);
     ``dataloader_class`` (a DataLoader subclass, e.g. torchdata's
@@ -3107,7 +3422,10 @@ def make_dataloader(
             f"the dataset has {len(dataset)} samples but the sampler was given {len(seqlens)} seqlens; give "
             f"one seqlen per sample of this dataset"
         )
-    if batch_sampler.same_length and sample_padding_fn is None:
+    settings = batch_sampler.settings
+    if settings.padding_free and collate_fn is None:
+        collate_fn = FlatCollate()
+    if batch_sampler.same_length and not settings.padding_free and sample_padding_fn is None:
         raise ValueError(
             "sample_padding_fn is None, but same-length mode pads every sample of a batch to the batch's "
             "max seqlen; pass sample_padding_fn=varbatch.pad_sample or your own fn(sample, length)"
@@ -3119,14 +3437,14 @@ def make_dataloader(
         if hasattr(dataloader_class, "load_state_dict"):
             bases = (_RestoresAtOnce, *bases)
         loader_class = type(f"_{dataloader_class.__name__}", bases, {})
-    settings = batch_sampler.settings
     load_step_input = _LoadStepInput(
         dataset,
         collate_fn,
         sample_padding_fn,
         num_replicas=batch_sampler.num_replicas,
         rank=batch_sampler.rank,
-        step_input_bound=settings.step_input_bound if settings.budget == "padded" else None,
+        step_input_bound=settings.step_input_bound if settings.budget == "padded" or settings.padding_free else None,
+        padding_free=settings.padding_free,
     )
     loader = loader_class(
         _KeyDataset(batch_sampler),
@@ -3316,12 +3634,24 @@ class _LoadStepInput:
     """The loader's collate: loads the samples of a step-input key, checks that the key was dealt to this rank,
     pads the samples in same-length mode and collates them (in the loader's workers, if it has any).
 
-    ``step_input_bound`` (the padded budget's ``micro_batch_size x max_tokens``,
-    None under the sum budget) is checked against the collated tensor.
+    ``step_input_bound`` (``micro_batch_size x max_tokens``: under the padded
+    budget, or the sum budget's padding-free rows; else None) is checked against
+    the collated tensor. ``padding_free``: the samples are not padded; a pipeline
+    row reaches the collate's `_FLAT_ROW` (see NOTE [the flat row]).
     """
 
-    def __init__(self, dataset, collate_fn=None, sample_padding_fn=None, num_replicas=1, rank=0, step_input_bound=None):
+    def __init__(
+        self,
+        dataset,
+        collate_fn=None,
+        sample_padding_fn=None,
+        num_replicas=1,
+        rank=0,
+        step_input_bound=None,
+        padding_free=False,
+    ):
         self.dataset = dataset
+        self.padding_free = padding_free
         self.collate_fn = collate_fn
         self.sample_padding_fn = sample_padding_fn
         self.num_replicas, self.rank = num_replicas, rank  # the dealing this rank's step inputs follow
@@ -3386,7 +3716,7 @@ class _LoadStepInput:
         (key,) = keys  # the loader batches the keys by one
         self._check_dealing(key)
         samples = [self.dataset[i] for i in key.sample_ids]
-        if key.pad_to:  # same-length mode: every sample of the batch to the batch's longest
+        if key.pad_to and not self.padding_free:  # same-length mode: every sample of the batch to the batch's longest
             samples = [self.sample_padding_fn(sample, key.pad_to) for sample in samples]
             wrong = [
                 (i, len(x))
@@ -3400,13 +3730,15 @@ class _LoadStepInput:
                 )
         if self.collate_fn is None:
             return samples
-        padded = _PADDED_SEQLENS.set(key.seqlens if key.pad_to else None)  # NOTE [same-length lengths reach ...]
+        padded = _PADDED_SEQLENS.set(key.seqlens if key.pad_to and not self.padding_free else None)
+        row = _FLAT_ROW.set(key.pad_to if self.padding_free else 0)  # NOTE [same-length ...], NOTE [the flat row]
         try:
             if self.pass_seqlens and key.seqlens is not None:
                 batch = self.collate_fn(samples, seqlens=list(key.seqlens))
             else:
                 batch = self.collate_fn(samples)
         finally:
+            _FLAT_ROW.reset(row)
             _PADDED_SEQLENS.reset(padded)
         if self.step_input_bound is not None:
             self._check_budget(batch, key)
@@ -3430,11 +3762,18 @@ class _LoadStepInput:
         seqlens must count the same tokens, or the real tokens exceed the sum.
         """
         tensor = _padded_tensor(batch)
+        if tensor is not None and self.padding_free and key.pad_to and tuple(tensor.shape[:2]) != (1, key.pad_to):
+            raise ValueError(
+                f"step input {key.step_input} of epoch {key.epoch} was collated into a {tuple(tensor.shape[:2])} "
+                f"tensor, but a padding-free pipeline's step inputs are rows of their batch's longest, 1 x "
+                f"{key.pad_to}: collate with varbatch.FlatCollate (or call it inside your collate_fn)"
+            )
         if tensor is None or tensor.shape[0] * tensor.shape[1] <= self.step_input_bound:
             return
+        budget = "padding-free rows'" if self.padding_free else "padded budget's"
         raise ValueError(
             f"step input {key.step_input} of epoch {key.epoch} was collated into a {tensor.shape[0]} x "
-            f"{tensor.shape[1]} tensor of {tensor.shape[0] * tensor.shape[1]} tokens, over the padded budget's "
+            f"{tensor.shape[1]} tensor of {tensor.shape[0] * tensor.shape[1]} tokens, over the {budget} "
             f"micro_batch_size x max_tokens = {self.step_input_bound}: collate_fn adds tokens the seqlens do not "
             f"count (BOS/EOS, padding to a multiple); count them in the seqlens (e.g. [len(ids) + 1 for ids in "
             f"tokenized] for an EOS the collate appends)"
@@ -3870,7 +4209,8 @@ def get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
     Reads ``data_efficiency.data_sampling.dynamic_batching`` (README: "The
     ``dynamic_batching`` config section"); takes
     the batch sizes and the data-parallel rank and size from the engine; turns
-    on same-size, same-length micro-batches for a ``PipelineEngine``; checks
+    on same-size, same-length micro-batches for a ``PipelineEngine`` (with
+    ``padding_free``, rows of one length per batch: see `FlatCollate`); checks
     that every rank planned the same epoch; installs the scheduler as
     ``engine.lr_scheduler`` (wrapping the engine's scheduler, or its optimizer's
     constant LR), so ``engine.step()`` steps it and checkpoints save it, and
@@ -3911,12 +4251,12 @@ def get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
         for group, lr in zip(base.optimizer.param_groups, base._unscaled):
             group["lr"] = lr
         base = base._base if base._base is not None else base.optimizer
-    settings = _Settings.of(
+    settings = _Settings.of(  # padding-free pipeline rows need one length per batch, not one sample count
         **plan_options,
         effective_batch_size=k,
         micro_batch_size=mbs,
         num_replicas=dp_size,
-        same_size=pipeline,
+        same_size=pipeline and not plan_options.get("padding_free"),
         same_length=pipeline,
     )
     loader, scheduler, io_kwargs = _loader_and_scheduler(
@@ -3957,6 +4297,7 @@ _PLAN_KEYS = {
     "budget": "budget",
     "bucket_size": "bucket_size",
     "on_overlong": "on_overlong",
+    "padding_free": "padding_free",
 }
 
 
