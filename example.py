@@ -9,6 +9,11 @@ its real tokens. Settings: ds_config.json. On a CPU machine each "GPU" is a proc
     python example.py                                           # one process, no launcher
     deepspeed --num_gpus 2 example.py --max-steps 20 --checkpoint-dir ckpt   # stop, then resume exactly:
     deepspeed --num_gpus 2 example.py --checkpoint-dir ckpt --resume
+    deepspeed --num_gpus 2 example.py --padding-free             # flat rows (also with --pipeline-num-stages 2)
+
+--padding-free trains each step input as one flat row under the sum budget: the attention keeps each
+sample to itself by a block-diagonal causal mask read from the positions, and the feed-forward works
+per token. --per-token trains that model on padded step inputs of the same plan, for comparison.
 """
 
 import argparse
@@ -53,6 +58,14 @@ def collate(samples, seqlens=None):
     return (x, lengths), (y, lengths)
 
 
+def flat_collate(samples, seqlens=None):
+    """``((x 1 x T x E, positions 1 x T), (y 1 x T, real tokens))``: one flat row, positions restarting at each
+    sample; in a pipeline the row ends in a padding segment (the batch's rows share one length) that the loss skips."""
+    x, y, _, _, positions = varbatch.FlatCollate()(samples, seqlens=seqlens)
+    real = torch.tensor([len(sample[0]) for sample in samples]).sum().reshape(1)
+    return (x, positions), (y, real)
+
+
 def batch_seqlens(batch):
     """The real length of every sample of a collated batch: varbatch computes the seqlens with it, once."""
     return batch[0][1]
@@ -65,9 +78,13 @@ class CausalAttention(nn.Module):
         self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
 
     def forward(self, inputs):
-        x, lengths = inputs  # B x S x E, B
+        x, lengths = inputs  # B x S x E and B; or, flat, 1 x T x E and the positions 1 x T
         q, k, v = self.qkv(x).chunk(3, dim=-1)
         pos = torch.arange(x.shape[1], device=x.device)
+        if lengths.dim() == 2:  # a flat row: each token sees its own sample (positions restart at 0) up to itself
+            sample = (lengths[0] == 0).cumsum(0)  # T
+            mask = (pos[:, None] >= pos[None, :]) & (sample[:, None] == sample[None, :])  # T x T, block-diagonal
+            return self.out(F.scaled_dot_product_attention(q, k, v, attn_mask=mask)), lengths
         mask = (pos[:, None] >= pos[None, :]) & (pos[None, None, :] < lengths[:, None, None])  # B x S x S: causal, real
         h = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # memory-efficient kernels store no S x S scores
         return self.out(h) * (pos[None, :, None] < lengths[:, None, None]), lengths
@@ -87,6 +104,19 @@ class FeedForward(nn.Module):
         h = F.pad(h, (0, 0, 0, self.max_seqlen - h.shape[1]))  # B x M x E
         h = h + self.mix(h.transpose(1, 2)).transpose(1, 2)
         return self.head(h + self.mlp(h)).squeeze(-1)  # B x M
+
+
+class TokenFeedForward(nn.Module):
+    """Per token, as a flat row needs (no position mixes with another): B x S x E -> B x S."""
+
+    def __init__(self, dim, hidden=64):
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
+        self.head = nn.Linear(dim, 1)
+
+    def forward(self, inputs):
+        h, _ = inputs
+        return self.head(h + self.mlp(h)).squeeze(-1)
 
 
 def token_loss(pred, labels):
@@ -155,11 +185,18 @@ def main(args):
     # 1. The data, the model and the engine (DDP, or two pipeline stages: attention | feed-forward).
     with open(args.config) as f:
         config = json.load(f)
+    section = config["data_efficiency"]["data_sampling"]["dynamic_batching"]
     if args.max_tokens:
-        config["data_efficiency"]["data_sampling"]["dynamic_batching"]["max_tokens"] = args.max_tokens
+        section["max_tokens"] = args.max_tokens
+    if args.padding_free or args.per_token:  # flat rows are bounded by the sum budget; --per-token: the same plan
+        section.update(budget="sum", padding_free=args.padding_free)
     dataset = RunningSumSequences(args.num_samples, seed=args.seed)
     torch.manual_seed(args.seed)
-    layers = [CausalAttention(dataset.embed_dim), FeedForward(dataset.max_seqlen, dataset.embed_dim)]
+    per_token = args.padding_free or args.per_token
+    feed_forward = (
+        TokenFeedForward(dataset.embed_dim) if per_token else FeedForward(dataset.max_seqlen, dataset.embed_dim)
+    )
+    layers = [CausalAttention(dataset.embed_dim), feed_forward]
     model = (
         deepspeed.pipe.PipelineModule(layers, num_stages=2, loss_fn=token_loss, partition_method="uniform")
         if pipeline
@@ -175,9 +212,10 @@ def main(args):
     dataloader, lr_scheduler, _ = varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
         dataset,
         engine,
-        dataloader_collate_fn=collate,
+        dataloader_collate_fn=flat_collate if args.padding_free else collate,
         sample_padding_fn=varbatch.pad_sample,
         batch_seqlens_fn=batch_seqlens,
+        dataset_seqlens=dataset.seqlens.tolist() if args.padding_free else None,  # flat: no padded batch to measure
         lr_scheduler_fn=schedule,
     )
     sampler, gas, ranks = dataloader.variable_batch_sampler, engine.gradient_accumulation_steps(), engine.dp_world_size
@@ -192,11 +230,12 @@ def main(args):
     total_steps = min(len(sampler) // gas * args.epochs, args.max_steps or 10**9)
     print0(
         f"{total_steps} optimizer steps of {sampler.effective_batch_size} micro-batches: "
-        f"{'pipeline' if pipeline else 'DDP'}, {ranks} data-parallel rank(s), device {engine.device}"
+        f"{'pipeline' if pipeline else 'DDP'}{', padding-free' if args.padding_free else ''}, {ranks} data-parallel "
+        f"rank(s), device {engine.device}"
     )
 
     # 4. Train. Each batch is `gas` step inputs per rank, weighted to the batch's token mean.
-    dropped, samples, tokens_trained, shape = collections.Counter(), 0, 0, None
+    dropped, samples, tokens_trained, shape, slots = collections.Counter(), 0, 0, None, 0
     trained, epochs_done = sampler.steps_done, sampler.epoch  # step inputs of the epoch trained, epochs done
     first, every, started = engine.global_steps, max(1, (total_steps - engine.global_steps) // 10), time.perf_counter()
     for epoch in range(sampler.epoch, args.epochs):
@@ -229,7 +268,11 @@ def main(args):
             if ranks > 1:  # the whole batch: every data-parallel rank
                 torch.distributed.all_reduce(totals, group=engine.data_parallel_group)
             tokens, loss = int(totals[0]), loss if pipeline else totals[2].item()
-            samples, tokens_trained = samples + int(plan.batch_sizes[b]), tokens_trained + tokens
+            samples, tokens_trained, slots = (
+                samples + int(plan.batch_sizes[b]),
+                tokens_trained + tokens,
+                slots + totals[1],
+            )
             trained, epochs_done = (b + 1) * gas, epoch + (b + 1) / plan.num_batches  # step inputs of the epoch
             print0(
                 f"step {engine.global_steps:4d} | epoch {epoch} | B {','.join(str(n) for n, _ in shapes)} | "
@@ -255,7 +298,8 @@ def main(args):
         print0(f"saved checkpoint at step {engine.global_steps} in {args.checkpoint_dir}")
     print0(
         f"summary | epochs {epochs_done:.3g} | steps {engine.global_steps} | samples trained {samples} | dropped "
-        f"{' '.join(f'{r}={n}' for r, n in dropped.items())} | wall {wall:.1f} s | "
+        f"{' '.join(f'{r}={n}' for r, n in dropped.items())} | padding {100 * (1 - tokens_trained / max(slots, 1)):.1f}% "
+        f"| wall {wall:.1f} s | "
         f"tokens/s {tokens_trained / max(wall, 1e-9):.0f}"
     )
     torch.distributed.destroy_process_group()
@@ -282,6 +326,16 @@ if __name__ == "__main__":
     parser.add_argument("--max-steps", type=int, default=0, help="stop after this global optimizer step (0: never)")
     parser.add_argument("--checkpoint-dir", help="save the engine and varbatch's sampler here at the end")
     parser.add_argument("--resume", action="store_true", help="continue from the checkpoint in --checkpoint-dir")
+    parser.add_argument(
+        "--padding-free",
+        action="store_true",
+        help="one flat row per step input (the sum budget, a block-diagonal attention mask, a per-token feed-forward)",
+    )
+    parser.add_argument(
+        "--per-token",
+        action="store_true",
+        help="the --padding-free model and plan on padded step inputs (to compare the two)",
+    )
     parser.add_argument("--dist-timeout", type=float, default=180, help="seconds a rank waits in a collective")
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     args = parser.parse_args()

@@ -7101,6 +7101,46 @@ def test_example_trains_the_plan_and_the_loss_goes_down(launched, path):
     assert all(int(tokens_per_s) > 0 for _, _, tokens_per_s, _ in progress)
 
 
+# The example's padding-free mode, one process (DDP) and the README's launch (pipeline), at a small size:
+# its flat rows against the same per-token model and plan on padded step inputs (`--per-token`).
+_FLAT_RUN = ["--num-samples", "300", "--epochs", "3"]
+
+
+@pytest.mark.slow
+def test_example_padding_free_trains_as_its_per_token_model_padded():
+    """DDP path, one process: `--padding-free` trains every step as `--per-token` does on padded step inputs of the
+    same plan (the same samples, tokens and LRs; each step's loss within 1e-5, relatively, of the printed 6
+    digits), with no padding in its rows."""
+    flat, padded = [
+        _run([sys.executable, "example.py", flag, *_FLAT_RUN]) for flag in ("--padding-free", "--per-token")
+    ]
+    for result in (flat, padded):
+        _check_ok(result)
+    flat_steps, padded_steps = _steps(flat.stdout), _steps(padded.stdout)
+    assert len(flat_steps) == len(padded_steps) > 10
+    for a, b in zip(flat_steps, padded_steps):
+        assert a["B"] == [1] * len(b["B"]) and sum(a["S"]) == a["tokens"] and a["padding"] == "0.0"
+        assert (a["tokens"], a["lr"]) == (b["tokens"], b["lr"])
+        assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5, abs_tol=2e-6), (a, b)
+    assert re.search(r"^summary \|.*\| padding 0\.0% \|", flat.stdout, re.M)
+
+
+@pytest.mark.slow
+def test_example_padding_free_pipeline_rows_share_their_batchs_length():
+    """Pipeline path (2 stages): the step inputs of a batch are rows of one length, the batch's longest row, whose
+    padding segment neither attention nor loss sees: the first step's loss is the DDP flat run's."""
+    result = _launch("example.py", ["--pipeline-num-stages", "2", "--padding-free", *_FLAT_RUN])
+    _check_ok(result)
+    one = _run([sys.executable, "example.py", "--padding-free", *_FLAT_RUN, "--max-steps", "1"])
+    _check_ok(one)
+    steps = _steps(result.stdout)
+    assert len(steps) > 10 and all(s["B"] == [1] * len(s["B"]) and len(set(s["S"])) == 1 for s in steps)
+    assert any(float(s["padding"]) > 0 for s in steps)
+    first = _steps(one.stdout)[0]
+    assert (steps[0]["tokens"], steps[0]["lr"]) == (first["tokens"], first["lr"])
+    assert math.isclose(steps[0]["loss"], first["loss"], rel_tol=1e-5, abs_tol=2e-6)
+
+
 # Stopped and resumed runs of the example, each against the uninterrupted run of its path (DDP: the README's run
 # above, on ds_config.json): (path, flags, the step it stops at, its checkpoint folder). A stop of None is batch 2
 # of epoch 1. "ddp" is the README's two commands as it writes them; "ddp, 2 loader workers" runs ds_config.json
