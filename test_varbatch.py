@@ -7445,8 +7445,14 @@ def test_deepspeed_style_script_runs_unchanged_on_varbatch_with_zero_stage_1(tmp
 _README = Path(varbatch.__file__).with_name("README.md")
 _README_TEST_COMMAND = "python -m pytest -q test_varbatch.py"
 _README_SMALL_EXAMPLE = ["--num-samples", "600", "--epochs", "3"]  # `python example.py`, which no test shares
-_README_RECORDED = ("hf_trainer.py", "trl_sft.py")  # recipes the tests run under _RECIPE_RECORDER, and check
-_README_RECIPE_NEEDS = {"hf_trainer.py": "transformers", "trl_sft.py": "trl"}  # the library each recipe is about
+# Recipes the tests run under _RECIPE_RECORDER, and check; the library each is about.
+_README_RECIPE_NEEDS = {
+    "hf_trainer.py": "transformers",
+    "trl_sft.py": "trl",
+    "hf_trainer_flat.py": "transformers",  # padding-free (issue 29)
+    "trl_sft_flat.py": "trl",
+}
+_README_RECORDED = tuple(_README_RECIPE_NEEDS)
 
 
 def _readme_steps():
@@ -7666,7 +7672,10 @@ def _check_resumed_records(first, resumed, done):
     assert resumed["global_step"] == first["global_step"]
 
 
-@pytest.mark.parametrize("script, resumes", [("hf_trainer.py", True), ("trl_sft.py", False)])
+@pytest.mark.parametrize(
+    "script, resumes",
+    [("hf_trainer.py", True), ("trl_sft.py", False), ("hf_trainer_flat.py", False), ("trl_sft_flat.py", False)],
+)
 def test_readme_hf_recipes_train_every_planned_sample_once(tmp_path, monkeypatch, script, resumes):
     """The README's HF Trainer and TRL recipes on 1 process (in this process: one transformers import): every
     planned sample once per epoch at the plan's LRs; the HF one, started again after its checkpoints past one inside
