@@ -1249,6 +1249,7 @@ def bench_padding(quick: bool, ds_cap: float, results: dict) -> str:
         rows.append(["pipeline" if pipeline else "DDP", *cells])
     out += ["", "### 2b. bucket order, padded budget: real / padded vs bucket_size (same set)", ""]
     out.append(_table(["mode"] + [f"bucket_size={s:,}" + (" (all)" if s == n else "") for s in sizes], rows))
+    out.append(_flat_table(seqlens, results))
 
     # The sum budget's overshoot is worst when lengths are alike: item 1's uniform set.
     uniform = uniform_seqlens(2000 if quick else 20_000)
@@ -1273,6 +1274,41 @@ def bench_padding(quick: bool, ds_cap: float, results: dict) -> str:
     )
     out.append(_randomness_table(quick, results))
     return "\n".join(out)
+
+
+def _flat_table(seqlens: np.ndarray, results: dict) -> str:
+    """Section 2f: under the sum budget, the real tokens of the tensors a forward pass computes (a step input's
+    padded B x S, or its flat row), per order, from the plans' totals."""
+    rows = []
+    for order in varbatch._Order.__args__:
+        cells = []
+        for pipeline in (False, True):
+            for padding_free in (False, True):
+                plan = varbatch.plan_batches(
+                    seqlens,
+                    PAD_MAX_TOKENS,
+                    effective_batch_size=PAD_EFFECTIVE_BATCH_SIZE,
+                    order=order,
+                    same_size=pipeline and not padding_free,  # as the DeepSpeed glue sets them for a pipeline
+                    same_length=pipeline,
+                    padding_free=padding_free,
+                )
+                share = plan.totals()["efficiency"]
+                results.setdefault("flat", {})[(order, pipeline, padding_free)] = share
+                cells.append(f"{100 * share:.1f}%")
+        rows.append([order, *cells])
+    text = [
+        "",
+        "### 2f. Padding-free rows: real tokens / tensor tokens under the sum budget (same set)",
+        "",
+        "The tokens of the tensors the step inputs' forward passes compute: padded, each step input's B x S; flat "
+        "(`padding_free=True`), its row, which in pipeline mode is as long as its batch's longest row (DDP: one "
+        "micro-batch per step input). Pipeline: padded with same-size, same-length micro-batches; flat with rows "
+        "of one length per batch (as the DeepSpeed glue sets them).",
+        "",
+    ]
+    headers = ["order", "DDP padded", "DDP flat", "pipeline padded", "pipeline flat"]
+    return "\n".join(text) + "\n" + _table(headers, rows)
 
 
 # =============================================================================
