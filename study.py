@@ -16,7 +16,10 @@ baseline reaches in its time budget. Every arm has the same peak padded tensor,
       and linear, in sequences (B_ref = B0) and in tokens (B_ref = the
       baseline's mean real tokens per batch), all from (a)'s tuned LR;
   (d) DeepSpeed's own module with its defaults (sum budget, dataloader order,
-      reference batch size = train_batch_size, linear rule), same max_tokens.
+      reference batch size = train_batch_size, linear rule), same max_tokens;
+  (e) varbatch padding-free: each batch one flat row of at most max_tokens
+      tokens (sum budget, random order), positions restarting at each sample and
+      a block-diagonal causal mask, sqrt in tokens as (c): the same loss per token.
 
 Two data sets: functions of the Python standard library's source as bytes
 (real text, no download), and synthetic arithmetic progressions with lognormal
@@ -303,12 +306,17 @@ class TinyLM(torch.nn.Module):
         self.head = torch.nn.Linear(setup.dim, VOCAB)
 
     def forward(self, tokens: torch.Tensor, seqlens: torch.Tensor) -> torch.Tensor:
+        """``seqlens``: B real lengths (padded rows), or a flat row's 1 x T positions (arm (e))."""
         seq = tokens.shape[1]
-        x = self.embed(tokens) + self.position(torch.arange(seq))  # B x S x E
-        # Query i sees keys j <= i that are real tokens of its own sample.
-        real = torch.arange(seq)[None, :] < seqlens[:, None]  # B x S
         causal = torch.ones(seq, seq, dtype=torch.bool).tril()  # S x S
-        mask = (causal[None] & real[:, None, :])[:, None]  # B x 1 x S x S
+        if seqlens.dim() == 2:  # a flat row: positions restart at each sample, whose tokens see only each other
+            x = self.embed(tokens) + self.position(seqlens)  # 1 x T x E
+            sample = (seqlens[0] == 0).cumsum(0)  # T
+            mask = (causal & (sample[:, None] == sample[None, :]))[None, None]  # 1 x 1 x T x T
+        else:  # query i sees keys j <= i that are real tokens of its own sample
+            x = self.embed(tokens) + self.position(torch.arange(seq))  # B x S x E
+            real = torch.arange(seq)[None, :] < seqlens[:, None]  # B x S
+            mask = (causal[None] & real[:, None, :])[:, None]  # B x 1 x S x S
         for block in self.blocks:
             x = block(x, mask)
         return self.head(self.norm(x))  # B x S x V
@@ -323,7 +331,10 @@ def lm_loss(model: TinyLM, tokens: torch.Tensor, seqlens: torch.Tensor, reductio
     """
     logits = model(tokens, seqlens)[:, :-1]  # B x S-1 x V: position t predicts token t+1
     targets = tokens[:, 1:].clone()  # B x S-1
-    targets[torch.arange(targets.shape[1])[None, :] >= (seqlens[:, None] - 1)] = -100  # padding
+    if seqlens.dim() == 2:  # a flat row: no sample's last token predicts the next sample's first
+        targets[seqlens[:, 1:] == 0] = -100
+    else:
+        targets[torch.arange(targets.shape[1])[None, :] >= (seqlens[:, None] - 1)] = -100  # padding
     return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1), ignore_index=-100, reduction=reduction)
 
 
@@ -404,9 +415,9 @@ def _forever(loader, before_epoch=None):
 class ArmSpec:
     """What distinguishes an arm: its key, its label and how its batches and LR are made."""
 
-    key: str  # a, b, c-<rule>-<unit>, d
+    key: str  # a, b, c-<rule>-<unit>, d, e
     label: str
-    kind: str  # fixed, grouped, varbatch, deepspeed
+    kind: str  # fixed, grouped, varbatch, deepspeed, flat
     rule: str = "none"
     unit: str = "sequences"
 
@@ -421,6 +432,7 @@ def arm_specs(with_deepspeed: bool) -> list[ArmSpec]:
     for unit in UNITS:
         for rule in RULES[1:]:
             specs.append(ArmSpec(f"c-{rule}-{unit}", f"(c) varbatch, {rule} in {unit}", "varbatch", rule, unit))
+    specs.append(ArmSpec("e", "(e) varbatch padding-free, sqrt in tokens", "flat", "sqrt", "tokens"))
     if with_deepspeed:
         specs.append(
             ArmSpec(
@@ -473,7 +485,7 @@ class Arm:
         self.wall += time.perf_counter() - wall_start
         self.lr_factors.append(lr_now / self.lr)
         self.steps += 1
-        self.tokens += int(seqlens.sum())
+        self.tokens += int(seqlens.sum()) if seqlens.dim() == 1 else tokens.numel()  # a flat row: all real
         slots = tokens.numel()
         self.slots += slots
         self.peak_slots = max(self.peak_slots, slots)
@@ -500,6 +512,21 @@ class Data:
     ds_plan_seconds: float = 0.0
 
 
+def _varbatch_sampler(spec: ArmSpec, data: Data, setup: Setup, seed: int) -> varbatch.VariableBatchSampler:
+    """Arms (c): the padded budget in the bucket order; arm (e): flat rows under the sum budget, random order."""
+    if spec.kind == "flat":
+        options = dict(padding_free=True, order="random")
+    else:
+        options = dict(budget="padded", order="bucket")
+    return varbatch.VariableBatchSampler(data.seqlens, setup.max_tokens, num_replicas=1, rank=0, seed=seed, **options)
+
+
+def _flat_row(samples: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A step input as one flat row: ``(tokens 1 x T, positions 1 x T)``."""
+    tokens, _, _, positions = varbatch.FlatCollate()(samples)
+    return tokens, positions
+
+
 def make_arm(spec: ArmSpec, data: Data, setup: Setup, lr: float, seed: int, initial_state: dict, ds, clock_fn) -> Arm:
     """Builds one arm as a user of its batching would: loader, AdamW, LR scheduler."""
     model = TinyLM(setup)
@@ -519,11 +546,12 @@ def make_arm(spec: ArmSpec, data: Data, setup: Setup, lr: float, seed: int, init
     elif spec.kind == "grouped":
         sampler = GroupedByLengthSampler(data.seqlens, setup.batch_size, seed)
         batches = _forever(torch.utils.data.DataLoader(data.train, batch_sampler=sampler, collate_fn=collate))
-    elif spec.kind == "varbatch":
-        sampler = varbatch.VariableBatchSampler(
-            data.seqlens, setup.max_tokens, budget="padded", order="bucket", num_replicas=1, rank=0, seed=seed
-        )
-        loader = varbatch.make_dataloader(data.train, sampler, collate_fn=collate)
+    elif spec.kind in ("varbatch", "flat"):
+        sampler = _varbatch_sampler(spec, data, setup, seed)
+        if spec.kind == "flat":  # (tokens 1 x T, positions 1 x T) of FlatCollate's row
+            loader = varbatch.make_dataloader(data.train, sampler, collate_fn=_flat_row)
+        else:
+            loader = varbatch.make_dataloader(data.train, sampler, collate_fn=collate)
         reference = setup.batch_size if spec.unit == "sequences" else data.reference_tokens
         with warnings.catch_warnings():
             # varbatch warns when the mean LR factor leaves [0.5, 2]: here that is the rule under study.
@@ -658,12 +686,8 @@ def arm_metrics(arm: Arm, target: float, max_tokens: int) -> dict:
 def steps_per_epoch(spec: ArmSpec, data: Data, setup: Setup) -> int:
     if spec.kind in ("fixed", "grouped"):
         return -(-len(data.train) // setup.batch_size)
-    if spec.kind == "varbatch":
-        return len(
-            varbatch.VariableBatchSampler(
-                data.seqlens, setup.max_tokens, budget="padded", order="bucket", num_replicas=1, rank=0, seed=0
-            )
-        )
+    if spec.kind in ("varbatch", "flat"):
+        return len(_varbatch_sampler(spec, data, setup, 0))
     return len(data.ds_plan[1])
 
 
@@ -922,6 +946,8 @@ def write_figure(path: str, study: dict) -> None:
                 style = dict(color="tab:gray", linewidth=2.0)
             elif key == "d":
                 style = dict(color="tab:red", linewidth=1.5)
+            elif key == "e":
+                style = dict(color="tab:orange", linewidth=1.8, linestyle="-.")
             else:
                 rule = ms[0]["key"].split("-")[1]
                 style = dict(color=colors[rule], linewidth=1.5, linestyle="--" if key.endswith("sequences") else "-")
