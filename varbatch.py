@@ -3267,8 +3267,8 @@ _CHECK_RTOL = {torch.float64: 1e-9, torch.float32: 1e-4, torch.float16: 1e-2, to
 
 # NOTE [checking padding-free on the model itself]: a model can train flat rows
 # silently wrong: when their samples attend to each other, the loss stays within
-# a fraction of a percent while the gradients are far off (a tiny Llama: 0.07%
-# and 64%), and nothing in the row shows it. transformers decides in the forward
+# a fraction of a percent while the gradients are far off (a tiny Llama: 0.13%
+# and 98%), and nothing in the row shows it. transformers decides in the forward
 # call (see NOTE [the flat row]): an HF model makes a cache whenever
 # `config.use_cache` is True (`LlamaConfig`'s default), in training mode too, and
 # then attends across the row. So the check runs the model, once, before
