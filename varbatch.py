@@ -493,6 +493,71 @@ def _empty_plan_message(plan: Plan) -> str:
     )
 
 
+def _sampler_world(num_replicas: Any, rank: Any, options: dict) -> tuple[int, int, bool]:
+    """A sampler's ``num_replicas`` and ``rank`` (torch.distributed's where None), checked, and whether it deals to
+    1 rank by default (torch.distributed not, or not yet, up: see `_check_world`); ``options`` may not hold
+    ``effective_batch_size``, which the sampler computes."""
+    if "effective_batch_size" in options:
+        raise TypeError(
+            f"VariableBatchSampler got effective_batch_size={options['effective_batch_size']!r}, which "
+            f"it computes as micro_batch_size x gradient_accumulation_steps x num_replicas; pass those"
+        )
+    world_rank, world_size = _world()
+    alone = num_replicas is None and world_size == 1
+    num_replicas = _check_int("num_replicas", world_size if num_replicas is None else num_replicas, 1)
+    rank = _check_int("rank", world_rank if rank is None else rank)
+    if rank >= num_replicas:
+        raise ValueError(
+            f"rank should be in [0, num_replicas - 1], but got rank={rank} with num_replicas={num_replicas}"
+        )
+    return num_replicas, rank, alone
+
+
+def _check_set_epoch(sampler: VariableBatchSampler, epoch: Any) -> None:
+    """Raises unless ``epoch`` is an epoch ``sampler`` may be set to: not one before a restored epoch."""
+    if _check_int("epoch", epoch) < sampler.epoch and sampler._position.last.restored:
+        raise ValueError(
+            f"set_epoch({epoch}) after load_state_dict() restored epoch {sampler.epoch} would replay an "
+            f"earlier epoch; pass the epoch being trained (HF Accelerate's prepared loader passes its "
+            f"own count of passes, 0 after a restart, unless you call loader.set_epoch(epoch); see the "
+            f"README, 'Use with torchrun, DeepSpeed, Accelerate, Lightning')"
+        )
+
+
+def _check_horizon(sampler: VariableBatchSampler, epochs: Any, unit: Any) -> tuple[int, str]:
+    """``epochs`` and ``unit`` of `VariableBatchSampler.horizon`, checked: ``unit`` counts tokens (of plans that
+    have them) or samples, never steps (every epoch has ``len(sampler) // G`` of them)."""
+    epochs, unit = _check_int("epochs", epochs, minimum=1), _check_choice("unit", unit, _Clock)
+    if unit == "steps":
+        raise ValueError(
+            f"horizon(unit='steps') is len(sampler) // gradient_accumulation_steps x epochs, the same in "
+            f"every epoch: {len(sampler) // sampler.gradient_accumulation_steps} x {epochs}; count tokens or samples"
+        )
+    if unit == "tokens":
+        _check_tokens_known(sampler, "horizon(unit='tokens')")
+    return epochs, unit
+
+
+def _check_scheduler_state(scheduler: VariableBatchSizeLR, state_dict: Any) -> None:
+    """Raises unless ``state_dict`` is a `VariableBatchSizeLR` state of ``scheduler``'s settings and kind.
+
+    States saved by varbatch 0.2 (the position as an epoch and a batch of
+    epochs of differing lengths) are refused: their batch counts cannot be
+    converted to b.
+    """
+    if isinstance(state_dict, Mapping) and {"_epoch", "_batch"} <= set(state_dict):
+        raise ValueError(
+            f"this scheduler state was saved by varbatch 0.2 (its position is '_epoch' and '_batch'); varbatch "
+            f"{__version__} counts batches trained under epochs of one length and cannot convert it: resume "
+            f"with the varbatch that saved it, or start the schedule anew"
+        )
+    _check_state(scheduler, state_dict, {*scheduler._STATE, "settings", "base_lr_scheduler"})
+    other_kind = (state_dict["base_lr_scheduler"] is None) != (scheduler._base is None)
+    if other_kind or len(state_dict["_unscaled"]) != len(scheduler._groups):
+        raise ValueError("the state wraps another kind of schedule or optimizer; resume with the same ones")
+    _check_int("_batches", state_dict["_batches"], minimum=0, fix="pass a dict made by state_dict()")
+
+
 def _torch_optimizer(optimizer: Any) -> Optimizer:
     """The torch `Optimizer` inside DeepSpeed's wrappers (ZeRO stages, fp16, bf16) and HF Accelerate's.
 
@@ -521,6 +586,11 @@ def _find_sampler(obj: Any, depth: int = 0) -> VariableBatchSampler | None:
 
 def _schedule_to_wrap(lr_scheduler: Any) -> tuple[Any, Optimizer]:
     """The scheduler a `VariableBatchSizeLR` wraps (None for an optimizer: a constant LR), and the torch optimizer."""
+    if isinstance(lr_scheduler, VariableBatchSizeLR):
+        raise TypeError(
+            "lr_scheduler is a VariableBatchSizeLR already: wrapping it would scale the LR twice; wrap "
+            "the schedule (or optimizer) it wraps"
+        )
     if isinstance(lr_scheduler, ReduceLROnPlateau):
         raise TypeError(
             "ReduceLROnPlateau steps on a validation metric, not on batches, so VariableBatchSizeLR "
@@ -1623,19 +1693,7 @@ class VariableBatchSampler(Sampler[list[int]]):
         verbose=False,
         **options,
     ):
-        if "effective_batch_size" in options:
-            raise TypeError(
-                f"VariableBatchSampler got effective_batch_size={options['effective_batch_size']!r}, which "
-                f"it computes as micro_batch_size x gradient_accumulation_steps x num_replicas; pass those"
-            )
-        world_rank, world_size = _world()
-        alone = num_replicas is None and world_size == 1  # 1 rank by default: torch.distributed not (yet) up
-        num_replicas = _check_int("num_replicas", world_size if num_replicas is None else num_replicas, 1)
-        rank = _check_int("rank", world_rank if rank is None else rank)
-        if rank >= num_replicas:
-            raise ValueError(
-                f"rank should be in [0, num_replicas - 1], but got rank={rank} with num_replicas={num_replicas}"
-            )
+        num_replicas, rank, alone = _sampler_world(num_replicas, rank, options)
         k = (
             _check_int("micro_batch_size", micro_batch_size, minimum=1)
             * _check_int("gradient_accumulation_steps", gradient_accumulation_steps, minimum=1)
@@ -1730,14 +1788,8 @@ class VariableBatchSampler(Sampler[list[int]]):
 
     def set_epoch(self, epoch: int) -> None:
         """Sets the epoch of the next iteration (a new order in ``random``/``bucket``)."""
+        _check_set_epoch(self, epoch)
         last = self._position.last
-        if _check_int("epoch", epoch) < self.epoch and last.restored:
-            raise ValueError(
-                f"set_epoch({epoch}) after load_state_dict() restored epoch {self.epoch} would replay an "
-                f"earlier epoch; pass the epoch being trained (HF Accelerate's prepared loader passes its "
-                f"own count of passes, 0 after a restart, unless you call loader.set_epoch(epoch); see the "
-                f"README, 'Use with torchrun, DeepSpeed, Accelerate, Lightning')"
-            )
         for ref in self._followers:  # an epoch cut short ends here (NOTE [the contract])
             scheduler = ref()
             if scheduler is not None:
@@ -1758,14 +1810,7 @@ class VariableBatchSampler(Sampler[list[int]]):
             >>> VariableBatchSampler([3, 5, 2, 6, 4, 1], max_tokens=8).horizon(4, "tokens")
             84
         """
-        epochs, unit = _check_int("epochs", epochs, minimum=1), _check_choice("unit", unit, _Clock)
-        if unit == "steps":
-            raise ValueError(
-                f"horizon(unit='steps') is len(sampler) // gradient_accumulation_steps x epochs, the same in "
-                f"every epoch: {len(self) // self.gradient_accumulation_steps} x {epochs}; count tokens or samples"
-            )
-        if unit == "tokens":
-            _check_tokens_known(self, "horizon(unit='tokens')")
+        epochs, unit = _check_horizon(self, epochs, unit)
 
         def amount(plan, skip):
             return int(plan._amounts(unit)[skip:].sum())
@@ -2027,11 +2072,6 @@ class VariableBatchSizeLR(LRScheduler):
         clock="steps",
         clock_step=1,
     ):
-        if isinstance(lr_scheduler, VariableBatchSizeLR):
-            raise TypeError(
-                "lr_scheduler is a VariableBatchSizeLR already: wrapping it would scale the LR twice; wrap "
-                "the schedule (or optimizer) it wraps"
-            )
         self._base, optimizer = _schedule_to_wrap(lr_scheduler)
         # (`is None`, never truthiness: a sampler whose epoch is empty has len() 0)
         found = _find_sampler(batch_sizes)
@@ -2328,22 +2368,9 @@ class VariableBatchSizeLR(LRScheduler):
     def load_state_dict(self, state_dict):
         """Restores a `state_dict` (never mutating it): the next `step` continues exactly where it stopped.
 
-        States saved by varbatch 0.2 (the position as an epoch and a batch of
-        epochs of differing lengths) are refused: their batch counts cannot be
-        converted to b.
+        States saved by varbatch 0.2 are refused (`_check_scheduler_state`).
         """
-        if isinstance(state_dict, Mapping) and {"_epoch", "_batch"} <= set(state_dict):
-            raise ValueError(
-                f"this scheduler state was saved by varbatch 0.2 (its position is '_epoch' and '_batch'); varbatch "
-                f"{__version__} counts batches trained under epochs of one length and cannot convert it: resume "
-                f"with the varbatch that saved it, or start the schedule anew"
-            )
-        _check_state(self, state_dict, {*self._STATE, "settings", "base_lr_scheduler"})
-        if (state_dict["base_lr_scheduler"] is None) != (self._base is None) or len(state_dict["_unscaled"]) != len(
-            self._groups
-        ):
-            raise ValueError("the state wraps another kind of schedule or optimizer; resume with the same ones")
-        _check_int("_batches", state_dict["_batches"], minimum=0, fix="pass a dict made by state_dict()")
+        _check_scheduler_state(self, state_dict)
         if self._base is not None:
             self._base.load_state_dict(copy.deepcopy(state_dict["base_lr_scheduler"]))
         super().load_state_dict({key: copy.deepcopy(state_dict[key]) for key in self._STATE})
