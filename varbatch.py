@@ -515,7 +515,7 @@ def _sampler_world(num_replicas: Any, rank: Any, options: dict) -> tuple[int, in
 
 def _check_set_epoch(sampler: VariableBatchSampler, epoch: Any) -> None:
     """Raises unless ``epoch`` is an epoch ``sampler`` may be set to: not one before a restored epoch."""
-    if _check_int("epoch", epoch) < sampler.epoch and sampler._position.last.restored:
+    if _check_int("epoch", epoch) < sampler.epoch and sampler._position.restored:
         raise ValueError(
             f"set_epoch({epoch}) after load_state_dict() restored epoch {sampler.epoch} would replay an "
             f"earlier epoch; pass the epoch being trained (HF Accelerate's prepared loader passes its "
@@ -1752,8 +1752,8 @@ class VariableBatchSampler(Sampler[list[int]]):
 
     def _start_pass(self, epoch: int, start: int, *, restored: bool = False, finished: bool = False) -> None:
         """Writes the record of a pass over ``epoch`` from step input ``start``: an older iterator goes stale."""
-        record = _Pass(self._position.last.number + 1, epoch, start, restored)
-        self._position = _Position(record, steps_done=start, finished=finished)
+        number = self._position.number + 1
+        self._position = _Position(number, epoch, start, restored, steps_done=start, finished=finished)
 
     def _follow(self, scheduler: LRScheduler) -> None:
         """Lets ``scheduler`` square its position when the next epoch is set (see `VariableBatchSizeLR._square`)."""
@@ -1789,12 +1789,12 @@ class VariableBatchSampler(Sampler[list[int]]):
     def set_epoch(self, epoch: int) -> None:
         """Sets the epoch of the next iteration (a new order in ``random``/``bucket``)."""
         _check_set_epoch(self, epoch)
-        last = self._position.last
+        last = self._position
         for ref in self._followers:  # an epoch cut short ends here (NOTE [the contract])
             scheduler = ref()
             if scheduler is not None:
                 scheduler._square(epoch)
-        if epoch != last.epoch or self._position.finished:  # else: left or restored mid-way
+        if epoch != last.pass_epoch or last.finished:  # else: left or restored mid-way
             self._start_pass(epoch, 0, restored=last.restored)  # a restored run's epochs go back only once it ran
 
     def __len__(self) -> int:
@@ -1832,7 +1832,7 @@ class VariableBatchSampler(Sampler[list[int]]):
         position.steps_done = steps_done
         position.finished = steps_done == total
         self._handed += 1
-        self._latest = position.last.epoch * total + steps_done - 1
+        self._latest = position.pass_epoch * total + steps_done - 1
         return True
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -1889,7 +1889,7 @@ class VariableBatchSampler(Sampler[list[int]]):
         ``steps_done`` defaults to ``self.steps_done``, exact without worker
         processes; with workers the loader prefetches: pass what your loop trained.
         """
-        epoch = self._position.last.epoch
+        epoch = self._position.pass_epoch
         if steps_done is None:
             done = self.steps_done
         else:
@@ -1928,51 +1928,42 @@ class _Planner:
 _KEY_RUN = 256  # step inputs (of every rank) whose ids `VariableBatchSampler._runs` reads as one list
 
 
-@dataclasses.dataclass(frozen=True)
-class _Pass:
-    """The record of a sampler's last pass, written where a pass starts: set_epoch, an iteration, load_state_dict.
-
-    Its ``number`` marks the keys a pass deals, by which `_LoadStepInput` checks the dealing.
+@dataclasses.dataclass
+class _Position:
+    """Where a sampler stands: its last pass, written where a pass starts (set_epoch, an iteration,
+    load_state_dict), and how far that pass got.
 
     Attributes:
-        number: passes started so far (an iterator of an older pass is stale).
-        epoch, start: the epoch of the pass and its first step input.
+        number: passes started so far; it marks the keys a pass deals (by which `_LoadStepInput` checks the
+            dealing), and an iterator of an older pass is stale.
+        pass_epoch, start: the epoch of the pass and its first step input.
         restored: the position came from load_state_dict, and no iteration has started since.
+        steps_done, finished: the step inputs of the pass's epoch handed out, and whether that is all of them.
+
+    Invariant: ``start <= steps_done <= T`` (T: the step inputs of an epoch), and
+    ``finished`` only with ``steps_done == T``: set once an iteration (or a
+    restored position) reached the epoch's end, never by set_epoch (not even
+    for an empty epoch); then the next iteration yields the next epoch. Each
+    pass gets a new one, which its iterator moves on in place (a new one per
+    step input costs more than the rest of it).
     """
 
     number: int = 0
-    epoch: int = 0
+    pass_epoch: int = 0
     start: int = 0
     restored: bool = False
-
-
-@dataclasses.dataclass
-class _Position:
-    """Where a sampler stands: its last pass, and how far that pass got.
-
-    Invariant: ``last.start <= steps_done <= T`` (T: the step inputs of an
-    epoch), and ``finished`` only with ``steps_done == T``: set once an iteration (or a
-    restored position) reached the epoch's end, never by set_epoch (not even
-    for an empty epoch); then the next iteration yields the next epoch.
-
-    Each pass gets a new one, which its iterator moves on in place (a new one
-    per step input costs more than the rest of it): an iterator whose position
-    is no longer its sampler's is stale.
-    """
-
-    last: _Pass = _Pass()
     steps_done: int = 0
     finished: bool = False
 
     @property
     def epoch(self) -> int:
-        """The epoch the next iteration yields: the last one's, or the next once it finished."""
-        return self.last.epoch + self.finished
+        """The epoch the next iteration yields: the last pass's, or the next once it finished."""
+        return self.pass_epoch + self.finished
 
     def next_start(self) -> tuple[int, int]:
         """``(epoch, step input)`` where the next pass starts: a restored position, else the epoch's first."""
-        if self.last.restored and not self.finished:
-            return self.epoch, self.last.start
+        if self.restored and not self.finished:
+            return self.epoch, self.start
         return self.epoch, 0
 
 
@@ -3284,7 +3275,7 @@ def _step_input_keys(sampler: VariableBatchSampler, every_rank: bool) -> Iterato
                     seqlens=None if lens is None else tuple(lens[a:b]),
                     pad_to=0 if pad_to is None else pad_to[g - first],
                     epoch=epoch,
-                    pass_number=position.last.number,
+                    pass_number=position.number,
                     pass_start=start,
                     step_input=g,
                     every_rank=every_rank,  # marked, so that the dealing check can tell a view that was not dealt
