@@ -101,10 +101,9 @@ _DROP_REASONS = ("over_budget", "min_batch_size", "tail", "filtered")
 # `random` and `bucket` never use an unseeded generator: every rank must draw the
 # same order (DeepSpeed's `random` with seed=None draws a different one per rank).
 _DEFAULT_SEED = 0
-# The default window of the `bucket` order (the comment above `_bucket_window`): 1 /
-# _BUCKET_MIN_WINDOWS of an epoch's samples, within this many blocks of micro-batches.
-_BUCKET_WINDOW_BLOCKS = (16, 64)
-_BUCKET_MIN_WINDOWS = 3
+# The default window of the `bucket` order (the comment above `_bucket_window`): this many blocks of
+# micro-batches at the mean seqlen, the whole epoch where it holds fewer.
+_BUCKET_WINDOW_BLOCKS = 512
 _MAX_TOKENS_LIMIT = 2**31  # sums of up to 2**31 lengths below it stay inside int64
 
 
@@ -904,12 +903,13 @@ def plan_batches(
             micro-batches per step input, data-parallel ranks (a padded step
             input shares one S: its tensor is <= ``micro_batch_size x max_tokens``).
             ``seed``: of ``random``/``bucket`` (None: a fixed one, never
-            unseeded). ``bucket_size``: samples per window, on average; by default a third
-            of the samples, within 16 to 64 blocks' worth at the mean length
-            (a block: a batch with ``same_size``, a padded step input, else a
-            micro-batch): pairs of samples meet again next epoch ~25x as often as
-            in random micro-batches, ~7x at 2,000 samples; larger, less padding and
-            randomness. ``on_overlong``: samples
+            unseeded). ``bucket_size``: samples per window, on average; by default 512
+            blocks' worth at the mean length (a block: a batch with ``same_size``, a
+            padded step input, else a micro-batch), all the samples where they are
+            fewer: ~99.5% of the padded slots real tokens on 1M long-tailed lengths,
+            1.5% of the pairs of samples sharing a micro-batch again next epoch (a
+            set of a few thousand: the same micro-batches every epoch); smaller,
+            fresher micro-batches and more padding. ``on_overlong``: samples
             longer than ``max_tokens`` are dropped as ``over_budget`` (``"skip"``)
             or refused (``"error"``).
 
@@ -1091,38 +1091,39 @@ def _id_bits(ids: np.ndarray) -> int:
     return _bits(int(ids.max()) + 1 if len(ids) else 1)
 
 
-# The `bucket` order sorts windows of randomly drawn samples; its window trades padding for fresh
-# micro-batches. In a window of W samples a micro-batch of B takes length neighbours among a
-# random W of the N: two samples that share one meet again next epoch only when they share
-# a window again (W / N) and stay neighbours in it (~0.4), against about B / N for random
-# micro-batches of the same sizes. So the share of pairs that meet again is ~0.4 W / B times
-# the random share at every N, and a micro-batch spans ~B / W of the length quantiles: the
-# window is counted in blocks (`_Settings.unit_width` micro-batches, B x unit_width samples at
-# the mean length). Measured on long-tailed lengths (lognormal(5.5, 0.9), max_tokens 16384, 1M
-# samples for the share, 200k for padding) and uniform 10..499 (max_tokens 4096, 20k), real /
-# padded B x S slots at k = 8, DDP and pipeline, both budgets:
-#   blocks per window   pairs meeting again / random   long-tailed   uniform
-#   24                  11x                            91-93%        94-95%
-#   40                  17x                            95%           96-97%
-#   64 (the default)    25x                            96-97%        96.8-97.9%
-# Sort keys with random jitter and windows cut at token sums fared no better, and no planner that
-# draws each epoch independently of the last (as `plan_for_epoch` must: epochs in any order) can do
-# much better. If a sample's B - 1 mates come from the share s of all N samples nearest its length,
-# with probabilities p_j, two that met meet again with probability sum(p_j^2) / (B - 1) >= (B - 1) /
-# (s N) (Cauchy-Schwarz: uniform p_j is the least), 1 / s times the random share, while s sets the
-# spread of lengths a micro-batch pads. Above, the ratio times the padded share stays near 0.85
-# (25x x 3.4%, 17x x 5%, 11x x 8%): 10x with 95% real tokens does not fit these lengths. A set of
-# a few thousand samples is a window or two of 64 blocks, the same micro-batches every epoch (98%
-# of pairs again at N = 2,000), so a window holds at most a third of the samples, down to 16
-# blocks: 7-8x at N = 2,000 (padding 89% in DDP, from 96% sorted whole). Small sets train for many
-# epochs, large ones for few.
+# The `bucket` order sorts windows of randomly drawn samples; its window trades real tokens for fresh
+# micro-batches, and the default is chosen for real tokens (issue 26): padding is compute paid for on every
+# step, where pairs of samples that share a micro-batch again next epoch cost little next to it. A micro-batch
+# (or a pipeline's batch, padded to one S) takes length neighbours in its window and spans ~1 / (blocks per
+# window) of its length quantiles, so the window is counted in blocks (`_Settings.unit_width` micro-batches,
+# B x unit_width samples at the mean length): its fill is then about the same whatever N, max_tokens or mode.
+# Measured at k = 8, DDP and pipeline, both budgets: real / padded B x S slots, and of the pairs that share a
+# micro-batch in epoch 0 the share that share one in epoch 1, on long-tailed lengths (lognormal(5.5, 0.9)
+# clipped to 8..4096, max_tokens 16384) and uniform 10..499 (max_tokens 4096):
+#   blocks per window    long-tailed, N = 100k  N = 1M                uniform, N = 100k     N = 1M
+#   64 (until issue 26)  96.0-96.9%, 1.8-2.2%   96.5-96.9%, 0.2%      97.4-97.9%, 0.7-0.9%  97.5-97.9%, 0.1%
+#   256                  98.3-99.1%, 4.5-7.8%   99.0-99.1%, 0.8%      99.1-99.4%, 1.9-2.9%  99.3-99.4%, 0.3%
+#   512 (the default)    99.1-99.5%, 11-13%     99.5%, 1.3-1.5%       99.6-99.7%, 3.6-4.9%  99.6-99.7%, 0.5%
+#   1024                 99.1-99.7%, 11-20%     99.7-99.8%, 2.3-2.6%  99.8%, 7.6-8.0%       99.8%, 0.8-0.9%
+#   all (one window)     99.1-99.9%, 11-47%     99.9-100%, 5.1-11%    99.8-100%, 7.9-25%    100%, 2.8-3.7%
+# Three other long-tailed sets (the first at max_tokens 4096; lognormal(4.6, 1.2) to 2048, max_tokens 8192;
+# lognormal(6, 1.3) to 32768, max_tokens 65536) fill 99.1-99.7% at 512 blocks from N = 100k, at most 2.7% of
+# pairs again at 1M (the last's pipeline at 100k, one window, 98.1%: no window fills more); 1024 blocks
+# reach 5% there. A set smaller than the window is sorted whole (the long-tailed pipeline at 100k above):
+# the same micro-batches every epoch, as fairseq's `batch_by_size` gives. A smaller `bucket_size` buys fresh
+# ones with real tokens: at N = 2,000 long-tailed lengths (DDP, padded budget) one window fills 95.8% with
+# 97% of pairs again, windows of 1,000 samples 92.6% with 33%, of 500 87.3% with 17%. No planner escapes
+# the trade: if a sample's B - 1 mates come from the share s of all N samples nearest its length, two that
+# met meet again with probability at least (B - 1) / (s N) (Cauchy-Schwarz: uniform draws are the least),
+# 1 / s times the random share, while s sets the spread of lengths a micro-batch pads.
+
+
 def _bucket_window(lengths: np.ndarray, settings: _Settings) -> int:
     """Samples per sorted window of the `bucket` order over the packable samples, of seqlens ``lengths``."""
     if settings.bucket_size is not None:
         return settings.bucket_size
     samples_per_block = settings.unit_width * settings.max_tokens * len(lengths) / max(int(lengths.sum()), 1)
-    smallest, largest = (math.ceil(blocks * samples_per_block) for blocks in _BUCKET_WINDOW_BLOCKS)
-    return max(1, min(largest, max(smallest, math.ceil(len(lengths) / _BUCKET_MIN_WINDOWS))))
+    return max(1, math.ceil(_BUCKET_WINDOW_BLOCKS * samples_per_block))
 
 
 # The greedy rule. The cost of a micro-batch of n samples, which max_tokens bounds: the sum of
