@@ -103,10 +103,9 @@ _DROP_REASONS = ("over_budget", "min_batch_size", "tail", "filtered")
 # `random` and `bucket` never use an unseeded generator: every rank must draw the
 # same order (DeepSpeed's `random` with seed=None draws a different one per rank).
 _DEFAULT_SEED = 0
-# The default window of the `bucket` order (the comment above `_bucket_window`): 1 /
-# _BUCKET_MIN_WINDOWS of an epoch's samples, within this many blocks of micro-batches.
-_BUCKET_WINDOW_BLOCKS = (16, 64)
-_BUCKET_MIN_WINDOWS = 3
+# The default window of the `bucket` order (the comment above `_bucket_window`): this many blocks of
+# micro-batches at the mean seqlen, the whole epoch where it holds fewer.
+_BUCKET_WINDOW_BLOCKS = 512
 _MAX_TOKENS_LIMIT = 2**31  # sums of up to 2**31 lengths below it stay inside int64
 
 
@@ -500,6 +499,71 @@ def _empty_plan_message(plan: Plan) -> str:
     )
 
 
+def _sampler_world(num_replicas: Any, rank: Any, options: dict) -> tuple[int, int, bool]:
+    """A sampler's ``num_replicas`` and ``rank`` (torch.distributed's where None), checked, and whether it deals to
+    1 rank by default (torch.distributed not, or not yet, up: see `_check_world`); ``options`` may not hold
+    ``effective_batch_size``, which the sampler computes."""
+    if "effective_batch_size" in options:
+        raise TypeError(
+            f"VariableBatchSampler got effective_batch_size={options['effective_batch_size']!r}, which "
+            f"it computes as micro_batch_size x gradient_accumulation_steps x num_replicas; pass those"
+        )
+    world_rank, world_size = _world()
+    alone = num_replicas is None and world_size == 1
+    num_replicas = _check_int("num_replicas", world_size if num_replicas is None else num_replicas, 1)
+    rank = _check_int("rank", world_rank if rank is None else rank)
+    if rank >= num_replicas:
+        raise ValueError(
+            f"rank should be in [0, num_replicas - 1], but got rank={rank} with num_replicas={num_replicas}"
+        )
+    return num_replicas, rank, alone
+
+
+def _check_set_epoch(sampler: VariableBatchSampler, epoch: Any) -> None:
+    """Raises unless ``epoch`` is an epoch ``sampler`` may be set to: not one before a restored epoch."""
+    if _check_int("epoch", epoch) < sampler.epoch and sampler._position.restored:
+        raise ValueError(
+            f"set_epoch({epoch}) after load_state_dict() restored epoch {sampler.epoch} would replay an "
+            f"earlier epoch; pass the epoch being trained (HF Accelerate's prepared loader passes its "
+            f"own count of passes, 0 after a restart, unless you call loader.set_epoch(epoch); see the "
+            f"README, 'Use with torchrun, DeepSpeed, Accelerate, Lightning')"
+        )
+
+
+def _check_horizon(sampler: VariableBatchSampler, epochs: Any, unit: Any) -> tuple[int, str]:
+    """``epochs`` and ``unit`` of `VariableBatchSampler.horizon`, checked: ``unit`` counts tokens (of plans that
+    have them) or samples, never steps (every epoch has ``len(sampler) // G`` of them)."""
+    epochs, unit = _check_int("epochs", epochs, minimum=1), _check_choice("unit", unit, _Clock)
+    if unit == "steps":
+        raise ValueError(
+            f"horizon(unit='steps') is len(sampler) // gradient_accumulation_steps x epochs, the same in "
+            f"every epoch: {len(sampler) // sampler.gradient_accumulation_steps} x {epochs}; count tokens or samples"
+        )
+    if unit == "tokens":
+        _check_tokens_known(sampler, "horizon(unit='tokens')")
+    return epochs, unit
+
+
+def _check_scheduler_state(scheduler: VariableBatchSizeLR, state_dict: Any) -> None:
+    """Raises unless ``state_dict`` is a `VariableBatchSizeLR` state of ``scheduler``'s settings and kind.
+
+    States saved by varbatch 0.2 (the position as an epoch and a batch of
+    epochs of differing lengths) are refused: their batch counts cannot be
+    converted to b.
+    """
+    if isinstance(state_dict, Mapping) and {"_epoch", "_batch"} <= set(state_dict):
+        raise ValueError(
+            f"this scheduler state was saved by varbatch 0.2 (its position is '_epoch' and '_batch'); varbatch "
+            f"{__version__} counts batches trained under epochs of one length and cannot convert it: resume "
+            f"with the varbatch that saved it, or start the schedule anew"
+        )
+    _check_state(scheduler, state_dict, {*scheduler._STATE, "settings", "base_lr_scheduler"})
+    other_kind = (state_dict["base_lr_scheduler"] is None) != (scheduler._base is None)
+    if other_kind or len(state_dict["_unscaled"]) != len(scheduler._groups):
+        raise ValueError("the state wraps another kind of schedule or optimizer; resume with the same ones")
+    _check_int("_batches", state_dict["_batches"], minimum=0, fix="pass a dict made by state_dict()")
+
+
 def _torch_optimizer(optimizer: Any) -> Optimizer:
     """The torch `Optimizer` inside DeepSpeed's wrappers (ZeRO stages, fp16, bf16) and HF Accelerate's.
 
@@ -528,6 +592,11 @@ def _find_sampler(obj: Any, depth: int = 0) -> VariableBatchSampler | None:
 
 def _schedule_to_wrap(lr_scheduler: Any) -> tuple[Any, Optimizer]:
     """The scheduler a `VariableBatchSizeLR` wraps (None for an optimizer: a constant LR), and the torch optimizer."""
+    if isinstance(lr_scheduler, VariableBatchSizeLR):
+        raise TypeError(
+            "lr_scheduler is a VariableBatchSizeLR already: wrapping it would scale the LR twice; wrap "
+            "the schedule (or optimizer) it wraps"
+        )
     if isinstance(lr_scheduler, ReduceLROnPlateau):
         raise TypeError(
             "ReduceLROnPlateau steps on a validation metric, not on batches, so VariableBatchSizeLR "
@@ -846,12 +915,13 @@ def plan_batches(
             micro-batches per step input, data-parallel ranks (a padded step
             input shares one S: its tensor is <= ``micro_batch_size x max_tokens``).
             ``seed``: of ``random``/``bucket`` (None: a fixed one, never
-            unseeded). ``bucket_size``: samples per window, on average; by default a third
-            of the samples, within 16 to 64 blocks' worth at the mean length
-            (a block: a batch with ``same_size``, a padded step input, else a
-            micro-batch): pairs of samples meet again next epoch ~25x as often as
-            in random micro-batches, ~7x at 2,000 samples; larger, less padding and
-            randomness. ``on_overlong``: samples
+            unseeded). ``bucket_size``: samples per window, on average; by default 512
+            blocks' worth at the mean length (a block: a batch with ``same_size``, a
+            padded step input, else a micro-batch), all the samples where they are
+            fewer: ~99.5% of the padded slots real tokens on 1M long-tailed lengths,
+            1.5% of the pairs of samples sharing a micro-batch again next epoch (a
+            set of a few thousand: the same micro-batches every epoch); smaller,
+            fresher micro-batches and more padding. ``on_overlong``: samples
             longer than ``max_tokens`` are dropped as ``over_budget`` (``"skip"``)
             or refused (``"error"``). ``padding_free``: each step input one
             flat row of its samples, under the sum budget (same_length: a
@@ -1035,38 +1105,39 @@ def _id_bits(ids: np.ndarray) -> int:
     return _bits(int(ids.max()) + 1 if len(ids) else 1)
 
 
-# The `bucket` order sorts windows of randomly drawn samples; its window trades padding for fresh
-# micro-batches. In a window of W samples a micro-batch of B takes length neighbours among a
-# random W of the N: two samples that share one meet again next epoch only when they share
-# a window again (W / N) and stay neighbours in it (~0.4), against about B / N for random
-# micro-batches of the same sizes. So the share of pairs that meet again is ~0.4 W / B times
-# the random share at every N, and a micro-batch spans ~B / W of the length quantiles: the
-# window is counted in blocks (`_Settings.unit_width` micro-batches, B x unit_width samples at
-# the mean length). Measured on long-tailed lengths (lognormal(5.5, 0.9), max_tokens 16384, 1M
-# samples for the share, 200k for padding) and uniform 10..499 (max_tokens 4096, 20k), real /
-# padded B x S slots at k = 8, DDP and pipeline, both budgets:
-#   blocks per window   pairs meeting again / random   long-tailed   uniform
-#   24                  11x                            91-93%        94-95%
-#   40                  17x                            95%           96-97%
-#   64 (the default)    25x                            96-97%        96.8-97.9%
-# Sort keys with random jitter and windows cut at token sums fared no better, and no planner that
-# draws each epoch independently of the last (as `plan_for_epoch` must: epochs in any order) can do
-# much better. If a sample's B - 1 mates come from the share s of all N samples nearest its length,
-# with probabilities p_j, two that met meet again with probability sum(p_j^2) / (B - 1) >= (B - 1) /
-# (s N) (Cauchy-Schwarz: uniform p_j is the least), 1 / s times the random share, while s sets the
-# spread of lengths a micro-batch pads. Above, the ratio times the padded share stays near 0.85
-# (25x x 3.4%, 17x x 5%, 11x x 8%): 10x with 95% real tokens does not fit these lengths. A set of
-# a few thousand samples is a window or two of 64 blocks, the same micro-batches every epoch (98%
-# of pairs again at N = 2,000), so a window holds at most a third of the samples, down to 16
-# blocks: 7-8x at N = 2,000 (padding 89% in DDP, from 96% sorted whole). Small sets train for many
-# epochs, large ones for few.
+# The `bucket` order sorts windows of randomly drawn samples; its window trades real tokens for fresh
+# micro-batches, and the default is chosen for real tokens (issue 26): padding is compute paid for on every
+# step, where pairs of samples that share a micro-batch again next epoch cost little next to it. A micro-batch
+# (or a pipeline's batch, padded to one S) takes length neighbours in its window and spans ~1 / (blocks per
+# window) of its length quantiles, so the window is counted in blocks (`_Settings.unit_width` micro-batches,
+# B x unit_width samples at the mean length): its fill is then about the same whatever N, max_tokens or mode.
+# Measured at k = 8, DDP and pipeline, both budgets: real / padded B x S slots, and of the pairs that share a
+# micro-batch in epoch 0 the share that share one in epoch 1, on long-tailed lengths (lognormal(5.5, 0.9)
+# clipped to 8..4096, max_tokens 16384) and uniform 10..499 (max_tokens 4096):
+#   blocks per window    long-tailed, N = 100k  N = 1M                uniform, N = 100k     N = 1M
+#   64 (until issue 26)  96.0-96.9%, 1.8-2.2%   96.5-96.9%, 0.2%      97.4-97.9%, 0.7-0.9%  97.5-97.9%, 0.1%
+#   256                  98.3-99.1%, 4.5-7.8%   99.0-99.1%, 0.8%      99.1-99.4%, 1.9-2.9%  99.3-99.4%, 0.3%
+#   512 (the default)    99.1-99.5%, 11-13%     99.5%, 1.3-1.5%       99.6-99.7%, 3.6-4.9%  99.6-99.7%, 0.5%
+#   1024                 99.1-99.7%, 11-20%     99.7-99.8%, 2.3-2.6%  99.8%, 7.6-8.0%       99.8%, 0.8-0.9%
+#   all (one window)     99.1-99.9%, 11-47%     99.9-100%, 5.1-11%    99.8-100%, 7.9-25%    100%, 2.8-3.7%
+# Three other long-tailed sets (the first at max_tokens 4096; lognormal(4.6, 1.2) to 2048, max_tokens 8192;
+# lognormal(6, 1.3) to 32768, max_tokens 65536) fill 99.1-99.7% at 512 blocks from N = 100k, at most 2.7% of
+# pairs again at 1M (the last's pipeline at 100k, one window, 98.1%: no window fills more); 1024 blocks
+# reach 5% there. A set smaller than the window is sorted whole (the long-tailed pipeline at 100k above):
+# the same micro-batches every epoch, as fairseq's `batch_by_size` gives. A smaller `bucket_size` buys fresh
+# ones with real tokens: at N = 2,000 long-tailed lengths (DDP, padded budget) one window fills 95.8% with
+# 97% of pairs again, windows of 1,000 samples 92.6% with 33%, of 500 87.3% with 17%. No planner escapes
+# the trade: if a sample's B - 1 mates come from the share s of all N samples nearest its length, two that
+# met meet again with probability at least (B - 1) / (s N) (Cauchy-Schwarz: uniform draws are the least),
+# 1 / s times the random share, while s sets the spread of lengths a micro-batch pads.
+
+
 def _bucket_window(lengths: np.ndarray, settings: _Settings) -> int:
     """Samples per sorted window of the `bucket` order over the packable samples, of seqlens ``lengths``."""
     if settings.bucket_size is not None:
         return settings.bucket_size
     samples_per_block = settings.unit_width * settings.max_tokens * len(lengths) / max(int(lengths.sum()), 1)
-    smallest, largest = (math.ceil(blocks * samples_per_block) for blocks in _BUCKET_WINDOW_BLOCKS)
-    return max(1, min(largest, max(smallest, math.ceil(len(lengths) / _BUCKET_MIN_WINDOWS))))
+    return max(1, math.ceil(_BUCKET_WINDOW_BLOCKS * samples_per_block))
 
 
 # The greedy rule. The cost of a micro-batch of n samples, which max_tokens bounds: the sum of
@@ -1647,19 +1718,7 @@ class VariableBatchSampler(Sampler[list[int]]):
         verbose=False,
         **options,
     ):
-        if "effective_batch_size" in options:
-            raise TypeError(
-                f"VariableBatchSampler got effective_batch_size={options['effective_batch_size']!r}, which "
-                f"it computes as micro_batch_size x gradient_accumulation_steps x num_replicas; pass those"
-            )
-        world_rank, world_size = _world()
-        alone = num_replicas is None and world_size == 1  # 1 rank by default: torch.distributed not (yet) up
-        num_replicas = _check_int("num_replicas", world_size if num_replicas is None else num_replicas, 1)
-        rank = _check_int("rank", world_rank if rank is None else rank)
-        if rank >= num_replicas:
-            raise ValueError(
-                f"rank should be in [0, num_replicas - 1], but got rank={rank} with num_replicas={num_replicas}"
-            )
+        num_replicas, rank, alone = _sampler_world(num_replicas, rank, options)
         k = (
             _check_int("micro_batch_size", micro_batch_size, minimum=1)
             * _check_int("gradient_accumulation_steps", gradient_accumulation_steps, minimum=1)
@@ -1718,8 +1777,8 @@ class VariableBatchSampler(Sampler[list[int]]):
 
     def _start_pass(self, epoch: int, start: int, *, restored: bool = False, finished: bool = False) -> None:
         """Writes the record of a pass over ``epoch`` from step input ``start``: an older iterator goes stale."""
-        record = _Pass(self._position.last.number + 1, epoch, start, restored)
-        self._position = _Position(record, steps_done=start, finished=finished)
+        number = self._position.number + 1
+        self._position = _Position(number, epoch, start, restored, steps_done=start, finished=finished)
 
     def _follow(self, scheduler: LRScheduler) -> None:
         """Lets ``scheduler`` square its position when the next epoch is set (see `VariableBatchSizeLR._square`)."""
@@ -1754,19 +1813,13 @@ class VariableBatchSampler(Sampler[list[int]]):
 
     def set_epoch(self, epoch: int) -> None:
         """Sets the epoch of the next iteration (a new order in ``random``/``bucket``)."""
-        last = self._position.last
-        if _check_int("epoch", epoch) < self.epoch and last.restored:
-            raise ValueError(
-                f"set_epoch({epoch}) after load_state_dict() restored epoch {self.epoch} would replay an "
-                f"earlier epoch; pass the epoch being trained (HF Accelerate's prepared loader passes its "
-                f"own count of passes, 0 after a restart, unless you call loader.set_epoch(epoch); see the "
-                f"README, 'Use with torchrun, DeepSpeed, Accelerate, Lightning')"
-            )
+        _check_set_epoch(self, epoch)
+        last = self._position
         for ref in self._followers:  # an epoch cut short ends here (NOTE [the contract])
             scheduler = ref()
             if scheduler is not None:
                 scheduler._square(epoch)
-        if epoch != last.epoch or self._position.finished:  # else: left or restored mid-way
+        if epoch != last.pass_epoch or last.finished:  # else: left or restored mid-way
             self._start_pass(epoch, 0, restored=last.restored)  # a restored run's epochs go back only once it ran
 
     def __len__(self) -> int:
@@ -1782,14 +1835,7 @@ class VariableBatchSampler(Sampler[list[int]]):
             >>> VariableBatchSampler([3, 5, 2, 6, 4, 1], max_tokens=8).horizon(4, "tokens")
             84
         """
-        epochs, unit = _check_int("epochs", epochs, minimum=1), _check_choice("unit", unit, _Clock)
-        if unit == "steps":
-            raise ValueError(
-                f"horizon(unit='steps') is len(sampler) // gradient_accumulation_steps x epochs, the same in "
-                f"every epoch: {len(self) // self.gradient_accumulation_steps} x {epochs}; count tokens or samples"
-            )
-        if unit == "tokens":
-            _check_tokens_known(self, "horizon(unit='tokens')")
+        epochs, unit = _check_horizon(self, epochs, unit)
 
         def amount(plan, skip):
             return int(plan._amounts(unit)[skip:].sum())
@@ -1811,7 +1857,7 @@ class VariableBatchSampler(Sampler[list[int]]):
         position.steps_done = steps_done
         position.finished = steps_done == total
         self._handed += 1
-        self._latest = position.last.epoch * total + steps_done - 1
+        self._latest = position.pass_epoch * total + steps_done - 1
         return True
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -1871,7 +1917,7 @@ class VariableBatchSampler(Sampler[list[int]]):
         ``steps_done`` defaults to ``self.steps_done``, exact without worker
         processes; with workers the loader prefetches: pass what your loop trained.
         """
-        epoch = self._position.last.epoch
+        epoch = self._position.pass_epoch
         if steps_done is None:
             done = self.steps_done
         else:
@@ -1910,51 +1956,42 @@ class _Planner:
 _KEY_RUN = 256  # step inputs (of every rank) whose ids `VariableBatchSampler._runs` reads as one list
 
 
-@dataclasses.dataclass(frozen=True)
-class _Pass:
-    """The record of a sampler's last pass, written where a pass starts: set_epoch, an iteration, load_state_dict.
-
-    Its ``number`` marks the keys a pass deals, by which `_LoadStepInput` checks the dealing.
+@dataclasses.dataclass
+class _Position:
+    """Where a sampler stands: its last pass, written where a pass starts (set_epoch, an iteration,
+    load_state_dict), and how far that pass got.
 
     Attributes:
-        number: passes started so far (an iterator of an older pass is stale).
-        epoch, start: the epoch of the pass and its first step input.
+        number: passes started so far; it marks the keys a pass deals (by which `_LoadStepInput` checks the
+            dealing), and an iterator of an older pass is stale.
+        pass_epoch, start: the epoch of the pass and its first step input.
         restored: the position came from load_state_dict, and no iteration has started since.
+        steps_done, finished: the step inputs of the pass's epoch handed out, and whether that is all of them.
+
+    Invariant: ``start <= steps_done <= T`` (T: the step inputs of an epoch), and
+    ``finished`` only with ``steps_done == T``: set once an iteration (or a
+    restored position) reached the epoch's end, never by set_epoch (not even
+    for an empty epoch); then the next iteration yields the next epoch. Each
+    pass gets a new one, which its iterator moves on in place (a new one per
+    step input costs more than the rest of it).
     """
 
     number: int = 0
-    epoch: int = 0
+    pass_epoch: int = 0
     start: int = 0
     restored: bool = False
-
-
-@dataclasses.dataclass
-class _Position:
-    """Where a sampler stands: its last pass, and how far that pass got.
-
-    Invariant: ``last.start <= steps_done <= T`` (T: the step inputs of an
-    epoch), and ``finished`` only with ``steps_done == T``: set once an iteration (or a
-    restored position) reached the epoch's end, never by set_epoch (not even
-    for an empty epoch); then the next iteration yields the next epoch.
-
-    Each pass gets a new one, which its iterator moves on in place (a new one
-    per step input costs more than the rest of it): an iterator whose position
-    is no longer its sampler's is stale.
-    """
-
-    last: _Pass = _Pass()
     steps_done: int = 0
     finished: bool = False
 
     @property
     def epoch(self) -> int:
-        """The epoch the next iteration yields: the last one's, or the next once it finished."""
-        return self.last.epoch + self.finished
+        """The epoch the next iteration yields: the last pass's, or the next once it finished."""
+        return self.pass_epoch + self.finished
 
     def next_start(self) -> tuple[int, int]:
         """``(epoch, step input)`` where the next pass starts: a restored position, else the epoch's first."""
-        if self.last.restored and not self.finished:
-            return self.epoch, self.last.start
+        if self.restored and not self.finished:
+            return self.epoch, self.start
         return self.epoch, 0
 
 
@@ -2054,11 +2091,6 @@ class VariableBatchSizeLR(LRScheduler):
         clock="steps",
         clock_step=1,
     ):
-        if isinstance(lr_scheduler, VariableBatchSizeLR):
-            raise TypeError(
-                "lr_scheduler is a VariableBatchSizeLR already: wrapping it would scale the LR twice; wrap "
-                "the schedule (or optimizer) it wraps"
-            )
         self._base, optimizer = _schedule_to_wrap(lr_scheduler)
         # (`is None`, never truthiness: a sampler whose epoch is empty has len() 0)
         found = _find_sampler(batch_sizes)
@@ -2355,22 +2387,9 @@ class VariableBatchSizeLR(LRScheduler):
     def load_state_dict(self, state_dict):
         """Restores a `state_dict` (never mutating it): the next `step` continues exactly where it stopped.
 
-        States saved by varbatch 0.2 (the position as an epoch and a batch of
-        epochs of differing lengths) are refused: their batch counts cannot be
-        converted to b.
+        States saved by varbatch 0.2 are refused (`_check_scheduler_state`).
         """
-        if isinstance(state_dict, Mapping) and {"_epoch", "_batch"} <= set(state_dict):
-            raise ValueError(
-                f"this scheduler state was saved by varbatch 0.2 (its position is '_epoch' and '_batch'); varbatch "
-                f"{__version__} counts batches trained under epochs of one length and cannot convert it: resume "
-                f"with the varbatch that saved it, or start the schedule anew"
-            )
-        _check_state(self, state_dict, {*self._STATE, "settings", "base_lr_scheduler"})
-        if (state_dict["base_lr_scheduler"] is None) != (self._base is None) or len(state_dict["_unscaled"]) != len(
-            self._groups
-        ):
-            raise ValueError("the state wraps another kind of schedule or optimizer; resume with the same ones")
-        _check_int("_batches", state_dict["_batches"], minimum=0, fix="pass a dict made by state_dict()")
+        _check_scheduler_state(self, state_dict)
         if self._base is not None:
             self._base.load_state_dict(copy.deepcopy(state_dict["base_lr_scheduler"]))
         super().load_state_dict({key: copy.deepcopy(state_dict[key]) for key in self._STATE})
@@ -3575,7 +3594,7 @@ def _step_input_keys(sampler: VariableBatchSampler, every_rank: bool) -> Iterato
                     seqlens=None if lens is None else tuple(lens[a:b]),
                     pad_to=0 if pad_to is None else pad_to[g - first],
                     epoch=epoch,
-                    pass_number=position.last.number,
+                    pass_number=position.number,
                     pass_start=start,
                     step_input=g,
                     every_rank=every_rank,  # marked, so that the dealing check can tell a view that was not dealt
