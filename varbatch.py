@@ -3105,39 +3105,29 @@ def _as_tensor(value: Any) -> torch.Tensor | None:
 # =============================================================================
 
 
-# NOTE [the flat row]: a flat step input is its samples concatenated into one row,
-# positions restarting at every sample, so that attention stays inside each. HF-style
-# samples (dicts with `input_ids`) get what `transformers.DataCollatorWithFlattening`
-# returns (transformers/data/data_collator.py): `1 x T` int64 `input_ids`, `labels`
-# and `position_ids`, each sample's first label `separator_id`, so the loss never
-# predicts a sample's first token from the one before it. transformers finds the
-# samples of a row from `position_ids` only when `attention_mask` is None and no
-# cache is made (transformers/masking_utils.py, its packed-sequence detection), so
-# the row keeps no `attention_mask` (a mask of ones turns the detection off) and no
-# `seqlens` (`model(**batch)` would refuse it). Other samples keep `PaddedCollate`'s
-# structure as one `1 x T x ...` row, with flash-attn's varlen arguments
-# (`cu_seqlens`, `max_seqlen`) and the positions for its `seqlens`. In a pipeline
-# (same_length) the loader sets `_FLAT_ROW` to the batch's longest row, as
-# `_PADDED_SEQLENS` (NOTE [same-length lengths reach PaddedCollate]): the row ends
-# in a padding segment of its own (positions from 0 again, labels `separator_id`), so
-# the stages exchange tensors of one shape and derive every mask from `position_ids`.
+# NOTE [the flat row]: transformers finds the samples of a row from `position_ids`
+# only when `attention_mask` is None and no cache is made (transformers/masking_utils.py,
+# its packed-sequence detection), so an HF row keeps no `attention_mask` (a mask of ones
+# turns the detection off) and no `seqlens` (`model(**batch)` would refuse it); each
+# sample's first label is `separator_id`, so that no sample's last token learns to predict
+# the next sample's first. In a pipeline the loader sets `_FLAT_ROW` to the batch's longest
+# row (as `_PADDED_SEQLENS`): the row ends in a padding segment of its own (positions from
+# 0, labels `separator_id`), so the stages pass tensors of one shape and read every mask
+# from `position_ids`; `cu_seqlens`, whose length changes with the samples, need not cross.
 _FLAT_ROW = contextvars.ContextVar("varbatch_flat_row", default=0)
 
 
 class FlatCollate:
-    """Collates the samples of a step input into one flat row without padding: a padding-free step input.
+    """Collates the samples of a step input into one flat row, positions restarting at each: no padding.
 
     Dict samples with ``input_ids`` give what ``transformers.DataCollatorWithFlattening`` gives, under its
-    argument names: ``1 x T`` int64 ``input_ids``, ``labels`` (the sample's own, else its ``input_ids``; each
-    sample's first ``separator_id``) and ``position_ids`` (restarting at ``position_ids_start``); int32
-    ``cu_seq_lens_q/k`` and int ``max_length_q/k`` (``return_flash_attn_kwargs``); ``1 x T`` int32 ``seq_idx``
-    (``return_seq_idx``); other fields, ``attention_mask`` among them, are dropped. Other samples (a tensor, a
-    tuple or dict of fields) keep `PaddedCollate`'s structure, sequence fields concatenated into ``1 x T x ...``
-    (scalars stacked, text kept as lists), with ``cu_seqlens`` (int32, ``n + 1`` offsets), ``max_seqlen`` (an
-    int) and ``position_ids`` (``1 x T`` int64) where it gives ``seqlens``. A sample's seqlen is measured; one
-    longer than its planned seqlen (``seqlens``, which `make_dataloader` passes) is refused: it could break its
-    row's bound. ``pad_value`` (a number, or a field -> number dict) fills a pipeline row's padding segment.
-    See NOTE [the flat row].
+    argument names: ``1 x T`` int64 ``input_ids``, ``labels`` (the sample's own, else its ``input_ids``) and
+    ``position_ids``; on request ``cu_seq_lens_q/k`` (int32), ``max_length_q/k`` (ints) and ``seq_idx``; no
+    ``attention_mask``. Other samples keep `PaddedCollate`'s structure, sequence fields concatenated into ``1 x
+    T x ...``, with ``cu_seqlens`` (int32, ``n + 1`` offsets), ``max_seqlen`` (an int) and ``position_ids`` (``1
+    x T``) for its ``seqlens``. A sample longer than its planned seqlen (``seqlens``) is refused: it could break
+    its row's bound. ``pad_value`` (a number, or a field -> number dict) fills a pipeline row's padding segment
+    (see NOTE [the flat row]).
 
     Example:
         >>> FlatCollate()([{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}])["position_ids"]
@@ -3255,11 +3245,6 @@ class FlatCollate:
         starts = torch.repeat_interleave(cu_seqlens[:-1].to(torch.int64), sizes)
         return (torch.arange(int(cu_seqlens[-1])) - starts + self.position_ids_start)[None]
 
-    def __repr__(self):
-        names = ("return_position_ids", "separator_id", "return_flash_attn_kwargs", "return_seq_idx")
-        names += ("position_ids_start", "pad_value")
-        return f"FlatCollate({', '.join(f'{name}={getattr(self, name)!r}' for name in names)})"
-
 
 _FLAT_KEYS = ("cu_seqlens", "max_seqlen", "position_ids")  # what a dict sample's row has for `seqlens`
 
@@ -3284,37 +3269,23 @@ def _cu_seqlens(lengths: list[int], pad: int = 0) -> torch.Tensor:
 _CHECK_RTOL = {torch.float64: 1e-9, torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}
 
 
-# NOTE [checking padding-free on the model itself]: a model can train flat rows
-# silently wrong: when their samples attend to each other, the loss stays within
-# a fraction of a percent while the gradients are far off (a tiny Llama: 0.13%
-# and 98%), and nothing in the row shows it. transformers decides in the forward
-# call (see NOTE [the flat row]): an HF model makes a cache whenever
-# `config.use_cache` is True (`LlamaConfig`'s default), in training mode too, and
-# then attends across the row. So the check runs the model, once, before
-# training: on the plain model, as under ZeRO-3 a forward pass on one rank waits
-# for the others' parameters, and a PipelineModule's stages live on other ranks.
+# NOTE [checking padding-free on the model itself]: when the samples of a flat row
+# attend to each other, the loss stays within a fraction of a percent while the
+# gradients are far off (a tiny Llama: 0.13% and 98%), and nothing in the row shows
+# it: transformers decides in the forward call (NOTE [the flat row]), and an HF model
+# makes a cache whenever `config.use_cache` is True (`LlamaConfig`'s default), in
+# training mode too. So the check runs the model, once, on the plain model: under
+# ZeRO-3 a forward pass on one rank waits for the others, and a PipelineModule's
+# stages live on other ranks.
 def check_padding_free(model, samples, collate_fn=None, rtol=None):
     """Refuses a model and collate under which the samples of a flat step input attend to each other.
 
-    Runs ``model`` on ``collate_fn(samples)`` (one flat row) and on ``collate_fn([sample])`` for each sample
-    alone, in eval mode (every module's mode restored after) under ``torch.no_grad()``, and compares each sample's
-    outputs. Run it once before training, on the plain model (before ``deepspeed.initialize``). See NOTE
-    [checking padding-free on the model itself].
-
-    Args:
-        model: an HF model (a module with a ``config``: ``model(**batch)``), or any callable from a collated
-            batch to per-token outputs (``T x ...`` or ``1 x T x ...``, or a tuple or output whose ``logits`` or
-            first item is that).
-        samples: at least two samples as the dataset gives them (a few short ones suffice).
-        collate_fn: the training's collate (default ``FlatCollate()``).
-        rtol: the largest difference allowed, relative to the largest output (default by dtype: 1e-4 in float32).
-
-    Returns:
-        The largest difference found.
-
-    Raises:
-        ValueError: the samples attend to each other (naming the fix); TypeError: a DeepSpeed engine, a
-            PipelineModule, or a model under ZeRO-3.
+    Runs ``model`` (an HF model, as ``model(**batch)``, or any callable from a collated batch to per-token
+    outputs, ``T x ...`` or ``1 x T x ...``) on ``collate_fn(samples)`` (default `FlatCollate`) and on each of
+    at least two ``samples`` alone, in eval mode (every module's mode restored after) under ``torch.no_grad()``,
+    and raises a ValueError naming the fix where a sample's outputs differ by more than ``rtol`` (by dtype:
+    1e-4 in float32) times the largest; TypeError for a DeepSpeed engine, a PipelineModule or ZeRO-3's
+    parameters. Returns the largest difference. Run it once before training, before ``deepspeed.initialize``.
 
     Example:
         >>> dense = torch.nn.Linear(4, 3)
@@ -3456,15 +3427,7 @@ def make_dataloader(
         if hasattr(dataloader_class, "load_state_dict"):
             bases = (_RestoresAtOnce, *bases)
         loader_class = type(f"_{dataloader_class.__name__}", bases, {})
-    load_step_input = _LoadStepInput(
-        dataset,
-        collate_fn,
-        sample_padding_fn,
-        num_replicas=batch_sampler.num_replicas,
-        rank=batch_sampler.rank,
-        step_input_bound=settings.step_input_bound if settings.budget == "padded" or settings.padding_free else None,
-        padding_free=settings.padding_free,
-    )
+    load_step_input = _LoadStepInput(dataset, settings, batch_sampler.rank, collate_fn, sample_padding_fn)
     loader = loader_class(
         _KeyDataset(batch_sampler),
         batch_size=1,
@@ -3653,28 +3616,19 @@ class _LoadStepInput:
     """The loader's collate: loads the samples of a step-input key, checks that the key was dealt to this rank,
     pads the samples in same-length mode and collates them (in the loader's workers, if it has any).
 
-    ``step_input_bound`` (``micro_batch_size x max_tokens``: under the padded
-    budget, or the sum budget's padding-free rows; else None) is checked against
-    the collated tensor. ``padding_free``: the samples are not padded; a pipeline
-    row reaches the collate's `_FLAT_ROW` (see NOTE [the flat row]).
+    The collated tensor is checked against ``micro_batch_size x max_tokens``
+    under the padded budget and for padding-free rows. Padding-free, no sample
+    is padded; a pipeline's row length reaches the collate (NOTE [the flat row]).
     """
 
-    def __init__(
-        self,
-        dataset,
-        collate_fn=None,
-        sample_padding_fn=None,
-        num_replicas=1,
-        rank=0,
-        step_input_bound=None,
-        padding_free=False,
-    ):
+    def __init__(self, dataset, settings: _Settings, rank=0, collate_fn=None, sample_padding_fn=None):
         self.dataset = dataset
-        self.padding_free = padding_free
         self.collate_fn = collate_fn
         self.sample_padding_fn = sample_padding_fn
-        self.num_replicas, self.rank = num_replicas, rank  # the dealing this rank's step inputs follow
-        self.step_input_bound = step_input_bound
+        self.num_replicas, self.rank = settings.num_replicas, rank  # the dealing this rank's step inputs follow
+        self.padding_free = settings.padding_free
+        bounded = settings.budget == "padded" or settings.padding_free
+        self.step_input_bound = settings.step_input_bound if bounded else None
         self._last_seen = (None, -1)  # ((epoch, pass number), step input g) of the last key this copy got
         try:  # a collate_fn with a `seqlens` parameter gets the plan's real lengths
             self.pass_seqlens = collate_fn is not None and "seqlens" in inspect.signature(collate_fn).parameters
