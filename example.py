@@ -192,11 +192,11 @@ def main(args):
         section.update(budget="sum", padding_free=args.padding_free)
     dataset = RunningSumSequences(args.num_samples, seed=args.seed)
     torch.manual_seed(args.seed)
-    per_token = args.padding_free or args.per_token
-    feed_forward = (
-        TokenFeedForward(dataset.embed_dim) if per_token else FeedForward(dataset.max_seqlen, dataset.embed_dim)
-    )
-    layers = [CausalAttention(dataset.embed_dim), feed_forward]
+    attention = CausalAttention(dataset.embed_dim)  # first: the padded mode's weights as they always were
+    if args.padding_free or args.per_token:
+        layers = [attention, TokenFeedForward(dataset.embed_dim)]
+    else:
+        layers = [attention, FeedForward(dataset.max_seqlen, dataset.embed_dim)]
     model = (
         deepspeed.pipe.PipelineModule(layers, num_stages=2, loss_fn=token_loss, partition_method="uniform")
         if pipeline
