@@ -5976,6 +5976,23 @@ def test_check_padding_free_refuses_what_cannot_run_whole_on_one_rank():
             varbatch.check_padding_free(model, [torch.ones(2, 4), torch.ones(3, 4)])
 
 
+def test_padding_free_from_the_config_section_and_the_pipeline_glue():
+    """`"padding_free": true` reaches the plan; a PipelineEngine gets rows of one length per batch (same_length),
+    not same-size micro-batches, and needs no sample_padding_fn; with the padded budget the section is refused."""
+    engine = _Engine(_glue_config(padding_free=True), optimizer=_optimizer())  # 2 micro-batches a batch
+    engine.grid = types.SimpleNamespace(data_parallel_id=0, data_parallel_size=1)
+    engine.train_batch = None  # a PipelineEngine's method: only its presence is read
+    dataset = [{"input_ids": torch.full((n,), i)} for i, n in enumerate(_GLUE_SEQLENS)]
+    glue = varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed
+    loader, _, _ = glue(dataset, engine, dataset_seqlens=_GLUE_SEQLENS)
+    settings = loader.variable_batch_sampler.settings
+    assert settings.padding_free and settings.same_length and not settings.same_size
+    rows = [row["input_ids"].shape for row in loader]
+    assert rows[0::2] == rows[1::2] and len(set(rows)) > 1
+    with pytest.raises(ValueError, match=rf"in {_SECTION}: padding_free=True with budget='padded'"):
+        varbatch._read_config(_glue_config(padding_free=True, budget="padded"))
+
+
 def test_padding_free_states_before_the_setting_load_with_it_off():
     """A sampler state saved before padding_free existed (no such setting) loads into one with it off, and a
     padding-free state is refused by one with it off."""

@@ -15,7 +15,8 @@ Public names: DeepSpeed's ``batch_by_seqlens``, ``scale_lr``,
 ``get_dataloader_and_lr_scheduler_for_variable_batch_size[_deepspeed]`` (with
 DeepSpeed's signatures); ``plan_batches`` -> ``Plan``, ``VariableBatchSampler``,
 ``make_dataloader``, ``PaddedCollate``, ``pad_sample``, ``seqlens_from_padded``,
-``micro_batch_loss_weight``, and HF Trainer's adapter ``hf_trainer_lr_scheduler``.
+``micro_batch_loss_weight``, HF Trainer's adapter ``hf_trainer_lr_scheduler``, and
+for padding-free step inputs ``FlatCollate`` and ``check_padding_free``.
 Guarantees: no micro-batch costs more than ``max_tokens`` (in the seqlens
 given: they count what the collate adds); every sample is trained once per
 epoch or listed in ``Plan.dropped`` with a reason; every rank computes the same
@@ -733,9 +734,9 @@ class Plan:
     (one optimizer step) holds micro-batches ``b*k .. b*k + k - 1`` (``k =
     effective_batch_size``); a step input is ``micro_batch_size`` consecutive
     micro-batches collated into one ``B x S`` tensor. ``padded_seqlens`` is,
-    per micro-batch, that S (its step input's longest sample; its batch's in
-    same-length mode; padding-free, the ``1 x T`` row's T). ``batch_sizes`` (the B of the LR rule), ``batch_tokens``
-    and ``batch_max_seqlens`` describe each batch; ``dropped`` maps each reason
+    per micro-batch, that S (its step input's longest sample; its batch's in same-length
+    mode; padding-free, the T of its ``1 x T`` row). ``batch_sizes`` (the B of the LR rule),
+    ``batch_tokens`` and ``batch_max_seqlens`` describe each batch; ``dropped`` maps each reason
     (``over_budget``, ``min_batch_size``, ``tail``, ``filtered``) to sorted ids.
     ``sample_ids``, one entry per sample, is int32 where the ids fit (datasets
     below 2**31 samples; int64 in a plan of given micro-batches); the other
