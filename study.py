@@ -18,8 +18,9 @@ baseline reaches in its time budget. Every arm has the same peak padded tensor,
   (d) DeepSpeed's own module with its defaults (sum budget, dataloader order,
       reference batch size = train_batch_size, linear rule), same max_tokens;
   (e) varbatch padding-free: each batch one flat row of at most max_tokens
-      tokens (sum budget, random order), positions restarting at each sample and
-      a block-diagonal causal mask, sqrt in tokens as (c): the same loss per token.
+      tokens (sum budget, random order), positions restarting at each sample,
+      attention sample by sample (as a varlen kernel), sqrt in tokens as (c):
+      the same loss per token as a padded batch of the same samples.
 
 Two data sets: functions of the Python standard library's source as bytes
 (real text, no download), and synthetic arithmetic progressions with lognormal
@@ -271,7 +272,10 @@ def load_dataset(name: str, setup: Setup) -> tuple[list[torch.Tensor], list[torc
 # =============================================================================
 # A small pre-norm transformer on padded B x S batches. Padding genuinely costs
 # compute: every layer runs on all B x S slots, and attention takes a per-sample
-# B x 1 x S x S mask (no variable-length kernels), as in bench.py.
+# B x 1 x S x S mask (no variable-length kernels), as in bench.py. Arm (e)'s flat
+# rows attend sample by sample, as a varlen kernel does (attention work sum(L^2)):
+# one T x T block-diagonal mask on the row, the same math, cost 4.3x the step time
+# of the padded arms in a run of this study (attention work T^2).
 
 
 class Block(torch.nn.Module):
@@ -286,10 +290,15 @@ class Block(torch.nn.Module):
         self.norm2 = torch.nn.LayerNorm(dim)
         self.ff = torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(), torch.nn.Linear(4 * dim, dim))
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | list[int]) -> torch.Tensor:
+        """``mask``: B x 1 x S x S, or a flat row's sample lengths (each sample attends causally to itself)."""
         batch, seq, dim = x.shape
         q, k, v = self.qkv(self.norm1(x)).view(batch, seq, 3, self.heads, dim // self.heads).permute(2, 0, 3, 1, 4)
-        attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # B x H x S x E/H
+        if isinstance(mask, list):  # a flat row, sample by sample: 1 x H x L x E/H each
+            parts = zip(*(t.split(mask, dim=2) for t in (q, k, v)))
+            attended = torch.cat([F.scaled_dot_product_attention(*qkv, is_causal=True) for qkv in parts], dim=2)
+        else:
+            attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # B x H x S x E/H
         x = x + self.proj(attended.transpose(1, 2).reshape(batch, seq, dim))
         return x + self.ff(self.norm2(x))
 
@@ -308,14 +317,14 @@ class TinyLM(torch.nn.Module):
     def forward(self, tokens: torch.Tensor, seqlens: torch.Tensor) -> torch.Tensor:
         """``seqlens``: B real lengths (padded rows), or a flat row's 1 x T positions (arm (e))."""
         seq = tokens.shape[1]
-        causal = torch.ones(seq, seq, dtype=torch.bool).tril()  # S x S
         if seqlens.dim() == 2:  # a flat row: positions restart at each sample, whose tokens see only each other
             x = self.embed(tokens) + self.position(seqlens)  # 1 x T x E
-            sample = (seqlens[0] == 0).cumsum(0)  # T
-            mask = (causal & (sample[:, None] == sample[None, :]))[None, None]  # 1 x 1 x T x T
+            starts = torch.nonzero(seqlens[0] == 0).flatten().tolist()
+            mask = [b - a for a, b in zip(starts, [*starts[1:], seq])]  # the samples' lengths
         else:  # query i sees keys j <= i that are real tokens of its own sample
             x = self.embed(tokens) + self.position(torch.arange(seq))  # B x S x E
             real = torch.arange(seq)[None, :] < seqlens[:, None]  # B x S
+            causal = torch.ones(seq, seq, dtype=torch.bool).tril()  # S x S
             mask = (causal[None] & real[:, None, :])[:, None]  # B x 1 x S x S
         for block in self.blocks:
             x = block(x, mask)
