@@ -3147,16 +3147,11 @@ class FlatCollate:
         position_ids_start=0,
         pad_value=0,
     ):
-        switches = dict(
-            return_position_ids=return_position_ids,
-            return_flash_attn_kwargs=return_flash_attn_kwargs,
-            return_seq_idx=return_seq_idx,
-        )
-        for name, value in switches.items():
-            if not isinstance(value, bool):
-                raise TypeError(f"{name} should be a bool, but got {name}={value!r}")
         self.return_position_ids, self.return_flash_attn_kwargs = return_position_ids, return_flash_attn_kwargs
         self.return_seq_idx, self.pad_value = return_seq_idx, pad_value
+        for name in ("return_position_ids", "return_flash_attn_kwargs", "return_seq_idx"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} should be a bool, but got {name}={getattr(self, name)!r}")
         self.separator_id = _check_int("separator_id", separator_id, -(2**63), 2**63 - 1)
         self.position_ids_start = _check_int("position_ids_start", position_ids_start)
 
