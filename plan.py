@@ -128,6 +128,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--pipeline", action="store_true", help="same-size, same-length micro-batches (a PipelineEngine)"
     )
+    parser.add_argument(
+        "--padding-free",
+        action="store_true",
+        help="each step input one flat row (padding_free; default: the config's); with --pipeline, rows of one "
+        "length per batch",
+    )
     output = parser.add_mutually_exclusive_group()
     output.add_argument("--json", action="store_true", help="print settings, totals, batches and drops as JSON")
     output.add_argument(
@@ -206,6 +212,8 @@ def _options(args: argparse.Namespace, config: dict) -> tuple[dict, dict]:
     for key in ("max_tokens", "budget", "order", "seed"):
         if getattr(args, key) is not None:
             options[key] = getattr(args, key)
+    if args.padding_free:
+        options["padding_free"] = True
     for key in ("lr_scaling_method", "lr_scaling_unit", "lr_scaling_reference"):
         if getattr(args, key) is not None:
             lr[key] = getattr(args, key)
@@ -256,7 +264,7 @@ def _settings(args: argparse.Namespace) -> tuple[varbatch._Settings, dict]:
         effective_batch_size=train,
         micro_batch_size=micro,
         num_replicas=world,
-        same_size=args.pipeline,
+        same_size=args.pipeline and not options.get("padding_free"),  # flat pipeline rows: one length, any count
         same_length=args.pipeline,
     )
     return settings, lr
@@ -319,7 +327,11 @@ def _format_totals(totals: dict) -> str:
     big, lr = totals["largest_step_input"], totals.get("lr_factor")
     dropped = ", ".join(f"{count} {reason}" for reason, count in totals["dropped"].items())
     same_length = ", same length" if totals["same_length"] else ""
-    bound = "" if totals["budget"] == "padded" else ": not a bound"
+    bound = "" if totals["budget"] == "padded" or totals["padding_free"] else ": not a bound"
+    shape = f"{big['sequences']} x {big['padded_seqlen']}"
+    if totals["padding_free"]:
+        shape = f"a row of {_plural(big['sequences'], 'sample')}, 1 x {big['padded_seqlen']}"
+        same_length = f", padding-free{', rows of one length per batch' if totals['same_length'] else ''}"
     lines = [
         f"epoch {totals['epoch']}: {_plural(totals['batches'], 'batch', 'batches')} of "
         f"{_plural(totals['effective_batch_size'], 'micro-batch', 'micro-batches')} "
@@ -330,7 +342,7 @@ def _format_totals(totals: dict) -> str:
         f"samples: {totals['samples']} trained, {totals['num_dropped']} dropped ({dropped})",
         f"tokens: {totals['real_tokens']} real / {totals['padded_tokens']} padded = "
         f"{totals['efficiency']:.1%} efficiency",
-        f"largest step input: {big['sequences']} x {big['padded_seqlen']} = {big['tokens']} tokens = "
+        f"largest step input: {shape} = {big['tokens']} tokens = "
         f"{big['tokens'] / big['bound']:.2f} x (micro_batch_size {totals['micro_batch_size']} x max_tokens "
         f"{totals['max_tokens']}) (budget {totals['budget']}{same_length}{bound})",
         f"B (sequences per batch): {_spread(totals['batch_size'])}",
@@ -368,6 +380,8 @@ def _batch_rows(plan: varbatch.Plan, factors: np.ndarray, count: int) -> list[di
         counts = sizes[b * k : (b + 1) * k]
         padded_seqlens = plan.padded_seqlens[b * k : (b + 1) * k]
         slots = int((counts * padded_seqlens).sum())
+        if plan.settings.padding_free:  # one row per step input, its padded seqlen long
+            slots = int(padded_seqlens[:: plan.settings.micro_batch_size].sum())
         rows.append(
             {
                 "batch": b,
@@ -442,7 +456,11 @@ def _print_table(plan: varbatch.Plan, lr: dict, rows: list[dict], seqlens: np.nd
     """What the plan is, its listed batches, its totals and its drops, for a person to read."""
     settings, k = plan.settings, plan.effective_batch_size
     microbatches = "micro-batches" if k > 1 else "micro-batch"
-    if settings.same_length:
+    if settings.padding_free:
+        mode = "padding-free (one flat row per step input" + (
+            ", one length per batch)" if settings.same_length else ")"
+        )
+    elif settings.same_length:
         mode = "pipeline (same-size, same-length micro-batches)"
     else:
         mode = "regular (DDP)"

@@ -6521,6 +6521,14 @@ def test_corrupt_npy_exits_2(capsys, tmp_path):
     assert code == 2 and err.count("\n") == 1 and str(path) in err
 
 
+def test_padding_free_plan_shows_its_rows(capsys, npy_file):
+    """--padding-free: the plan says so, its step inputs are 1 x T rows with no padding (issue 29)."""
+    code, out, _ = _cli(capsys, "--seqlens", npy_file, "--padding-free", "--effective-batch-size", "2")
+    assert code == 0, out
+    assert "padding-free (one flat row per step input)" in out and "= 100.0% efficiency" in out
+    assert re.search(r"largest step input: a row of \d+ samples?, 1 x \d+ = \d+ tokens = [01]\.\d\d x", out), out
+
+
 def test_help_explains_every_flag():
     """`plan.py --help` describes every flag it lists, the batch arithmetic and the synthetic default."""
     code, out, _ = _run_cli("--help")
