@@ -5876,6 +5876,27 @@ def test_hf_llama_trains_a_flat_row_as_the_padded_batch(attn_implementation):
     assert _gradient_difference(model, flat.loss, padded.loss) <= 1e-4
 
 
+def test_example_per_token_model_trains_a_flat_row_as_the_padded_batch():
+    """example.py's --padding-free model on its flat collate against the same model padded (--per-token): each
+    token's output (max |diff| <= 1e-5), the token-mean loss (relative 1e-5) and the gradients (relative 1e-4)."""
+    import example
+
+    samples = list(example.RunningSumSequences(6, seed=3))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(example.CausalAttention(16), example.TokenFeedForward(16))
+    weight = torch.tensor(1.0)
+    (x, positions), (y, real) = example.flat_collate(samples)
+    flat = model((x, positions))  # 1 x T
+    (x, lengths), (y_padded, _) = example.collate(samples)
+    padded = model((x, lengths))  # B x S
+    mask = torch.arange(x.shape[1]) < lengths[:, None]
+    assert float((flat[0] - padded[mask]).abs().max().detach()) <= 1e-5
+    flat_loss = example.token_loss(flat, (y, real, weight))
+    padded_loss = example.token_loss(padded, (y_padded, lengths, weight))
+    assert abs(float(flat_loss.detach()) / float(padded_loss.detach()) - 1) <= 1e-5
+    assert _gradient_difference(model, flat_loss, padded_loss) <= 1e-4
+
+
 def block_causal_mask(position_ids):
     """``T x T`` bool from a row's ``1 x T`` positions: each token sees its own sample's tokens up to itself."""
     sample = (position_ids[0] == 0).cumsum(0)  # T: the sample of each token (positions restart at 0)
