@@ -5830,6 +5830,26 @@ def test_padding_free_rows_within_the_sum_budget_every_sample_once(lengths, extr
     assert sorted(seen + dropped) == list(range(len(lengths)))
 
 
+@pytest.mark.parametrize("redraws", [8, 0], ids=["packed", "last resort"])
+def test_padding_free_plans_are_the_sum_budgets_with_their_rows(monkeypatch, redraws):
+    """Every epoch's plan (packed, lengthened, or the last resort) is the sum budget's, with each micro-batch's
+    padded seqlen its step input's row (same_length: its batch's longest row); batch_max_seqlens stay samples'."""
+    monkeypatch.setattr(varbatch, "_REDRAWS", redraws)
+    lengths = np.array(_lengths(400, 1, 60, seed=3))
+    for same_length in (False, True):
+        options = dict(effective_batch_size=6, micro_batch_size=2, order="random", seed=5, same_length=same_length)
+        for epoch in range(3):
+            plan = plan_batches(lengths, 100, epoch=epoch, padding_free=True, **options)
+            padded = plan_batches(lengths, 100, epoch=epoch, **options)
+            for name in ("sample_ids", "microbatch_offsets", "batch_sizes", "batch_tokens", "batch_max_seqlens"):
+                assert np.array_equal(getattr(plan, name), getattr(padded, name)), (name, epoch)
+            micro = plan.microbatches()
+            rows = np.array([lengths[micro[j] + micro[j + 1]].sum() for j in range(0, len(micro), 2)])
+            if same_length:  # 3 step inputs a batch
+                rows = np.repeat(rows.reshape(-1, 3).max(axis=1), 3)
+            assert plan.padded_seqlens.tolist() == np.repeat(rows, 2).tolist(), epoch
+
+
 def test_padding_free_pipeline_rows_share_their_batchs_length():
     """same_length: every row of a batch is as long as its longest (the plan's padded_seqlens, the key's pad_to);
     the rest a padding segment of its own (positions from 0, labels -100) that the totals count as padding."""

@@ -1547,6 +1547,7 @@ def _reshuffled(plan: Plan, epoch: int) -> Plan:
     # which they already are.
     reorder = _implementation(_reordered_batches, len(plan.sample_ids))
     fresh = _plan_arrays(*reorder(*arrays, order, settings), settings)
+    fresh["batch_max_seqlens"] = plan.batch_max_seqlens[order]  # a flat row's length is no sample's
     for array in fresh.values():
         array.setflags(write=False)
     return dataclasses.replace(plan, **fresh, epoch=epoch)
