@@ -1301,7 +1301,9 @@ def main(argv=None) -> int:
         f"run interleaved: the arm with the least training time steps next, so whatever else the machine runs "
         f"hits all arms alike. Every arm of a seed starts "
         f"from the same weights. Varbatch arms: `VariableBatchSampler(budget='padded', order='bucket')`, "
-        f"`make_dataloader`, `VariableBatchSizeLR` stepped after every optimizer step; (d): DeepSpeed's "
+        f"`make_dataloader`, `VariableBatchSizeLR` stepped after every optimizer step; (e): "
+        f"`VariableBatchSampler(padding_free=True, order='random')` and `FlatCollate`'s rows, attention sample by "
+        f"sample (a varlen kernel's work); (d): DeepSpeed's "
         f"`batch_by_seqlens`, `dataloader_for_variable_batch_size` and `lr_scheduler_for_variable_batch_size` "
         f"with the arguments `get_dataloader_and_lr_scheduler_for_variable_batch_size` passes by default"
         + ("" if ds is not None else " (not run: DeepSpeed is not installed or --no-deepspeed)")
