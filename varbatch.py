@@ -514,6 +514,24 @@ def _lr_warning(mean: float, b_ref: float, unit: str) -> str:
     )
 
 
+def _warn_if_balance_swings_lr(scheduler: VariableBatchSizeLR, factors: np.ndarray) -> None:
+    """Warns (rank 0) where balanced ranks scale the LR by each batch's sequence count, which they make swing (like
+    costs, like lengths: NOTE [balanced ranks]); ``factors``: the LR factors of epoch 0."""
+    sampler = scheduler._sampler
+    if sampler is None or not sampler.settings.balance_ranks or sampler.num_replicas == 1:
+        return
+    if scheduler.lr_scaling_method in (None, "none") or scheduler.lr_scaling_unit != "sequences":
+        return
+    tokens = _lr_factors(scheduler._sizes(0, "tokens"), "mean", scheduler.lr_scaling_method, 1)[0]
+    if scheduler._rank_zero():
+        warnings.warn(
+            f"balance_ranks=True groups step inputs of like cost, so a batch's sequence count swings: its LR factor "
+            f"spans {factors.max() / factors.min():.3g}x in sequences, {tokens.max() / tokens.min():.3g}x in tokens;"
+            f" the unit should match the loss: a loss averaged over tokens goes with lr_scaling_unit='tokens'",
+            stacklevel=3,
+        )
+
+
 def _empty_plan_message(plan: Plan) -> str:
     """Why a plan has no batch, in numbers that add up, and what to change."""
     settings, counts = plan.settings, {reason: len(ids) for reason, ids in plan.dropped.items()}
@@ -1521,26 +1539,23 @@ def _reshuffled(plan: Plan, epoch: int) -> Plan:
 
 # NOTE [balanced ranks]: every rank waits at each gradient reduction for the slowest (ZeRO and FSDP reduce at every
 # accumulation step, DDP under `no_sync` once per batch), and a token budget evens out the tokens of step inputs, not
-# what they cost. A step input costs, by its form: padded, n S + n S^2 / q (n samples padded to S); flat
-# (`padding_free`), T + sum(L^2) / q (T: its row's length, sum(L) but in pipelines; a kernel that skips the
-# masked blocks). q (`quadratic_tokens`) is the length at which a sample's attention costs as much as the rest of
-# the model. Whole step inputs move (a padded one shares one S: a micro-batch moved alone could break n x S <=
-# max_tokens), so the step inputs, their count and the epoch's length stay as packed. In each window:
-# 1. Sort the step inputs by cost; each R neighbours make one accumulation step (the R step inputs the ranks train
-#    side by side). No grouping R to a step has a smaller sum of the steps' maxima: the costliest sets its step's
-#    maximum whatever joins it, and the next R - 1 add nothing to it there; and so on down.
-# 2. Shuffle the steps and take them G to a batch: which steps share a batch changes neither idle share (a rank's
-#    sum over balanced steps is balanced), so batches mix costs at random, as their order does.
+# their cost. A step input costs, padded, n S + n S^2 / q (n samples padded to S); flat (`padding_free`, a kernel
+# that skips the masked blocks), T + sum(L^2) / q (T: its row's length, sum(L) outside pipelines); q
+# (`quadratic_tokens`) is the length at which a sample's attention costs as much as the rest of the model. Whole
+# step inputs move (a micro-batch moved alone could break n x S <= max_tokens): the step inputs, their count and the
+# epoch's length stay as packed. In each window:
+# 1. Sort the step inputs by cost; each R neighbours make one accumulation step. No grouping R to a step has a
+#    smaller sum of the steps' maxima: the costliest sets its step's maximum whatever joins it, and the next R - 1
+#    add nothing to it there; and so on down.
+# 2. Shuffle the steps and take them G to a batch: this changes neither idle share (a rank's sum over balanced
+#    steps is balanced), and batches mix costs at random.
 # 3. Deal the odd steps of a batch in reverse: a rank's sum over the batch (what DDP under `no_sync` waits for)
-#    then takes the costliest of every other step only: it halves that idle share.
-# The window is the epoch: windows of 64 batches draw a step from step inputs further apart in cost (the ranks
-# wait up to 2.1% at R = 8, against 0.2%) and narrow the sequence count's swing little, and step 2 mixes as they
-# would. A pipeline's batch shares one shape (`same_size`, `same_length`): its window is the batch, whose step
-# inputs are only dealt anew; padded pipeline batches, whose step inputs all cost the same, stay as they are.
-# The cost must be the user's: a q 6x too large sorts nearly by tokens, which the budget evened out already (11-29%
-# idle on long-tailed lengths); 6x too small, 3-6%: err low. The shuffle draws from (seed, epoch,
-# `_BALANCE_STREAM`): the packing's draws stay as they were, and the plan a function of (seqlens, settings, seed,
-# epoch).
+#    takes the costliest of every other step only, which halves that idle share.
+# The window is the epoch (windows of 64 batches, further apart in cost, idle up to 2.1% at R = 8, not 0.2%); a
+# pipeline batch's (one shape: `same_size`, `same_length`) is the batch, its step inputs only dealt anew; padded
+# pipeline batches, of one cost, stay as they are. A q 6x too large sorts nearly by tokens, which the budget evened
+# out already (11-29% idle on long-tailed lengths); 6x too small, 3-6%: err low. The shuffle draws from (seed,
+# epoch, `_BALANCE_STREAM`): the packing's draws stay as they were.
 _BALANCE_STREAM = 0x62616C61  # b"bala"
 
 
@@ -2227,6 +2242,7 @@ class VariableBatchSizeLR(LRScheduler):
         factors, b_ref = self._factors(0)
         if _is_unit_trap(factors.mean(), self.base_batch_size is None) and self._rank_zero():
             warnings.warn(_lr_warning(factors.mean(), b_ref, self.lr_scaling_unit), stacklevel=2)
+        _warn_if_balance_swings_lr(self, factors)
 
     # -- the position -------------------------------------------------------------------------------------------
 
