@@ -33,6 +33,10 @@ a shared machine):
    transformers' `LengthGroupedSampler` (fixed-count) and a plain
    `BatchSampler`, on the same 1M lengths: epoch time (drained, as in 1e), peak
    memory, padding efficiency, overshoot and randomness.
+7. Balanced ranks (issue 30): the share of each reduction the data-parallel
+   ranks wait, before and after `balance_ranks=True`, beside HF transformers'
+   `BatchRebalanceSampler`; the LR factor's range; the plan time with and
+   without balancing at 1M lengths.
 
 Usage:
     python bench.py                 # full run, markdown tables on stdout (minutes)
@@ -58,6 +62,7 @@ import contextlib
 import dataclasses
 import functools
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -99,7 +104,7 @@ PAD_QUICK_N = 20_000  # --quick: the long-tailed set's size
 ORDERS = typing.get_args(varbatch._Order)
 BUDGETS = typing.get_args(varbatch._Budget)
 
-SECTIONS = ("speed", "modes", "padding", "epochs", "training", "memory", "datapath", "peers")
+SECTIONS = ("speed", "modes", "padding", "epochs", "training", "memory", "datapath", "peers", "balance")
 
 
 # =============================================================================
@@ -2306,6 +2311,203 @@ def bench_peers(quick: bool, results: dict) -> str:
 
 
 # =============================================================================
+# 7. Balanced ranks: how long the ranks wait at each reduction
+# =============================================================================
+# Issue 30's sets: 120,000 long-tailed lengths (lognormal(6.15, 1.0) rounded and clipped to 6..8,000, mean ~765)
+# and 120,000 uniform on 6..1,514 (mean 760); max_tokens 16,384, one micro-batch per step input. The padded form is
+# packed by the padded budget (PaddedCollate's tensors), the flat one by the sum budget (padding_free rows).
+
+BALANCE_N, BALANCE_QUICK_N = 120_000, 12_000
+BALANCE_MAX_TOKENS = 16_384
+BALANCE_Q = (5_000, 30_000)  # q of the cost model: about 6 x and 12 x a hidden size of 800-2,500
+BALANCE_RANKS, BALANCE_STEPS = (8, 64), (1, 4)
+BALANCE_PLAN_N, BALANCE_QUICK_PLAN_N, BALANCE_ROUNDS = 1_000_000, 100_000, 7
+HF_SAMPLES_PER_MICROBATCH = 21  # BatchRebalanceSampler counts samples: 16,384 / ~765, varbatch's mean micro-batch
+HF_OWN_Q = 1_000  # its cost, bs S + 0.001 bs S^2
+
+
+def balance_long_tailed(num_samples: int) -> np.ndarray:
+    rng = np.random.default_rng(0)
+    return np.clip(np.round(rng.lognormal(6.15, 1.0, num_samples)), 6, 8_000).astype(np.int64)
+
+
+def balance_uniform(num_samples: int) -> np.ndarray:
+    return np.random.default_rng(1).integers(6, 1_515, num_samples).astype(np.int64)
+
+
+def _balance_plan(seqlens, form: str, order: str, ranks: int, steps: int, q: float | None) -> varbatch.Plan:
+    """varbatch's plan of epoch 1 (drawn anew, as every epoch after the first), balanced under ``q`` unless None."""
+    options = dict(effective_batch_size=ranks * steps, num_replicas=ranks, order=order, seed=0, epoch=1)
+    options.update(budget="padded" if form == "padded" else "sum", padding_free=form == "flat")
+    return varbatch.plan_batches(
+        seqlens, BALANCE_MAX_TOKENS, balance_ranks=q is not None, quadratic_tokens=q, **options
+    )
+
+
+def idle_shares(costs: np.ndarray, ranks: int, steps: int) -> tuple[float, float]:
+    """``(per reduction, per batch)``: 1 - mean / max of the costs the R ranks bring to a reduction, averaged over
+    the epoch; rank r's t-th step input is t R + r, and the batch's reduction (DDP under no_sync) meets each rank's
+    sum over its G step inputs."""
+    per_step = costs.reshape(-1, ranks)
+    sums = costs.reshape(-1, steps, ranks).sum(axis=1)
+    return float((1 - per_step.mean(1) / per_step.max(1)).mean()), float((1 - sums.mean(1) / sums.max(1)).mean())
+
+
+def _plan_idle(plan: varbatch.Plan, seqlens: np.ndarray, q: float) -> tuple[float, float]:
+    """`idle_shares` of ``plan``'s step inputs priced under ``q`` (varbatch's cost of the plan's form)."""
+    priced = dataclasses.replace(plan, settings=dataclasses.replace(plan.settings, quadratic_tokens=q))
+    settings = plan.settings
+    return idle_shares(
+        varbatch._step_input_costs(priced, seqlens), settings.num_replicas, settings.gradient_accumulation_steps
+    )
+
+
+def _fmt_idle(pair: tuple[float, float]) -> str:
+    return f"{100 * pair[0]:.1f} / {100 * pair[1]:.1f}"
+
+
+def _lr_range(plan: varbatch.Plan) -> str:
+    """The largest batch over the smallest, in sequences and in tokens: the linear rule's LR factor range."""
+    return f"{plan.batch_sizes.max() / plan.batch_sizes.min():.1f} / {plan.batch_tokens.max() / plan.batch_tokens.min():.2f}"
+
+
+def _balance_rows(quick: bool, results: dict) -> list[list]:
+    n = BALANCE_QUICK_N if quick else BALANCE_N
+    ranks_list = BALANCE_RANKS[:1] if quick else BALANCE_RANKS
+    rows, worst = [], results.setdefault("balance_worst", {})
+    for name, seqlens in (("long-tailed", balance_long_tailed(n)), ("uniform", balance_uniform(n))):
+        for form, order, ranks, steps in itertools.product(
+            ("padded", "flat"), ("random", "bucket"), ranks_list, BALANCE_STEPS
+        ):
+            _progress(f"balance: {name} {form} {order} R={ranks} G={steps}")
+            plan = _balance_plan(seqlens, form, order, ranks, steps, None)
+            row = [name, form, order, ranks, steps, plan.num_batches]
+            for q in BALANCE_Q:
+                balanced = _balance_plan(seqlens, form, order, ranks, steps, q)
+                after = _plan_idle(balanced, seqlens, q)
+                row += [_fmt_idle(_plan_idle(plan, seqlens, q)), f"**{_fmt_idle(after)}**"]
+                worst[ranks] = max(worst.get(ranks, 0.0), after[0])
+            rows.append([*row, _lr_range(plan), _lr_range(balanced)])
+    return rows
+
+
+def _hf_rows(quick: bool) -> list[list]:
+    """HF transformers' BatchRebalanceSampler on the long-tailed set, measured as varbatch's plans are."""
+    from transformers.trainer_pt_utils import BatchRebalanceSampler
+
+    class EveryRank(BatchRebalanceSampler):  # one `_assign` per global batch gives every rank's step inputs
+        def _yield_global_batch(self, batch_indices):
+            yield self._assign(batch_indices, [self.lengths[i] for i in batch_indices])
+
+    seqlens = balance_long_tailed(BALANCE_QUICK_N if quick else BALANCE_N)
+    rows = []
+    for ranks, steps in itertools.product(BALANCE_RANKS[:1] if quick else BALANCE_RANKS, BALANCE_STEPS):
+        _progress(f"balance: HF BatchRebalanceSampler R={ranks} G={steps}")
+        k = HF_SAMPLES_PER_MICROBATCH * steps * ranks
+        sampler = EveryRank(seqlens.tolist(), k, dp_size=ranks, grad_accum=steps, seed=0)
+        step_inputs = [by_rank[rank][step] for by_rank in sampler for step in range(steps) for rank in range(ranks)]
+        samples = np.array([len(ids) for ids in step_inputs], np.float64)
+        width = np.array([seqlens[ids].max() for ids in step_inputs], np.float64)
+        idle = [_fmt_idle(idle_shares(samples * width * (1 + width / q), ranks, steps)) for q in (HF_OWN_Q, *BALANCE_Q)]
+        largest = (samples * width).max() / BALANCE_MAX_TOKENS
+        rows.append([ranks, steps, len(step_inputs) // (ranks * steps), *idle, f"{largest:.1f}"])
+    return rows
+
+
+def _balance_plan_times(quick: bool) -> tuple[list[list], float]:
+    """Median seconds of plan_batches without and with balancing, interleaved round by round, and the worst ratio."""
+    n = BALANCE_QUICK_PLAN_N if quick else BALANCE_PLAN_N
+    seqlens = balance_long_tailed(n)
+    rows, worst = [], 0.0
+    for form, order, ranks, steps in (
+        ("padded", "bucket", 64, 4),
+        ("flat", "random", 8, 1),
+        ("padded", "random", 8, 1),
+    ):
+        _progress(f"balance: plan time {form} {order} R={ranks} G={steps}")
+        times: dict = {None: [], BALANCE_Q[0]: []}
+        for _ in range(3 if quick else BALANCE_ROUNDS):
+            for q in times:
+                start = time.perf_counter()
+                _balance_plan(seqlens, form, order, ranks, steps, q)
+                times[q].append(time.perf_counter() - start)
+        plain, balanced = (float(np.median(times[q])) for q in times)
+        worst = max(worst, balanced / plain)
+        rows.append([form, order, ranks, steps, f"{plain:.3f}", f"{balanced:.3f}", f"{balanced / plain:.2f}x"])
+    return rows, worst
+
+
+def bench_balance(quick: bool, results: dict) -> str:
+    """The idle share of each reduction before and after balancing, beside HF's BatchRebalanceSampler; plan times."""
+    n = BALANCE_QUICK_N if quick else BALANCE_N
+    out = ["## 7. Balanced ranks: the share of each reduction the ranks wait", ""]
+    out.append(
+        f"{n:,} lengths per set (long-tailed: lognormal(6.15, 1.0) clipped to 6..8,000, mean ~765; uniform on "
+        f"6..1,514), max_tokens {BALANCE_MAX_TOKENS:,}, one micro-batch per step input, epoch 1, seed 0. Padded: "
+        "packed by the padded budget, priced n S + n S^2 / q; flat: the sum budget with padding_free, priced "
+        "sum(L) + sum(L^2) / q. Idle, % per reduction / per batch: 1 - mean / max of the R ranks' costs at each "
+        "accumulation step (ZeRO, FSDP), and of their sums over the batch (DDP under no_sync), averaged over the "
+        "epoch. Balanced: balance_ranks=True under the q it is measured by. LR range: the largest batch over the "
+        "smallest, in sequences / in tokens (the linear rule's LR factor range), unbalanced and balanced (q 5,000)."
+    )
+    headers = ["set", "form", "order", "R", "G", "batches"]
+    for q in BALANCE_Q:
+        headers += [f"q {q:,}: unbalanced", "balanced"]
+    out += ["", _table([*headers, "LR range, unbalanced", "LR range, balanced"], _balance_rows(quick, results))]
+    if _missing("transformers") is None and importlib.util.find_spec("transformers.trainer_pt_utils") is not None:
+        out += [
+            "",
+            f"HF transformers' BatchRebalanceSampler (transformers {_package_version('transformers')}, "
+            f'`train_sampling_strategy="batch_rebalance"`), long-tailed set, {HF_SAMPLES_PER_MICROBATCH} samples '
+            f"per micro-batch (varbatch's mean), padded form: idle under its own cost (q {HF_OWN_Q:,}) and under "
+            f"varbatch's q; largest n x S over max_tokens (it bounds no memory).",
+            "",
+        ]
+        try:
+            hf_headers = [
+                "R",
+                "G",
+                "batches",
+                f"own q {HF_OWN_Q:,}",
+                *(f"q {q:,}" for q in BALANCE_Q),
+                "largest n x S / budget",
+            ]
+            out.append(_table(hf_headers, _hf_rows(quick)))
+        except ImportError as error:  # a transformers without the sampler
+            out.append(f"Left out: {error}.")
+    else:
+        out += ["", "HF transformers' BatchRebalanceSampler: left out, transformers is not installed."]
+    rows, worst = _balance_plan_times(quick)
+    results["balance_plan_ratio"] = worst
+    out += [
+        "",
+        f"Plan time, {BALANCE_QUICK_PLAN_N if quick else BALANCE_PLAN_N:,} long-tailed lengths: plan_batches "
+        f"without and with balancing (q {BALANCE_Q[0]:,}), median of {3 if quick else BALANCE_ROUNDS} interleaved rounds.",
+        "",
+        _table(["form", "order", "R", "G", "plan (s)", "balanced plan (s)", "ratio"], rows),
+    ]
+    return "\n".join(out)
+
+
+def _balance_targets(results: dict) -> list[list]:
+    rows = []
+    for ranks, bound in ((8, 0.01), (64, 0.03)):
+        if ranks in results.get("balance_worst", {}):
+            worst = results["balance_worst"][ranks]
+            rows.append(
+                [
+                    f"balanced ranks idle <= {bound:.0%} per reduction at R = {ranks} (7)",
+                    f"{worst:.2%}",
+                    _check(worst <= bound),
+                ]
+            )
+    if "balance_plan_ratio" in results:
+        ratio = results["balance_plan_ratio"]
+        rows.append(["balancing adds <= 1.5x to the plan time at 1M (7)", f"{ratio:.2f}x", _check(ratio <= 1.5)])
+    return rows
+
+
+# =============================================================================
 # Targets and main
 # =============================================================================
 
@@ -2529,6 +2731,7 @@ def targets_table(results: dict, quick: bool) -> str:
     rows += _randomness_targets(results)
     rows += _memory_targets(results, quick)
     rows += _peer_targets(results)
+    rows += _balance_targets(results)
     note = (
         f" (--quick: smaller sizes, so the 1M/10M rows are absent, DeepSpeed's rows use {DS_QUICK_SIZES[-1]:,} "
         f"sequences, the padding rows {_fmt_n(PAD_QUICK_N)}, the epoch rows {_fmt_n(EPOCH_QUICK_SIZE)}, memory "
@@ -2599,6 +2802,8 @@ def main(argv=None) -> int:
         print(bench_datapath(args.quick, results) + "\n", flush=True)
     if "peers" in sections:
         print(bench_peers(args.quick, results) + "\n", flush=True)
+    if "balance" in sections:
+        print(bench_balance(args.quick, results) + "\n", flush=True)
     print(targets_table(results, args.quick) + "\n")
     if args.plot:
         write_plot(args.plot, results, ds_cap)
