@@ -35,8 +35,9 @@ a shared machine):
    memory, padding efficiency, overshoot and randomness.
 7. Balanced ranks (issue 30): the share of each reduction the data-parallel
    ranks wait, before and after `balance_ranks=True`, beside HF transformers'
-   `BatchRebalanceSampler`; the LR factor's range; the plan time with and
-   without balancing at 1M lengths.
+   `BatchRebalanceSampler`; the LR factor's range; a real run of 2 CPU ranks
+   (gloo) timing each rank's wait in the all-reduce with and without; the
+   plan time with and without balancing at 1M lengths.
 
 Usage:
     python bench.py                 # full run, markdown tables on stdout (minutes)
@@ -2477,6 +2478,7 @@ def bench_balance(quick: bool, results: dict) -> str:
             out.append(f"Left out: {error}.")
     else:
         out += ["", "HF transformers' BatchRebalanceSampler: left out, transformers is not installed."]
+    out += ["", "### 7d. A real run: the time two ranks wait in the all-reduce", "", bench_rank_waits(quick, results)]
     rows, worst = _balance_plan_times(quick)
     results["balance_plan_ratio"] = worst
     out += [
@@ -2487,6 +2489,153 @@ def bench_balance(quick: bool, results: dict) -> str:
         _table(["form", "order", "R", "G", "plan (s)", "balanced plan (s)", "ratio"], rows),
     ]
     return "\n".join(out)
+
+
+# 7d. A real run: 2 CPU ranks (gloo), random order, a model whose attention dominates, long-tailed lengths. Each
+# rank runs a forward and backward pass on its step input, then all-reduces the gradients as DDP does; the time
+# in the all-reduce is the time it waits for the other rank (the gradients are a few thousand numbers). Both arms
+# run in one job, epoch by epoch in turn, so that the machine's load falls on both alike.
+WAIT_N, WAIT_QUICK_N = 1_500, 200
+WAIT_MAX_TOKENS = 4_096  # the padded budget: n x S of a step input
+WAIT_HIDDEN = 32
+WAIT_EPOCHS, WAIT_QUICK_EPOCHS = 4, 1  # per arm
+
+
+class AttentionBlock(torch.nn.Module):
+    """One self-attention layer of a small hidden size: at S above ~100 its S x S scores cost the most."""
+
+    def __init__(self, hidden: int = WAIT_HIDDEN):
+        super().__init__()
+        self.attention = torch.nn.MultiheadAttention(hidden, num_heads=2, batch_first=True)
+        self.out = torch.nn.Linear(hidden, 1)
+
+    def forward(self, x):  # B x S x E
+        return self.out(self.attention(x, x, x, need_weights=False)[0])
+
+
+def measured_quadratic_tokens(model, make_batch, long: int = 2_048, short: int = 64, repeats: int = 5) -> float:
+    """q from a forward and backward pass at two shapes of the same tokens (the README's recipe): one sample of
+    ``long`` tokens costs long + long^2 / q, long / short samples of ``short`` tokens long + long short / q."""
+
+    def seconds(batch):
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            model(batch).float().sum().backward()
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    ratio = seconds(make_batch(1, long)) / seconds(make_batch(long // short, short))
+    return (long - ratio * short) / (ratio - 1) if ratio > 1 else math.inf
+
+
+def _wait_seqlens(num_samples: int) -> np.ndarray:
+    """Long-tailed lengths for the run: lognormal(5.0, 1.0) clipped to 16..1,024 (mean ~230)."""
+    rng = np.random.default_rng(3)
+    return np.clip(np.round(rng.lognormal(5.0, 1.0, num_samples)), 16, 1_024).astype(np.int64)
+
+
+def _wait_worker(rank: int, port: int, num_samples: int, epochs: int, path: str) -> None:
+    """One of the two ranks: both arms, epoch by epoch in turn; its compute and all-reduce seconds to ``path``."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = AttentionBlock()
+    params = list(model.parameters())
+    q = torch.tensor(measured_quadratic_tokens(model, lambda n, length: torch.randn(n, length, WAIT_HIDDEN)))
+    dist.broadcast(q, 0)  # rank 0's measure, for both
+    seqlens = _wait_seqlens(num_samples)
+    totals = {arm: {"compute": 0.0, "wait": 0.0, "steps": 0} for arm in ("unbalanced", "balanced")}
+    for epoch, arm in itertools.product(range(epochs), totals):
+        sampler = varbatch.VariableBatchSampler(
+            seqlens,
+            WAIT_MAX_TOKENS,
+            num_replicas=2,
+            rank=rank,
+            order="random",
+            budget="padded",
+            seed=0,
+            balance_ranks=arm == "balanced",
+            quadratic_tokens=float(q),
+        )
+        sampler.set_epoch(epoch)
+        for ids in sampler:
+            x = torch.randn(len(ids), int(seqlens[ids].max()), WAIT_HIDDEN)  # B x S x E, padded to the longest
+            dist.barrier()  # both ranks start the step together: the wait below is this step's only
+            start = time.perf_counter()
+            model(x).sum().backward()
+            computed = time.perf_counter()
+            grads = torch.cat([p.grad.flatten() for p in params])
+            dist.all_reduce(grads)
+            totals[arm]["compute"] += computed - start
+            totals[arm]["wait"] += time.perf_counter() - computed
+            totals[arm]["steps"] += 1
+            for p in params:
+                p.grad = None
+    with open(f"{path}.{rank}", "w") as file:
+        json.dump({"q": float(q), **totals}, file)
+    dist.destroy_process_group()
+
+
+def bench_rank_waits(quick: bool, results: dict) -> str:
+    """The real 2-rank run of 7d: each rank's seconds in the all-reduce, with and without balancing."""
+    import torch.multiprocessing as mp
+
+    n, epochs = (WAIT_QUICK_N, WAIT_QUICK_EPOCHS) if quick else (WAIT_N, WAIT_EPOCHS)
+    _progress(f"balance: a 2-rank run, {n:,} samples, {epochs} epochs per arm")
+    with tempfile.TemporaryDirectory() as folder, socket_port() as port:
+        path = os.path.join(folder, "waits")
+        mp.spawn(_wait_worker, args=(port, n, epochs, path), nprocs=2)
+        ranks = []
+        for rank in range(2):
+            with open(f"{path}.{rank}") as file:
+                ranks.append(json.load(file))
+    rows = []
+    for arm in ("unbalanced", "balanced"):
+        for rank, record in enumerate(ranks):
+            compute, wait, steps = record[arm]["compute"], record[arm]["wait"], record[arm]["steps"]
+            rows.append(
+                [
+                    arm,
+                    rank,
+                    steps,
+                    f"{compute:.2f}",
+                    f"{wait:.2f}",
+                    f"{1000 * wait / steps:.1f}",
+                    f"{wait / (compute + wait):.1%}",
+                ]
+            )
+    waits = {arm: sum(record[arm]["wait"] for record in ranks) for arm in ("unbalanced", "balanced")}
+    results["balance_waits"] = waits
+    out = [
+        "2 CPU ranks (gloo, one thread each), DDP's reduction by hand: each step input's forward and backward pass,"
+        " then an all-reduce of the gradients (a barrier before each step, so that the all-reduce waits for this "
+        f"step's difference alone). Model: one self-attention layer, hidden size {WAIT_HIDDEN}; q measured by the "
+        f"README's recipe on rank 0: {ranks[0]['q']:.0f}. {n:,} long-tailed lengths (lognormal(5.0, 1.0) clipped to "
+        f"16..1,024), padded budget max_tokens {WAIT_MAX_TOKENS:,}, random order, {epochs} epochs per arm, the arms "
+        "in turn epoch by epoch, in one job.",
+        "",
+        _table(
+            ["arm", "rank", "steps", "compute (s)", "in all-reduce (s)", "per step (ms)", "share of step time"], rows
+        ),
+        "",
+        f"Both ranks' time in the all-reduce: {waits['unbalanced']:.2f} s unbalanced, {waits['balanced']:.2f} s balanced.",
+    ]
+    return "\n".join(out)
+
+
+@contextlib.contextmanager
+def socket_port():
+    """A free TCP port on this machine, for the run's rendezvous."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    yield port
 
 
 def _balance_targets(results: dict) -> list[list]:
