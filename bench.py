@@ -2535,7 +2535,7 @@ def _wait_seqlens(num_samples: int) -> np.ndarray:
     return np.clip(np.round(rng.lognormal(5.0, 1.0, num_samples)), 16, 1_024).astype(np.int64)
 
 
-def _wait_worker(rank: int, port: int, num_samples: int, epochs: int, path: str) -> None:
+def _wait_worker(rank: int, port: int, num_samples: int, epochs: int, q: float, path: str) -> None:
     """One of the two ranks: both arms, epoch by epoch in turn; its compute and all-reduce seconds to ``path``."""
     import torch.distributed as dist
 
@@ -2545,8 +2545,6 @@ def _wait_worker(rank: int, port: int, num_samples: int, epochs: int, path: str)
     torch.manual_seed(0)
     model = AttentionBlock()
     params = list(model.parameters())
-    q = torch.tensor(measured_quadratic_tokens(model, lambda n, length: torch.randn(n, length, WAIT_HIDDEN)))
-    dist.broadcast(q, 0)  # rank 0's measure, for both
     seqlens = _wait_seqlens(num_samples)
     totals = {arm: {"compute": 0.0, "wait": 0.0, "steps": 0} for arm in ("unbalanced", "balanced")}
     for epoch, arm in itertools.product(range(epochs), totals):
@@ -2559,7 +2557,7 @@ def _wait_worker(rank: int, port: int, num_samples: int, epochs: int, path: str)
             budget="padded",
             seed=0,
             balance_ranks=arm == "balanced",
-            quadratic_tokens=float(q),
+            quadratic_tokens=q,
         )
         sampler.set_epoch(epoch)
         for ids in sampler:
@@ -2576,7 +2574,7 @@ def _wait_worker(rank: int, port: int, num_samples: int, epochs: int, path: str)
             for p in params:
                 p.grad = None
     with open(f"{path}.{rank}", "w") as file:
-        json.dump({"q": float(q), **totals}, file)
+        json.dump(totals, file)
     dist.destroy_process_group()
 
 
@@ -2586,9 +2584,18 @@ def bench_rank_waits(quick: bool, results: dict) -> str:
 
     n, epochs = (WAIT_QUICK_N, WAIT_QUICK_EPOCHS) if quick else (WAIT_N, WAIT_EPOCHS)
     _progress(f"balance: a 2-rank run, {n:,} samples, {epochs} epochs per arm")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each rank runs; the median of three measures, before the ranks start
+    torch.manual_seed(0)
+    model = AttentionBlock()
+    measures = [
+        measured_quadratic_tokens(model, lambda n, length: torch.randn(n, length, WAIT_HIDDEN)) for _ in range(3)
+    ]
+    torch.set_num_threads(threads)
+    q = float(np.median(measures))
     with tempfile.TemporaryDirectory() as folder, socket_port() as port:
         path = os.path.join(folder, "waits")
-        mp.spawn(_wait_worker, args=(port, n, epochs, path), nprocs=2)
+        mp.spawn(_wait_worker, args=(port, n, epochs, q, path), nprocs=2)
         ranks = []
         for rank in range(2):
             with open(f"{path}.{rank}") as file:
@@ -2614,7 +2621,7 @@ def bench_rank_waits(quick: bool, results: dict) -> str:
         "2 CPU ranks (gloo, one thread each), DDP's reduction by hand: each step input's forward and backward pass,"
         " then an all-reduce of the gradients (a barrier before each step, so that the all-reduce waits for this "
         f"step's difference alone). Model: one self-attention layer, hidden size {WAIT_HIDDEN}; q measured by the "
-        f"README's recipe on rank 0: {ranks[0]['q']:.0f}. {n:,} long-tailed lengths (lognormal(5.0, 1.0) clipped to "
+        f"README's recipe (the median of three, before the ranks start): {q:.0f}. {n:,} long-tailed lengths (lognormal(5.0, 1.0) clipped to "
         f"16..1,024), padded budget max_tokens {WAIT_MAX_TOKENS:,}, random order, {epochs} epochs per arm, the arms "
         "in turn epoch by epoch, in one job.",
         "",

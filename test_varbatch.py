@@ -6262,6 +6262,30 @@ def test_balanced_ranks_with_lr_in_sequences_warn_that_the_lr_swings():
     assert re.search(r"spans [\d.]+x in sequences, [\d.]+x in tokens; .*lr_scaling_unit=.tokens.", message)
 
 
+def _readme_quadratic_tokens():
+    """The README's recipe for q: its program run, and its function."""
+    (program,) = [
+        body
+        for lang, body in re.findall(r"^```(\w*)\n(.*?)^```", _README.read_text(), re.S | re.M)
+        if lang == "python" and "def quadratic_tokens" in body
+    ]
+    namespace = {"__name__": "readme_recipe"}
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        exec(compile(program, "README.md", "exec"), namespace)
+    return namespace["quadratic_tokens"], printed.getvalue()
+
+
+def test_readme_recipe_finds_q_of_a_model_whose_attention_dominates():
+    """Timed on CPU, the recipe finds a q far below the long shape for one attention layer of hidden size 32, and
+    for a model of per-token layers alone one many times larger, or none (infinite): the shapes cost it alike."""
+    torch.set_num_threads(1)
+    quadratic_tokens, printed = _readme_quadratic_tokens()
+    q = float(re.fullmatch(r"quadratic_tokens=(\d+)\n", printed)[1])
+    assert 0 < q < 1024, printed
+    per_token = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+    assert quadratic_tokens(per_token, lambda n, length: torch.randn(n, length, 64)) > 4 * q
+
+
 # =============================================================================
 # 10. The plan command: python plan.py ...
 # =============================================================================
