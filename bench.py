@@ -35,6 +35,11 @@ a shared machine):
    transformers' `LengthGroupedSampler` (fixed-count) and a plain
    `BatchSampler`, on the same 1M lengths: epoch time (drained, as in 1e), peak
    memory, padding efficiency, overshoot and randomness.
+7. Balanced ranks (issue 30): the share of each reduction the data-parallel
+   ranks wait, before and after `balance_ranks=True`, beside HF transformers'
+   `BatchRebalanceSampler`; the LR factor's range; a real run of 2 CPU ranks
+   (gloo) timing each rank's wait in the all-reduce with and without; the
+   plan time with and without balancing at 1M lengths.
 
 Usage:
     python bench.py                 # full run, markdown tables on stdout (minutes)
@@ -60,6 +65,7 @@ import contextlib
 import dataclasses
 import functools
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -101,7 +107,7 @@ PAD_QUICK_N = 20_000  # --quick: the long-tailed set's size
 ORDERS = typing.get_args(varbatch._Order)
 BUDGETS = typing.get_args(varbatch._Budget)
 
-SECTIONS = ("speed", "modes", "padding", "epochs", "training", "memory", "datapath", "peers")
+SECTIONS = ("speed", "modes", "padding", "epochs", "training", "memory", "datapath", "peers", "balance")
 
 
 # =============================================================================
@@ -2382,6 +2388,358 @@ def bench_peers(quick: bool, results: dict) -> str:
 
 
 # =============================================================================
+# 7. Balanced ranks: how long the ranks wait at each reduction
+# =============================================================================
+# Issue 30's sets: 120,000 long-tailed lengths (lognormal(6.15, 1.0) rounded and clipped to 6..8,000, mean ~765)
+# and 120,000 uniform on 6..1,514 (mean 760); max_tokens 16,384, one micro-batch per step input. The padded form is
+# packed by the padded budget (PaddedCollate's tensors), the flat one by the sum budget (padding_free rows).
+
+BALANCE_N, BALANCE_QUICK_N = 120_000, 12_000
+BALANCE_MAX_TOKENS = 16_384
+BALANCE_Q = (5_000, 30_000)  # q of the cost model: about 6 x and 12 x a hidden size of 800-2,500
+BALANCE_RANKS, BALANCE_STEPS = (8, 64), (1, 4)
+BALANCE_PLAN_N, BALANCE_QUICK_PLAN_N, BALANCE_ROUNDS = 1_000_000, 100_000, 7
+HF_SAMPLES_PER_MICROBATCH = 21  # BatchRebalanceSampler counts samples: 16,384 / ~765, varbatch's mean micro-batch
+HF_OWN_Q = 1_000  # its cost, bs S + 0.001 bs S^2
+
+
+def balance_long_tailed(num_samples: int) -> np.ndarray:
+    rng = np.random.default_rng(0)
+    return np.clip(np.round(rng.lognormal(6.15, 1.0, num_samples)), 6, 8_000).astype(np.int64)
+
+
+def balance_uniform(num_samples: int) -> np.ndarray:
+    return np.random.default_rng(1).integers(6, 1_515, num_samples).astype(np.int64)
+
+
+def _balance_plan(seqlens, form: str, order: str, ranks: int, steps: int, q: float | None) -> varbatch.Plan:
+    """varbatch's plan of epoch 1 (drawn anew, as every epoch after the first), balanced under ``q`` unless None."""
+    options = dict(effective_batch_size=ranks * steps, num_replicas=ranks, order=order, seed=0, epoch=1)
+    options.update(budget="padded" if form == "padded" else "sum", padding_free=form == "flat")
+    return varbatch.plan_batches(
+        seqlens, BALANCE_MAX_TOKENS, balance_ranks=q is not None, quadratic_tokens=q, **options
+    )
+
+
+def idle_shares(costs: np.ndarray, ranks: int, steps: int) -> tuple[float, float]:
+    """``(per reduction, per batch)``: 1 - mean / max of the costs the R ranks bring to a reduction, averaged over
+    the epoch; rank r's t-th step input is t R + r, and the batch's reduction (DDP under no_sync) meets each rank's
+    sum over its G step inputs."""
+    per_step = costs.reshape(-1, ranks)
+    sums = costs.reshape(-1, steps, ranks).sum(axis=1)
+    return float((1 - per_step.mean(1) / per_step.max(1)).mean()), float((1 - sums.mean(1) / sums.max(1)).mean())
+
+
+def _plan_idle(plan: varbatch.Plan, seqlens: np.ndarray, q: float) -> tuple[float, float]:
+    """`idle_shares` of ``plan``'s step inputs priced under ``q`` (varbatch's cost of the plan's form)."""
+    priced = dataclasses.replace(plan, settings=dataclasses.replace(plan.settings, quadratic_tokens=q))
+    settings = plan.settings
+    return idle_shares(
+        varbatch._step_input_costs(priced, seqlens), settings.num_replicas, settings.gradient_accumulation_steps
+    )
+
+
+def _fmt_idle(pair: tuple[float, float]) -> str:
+    return f"{100 * pair[0]:.1f} / {100 * pair[1]:.1f}"
+
+
+def _lr_range(plan: varbatch.Plan) -> str:
+    """The largest batch over the smallest, in sequences and in tokens: the linear rule's LR factor range."""
+    return f"{plan.batch_sizes.max() / plan.batch_sizes.min():.1f} / {plan.batch_tokens.max() / plan.batch_tokens.min():.2f}"
+
+
+def _balance_rows(quick: bool, results: dict) -> list[list]:
+    n = BALANCE_QUICK_N if quick else BALANCE_N
+    ranks_list = BALANCE_RANKS[:1] if quick else BALANCE_RANKS
+    rows, worst = [], results.setdefault("balance_worst", {})
+    for name, seqlens in (("long-tailed", balance_long_tailed(n)), ("uniform", balance_uniform(n))):
+        for form, order, ranks, steps in itertools.product(
+            ("padded", "flat"), ("random", "bucket"), ranks_list, BALANCE_STEPS
+        ):
+            _progress(f"balance: {name} {form} {order} R={ranks} G={steps}")
+            plan = _balance_plan(seqlens, form, order, ranks, steps, None)
+            row = [name, form, order, ranks, steps, plan.num_batches]
+            for q in BALANCE_Q:
+                balanced = _balance_plan(seqlens, form, order, ranks, steps, q)
+                after = _plan_idle(balanced, seqlens, q)
+                row += [_fmt_idle(_plan_idle(plan, seqlens, q)), f"**{_fmt_idle(after)}**"]
+                worst[ranks] = max(worst.get(ranks, 0.0), after[0])
+            rows.append([*row, _lr_range(plan), _lr_range(balanced)])
+    return rows
+
+
+def _hf_rows(quick: bool) -> list[list]:
+    """HF transformers' BatchRebalanceSampler on the long-tailed set, measured as varbatch's plans are."""
+    from transformers.trainer_pt_utils import BatchRebalanceSampler
+
+    class EveryRank(BatchRebalanceSampler):  # one `_assign` per global batch gives every rank's step inputs
+        def _yield_global_batch(self, batch_indices):
+            yield self._assign(batch_indices, [self.lengths[i] for i in batch_indices])
+
+    seqlens = balance_long_tailed(BALANCE_QUICK_N if quick else BALANCE_N)
+    rows = []
+    for ranks, steps in itertools.product(BALANCE_RANKS[:1] if quick else BALANCE_RANKS, BALANCE_STEPS):
+        _progress(f"balance: HF BatchRebalanceSampler R={ranks} G={steps}")
+        k = HF_SAMPLES_PER_MICROBATCH * steps * ranks
+        sampler = EveryRank(seqlens.tolist(), k, dp_size=ranks, grad_accum=steps, seed=0)
+        step_inputs = [by_rank[rank][step] for by_rank in sampler for step in range(steps) for rank in range(ranks)]
+        samples = np.array([len(ids) for ids in step_inputs], np.float64)
+        width = np.array([seqlens[ids].max() for ids in step_inputs], np.float64)
+        idle = [_fmt_idle(idle_shares(samples * width * (1 + width / q), ranks, steps)) for q in (HF_OWN_Q, *BALANCE_Q)]
+        largest = (samples * width).max() / BALANCE_MAX_TOKENS
+        rows.append([ranks, steps, len(step_inputs) // (ranks * steps), *idle, f"{largest:.1f}"])
+    return rows
+
+
+def _balance_plan_times(quick: bool) -> tuple[list[list], float]:
+    """Median seconds of plan_batches without and with balancing, interleaved round by round, and the worst ratio."""
+    n = BALANCE_QUICK_PLAN_N if quick else BALANCE_PLAN_N
+    seqlens = balance_long_tailed(n)
+    rows, worst = [], 0.0
+    for form, order, ranks, steps in (
+        ("padded", "bucket", 64, 4),
+        ("flat", "random", 8, 1),
+        ("padded", "random", 8, 1),
+    ):
+        _progress(f"balance: plan time {form} {order} R={ranks} G={steps}")
+        times: dict = {None: [], BALANCE_Q[0]: []}
+        for _ in range(3 if quick else BALANCE_ROUNDS):
+            for q in times:
+                start = time.perf_counter()
+                _balance_plan(seqlens, form, order, ranks, steps, q)
+                times[q].append(time.perf_counter() - start)
+        plain, balanced = (float(np.median(times[q])) for q in times)
+        worst = max(worst, balanced / plain)
+        rows.append([form, order, ranks, steps, f"{plain:.3f}", f"{balanced:.3f}", f"{balanced / plain:.2f}x"])
+    return rows, worst
+
+
+def bench_balance(quick: bool, results: dict) -> str:
+    """The idle share of each reduction before and after balancing, beside HF's BatchRebalanceSampler; plan times."""
+    n = BALANCE_QUICK_N if quick else BALANCE_N
+    out = ["## 7. Balanced ranks: the share of each reduction the ranks wait", ""]
+    out.append(
+        f"{n:,} lengths per set (long-tailed: lognormal(6.15, 1.0) clipped to 6..8,000, mean ~765; uniform on "
+        f"6..1,514), max_tokens {BALANCE_MAX_TOKENS:,}, one micro-batch per step input, epoch 1, seed 0. Padded: "
+        "packed by the padded budget, priced n S + n S^2 / q; flat: the sum budget with padding_free, priced "
+        "sum(L) + sum(L^2) / q. Idle, % per reduction / per batch: 1 - mean / max of the R ranks' costs at each "
+        "accumulation step (ZeRO, FSDP), and of their sums over the batch (DDP under no_sync), averaged over the "
+        "epoch. Balanced: balance_ranks=True under the q it is measured by. LR range: the largest batch over the "
+        "smallest, in sequences / in tokens (the linear rule's LR factor range), unbalanced and balanced (q 5,000)."
+    )
+    headers = ["set", "form", "order", "R", "G", "batches"]
+    for q in BALANCE_Q:
+        headers += [f"q {q:,}: unbalanced", "balanced"]
+    out += ["", _table([*headers, "LR range, unbalanced", "LR range, balanced"], _balance_rows(quick, results))]
+    if _missing("transformers") is None and importlib.util.find_spec("transformers.trainer_pt_utils") is not None:
+        out += [
+            "",
+            f"HF transformers' BatchRebalanceSampler (transformers {_package_version('transformers')}, "
+            f'`train_sampling_strategy="batch_rebalance"`), long-tailed set, {HF_SAMPLES_PER_MICROBATCH} samples '
+            f"per micro-batch (varbatch's mean), padded form: idle under its own cost (q {HF_OWN_Q:,}) and under "
+            f"varbatch's q; largest n x S over max_tokens (it bounds no memory).",
+            "",
+        ]
+        try:
+            hf_headers = [
+                "R",
+                "G",
+                "batches",
+                f"own q {HF_OWN_Q:,}",
+                *(f"q {q:,}" for q in BALANCE_Q),
+                "largest n x S / budget",
+            ]
+            out.append(_table(hf_headers, _hf_rows(quick)))
+        except ImportError as error:  # a transformers without the sampler
+            out.append(f"Left out: {error}.")
+    else:
+        out += ["", "HF transformers' BatchRebalanceSampler: left out, transformers is not installed."]
+    out += ["", "### 7d. A real run: the time two ranks wait in the all-reduce", "", bench_rank_waits(quick, results)]
+    rows, worst = _balance_plan_times(quick)
+    results["balance_plan_ratio"] = worst
+    out += [
+        "",
+        f"Plan time, {BALANCE_QUICK_PLAN_N if quick else BALANCE_PLAN_N:,} long-tailed lengths: plan_batches "
+        f"without and with balancing (q {BALANCE_Q[0]:,}), median of {3 if quick else BALANCE_ROUNDS} interleaved rounds.",
+        "",
+        _table(["form", "order", "R", "G", "plan (s)", "balanced plan (s)", "ratio"], rows),
+    ]
+    return "\n".join(out)
+
+
+# 7d. A real run: 2 CPU ranks (gloo), random order, a model whose attention dominates, long-tailed lengths. Each
+# rank runs a forward and backward pass on its step input, then all-reduces the gradients as DDP does; the time
+# in the all-reduce is the time it waits for the other rank (the gradients are a few thousand numbers). Both arms
+# run in one job, epoch by epoch in turn, so that the machine's load falls on both alike.
+WAIT_N, WAIT_QUICK_N = 1_500, 200
+WAIT_MAX_TOKENS = 4_096  # the padded budget: n x S of a step input
+WAIT_HIDDEN = 32
+WAIT_EPOCHS, WAIT_QUICK_EPOCHS = 4, 1  # per arm
+
+
+class AttentionBlock(torch.nn.Module):
+    """One self-attention layer of a small hidden size: at S above ~100 its S x S scores cost the most."""
+
+    def __init__(self, hidden: int = WAIT_HIDDEN):
+        super().__init__()
+        self.attention = torch.nn.MultiheadAttention(hidden, num_heads=2, batch_first=True)
+        self.out = torch.nn.Linear(hidden, 1)
+
+    def forward(self, x):  # B x S x E
+        return self.out(self.attention(x, x, x, need_weights=False)[0])
+
+
+def measured_quadratic_tokens(model, make_batch, long: int = 2_048, short: int = 64, repeats: int = 5) -> float:
+    """q from a forward and backward pass at two shapes of the same tokens (the README's recipe): one sample of
+    ``long`` tokens costs long + long^2 / q, long / short samples of ``short`` tokens long + long short / q."""
+
+    def seconds(batch):
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            model(batch).float().sum().backward()
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    ratio = seconds(make_batch(1, long)) / seconds(make_batch(long // short, short))
+    return (long - ratio * short) / (ratio - 1) if ratio > 1 else math.inf
+
+
+def _wait_seqlens(num_samples: int) -> np.ndarray:
+    """Long-tailed lengths for the run: lognormal(5.0, 1.0) clipped to 16..1,024 (mean ~230)."""
+    rng = np.random.default_rng(3)
+    return np.clip(np.round(rng.lognormal(5.0, 1.0, num_samples)), 16, 1_024).astype(np.int64)
+
+
+def _wait_worker(rank: int, port: int, num_samples: int, epochs: int, q: float, path: str) -> None:
+    """One of the two ranks: both arms, epoch by epoch in turn; its compute and all-reduce seconds to ``path``."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = AttentionBlock()
+    params = list(model.parameters())
+    seqlens = _wait_seqlens(num_samples)
+    totals = {arm: {"compute": 0.0, "wait": 0.0, "steps": 0} for arm in ("unbalanced", "balanced")}
+    for epoch, arm in itertools.product(range(epochs), totals):
+        sampler = varbatch.VariableBatchSampler(
+            seqlens,
+            WAIT_MAX_TOKENS,
+            num_replicas=2,
+            rank=rank,
+            order="random",
+            budget="padded",
+            seed=0,
+            balance_ranks=arm == "balanced",
+            quadratic_tokens=q,
+        )
+        sampler.set_epoch(epoch)
+        for ids in sampler:
+            x = torch.randn(len(ids), int(seqlens[ids].max()), WAIT_HIDDEN)  # B x S x E, padded to the longest
+            dist.barrier()  # both ranks start the step together: the wait below is this step's only
+            start = time.perf_counter()
+            model(x).sum().backward()
+            computed = time.perf_counter()
+            grads = torch.cat([p.grad.flatten() for p in params])
+            dist.all_reduce(grads)
+            totals[arm]["compute"] += computed - start
+            totals[arm]["wait"] += time.perf_counter() - computed
+            totals[arm]["steps"] += 1
+            for p in params:
+                p.grad = None
+    with open(f"{path}.{rank}", "w") as file:
+        json.dump(totals, file)
+    dist.destroy_process_group()
+
+
+def bench_rank_waits(quick: bool, results: dict) -> str:
+    """The real 2-rank run of 7d: each rank's seconds in the all-reduce, with and without balancing."""
+    import torch.multiprocessing as mp
+
+    n, epochs = (WAIT_QUICK_N, WAIT_QUICK_EPOCHS) if quick else (WAIT_N, WAIT_EPOCHS)
+    _progress(f"balance: a 2-rank run, {n:,} samples, {epochs} epochs per arm")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each rank runs; the median of three measures, before the ranks start
+    torch.manual_seed(0)
+    model = AttentionBlock()
+    measures = [
+        measured_quadratic_tokens(model, lambda n, length: torch.randn(n, length, WAIT_HIDDEN)) for _ in range(3)
+    ]
+    torch.set_num_threads(threads)
+    q = float(np.median(measures))
+    with tempfile.TemporaryDirectory() as folder, socket_port() as port:
+        path = os.path.join(folder, "waits")
+        mp.spawn(_wait_worker, args=(port, n, epochs, q, path), nprocs=2)
+        ranks = []
+        for rank in range(2):
+            with open(f"{path}.{rank}") as file:
+                ranks.append(json.load(file))
+    rows = []
+    for arm in ("unbalanced", "balanced"):
+        for rank, record in enumerate(ranks):
+            compute, wait, steps = record[arm]["compute"], record[arm]["wait"], record[arm]["steps"]
+            rows.append(
+                [
+                    arm,
+                    rank,
+                    steps,
+                    f"{compute:.2f}",
+                    f"{wait:.2f}",
+                    f"{1000 * wait / steps:.1f}",
+                    f"{wait / (compute + wait):.1%}",
+                ]
+            )
+    waits = {arm: sum(record[arm]["wait"] for record in ranks) for arm in ("unbalanced", "balanced")}
+    results["balance_waits"] = waits
+    out = [
+        "2 CPU ranks (gloo, one thread each), DDP's reduction by hand: each step input's forward and backward pass,"
+        " then an all-reduce of the gradients (a barrier before each step, so that the all-reduce waits for this "
+        f"step's difference alone). Model: one self-attention layer, hidden size {WAIT_HIDDEN}; q measured by the "
+        f"README's recipe (the median of three, before the ranks start): {q:.0f}. {n:,} long-tailed lengths (lognormal(5.0, 1.0) clipped to "
+        f"16..1,024), padded budget max_tokens {WAIT_MAX_TOKENS:,}, random order, {epochs} epochs per arm, the arms "
+        "in turn epoch by epoch, in one job.",
+        "",
+        _table(
+            ["arm", "rank", "steps", "compute (s)", "in all-reduce (s)", "per step (ms)", "share of step time"], rows
+        ),
+        "",
+        f"Both ranks' time in the all-reduce: {waits['unbalanced']:.2f} s unbalanced, {waits['balanced']:.2f} s balanced.",
+    ]
+    return "\n".join(out)
+
+
+@contextlib.contextmanager
+def socket_port():
+    """A free TCP port on this machine, for the run's rendezvous."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    yield port
+
+
+def _balance_targets(results: dict) -> list[list]:
+    rows = []
+    for ranks, bound in ((8, 0.01), (64, 0.03)):
+        if ranks in results.get("balance_worst", {}):
+            worst = results["balance_worst"][ranks]
+            rows.append(
+                [
+                    f"balanced ranks idle <= {bound:.0%} per reduction at R = {ranks} (7)",
+                    f"{worst:.2%}",
+                    _check(worst <= bound),
+                ]
+            )
+    if "balance_plan_ratio" in results:
+        ratio = results["balance_plan_ratio"]
+        rows.append(["balancing adds <= 1.5x to the plan time at 1M (7)", f"{ratio:.2f}x", _check(ratio <= 1.5)])
+    return rows
+
+
+# =============================================================================
 # Targets and main
 # =============================================================================
 
@@ -2627,6 +2985,7 @@ def targets_table(results: dict, quick: bool) -> str:
     rows += _randomness_targets(results)
     rows += _memory_targets(results, quick)
     rows += _peer_targets(results)
+    rows += _balance_targets(results)
     note = (
         f" (--quick: smaller sizes, so the 1M/10M rows are absent, DeepSpeed's rows use {DS_QUICK_SIZES[-1]:,} "
         f"sequences, the padding rows {_fmt_n(PAD_QUICK_N)}, the epoch rows {_fmt_n(EPOCH_QUICK_SIZE)}, memory "
@@ -2698,6 +3057,8 @@ def main(argv=None) -> int:
         print(bench_datapath(args.quick, results) + "\n", flush=True)
     if "peers" in sections:
         print(bench_peers(args.quick, results) + "\n", flush=True)
+    if "balance" in sections:
+        print(bench_balance(args.quick, results) + "\n", flush=True)
     print(targets_table(results, args.quick) + "\n")
     if args.plot:
         write_plot(args.plot, results, ds_cap)

@@ -346,7 +346,7 @@ def _check_settings(settings: _Settings) -> None:
             f"min_batch_size should be <= max_batch_size, but got min_batch_size={settings.min_batch_size} "
             f"and max_batch_size={settings.max_batch_size}"
         )
-    for name in ("same_size", "same_length", "padding_free"):
+    for name in ("same_size", "same_length", "padding_free", "balance_ranks"):
         if not isinstance(getattr(settings, name), (bool, np.bool_)):
             raise TypeError(f"{name} should be a bool, but got {name}={getattr(settings, name)!r}")
         put(name, bool(getattr(settings, name)))
@@ -362,6 +362,33 @@ def _check_settings(settings: _Settings) -> None:
         )
     put("seed", _DEFAULT_SEED if settings.seed is None else _check_int("seed", settings.seed))
     put("bucket_size", None if settings.bucket_size is None else _check_int("bucket_size", settings.bucket_size, 1))
+    _check_balance(settings)
+
+
+def _check_balance(settings: _Settings) -> None:
+    """Checks ``quadratic_tokens`` and that the order allows balancing (NOTE [balanced ranks]); warns where
+    balancing has nothing to do. Run by `_check_settings`."""
+    if settings.quadratic_tokens is not None:
+        object.__setattr__(settings, "quadratic_tokens", _check_real("quadratic_tokens", settings.quadratic_tokens))
+    if not settings.balance_ranks:
+        return
+    if settings.quadratic_tokens is None:
+        raise ValueError(
+            "balance_ranks=True needs quadratic_tokens=q, but got quadratic_tokens=None; q is the length at which one"
+            " sample's attention costs as much as the rest of the model: about 6 x hidden_size (12 x with a causal"
+            " kernel that skips the masked blocks), or timed as the README shows; where unsure, err low"
+        )
+    if settings.order in ("dataloader", "seqlen"):
+        raise ValueError(
+            f"balance_ranks=True regroups the plan's step inputs, but sequence_picking_order={settings.order!r}"
+            f" promises their order; use sequence_picking_order='random' or 'bucket', or balance_ranks=False"
+        )
+    if settings.same_size and settings.same_length and not settings.padding_free:
+        warnings.warn(
+            "balance_ranks=True does nothing with same_size=True and same_length=True (pipeline batches): every"
+            " padded step input of a batch has one shape, so one cost, already; set balance_ranks=False",
+            stacklevel=2,
+        )
 
 
 # The fix of a loop that accumulates another number of step inputs per update than the sampler (two messages).
@@ -485,6 +512,24 @@ def _lr_warning(mean: float, b_ref: float, unit: str) -> str:
         f"counts micro-batches, B counts {unit} (about max_tokens / mean seqlen of them per micro-batch); set "
         f'lr_scaling_reference to "mean" or to the batch size (in {unit}) your LR was tuned for'
     )
+
+
+def _warn_if_balance_swings_lr(scheduler: VariableBatchSizeLR, factors: np.ndarray) -> None:
+    """Warns (rank 0) where balanced ranks scale the LR by each batch's sequence count, which they make swing (like
+    costs, like lengths: NOTE [balanced ranks]); ``factors``: the LR factors of epoch 0."""
+    sampler = scheduler._sampler
+    if sampler is None or not sampler.settings.balance_ranks or sampler.num_replicas == 1:
+        return
+    if scheduler.lr_scaling_method in (None, "none") or scheduler.lr_scaling_unit != "sequences":
+        return
+    tokens = _lr_factors(scheduler._sizes(0, "tokens"), "mean", scheduler.lr_scaling_method, 1)[0]
+    if scheduler._rank_zero():
+        warnings.warn(
+            f"balance_ranks=True groups step inputs of like cost, so a batch's sequence count swings: its LR factor "
+            f"spans {factors.max() / factors.min():.3g}x in sequences, {tokens.max() / tokens.min():.3g}x in tokens;"
+            f" the unit should match the loss: a loss averaged over tokens goes with lr_scaling_unit='tokens'",
+            stacklevel=3,
+        )
 
 
 def _empty_plan_message(plan: Plan) -> str:
@@ -684,6 +729,8 @@ class _Settings:
     bucket_size: int | None = None
     on_overlong: _OnOverlong = "skip"
     padding_free: bool = False
+    balance_ranks: bool = False
+    quadratic_tokens: float | None = None
 
     def __post_init__(self):
         _check_settings(self)
@@ -927,6 +974,11 @@ def plan_batches(
             or refused (``"error"``). ``padding_free``: each step input one
             flat row of its samples, under the sum budget (same_length: a
             batch's rows padded to its longest row; see `FlatCollate`).
+            ``balance_ranks``: the step inputs (unchanged) grouped so that the
+            ranks' step inputs at each accumulation step cost nearly the same,
+            ``n S + n S^2 / q`` padded, ``sum(L) + sum(L^2) / q`` flat, with ``q``
+            = ``quadratic_tokens`` (NOTE [balanced ranks]; not with the
+            ``dataloader`` or ``seqlen`` order, which promise one).
 
     Returns:
         The `Plan`. Micro-batches that do not fill a last batch are cut into
@@ -949,7 +1001,7 @@ def plan_batches(
     reference = _reference_plan(lengths, settings, ids)
     if reference.num_batches == 0:
         raise ValueError(_empty_plan_message(reference))
-    return _equal_plan(lengths, settings, ids, epoch, reference)
+    return _balanced(_equal_plan(lengths, settings, ids, epoch, reference), lengths)
 
 
 def _pack(
@@ -1554,6 +1606,99 @@ def _reshuffled(plan: Plan, epoch: int) -> Plan:
 
 
 # =============================================================================
+# Balanced ranks
+# =============================================================================
+
+
+# NOTE [balanced ranks]: every rank waits at each gradient reduction for the slowest (ZeRO and FSDP reduce at every
+# accumulation step, DDP under `no_sync` once per batch), and a token budget evens out the tokens of step inputs, not
+# their cost. A step input costs, padded, n S + n S^2 / q (n samples padded to S); flat (`padding_free`, a kernel
+# that skips the masked blocks), T + sum(L^2) / q (T: its row's length, sum(L) outside pipelines); q
+# (`quadratic_tokens`) is the length at which a sample's attention costs as much as the rest of the model. Whole
+# step inputs move (a micro-batch moved alone could break n x S <= max_tokens): the step inputs, their count and the
+# epoch's length stay as packed. In each window:
+# 1. Sort the step inputs by cost; each R neighbours make one accumulation step. No grouping R to a step has a
+#    smaller sum of the steps' maxima: the costliest sets its step's maximum whatever joins it, and the next R - 1
+#    add nothing to it there; and so on down.
+# 2. Shuffle the steps and take them G to a batch: this changes neither idle share (a rank's sum over balanced
+#    steps is balanced), and batches mix costs at random.
+# 3. Deal the odd steps of a batch in reverse: a rank's sum over the batch (what DDP under `no_sync` waits for)
+#    takes the costliest of every other step only, which halves that idle share.
+# The window is the epoch (windows of 64 batches, further apart in cost, idle up to 2.1% at R = 8, not 0.2%); a
+# pipeline batch's (one shape: `same_size`, `same_length`) is the batch, its step inputs only dealt anew; padded
+# pipeline batches, of one cost, stay as they are. A q 6x too large sorts nearly by tokens, which the budget evened
+# out already (11-29% idle on long-tailed lengths); 6x too small, 3-6%: err low. The shuffle draws from (seed,
+# epoch, `_BALANCE_STREAM`): the packing's draws stay as they were.
+_BALANCE_STREAM = 0x62616C61  # b"bala"
+
+
+def _balanced(plan: Plan, seqlens: np.ndarray) -> Plan:
+    """``plan`` (of the ``seqlens``) with its step inputs regrouped so that the R step inputs of each accumulation
+    step cost nearly the same (NOTE [balanced ranks]); ``plan`` itself where balancing is off or has nothing to do
+    (one rank; padded pipeline batches)."""
+    settings = plan.settings
+    one_shape = settings.same_size and settings.same_length and not settings.padding_free
+    if not settings.balance_ranks or settings.num_replicas == 1 or one_shape:
+        return plan
+    costs = _step_input_costs(plan, seqlens)
+    window = len(costs)
+    if settings.same_size or settings.same_length:  # a pipeline's batch keeps its step inputs
+        window = settings.gradient_accumulation_steps * settings.num_replicas
+    rng = np.random.default_rng((settings.seed, plan.epoch, _BALANCE_STREAM))
+    return _regrouped(plan, seqlens, _balanced_order(costs, settings, window, rng))
+
+
+def _step_input_costs(plan: Plan, seqlens: np.ndarray) -> np.ndarray:
+    """What each step input of ``plan`` costs a forward and backward pass, in plan order (float64): padded, ``n S +
+    n S^2 / q``; flat, ``T + sum(L^2) / q`` (NOTE [balanced ranks]; ``q``: ``quadratic_tokens``)."""
+    settings = plan.settings
+    quadratic_tokens, m = settings.quadratic_tokens, settings.micro_batch_size
+    width = plan.padded_seqlens[::m].astype(np.float64)  # S, or the row's T: one for a step input's micro-batches
+    if settings.padding_free:
+        lengths = seqlens[plan.sample_ids].astype(np.float64)
+        return width + np.add.reduceat(lengths**2, plan.microbatch_offsets[:-1:m]) / quadratic_tokens
+    samples = np.diff(plan.microbatch_offsets[::m])
+    return samples * width * (1 + width / quadratic_tokens)
+
+
+def _balanced_order(costs: np.ndarray, settings: _Settings, window: int, rng: np.random.Generator) -> np.ndarray:
+    """The step inputs (indices into ``costs``) in balanced plan order: in each window of ``window`` step inputs (a
+    multiple of G x R), R cost neighbours to an accumulation step, the steps shuffled inside the window and taken G
+    to a batch, the odd steps of a batch dealt in reverse (NOTE [balanced ranks], steps 1-3). By the dealing rule,
+    step a of batch b is then step inputs (b G + a) R .. (b G + a) R + R - 1, one to each rank."""
+    ranks = settings.num_replicas
+    windows = costs.reshape(-1, window)
+    by_cost = np.argsort(windows, axis=1, kind="stable")  # cheapest first; ties in plan order
+    by_cost += np.arange(0, len(costs), window).reshape(-1, 1)  # indices into costs
+    steps = by_cost.reshape(len(windows), -1, ranks)  # window x accumulation step x rank
+    shuffle = np.argsort(rng.random(steps.shape[:2]), axis=1)  # each window's steps in a random order
+    batches = np.take_along_axis(steps, shuffle[:, :, np.newaxis], axis=1)
+    batches = batches.reshape(-1, settings.gradient_accumulation_steps, ranks)  # batch x accumulation step x rank
+    batches[:, 1::2] = batches[:, 1::2, ::-1]
+    return batches.ravel()
+
+
+def _regrouped(plan: Plan, seqlens: np.ndarray, order: np.ndarray) -> Plan:
+    """``plan`` with its step inputs in ``order`` (indices of step inputs), its arrays made anew from the
+    ``seqlens``: the same micro-batches, each at its new place."""
+    settings = plan.settings
+    m, k = settings.micro_batch_size, settings.effective_batch_size
+    microbatches = (order.reshape(-1, 1) * m + np.arange(m)).ravel()  # the micro-batches in their new order
+    sizes = plan.microbatch_sizes()[microbatches]
+    offsets = _offsets(sizes)
+    # A sample's old place: its micro-batch's old start, plus its place in the micro-batch.
+    old_places = np.repeat(plan.microbatch_offsets[microbatches] - offsets[:-1], sizes) + np.arange(offsets[-1])
+    ids = plan.sample_ids[old_places]
+    lengths = seqlens[ids]
+    longest = np.maximum.reduceat(lengths, offsets[:-1]).astype(np.int64)
+    tokens = np.add.reduceat(lengths, offsets[:-1:k], dtype=np.int64)
+    fresh = _plan_arrays(ids, sizes, longest, tokens, settings, seqlens)
+    for array in fresh.values():
+        array.setflags(write=False)
+    return dataclasses.replace(plan, **fresh)
+
+
+# =============================================================================
 # The learning rate
 # =============================================================================
 
@@ -1911,6 +2056,8 @@ class VariableBatchSampler(Sampler[list[int]]):
         settings = dataclasses.asdict(self.settings)
         if not settings["padding_free"]:  # as states saved before the setting were: they load with it off
             del settings["padding_free"]
+        if not settings["balance_ranks"]:  # likewise (and q, which only balancing reads)
+            del settings["balance_ranks"], settings["quadratic_tokens"]
         return {**settings, **self._data}
 
     def state_dict(self, steps_done: int | None = None) -> dict:
@@ -1952,7 +2099,7 @@ class _Planner:
     def __call__(self, epoch: int) -> Plan:
         if self.fixed is not None:
             return self.fixed
-        return _equal_plan(self.seqlens, self.settings, self.sample_ids, epoch, self.reference)
+        return _balanced(_equal_plan(self.seqlens, self.settings, self.sample_ids, epoch, self.reference), self.seqlens)
 
 
 _KEY_RUN = 256  # step inputs (of every rank) whose ids `VariableBatchSampler._runs` reads as one list
@@ -2129,6 +2276,7 @@ class VariableBatchSizeLR(LRScheduler):
         factors, b_ref = self._factors(0)
         if _is_unit_trap(factors.mean(), self.base_batch_size is None) and self._rank_zero():
             warnings.warn(_lr_warning(factors.mean(), b_ref, self.lr_scaling_unit), stacklevel=2)
+        _warn_if_balance_swings_lr(self, factors)
 
     # -- the position -------------------------------------------------------------------------------------------
 
@@ -4268,6 +4416,8 @@ _PLAN_KEYS = {
     "bucket_size": "bucket_size",
     "on_overlong": "on_overlong",
     "padding_free": "padding_free",
+    "balance_ranks": "balance_ranks",
+    "quadratic_tokens": "quadratic_tokens",
 }
 
 
