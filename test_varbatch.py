@@ -6199,7 +6199,8 @@ def _issue_lengths(num_samples, seed=0):
 @pytest.mark.parametrize("order", ["random", "bucket"])
 def test_balanced_ranks_wait_at_most_1_percent_at_8_ranks_and_3_at_64(order, padding_free):
     """The issue's targets on 120,000 long-tailed lengths, max_tokens 16,384, q 5,000 and 30,000, G 1 and 4, per
-    reduction; unbalanced, the ranks wait 4% and more of every reduction."""
+    reduction; unbalanced, the ranks wait 2.5% and more of every reduction (the bucket order at 8 ranks: 2.9-3.3%),
+    at least 5 times as long."""
     seqlens = _issue_lengths(120_000)
     for ranks, steps, quadratic_tokens in itertools.product((8, 64), (1, 4), (5_000, 30_000)):
         options = dict(effective_batch_size=ranks * steps, num_replicas=ranks, order=order, seed=0, epoch=1)
@@ -6211,7 +6212,8 @@ def test_balanced_ranks_wait_at_most_1_percent_at_8_ranks_and_3_at_64(order, pad
         assert np.array_equal(np.sort(costs), np.sort(before))  # the same step inputs
         per_reduction = _idle(costs, ranks, steps)[0]
         assert per_reduction <= (0.01 if ranks == 8 else 0.03), (ranks, steps, quadratic_tokens, per_reduction)
-        assert _idle(before, ranks, steps)[0] >= 0.04
+        unbalanced = _idle(before, ranks, steps)[0]
+        assert unbalanced >= 0.025 and unbalanced >= 5 * per_reduction, (ranks, steps, quadratic_tokens, unbalanced)
 
 
 def test_step_input_costs_by_form():
