@@ -914,13 +914,15 @@ def balance_table(result: dict) -> tuple[str, dict]:
         )
     pairs = list(zip(runs["f"], runs["g"]))  # the same seed: the same first weights and target
     times = [(g["time_to_target"], f["time_to_target"]) for f, g in pairs]
-    ratios = [g / f for g, f in times if math.isfinite(g) and math.isfinite(f)]
+    ratios = [g / f for g, f in times if math.isfinite(g) and math.isfinite(f)]  # seeds where both reached it
+    steps = [(g["steps_to_target"], f["steps_to_target"]) for f, g in pairs]
+    steps = [(g, f) for g, f in steps if math.isfinite(g) and math.isfinite(f)]
     rows.append(
         [
             "(g) / (f), seed by seed (time, steps: ratio; loss: difference)",
             "",
             _spread(ratios, "{:.2f}") if ratios else "-",
-            _spread([g["steps_to_target"] / f["steps_to_target"] for f, g in pairs], "{:.2f}"),
+            _spread([g / f for g, f in steps], "{:.2f}") if steps else "-",
             _spread([g["final_loss"] - f["final_loss"] for f, g in pairs], "{:+.3f}"),
             _spread([g["ms_per_step"] / f["ms_per_step"] for f, g in pairs], "{:.2f}"),
         ]
