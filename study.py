@@ -20,7 +20,18 @@ baseline reaches in its time budget. Every arm has the same peak padded tensor,
   (e) varbatch padding-free: each batch one flat row of at most max_tokens
       tokens (sum budget, random order), positions restarting at each sample,
       attention sample by sample (as a varlen kernel), sqrt in tokens as (c):
-      the same loss per token as a padded batch of the same samples.
+      the same loss per token as a padded batch of the same samples;
+  (f) R = B0 data-parallel ranks simulated on the one process, each with a
+      budget of L_max slots (so a batch holds at most max_tokens, as every
+      arm's step): varbatch as (c) with num_replicas=R, sqrt in tokens, the
+      gradients of a batch's R step inputs summed in plan order as R ranks'
+      would be;
+  (g) the same with balance_ranks=True (issue 30), quadratic_tokens from the
+      README's rule of thumb: the same step inputs regrouped so that each
+      reduction meets step inputs of nearly equal cost. The ranks' idle time
+      is not simulated (the time is the R step inputs' sum on one process):
+      the race asks whether the regrouping costs convergence, not what it
+      saves at the reduction.
 
 Two data sets: functions of the Python standard library's source as bytes
 (real text, no download), and synthetic arithmetic progressions with lognormal
@@ -55,6 +66,7 @@ import dataclasses
 import functools
 import hashlib
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -69,7 +81,7 @@ import torch
 import torch.nn.functional as F
 
 import varbatch
-from bench import _table, machine_description  # the benchmark's report helpers
+from bench import _plan_idle, _table, machine_description  # the benchmark's report helpers and idle share
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _START = time.perf_counter()
@@ -110,10 +122,22 @@ class Setup:
     def max_tokens(self) -> int:
         return self.batch_size * self.max_seqlen
 
+    @property
+    def simulated_ranks(self) -> int:
+        """R of arms (f) and (g): B0 ranks of L_max slots each hold a batch of at most max_tokens slots."""
+        return self.batch_size
 
-# The full study takes about 7 minutes on a 2-core CPU (more when other work
+    @property
+    def quadratic_tokens(self) -> int:
+        """q of arm (g): the README's rule of thumb, 6 x E, for attention that computes all of S x S (a mask here,
+        no causal kernel). The README's recipe (long 256, short 8 to 32) measured 330 to 780 on the full study's
+        model, median about 650 (its LM head adds linear work): the rule errs low, the side the README advises."""
+        return 6 * self.dim
+
+
+# The full study takes about 9 minutes on a 2-core CPU (more when other work
 # shares it: training time is CPU time, the wall clock stretches around it):
-# per data set, the LR grid (one seed) plus 8 arms per seed, each trained for
+# per data set, the LR grid (one seed) plus 11 arms per seed, each trained for
 # budget_seconds.
 FULL = Setup(
     layers=2,
@@ -374,11 +398,13 @@ def validation_loss(model: TinyLM, batches) -> float:
 
 
 # =============================================================================
-# The arms: four ways of batching, one optimizer each
+# The arms: the ways of batching, one optimizer each
 # =============================================================================
 # Every arm yields (tokens B x S, seqlens B) batches from an endless iterator
-# and trains one micro-batch per optimizer step (no accumulation), so the loss
-# of a step is the mean over every real token of its batch for every arm.
+# and trains one micro-batch per optimizer step (no accumulation), but arms (f)
+# and (g), which yield each batch as the list of its R ranks' step inputs and
+# accumulate them; so the loss of a step is the mean over every real token of
+# its batch for every arm.
 
 
 class GroupedByLengthSampler(torch.utils.data.Sampler):
@@ -424,14 +450,14 @@ def _forever(loader, before_epoch=None):
 class ArmSpec:
     """What distinguishes an arm: its key, its label and how its batches and LR are made."""
 
-    key: str  # a, b, c-<rule>-<unit>, d, e
+    key: str  # a, b, c-<rule>-<unit>, d, e, f, g
     label: str
-    kind: str  # fixed, grouped, varbatch, deepspeed, flat
+    kind: str  # fixed, grouped, varbatch, deepspeed, flat, ranks, balanced
     rule: str = "none"
     unit: str = "sequences"
 
 
-def arm_specs(with_deepspeed: bool) -> list[ArmSpec]:
+def arm_specs(with_deepspeed: bool, setup: Setup) -> list[ArmSpec]:
     """The arms raced on each seed. The rule none scales nothing, so it is the same run in either unit: run once."""
     specs = [
         ArmSpec("a", "(a) fixed B0, random order", "fixed"),
@@ -442,6 +468,10 @@ def arm_specs(with_deepspeed: bool) -> list[ArmSpec]:
         for rule in RULES[1:]:
             specs.append(ArmSpec(f"c-{rule}-{unit}", f"(c) varbatch, {rule} in {unit}", "varbatch", rule, unit))
     specs.append(ArmSpec("e", "(e) varbatch padding-free, sqrt in tokens", "flat", "sqrt", "tokens"))
+    ranks = f"{setup.simulated_ranks} simulated ranks"
+    specs.append(ArmSpec("f", f"(f) varbatch, {ranks}, sqrt in tokens", "ranks", "sqrt", "tokens"))
+    balanced = f"(g) varbatch, {ranks}, balance_ranks (q = {setup.quadratic_tokens}), sqrt in tokens"
+    specs.append(ArmSpec("g", balanced, "balanced", "sqrt", "tokens"))
     if with_deepspeed:
         specs.append(
             ArmSpec(
@@ -482,10 +512,10 @@ class Arm:
     def step(self) -> None:
         lr_now = self.optimizer.param_groups[0]["lr"]  # the LR this step trains with
         start, wall_start = self.clock_fn(), time.perf_counter()
-        tokens, seqlens = next(self.batches)
-        loss = lm_loss(self.model, tokens, seqlens)
+        batch = next(self.batches)
+        step_inputs = batch if isinstance(batch, list) else [batch]  # (f), (g): a list, one step input per rank
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        loss = self._backward(step_inputs)
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), CLIP_NORM)
         self.optimizer.step()
         if self.scheduler is not None:
@@ -494,12 +524,30 @@ class Arm:
         self.wall += time.perf_counter() - wall_start
         self.lr_factors.append(lr_now / self.lr)
         self.steps += 1
-        self.tokens += int(seqlens.sum()) if seqlens.dim() == 1 else tokens.numel()  # a flat row: all real
-        slots = tokens.numel()
+        for tokens, seqlens in step_inputs:
+            self.tokens += int(seqlens.sum()) if seqlens.dim() == 1 else tokens.numel()  # a flat row: all real
+        slots = sum(tokens.numel() for tokens, _ in step_inputs)  # (f), (g): the R ranks' tensors together
         self.slots += slots
         self.peak_slots = max(self.peak_slots, slots)
         if not math.isfinite(loss.item()):
             self.diverged = True
+
+    def _backward(self, step_inputs: list) -> torch.Tensor:
+        """The batch's loss, the mean over its real tokens, with its gradient left in the parameters."""
+        if len(step_inputs) == 1:
+            loss = lm_loss(self.model, *step_inputs[0])
+            loss.backward()
+            return loss
+        # R ranks that weight their step input's mean loss by `micro_batch_loss_weight` (count / batch_count x R)
+        # and average their gradients reach the gradient of the batch's token mean; here each step input's loss
+        # sum over the batch's count, accumulated in plan order, gives that same gradient on one process.
+        batch_count = sum(int((seqlens - 1).sum()) for _, seqlens in step_inputs)  # padded rows: L - 1 targets each
+        loss = torch.zeros(())
+        for tokens, seqlens in step_inputs:
+            part = lm_loss(self.model, tokens, seqlens, reduction="sum") / batch_count
+            part.backward()
+            loss += part.detach()
+        return loss
 
     def evaluate(self, batches) -> None:
         loss = float("inf") if self.diverged else validation_loss(self.model, batches)
@@ -522,12 +570,33 @@ class Data:
 
 
 def _varbatch_sampler(spec: ArmSpec, data: Data, setup: Setup, seed: int) -> varbatch.VariableBatchSampler:
-    """Arms (c): the padded budget in the bucket order; arm (e): flat rows under the sum budget, random order."""
+    """Arms (c): the padded budget in the bucket order; arm (e): flat rows under the sum budget, random order;
+    arms (f), (g): (c)'s on R simulated ranks of L_max slots each (rank 0's sampler: the plan is every rank's), (g)
+    balanced."""
+    max_tokens, num_replicas = setup.max_tokens, 1
     if spec.kind == "flat":
         options = dict(padding_free=True, order="random")
     else:
         options = dict(budget="padded", order="bucket")
-    return varbatch.VariableBatchSampler(data.seqlens, setup.max_tokens, num_replicas=1, rank=0, seed=seed, **options)
+    if spec.kind in ("ranks", "balanced"):
+        max_tokens, num_replicas = setup.max_seqlen, setup.simulated_ranks
+    if spec.kind == "balanced":
+        options.update(balance_ranks=True, quadratic_tokens=setup.quadratic_tokens)
+    return varbatch.VariableBatchSampler(
+        data.seqlens, max_tokens, num_replicas=num_replicas, rank=0, seed=seed, **options
+    )
+
+
+def _rank_batches(sampler: varbatch.VariableBatchSampler, train: list, collate):
+    """Arms (f), (g): every batch of the plan, epoch after epoch, as the list of its R step inputs, rank r's at r.
+
+    By the dealing rule (micro_batch_size and gradient_accumulation_steps 1), batch b is the plan's micro-batches
+    b R .. b R + R - 1 and rank r trains the r-th of them.
+    """
+    for epoch in itertools.count():
+        microbatches = sampler.plan_for_epoch(epoch).microbatches()
+        for start in range(0, len(microbatches), sampler.num_replicas):
+            yield [collate([train[i] for i in ids]) for ids in microbatches[start : start + sampler.num_replicas]]
 
 
 def _flat_row(samples: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -555,12 +624,14 @@ def make_arm(spec: ArmSpec, data: Data, setup: Setup, lr: float, seed: int, init
     elif spec.kind == "grouped":
         sampler = GroupedByLengthSampler(data.seqlens, setup.batch_size, seed)
         batches = _forever(torch.utils.data.DataLoader(data.train, batch_sampler=sampler, collate_fn=collate))
-    elif spec.kind in ("varbatch", "flat"):
+    elif spec.kind in ("varbatch", "flat", "ranks", "balanced"):
         sampler = _varbatch_sampler(spec, data, setup, seed)
         if spec.kind == "flat":  # (tokens 1 x T, positions 1 x T) of FlatCollate's row
-            loader = varbatch.make_dataloader(data.train, sampler, collate_fn=_flat_row)
-        else:
-            loader = varbatch.make_dataloader(data.train, sampler, collate_fn=collate)
+            batches = _forever(varbatch.make_dataloader(data.train, sampler, collate_fn=_flat_row), sampler.set_epoch)
+        elif spec.kind == "varbatch":
+            batches = _forever(varbatch.make_dataloader(data.train, sampler, collate_fn=collate), sampler.set_epoch)
+        else:  # the scheduler follows the plan's batches: it counts them, the sampler need not hand them out
+            batches = _rank_batches(sampler, data.train, collate)
         reference = setup.batch_size if spec.unit == "sequences" else data.reference_tokens
         with warnings.catch_warnings():
             # varbatch warns when the mean LR factor leaves [0.5, 2]: here that is the rule under study.
@@ -568,7 +639,6 @@ def make_arm(spec: ArmSpec, data: Data, setup: Setup, lr: float, seed: int, init
             scheduler = varbatch.VariableBatchSizeLR(
                 optimizer, reference, sampler, lr_scaling_method=spec.rule, lr_scaling_unit=spec.unit
             )
-        batches = _forever(loader, sampler.set_epoch)
     else:
         # DeepSpeed's get_dataloader_and_lr_scheduler_for_variable_batch_size, unrolled: its plan
         # (batch_by_seqlens) depends on nothing that changes between seeds, so it is made once per data
@@ -695,8 +765,8 @@ def arm_metrics(arm: Arm, target: float, max_tokens: int) -> dict:
 def steps_per_epoch(spec: ArmSpec, data: Data, setup: Setup) -> int:
     if spec.kind in ("fixed", "grouped"):
         return -(-len(data.train) // setup.batch_size)
-    if spec.kind in ("varbatch", "flat"):
-        return len(_varbatch_sampler(spec, data, setup, 0))
+    if spec.kind in ("varbatch", "flat", "ranks", "balanced"):
+        return len(_varbatch_sampler(spec, data, setup, 0))  # (f), (g): G = 1, a rank's step inputs are the batches
     return len(data.ds_plan[1])
 
 
@@ -820,6 +890,61 @@ def rule_unit_table(runs: dict) -> str:
         ],
         rows,
     )
+
+
+def balance_table(result: dict) -> tuple[str, dict]:
+    """Arms (f) and (g) side by side and seed by seed, and the check that balancing costs no time to (a)'s loss.
+
+    The study's noise is the spread of the seeds: (g) passes when its median time is at most (f)'s slowest seed's
+    (where neither median run reaches the loss, the same for the loss at the budget: at most (f)'s highest).
+    """
+    runs, idle = result["runs"], result["rank_idle"]
+    rows = []
+    for key in ("f", "g"):
+        ms = runs[key]
+        rows.append(
+            [
+                ms[0]["label"],
+                f"{100 * idle[key]:.1f}%",
+                _spread([m["time_to_target"] for m in ms], "{:.2f}", " s"),
+                _spread([m["steps_to_target"] for m in ms], "{:.0f}"),
+                _spread([m["final_loss"] for m in ms], "{:.3f}"),
+                _spread([m["ms_per_step"] for m in ms], "{:.1f}"),
+            ]
+        )
+    pairs = list(zip(runs["f"], runs["g"]))  # the same seed: the same first weights and target
+    times = [(g["time_to_target"], f["time_to_target"]) for f, g in pairs]
+    ratios = [g / f for g, f in times if math.isfinite(g) and math.isfinite(f)]  # seeds where both reached it
+    steps = [(g["steps_to_target"], f["steps_to_target"]) for f, g in pairs]
+    steps = [(g, f) for g, f in steps if math.isfinite(g) and math.isfinite(f)]
+    rows.append(
+        [
+            "(g) / (f), seed by seed (time, steps: ratio; loss: difference)",
+            "",
+            _spread(ratios, "{:.2f}") if ratios else "-",
+            _spread([g / f for g, f in steps], "{:.2f}") if steps else "-",
+            _spread([g["final_loss"] - f["final_loss"] for f, g in pairs], "{:+.3f}"),
+            _spread([g["ms_per_step"] / f["ms_per_step"] for f, g in pairs], "{:.2f}"),
+        ]
+    )
+    table = _table(
+        [
+            "arm",
+            "idle share of a reduction (plan, not simulated)",
+            "time to (a)'s final loss",
+            "steps to it",
+            "loss at budget",
+            "ms / step",
+        ],
+        rows,
+    )
+    med = functools.partial(_arm_median, runs)
+    field = "time_to_target"
+    if not (math.isfinite(med("f", field)) or math.isfinite(med("g", field))):
+        field = "final_loss"
+    slowest = max(m[field] for m in runs["f"])
+    check = dict(field=field, f=med("f", field), f_slowest=slowest, g=med("g", field), met=med("g", field) <= slowest)
+    return table, check
 
 
 def findings(runs: dict, budget: float) -> tuple[list[str], dict]:
@@ -955,6 +1080,8 @@ def write_figure(path: str, study: dict) -> None:
                 style = dict(color="tab:gray", linewidth=2.0)
             elif key == "d":
                 style = dict(color="tab:red", linewidth=1.5)
+            elif key in ("f", "g"):
+                style = dict(color="tab:brown", linewidth=1.6, linestyle="--" if key == "f" else "-")
             elif key == "e":
                 style = dict(color="tab:orange", linewidth=1.8, linestyle="-.")
             else:
@@ -1013,13 +1140,23 @@ def prepare(name: str, setup: Setup, ds) -> Data:
     return data
 
 
+def rank_idle(specs: list[ArmSpec], data: Data, setup: Setup, seed: int) -> dict:
+    """The share of each reduction the ranks of arms (f) and (g) would wait, on the first epoch's plan under q."""
+    idle = {}
+    for spec in specs:
+        if spec.kind in ("ranks", "balanced"):
+            plan = _varbatch_sampler(spec, data, setup, seed).plan_for_epoch(0)
+            idle[spec.key] = _plan_idle(plan, data.seqlens, setup.quadratic_tokens)[0]  # G = 1: per batch the same
+    return idle
+
+
 def study_dataset(name: str, setup: Setup, ds, seeds: list[int], clock_fn) -> dict:
     """Tunes (a)'s LR on the first seed, then races every arm on every seed; returns the raw results."""
     _progress(f"{name}: loading data")
     data = prepare(name, setup, ds)
     budget = setup.budget_seconds[name]
     _warm_up(setup, data)
-    specs = arm_specs(ds is not None)
+    specs = arm_specs(ds is not None, setup)
 
     # 1. (a)'s LR: a race of the grid on the first seed; the lowest final loss wins.
     torch.manual_seed(seeds[0])
@@ -1055,6 +1192,7 @@ def study_dataset(name: str, setup: Setup, ds, seeds: list[int], clock_fn) -> di
         truncated=float(np.mean(data.seqlens == setup.max_seqlen)),
         reference_tokens=data.reference_tokens,
         ds_plan_seconds=data.ds_plan_seconds,
+        rank_idle=rank_idle(specs, data, setup, seeds[0]),
         specs=[dataclasses.asdict(s) for s in specs],
         data=data,
     )
@@ -1132,7 +1270,23 @@ def report_dataset(result: dict, setup: Setup) -> tuple[str, dict]:
     out.append("")
     out.append(rule_unit_table(result["runs"]))
     out.append("")
+    ranks = setup.simulated_ranks
+    out.append(f"### Balanced ranks: (f) and (g), {ranks} simulated ranks (median [min, max] over seeds)")
+    out.append("")
+    table, balance = balance_table(result)
+    out.append(table)
+    out.append("")
+    out.append(
+        f"Each batch: the plan's {ranks} step inputs of at most L_max = {setup.max_seqlen} slots, one per rank, "
+        f"trained one after another on this process, their gradients summed as {ranks} ranks' would be. The time "
+        f"is their sum: the ranks' waiting at each reduction, which balancing cuts, is not simulated (the idle "
+        f"share: 1 - mean / max of the {ranks} step inputs' costs under q = {setup.quadratic_tokens}, per "
+        f"reduction, averaged over the first epoch's plan). The race asks whether the regrouping costs "
+        f"convergence."
+    )
+    out.append("")
     lines, checks = findings(result["runs"], budget)
+    checks["balance"] = balance
     out.append("### Findings")
     out.append("")
     out += lines
@@ -1165,6 +1319,16 @@ def targets_table(checks: dict) -> str:
                 mark(c["three_quarters_of_b"]),
             ]
         )
+        balance = c["balance"]
+        if balance["field"] == "time_to_target":
+            target = "(g) balanced: time to (a)'s loss <= (f)'s slowest seed"
+            measured = (
+                f"{seconds(balance['g'])} vs {seconds(balance['f_slowest'])} ((f)'s median {seconds(balance['f'])})"
+            )
+        else:
+            target = "(g) balanced: loss at budget <= (f)'s highest seed (neither reached (a)'s loss)"
+            measured = f"{balance['g']:.3f} vs {balance['f_slowest']:.3f} ((f)'s median {balance['f']:.3f})"
+        rows.append([name, target, measured, mark(balance["met"])])
     return _table(["data", "target (median over seeds)", "measured", "met"], rows)
 
 
@@ -1295,7 +1459,7 @@ def main(argv=None) -> int:
         f"B x 1 x S x S attention masks, so padded slots cost compute. Loss: next-token cross-entropy, mean over "
         f"the real tokens of the batch. AdamW (betas {BETAS}, weight decay {WEIGHT_DECAY}), constant LR scaled "
         f"per batch by the arm's rule, gradients clipped to norm {CLIP_NORM}; one micro-batch per optimizer step "
-        f"(no accumulation). Time: {CLOCK_WORDS[args.clock]} of the training steps only (fetching and "
+        f"(no accumulation) but in (f) and (g). Time: {CLOCK_WORDS[args.clock]} of the training steps only (fetching and "
         f"collating the batch, forward, backward, clipping, optimizer and LR scheduler steps), {threads} torch "
         f"thread{'s' if threads > 1 else ''}; planning and validation are outside the clock. The arms of one seed "
         f"run interleaved: the arm with the least training time steps next, so whatever else the machine runs "
@@ -1303,7 +1467,12 @@ def main(argv=None) -> int:
         f"from the same weights. Varbatch arms: `VariableBatchSampler(budget='padded', order='bucket')`, "
         f"`make_dataloader`, `VariableBatchSizeLR` stepped after every optimizer step; (e): "
         f"`VariableBatchSampler(padding_free=True, order='random')` and `FlatCollate`'s rows, attention sample by "
-        f"sample (a varlen kernel's work); (d): DeepSpeed's "
+        f"sample (a varlen kernel's work); (f), (g): `VariableBatchSampler(budget='padded', order='bucket', "
+        f"num_replicas={setup.simulated_ranks})` with a budget of L_max = {setup.max_seqlen} slots per rank, its "
+        f"plan's batches iterated by the dealing rule (`plan_for_epoch`), each batch's {setup.simulated_ranks} "
+        f"step inputs accumulated in plan order as the sum of the ranks' gradients, (g) with "
+        f"`balance_ranks=True, quadratic_tokens={setup.quadratic_tokens}` (6 x E, the README's rule of thumb); (d): "
+        f"DeepSpeed's "
         f"`batch_by_seqlens`, `dataloader_for_variable_batch_size` and `lr_scheduler_for_variable_batch_size` "
         f"with the arguments `get_dataloader_and_lr_scheduler_for_variable_batch_size` passes by default"
         + ("" if ds is not None else " (not run: DeepSpeed is not installed or --no-deepspeed)")
