@@ -2014,10 +2014,11 @@ class VariableBatchSampler(Sampler[list[int]]):
         exhausted (trainers stop at len())."""
         epoch, start, position = self._begin_pass()
         rank, ranks = self.rank, self.num_replicas
+        total = len(self)  # read once: a step input costs less than len()
         for steps, ids, bounds in self._runs(epoch, start):
             ids = ids.tolist()
             for t, a, b in zip(steps, bounds[rank::ranks], bounds[rank + 1 :: ranks]):
-                if not self._hand_out(position, t + 1, len(self)):
+                if not self._hand_out(position, t + 1, total):
                     return
                 yield ids[a:b]
 
@@ -3686,6 +3687,7 @@ def _step_input_keys(sampler: VariableBatchSampler, every_rank: bool) -> Iterato
     plan = sampler.plan_for_epoch(epoch)
     m, ranks = sampler.micro_batch_size, sampler.num_replicas
     rank = sampler.rank
+    total = len(sampler)  # read once: a key costs less than len()
     for steps, ids, bounds in sampler._runs(epoch, start):
         first = steps.start * ranks  # the run's first step input g, of any rank
         lens = None if sampler.seqlens is None else sampler.seqlens[ids].tolist()
@@ -3694,7 +3696,7 @@ def _step_input_keys(sampler: VariableBatchSampler, every_rank: bool) -> Iterato
         for t in steps:
             dealt = range(t * ranks, (t + 1) * ranks) if every_rank else (t * ranks + rank,)
             for g in dealt:
-                if g % ranks == rank and not sampler._hand_out(position, t + 1, len(sampler)):  # this rank's t-th
+                if g % ranks == rank and not sampler._hand_out(position, t + 1, total):  # this rank's t-th
                     return
                 a, b = bounds[g - first], bounds[g - first + 1]
                 yield _StepInputKey(
