@@ -1464,11 +1464,11 @@ def test_every_view_of_a_pass_deals_the_one_rule_and_moves_the_position_per_step
     with unittest.mock.patch.object(varbatch, "_KEY_RUN", key_run):
         for view in ("ids", "keys", "every rank's keys"):
             sampler.load_state_dict(state)
-            handed = sampler._handed
+            handed = sampler._hand_outs
             if view == "ids":
                 dealt = iter(sampler)
             else:
-                dealt = varbatch._step_input_keys(sampler, every_rank=view == "every rank's keys")
+                dealt = iter(varbatch._StepInputKeys(sampler, every_rank=view == "every rank's keys", batched=False))
             steps = range(start * ranks, total * ranks) if view == "every rank's keys" else range(start, total)
             for step, got in zip(steps, dealt):
                 g = step if view == "every rank's keys" else step * ranks + rank
@@ -1480,7 +1480,7 @@ def test_every_view_of_a_pass_deals_the_one_rule_and_moves_the_position_per_step
                     where = (got.step_input, got.pass_start, got.every_rank)
                     assert (list(got.sample_ids), *where) == (every_input[g], g, start, view == "every rank's keys")
                     assert got.seqlens == tuple(seqlens[i] for i in got.sample_ids)
-                assert (sampler.steps_done, sampler._handed - handed) == (done, done - start)
+                assert (sampler.steps_done, sampler._hand_outs - handed) == (done, done - start)
                 assert sampler.epoch == (done == total)
             assert next(dealt, None) is None
 
@@ -2887,9 +2887,9 @@ def test_lr_tokens_unit():
         _check_lr(t, _BASE_LR * _warmup(t) * math.sqrt(tokens / reference), lr)
 
 
-def test_step_zero_changes_nothing_at_an_epoch_start_and_is_refused_inside_one():
+def test_step_zero_changes_nothing_at_an_epoch_start_and_squares_an_epoch_cut_inside_one():
     """step(0) at each epoch start (DeepSpeed's example) changes nothing and never restarts the schedule; inside an
-    epoch it is refused, naming the contract."""
+    epoch it says the loop cut it: b moves to the next epoch's start, t stays."""
     runs = []
     for realign in (False, True):
         sampler = _sampler()
@@ -2905,8 +2905,10 @@ def test_step_zero_changes_nothing_at_an_epoch_start_and_is_refused_inside_one()
         pass
     optimizer.step()
     scheduler.step()
-    with pytest.raises(ValueError, match="at batch 1 of epoch 3"):
-        scheduler.step(0)
+    scheduler.step(0)
+    per_epoch = len(sampler) // sampler.gradient_accumulation_steps
+    assert scheduler.batches_trained == 4 * per_epoch
+    assert scheduler.batch_size == sampler.plan_for_epoch(4).batch_sizes[0]
     assert base.last_epoch == scheduler.last_epoch == len(runs[-1]) + 1
 
 
@@ -2937,21 +2939,23 @@ def pass_schedules(draw):
     unit=st.sampled_from(["sequences", "tokens"]),
     reference=st.one_of(st.just("mean"), st.floats(1, 200)),
 )
-# a loop numbering its epochs from 1, the scheduler made before it: epoch 0, untrained, is squared
+# a loop numbering its epochs from 1, the scheduler made before it: epoch 0, never iterated, is squared
 @example(passes=[(1, None), (2, None)], order="random", gas=1, method="linear", unit="sequences", reference="mean")
 # an epoch cut short, then the next one: squared
 @example(passes=[(0, 3), (1, None)], order="bucket", gas=2, method="sqrt", unit="tokens", reference=60.0)
-# an epoch skipped: epoch 3's data where b is in epoch 1, refused
+# epochs skipped: the loop sets epoch 3 where b is at epoch 1's start, then 5 after a cut: squared each time
 @example(passes=[(0, None), (3, None), (5, 2)], order="random", gas=1, method="linear", unit="sequences", reference=3.0)
+# an epoch trained whole, then set again: its data where b is in the next epoch, refused
+@example(passes=[(0, None), (0, None)], order="random", gas=1, method="linear", unit="sequences", reference=3.0)
 # an epoch cut short, then iterated again without set_epoch: its start replayed, refused
 @example(passes=[(0, 3), (None, None)], order="random", gas=2, method="linear", unit="sequences", reference="mean")
 @settings(max_examples=60)
 def test_the_lr_follows_the_batches_trained_or_a_loop_that_leaves_them_is_refused(
     passes, order, gas, method, unit, reference
 ):
-    """At every update lr = base_lr x s(B_b / B_ref) of batch b, the b-th the loop trains (an epoch cut short is
-    squared when the next is set); a pass whose data is not batch b's (an epoch skipped, set twice, replayed) is
-    refused at its first update, before the optimizer steps."""
+    """At every update lr = base_lr x s(B_b / B_ref) of batch b, the b-th the loop trains (an epoch cut short or never
+    iterated is squared at the first update of a later epoch); a pass whose data is not batch b's (an epoch set
+    twice, replayed after a cut) is refused at its first update, before the optimizer steps."""
     sampler = VariableBatchSampler(
         _PASS_SEQLENS, 40, gradient_accumulation_steps=gas, num_replicas=1, order=order, seed=3
     )
@@ -2959,16 +2963,21 @@ def test_the_lr_follows_the_batches_trained_or_a_loop_that_leaves_them_is_refuse
     param = torch.nn.Parameter(torch.zeros(2))
     optimizer = torch.optim.SGD([param], lr=_BASE_LR)
     scheduler = VariableBatchSizeLR(optimizer, reference, sampler, lr_scaling_method=method, lr_scaling_unit=unit)
+    applied = []  # registered after the scheduler's pre-step hook: the LR each update uses
+    optimizer.register_step_pre_hook(lambda opt, args, kwargs: applied.append(opt.param_groups[0]["lr"]))
     scale = (lambda r: r) if method == "linear" else math.sqrt
     per_epoch = len(sampler) // gas
     b = 0  # the oracle's count of the batches trained
+    selected, whole = 0, set()  # the oracle's epoch of the next pass, and the epochs handed out to their end
     for epoch, cut in passes:
         if epoch is not None:
-            if (epoch - 1) * per_epoch <= b < epoch * per_epoch:  # the epoch before was cut short: squared
-                b = epoch * per_epoch
             sampler.set_epoch(epoch)
+            selected = epoch
         plan = sampler.plan  # of the epoch this pass iterates
-        consistent = b == plan.epoch * per_epoch
+        assert plan.epoch == selected
+        if b // per_epoch < selected and b // per_epoch not in whole:  # cut short or never iterated: squared
+            b = selected * per_epoch
+        consistent = b == selected * per_epoch
         sizes = plan.batch_tokens if unit == "tokens" else plan.batch_sizes
         b_ref = float(sizes.mean()) if reference == "mean" else reference
         batch_of = {
@@ -2985,18 +2994,21 @@ def test_the_lr_follows_the_batches_trained_or_a_loop_that_leaves_them_is_refuse
             trained = batches.pop()
             if not consistent:
                 before = param.detach().clone()
-                with pytest.raises(RuntimeError, match=r"VariableBatchSizeLR counts|the loader handed out"):
+                with pytest.raises(RuntimeError, match=r"has not got yet"):
                     optimizer.step()
                 assert torch.equal(param, before)
                 return
             assert plan.epoch * per_epoch + trained == b
-            _check_lr(b, _BASE_LR * scale(sizes[trained] / b_ref), optimizer.param_groups[0]["lr"])
             optimizer.step()
+            _check_lr(b, _BASE_LR * scale(sizes[trained] / b_ref), applied[-1])
             optimizer.zero_grad()
             scheduler.step()
             b += 1
             if cut is not None and trained + 1 == cut:
                 break
+        if cut is None or cut >= per_epoch:  # handed out to its end: the next pass iterates the next epoch
+            whole.add(selected)
+            selected += 1
         assert scheduler.batches_trained == b
 
 
@@ -8661,8 +8673,9 @@ def test_stateful_dataloader_resumes_at_any_position_with_workers(stop, workers)
 @pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize("stop", ["mid-epoch 1", "end of epoch 0"])
 def test_stateful_dataloader_restores_the_sampler_at_load_state_dict(stop, workers):
-    """Right after loader.load_state_dict(), sampler.epoch is the epoch to resume: a loop ranged from it trains exactly
-    the batches of an uninterrupted run (it replayed epoch 0; audit's sdl3.py: 45 + 75 batches for 80)."""
+    """Right after loader.load_state_dict(), sampler.epoch is the epoch the state was saved in (at an epoch's end:
+    its empty rest, torchdata's convention): a loop ranged from it trains exactly the batches of an uninterrupted
+    run."""
     stateful = pytest.importorskip("torchdata.stateful_dataloader")
     lengths = _lengths(300, 5, 60, seed=0)
     dataset = _id_dataset(lengths)
@@ -8696,8 +8709,8 @@ def test_stateful_dataloader_restores_the_sampler_at_load_state_dict(stop, worke
     state = loader.state_dict()
     sampler, loader = build()
     loader.load_state_dict(state)
-    assert sampler.epoch == full[at][0], (
-        f"sampler.epoch is {sampler.epoch} after load_state_dict, the next batch is epoch {full[at][0]}'s"
+    assert sampler.epoch == full[at - 1][0], (
+        f"sampler.epoch is {sampler.epoch} after load_state_dict, the last batch trained is epoch {full[at - 1][0]}'s"
     )
     rest = train(sampler, loader)
     assert len(head) + len(rest) == len(full), f"{len(head)} + {len(rest)} batches for {len(full)}"

@@ -399,80 +399,6 @@ _SAME_ACCUMULATION = (
 )
 
 
-# NOTE [misuse, seen from the loader]: the loop's misuse is found from what
-# varbatch hands out, never from the model. Between two `step()` calls the
-# sampler counts the step inputs its loaders handed out on this rank, and an
-# optimizer step-post hook counts the updates. Then, with G the sampler's
-# gradient_accumulation_steps, `latest` the absolute index of the last
-# step input handed out (`epoch x len(sampler) + t`) and W what loaders
-# read ahead (workers x prefetch_factor, plus one for a loop that fetches one
-# batch ahead: HF Accelerate's and Lightning's do):
-# - a `step()` with no optimizer step since the last one is a skipped update
-#   only if G new step inputs were handed out since (or the epoch's last was
-#   handed out before: loaders hand out nothing while they drain their
-#   read-ahead); else it is a second `step()` for one update: refused at once;
-# - b never runs ahead, `b x G <= latest + 1`, and runs behind by at most W,
-#   `latest + 1 - b x G <= W`: a loop that accumulates G' step inputs an
-#   update drifts `|G - G'|` a batch and is refused within `ceil(W /
-#   |G - G'|) + 2` updates; one that skips updates without telling is refused
-#   at the first untold skip past `W / G`. Fewer untold skips in a whole run
-#   cannot be seen (the loader's read-ahead hides them).
-# A rank whose loader hands out nothing (DeepSpeed's middle pipeline stages)
-# is not checked, nor a scheduler until a step input is handed out after it
-# was made or restored (a sampler not yet iterated is at no other position).
-def _check_update(scheduler: VariableBatchSizeLR) -> None:
-    """Raises when this `step` is a second one for one update (see NOTE [misuse, seen from the loader])."""
-    sampler, handed = scheduler._sampler, scheduler._handed()
-    last, updated = scheduler._handed_at_step, scheduler._optimizer_steps != scheduler._steps_at_step
-    scheduler._handed_at_step, scheduler._steps_at_step = handed, scheduler._optimizer_steps
-    if sampler is None or updated or last is None or handed == scheduler._handed_floor:
-        return
-    new = handed - last
-    gas = sampler.gradient_accumulation_steps
-    drained = (sampler._latest + 1) % len(sampler) == 0 and (scheduler._batches + 1) * gas <= sampler._latest + 1
-    if new >= gas or drained:
-        return
-    raise RuntimeError(
-        f"VariableBatchSizeLR.step() was called again for one update: since the last call no optimizer step "
-        f"ran and this rank's loader handed out {new} of a batch's {gas} step inputs; call it once per batch, "
-        f"after its update (step(skipped=True) for an update AMP skipped). HF Accelerate: keep the scheduler "
-        f"out of accelerator.prepare() (its wrapper steps it once per process) and, under accelerator."
-        f"accumulate(), step it only when accelerator.sync_gradients; see the README, 'Use with torchrun, "
-        f"DeepSpeed, Accelerate, Lightning'"
-    )
-
-
-def _check_position(scheduler: VariableBatchSizeLR, batches: int) -> None:
-    """Raises when ``batches``, the batches trained (after a `step`) or being trained (before an update), run
-    ahead of the step inputs handed out, or behind them by more than the loaders read ahead."""
-    sampler = scheduler._sampler
-    if sampler is None or scheduler._handed() == scheduler._handed_floor:
-        return
-    gas, ahead = sampler.gradient_accumulation_steps, sampler._read_ahead
-    handed = sampler._latest + 1  # this rank's step inputs from the run's start to the last handed out
-    trained = batches * gas  # this rank's step inputs of those batches
-    if trained > handed:
-        raise RuntimeError(
-            f"VariableBatchSizeLR counts {batches} batches, {trained} step inputs on this rank at "
-            f"gradient_accumulation_steps={gas}, but the loader handed out {handed}: the loop steps the "
-            f"scheduler more than once per update (HF Accelerate: keep it out of accelerator.prepare() and step "
-            f"it only when accelerator.sync_gradients), or for fewer step inputs than the sampler's batch "
-            f"({_SAME_ACCUMULATION}), or the scheduler was restored from another point of the run than the "
-            f"sampler (restore both from one checkpoint)"
-        )
-    if handed - trained > ahead:
-        raise RuntimeError(
-            f"the loader handed out {handed} step inputs on this rank, but VariableBatchSizeLR counts "
-            f"{batches} batches at gradient_accumulation_steps={gas} ({trained}): {handed - trained} more than "
-            f"the loader reads ahead ({ahead}). The loop skips updates without telling the scheduler (call "
-            f"step(skipped=True) for them, or step() every iteration; HF Trainer and TRL: varbatch."
-            f"hf_trainer_lr_scheduler; HF Accelerate: keep the scheduler out of accelerator.prepare(); "
-            f"Lightning: 'interval': 'step' in configure_optimizers), or accumulates more step inputs than the "
-            f"sampler's batch ({_SAME_ACCUMULATION}), or the sampler was restored without the scheduler "
-            f"(restore both from one checkpoint)"
-        )
-
-
 def _check_world(sampler: VariableBatchSampler) -> None:
     """Raises when torch.distributed came up with more ranks after a sampler that deals to 1 was made."""
     if sampler._alone and _world()[1] > 1:
@@ -565,17 +491,6 @@ def _sampler_world(num_replicas: Any, rank: Any, options: dict) -> tuple[int, in
     return num_replicas, rank, alone
 
 
-def _check_set_epoch(sampler: VariableBatchSampler, epoch: Any) -> None:
-    """Raises unless ``epoch`` is an epoch ``sampler`` may be set to: not one before a restored epoch."""
-    if _check_int("epoch", epoch) < sampler.epoch and sampler._position.restored:
-        raise ValueError(
-            f"set_epoch({epoch}) after load_state_dict() restored epoch {sampler.epoch} would replay an "
-            f"earlier epoch; pass the epoch being trained (HF Accelerate's prepared loader passes its "
-            f"own count of passes, 0 after a restart, unless you call loader.set_epoch(epoch); see the "
-            f"README, 'Use with torchrun, DeepSpeed, Accelerate, Lightning')"
-        )
-
-
 def _check_horizon(sampler: VariableBatchSampler, epochs: Any, unit: Any) -> tuple[int, str]:
     """``epochs`` and ``unit`` of `VariableBatchSampler.horizon`, checked: ``unit`` counts tokens (of plans that
     have them) or samples, never steps (every epoch has ``len(sampler) // G`` of them)."""
@@ -636,8 +551,9 @@ def _find_sampler(obj: Any, depth: int = 0) -> VariableBatchSampler | None:
     return None
 
 
-def _schedule_to_wrap(lr_scheduler: Any) -> tuple[Any, Optimizer]:
-    """The scheduler a `VariableBatchSizeLR` wraps (None for an optimizer: a constant LR), and the torch optimizer."""
+def _schedule_to_wrap(lr_scheduler: Any) -> tuple[Any, Optimizer, bool]:
+    """The scheduler a `VariableBatchSizeLR` wraps (None for an optimizer: a constant LR), the torch optimizer, and
+    whether that came inside a DeepSpeed-style wrapper (ZeRO steps it once per parameter group)."""
     if isinstance(lr_scheduler, VariableBatchSizeLR):
         raise TypeError(
             "lr_scheduler is a VariableBatchSizeLR already: wrapping it would scale the LR twice; wrap "
@@ -655,9 +571,8 @@ def _schedule_to_wrap(lr_scheduler: Any) -> tuple[Any, Optimizer]:
         and hasattr(lr_scheduler, "optimizer")
         and not hasattr(lr_scheduler, "param_groups")
     )
-    if wraps:
-        return lr_scheduler, _torch_optimizer(lr_scheduler.optimizer)
-    return None, _torch_optimizer(lr_scheduler)
+    given = lr_scheduler.optimizer if wraps else lr_scheduler
+    return (lr_scheduler if wraps else None), _torch_optimizer(given), not isinstance(given, Optimizer)
 
 
 def _check_last_epoch(last_epoch: Any, optimizer: Optimizer) -> None:
@@ -1902,14 +1817,17 @@ class VariableBatchSampler(Sampler[list[int]]):
         self.effective_batch_size = settings.effective_batch_size
         self.gradient_accumulation_steps = settings.gradient_accumulation_steps
         self.same_length = settings.same_length
-        self._position = _Position()
         self._plans: dict[int, Plan] = {}
         self._logged: set[int] = set()  # the epochs whose plan was logged
         self._alone = False
-        self._handed = 0  # this rank's step inputs handed out by every pass (see NOTE [misuse, seen from the loader])
-        self._latest = -1  # the absolute index (epoch x len(self) + t) of the last one
-        self._read_ahead = 1  # W: step inputs the loaders and the loop may read ahead of the batch trained
-        self._followers: list[weakref.ref] = []  # the schedulers whose b an epoch set here squares
+        # The passes (NOTE [training and side passes]).
+        self._selected = 0  # the epoch the next pass iterates: set_epoch's, or the next once one was handed out
+        self._restored: tuple[int, int] | None = None  # (epoch, steps_done) of load_state_dict, until a pass starts
+        self._training: _Pass | None = None  # the last training pass
+        self._passes = 0  # passes started (their numbers)
+        self._restores = 0  # load_state_dict calls: a pass started before the last one is stale
+        self._handed_in_full: set[int] = set()  # the epochs a training pass handed out to their end
+        self._hand_outs = 0  # step inputs the training passes handed out (the scheduler checks after one)
         if self.plan_for_epoch(0).num_batches == 0:  # checked before training: every epoch has its batches
             raise ValueError(_empty_plan_message(self._plans[0]))
 
@@ -1922,21 +1840,13 @@ class VariableBatchSampler(Sampler[list[int]]):
             self._plans[epoch] = self._planner(epoch)
         return self._plans[epoch]
 
-    def _start_pass(self, epoch: int, start: int, *, restored: bool = False, finished: bool = False) -> None:
-        """Writes the record of a pass over ``epoch`` from step input ``start``: an older iterator goes stale."""
-        number = self._position.number + 1
-        self._position = _Position(number, epoch, start, restored, steps_done=start, finished=finished)
-
-    def _follow(self, scheduler: LRScheduler) -> None:
-        """Lets ``scheduler`` square its position when the next epoch is set (see `VariableBatchSizeLR._square`)."""
-        self._followers.append(weakref.ref(scheduler))
-
-    def _unfollow(self, scheduler: LRScheduler) -> None:
-        self._followers = [ref for ref in self._followers if ref() not in (None, scheduler)]
-
     def __getstate__(self) -> dict:
-        """A copy (pickled, or deep-copied) is followed by no scheduler: weak references do not travel."""
-        return {**self.__dict__, "_followers": []}
+        """A copy (pickled, or deep-copied) keeps its position, not the loader's iterator a pass reads through."""
+        state = dict(self.__dict__)
+        if self._training is not None:
+            state["_training"] = copy.copy(self._training)
+            state["_training"].count = None
+        return state
 
     def _batches_per_epoch(self) -> int:
         """The batches of every epoch (see NOTE [every epoch the same length]): ``len(self)`` is G of them each."""
@@ -1944,30 +1854,30 @@ class VariableBatchSampler(Sampler[list[int]]):
 
     @property
     def epoch(self) -> int:
-        """The epoch the next iteration yields: the last one's, or the next once all its step inputs were handed
-        out (also with its iterator not exhausted)."""
-        return self._position.epoch
+        """The epoch of the open training pass, else the epoch the next pass iterates."""
+        training = self._training
+        if training is not None and training.is_open and not self._is_stale(training):
+            return training.epoch
+        return self._selected
 
     @property
     def steps_done(self) -> int:
-        """Step inputs of the last pass's epoch handed out (or restored)."""
-        return self._position.steps_done
+        """Step inputs of this rank handed out by the last training pass (or restored): where a state saved now
+        resumes its epoch."""
+        return self._resume_point()[1]
 
     @property
     def plan(self) -> Plan:
-        """The plan of the epoch the next iteration yields."""
+        """The plan of `epoch`."""
         return self.plan_for_epoch(self.epoch)
 
     def set_epoch(self, epoch: int) -> None:
-        """Sets the epoch of the next iteration (a new order in ``random``/``bucket``)."""
-        _check_set_epoch(self, epoch)
-        last = self._position
-        for ref in self._followers:  # an epoch cut short ends here (NOTE [the contract])
-            scheduler = ref()
-            if scheduler is not None:
-                scheduler._square(epoch)
-        if epoch != last.pass_epoch or last.finished:  # else: left or restored mid-way
-            self._start_pass(epoch, 0, restored=last.restored)  # a restored run's epochs go back only once it ran
+        """Selects the epoch the next pass iterates (a new order in ``random``/``bucket``); nothing else moves.
+
+        A position restored by `load_state_dict` waits for a pass of its epoch: setting other epochs first (to look
+        at their plans) loses nothing; a pass of another epoch drops it.
+        """
+        self._selected = _check_int("epoch", epoch)
 
     def __len__(self) -> int:
         """Step inputs per epoch on this rank: the same on every rank and in every epoch."""
@@ -1987,48 +1897,91 @@ class VariableBatchSampler(Sampler[list[int]]):
         def amount(plan, skip):
             return int(plan._amounts(unit)[skip:].sum())
 
-        done = 0 if self._position.finished else self.steps_done
-        total = amount(self.plan, done // self.gradient_accumulation_steps)
+        epoch, done = self._resume_point()
+        if done == len(self) and epoch < self.epoch:  # an epoch handed out whole: the next one is current
+            epoch, done = epoch + 1, 0
+        total = amount(self.plan_for_epoch(epoch), done // self.gradient_accumulation_steps)
         if self.settings.order in ("dataloader", "seqlen") or self._planner.fixed is not None:
-            return total + (epochs - 1) * amount(self.plan, 0)  # one plan for every epoch: plan it once
-        return total + sum(amount(self._planner(e), 0) for e in range(self.epoch + 1, self.epoch + epochs))
-
-    def _hand_out(self, position: _Position, steps_done: int, total: int) -> bool:
-        """Moves the pass at ``position`` on by one step input, the ``steps_done``-th of the ``total`` of its epoch.
-
-        Returns False, moving nothing, once the sampler has had another pass
-        (set_epoch(), a new iteration, load_state_dict): this one is stale and stops.
-        """
-        if self._position is not position:
-            return False
-        position.steps_done = steps_done
-        position.finished = steps_done == total
-        self._handed += 1
-        self._latest = position.pass_epoch * total + steps_done - 1
-        return True
+            return total + (epochs - 1) * amount(self.plan_for_epoch(epoch), 0)  # one plan for every epoch
+        return total + sum(amount(self._planner(e), 0) for e in range(epoch + 1, epoch + epochs))
 
     def __iter__(self) -> Iterator[list[int]]:
         """This rank's step inputs of the epoch, from the resume position, each as its sample ids: its t-th is step
-        input g = t*R + rank (the dealing rule above). The position follows them, each moving it on as it is handed
-        out (`_hand_out`); after the last one the sampler is at the next epoch, also when the iterator is not
-        exhausted (trainers stop at len())."""
-        epoch, start, position = self._begin_pass()
+        input g = t*R + rank (the dealing rule above). A training pass moves the position on as each is handed out;
+        after its last one the sampler is at the next epoch, also when the iterator is not exhausted (trainers stop
+        at len()). A pass started while the epoch's training pass is open is a side pass (NOTE [training and side
+        passes])."""
+        current = self._start_pass()
         rank, ranks = self.rank, self.num_replicas
-        total = len(self)  # read once: a step input costs less than len()
-        for steps, ids, bounds in self._runs(epoch, start):
-            ids = ids.tolist()
-            for t, a, b in zip(steps, bounds[rank::ranks], bounds[rank + 1 :: ranks]):
-                if not self._hand_out(position, t + 1, total):
-                    return
-                yield ids[a:b]
+        try:
+            for steps, ids, bounds in self._runs(current.epoch, current.start):
+                ids = ids.tolist()
+                for t, a, b in zip(steps, bounds[rank::ranks], bounds[rank + 1 :: ranks]):
+                    if not self._hand_out(current, t + 1):
+                        return
+                    yield ids[a:b]
+        finally:
+            self._close(current)
 
-    def _begin_pass(self) -> tuple[int, int, _Position]:
-        """Starts a pass from the resume position (an iterator of an older pass goes stale): its epoch, its first
-        step input of this rank, and its position."""
+    # NOTE [training and side passes]: a pass is one iteration over an epoch
+    # (the sampler's, or its loader's). The first pass still open in an epoch
+    # (neither handed out to its end nor closed) is the epoch's training pass:
+    # `epoch`, `steps_done`, `state_dict()`, the advance to the next epoch and
+    # the scheduler's checks follow it. A pass started while it is open (a peek,
+    # a loss pass over the training set, `list(sampler)` in the middle of an
+    # epoch) is a side pass: the whole epoch from its start, moving none of these.
+    # Torch loops hand out a whole epoch when they read ahead (workers, a list), so
+    # "handed out to its end" is the training pass's end, whatever the loop then
+    # trains. `set_epoch` only selects the next pass's epoch, as torch's
+    # DistributedSampler's does. A restored position waits for the first pass of
+    # its epoch (torchdata's convention); a pass of another epoch drops it.
+    def _start_pass(self, count: _LoopCount | None = None) -> _Pass:
+        """Starts a pass over the selected epoch: a side pass while its training pass is open, else its training
+        pass, from a position restored for that epoch or its start. ``count``: a loader's pass's `_LoopCount`."""
         _check_world(self)
-        epoch, start = self._position.next_start()
-        self._start_pass(epoch, start, finished=start >= len(self))  # empty: done at once
-        return epoch, start, self._position
+        self._passes += 1
+        epoch = self._selected
+        training = self._training
+        if training is not None and training.is_open and training.epoch == epoch and not self._is_stale(training):
+            return _Pass(self._passes, epoch, 0, self._restores, training=False)
+        start = 0
+        if self._restored is not None and self._restored[0] == epoch:
+            start = self._restored[1]
+        self._restored = None
+        self._training = _Pass(self._passes, epoch, start, self._restores, training=True, count=count)
+        if start == len(self):  # the empty rest of an epoch saved at its end: handed out at once
+            self._finish(self._training)
+        return self._training
+
+    def _hand_out(self, current: _Pass, steps_done: int) -> bool:
+        """Moves the pass ``current`` on to its ``steps_done``-th step input; a training pass moves the position.
+
+        Returns False, moving nothing, once a `load_state_dict` came after the pass started: it is stale and stops.
+        """
+        if self._is_stale(current):
+            return False
+        current.steps_done = steps_done
+        if current.training:
+            self._hand_outs += 1
+            if steps_done == len(self):
+                self._finish(current)
+        return True
+
+    def _finish(self, current: _Pass) -> None:
+        """The training pass ``current`` handed out its epoch's last step input: the next pass iterates the next
+        epoch, unless the loop selected another meanwhile."""
+        current.state = "handed out"
+        self._handed_in_full.add(current.epoch)
+        if self._selected == current.epoch:
+            self._selected = current.epoch + 1
+
+    def _close(self, current: _Pass) -> None:
+        """Marks a pass whose iterator ended or was closed (a ``break``, a dropped iterator) before its end."""
+        if current.state == "open":
+            current.state = "closed"
+
+    def _is_stale(self, current: _Pass) -> bool:
+        return current.restores != self._restores
 
     def _runs(self, epoch: int, start: int) -> Iterator[tuple[range, np.ndarray, list[int]]]:
         """The plan of ``epoch`` from this rank's step input ``start`` on, a run of `_KEY_RUN` steps t at a time: the
@@ -2044,6 +1997,18 @@ class VariableBatchSampler(Sampler[list[int]]):
             steps = range(run, min(run + _KEY_RUN, len(self)))
             offsets = plan.microbatch_offsets[steps.start * ranks * m : steps.stop * ranks * m + 1 : m]
             yield steps, plan.sample_ids[offsets[0] : offsets[-1]], (offsets - offsets[0]).tolist()
+
+    def _resume_point(self) -> tuple[int, int]:
+        """``(epoch, steps_done)`` where a state saved now resumes: the last training pass's, or a restored one; an
+        epoch handed out to its end is saved as (its epoch, len(self)), torchdata's convention."""
+        if self._restored is not None:
+            return self._restored
+        training = self._training
+        if training is not None:
+            handed_out = training.state == "handed out" and self._selected == training.epoch + 1
+            if training.epoch == self._selected or handed_out or training.is_open:
+                return training.epoch, training.steps_done
+        return self._selected, 0
 
     def _state_settings(self) -> dict:
         """What the plans depend on besides the epoch, as plain data (the data as hashes)."""
@@ -2067,20 +2032,22 @@ class VariableBatchSampler(Sampler[list[int]]):
         ``steps_done`` defaults to ``self.steps_done``, exact without worker
         processes; with workers the loader prefetches: pass what your loop trained.
         """
-        epoch = self._position.pass_epoch
-        if steps_done is None:
-            done = self.steps_done
-        else:
+        epoch, done = self._resume_point()
+        if steps_done is not None:
             done = _check_int("steps_done", steps_done, 0, len(self), "the step inputs of the epoch trained")
         return {"epoch": epoch, "steps_done": done, "rank": self.rank, "settings": self._state_settings()}
 
     def load_state_dict(self, state_dict: Mapping) -> None:
-        """Restores a `state_dict`: the next iteration continues where it stopped."""
+        """Restores a `state_dict`: the next pass of its epoch continues where it stopped (a state saved at an
+        epoch's end: its empty rest, after which the next epoch follows)."""
         _check_state(self, state_dict, set(self._STATE))
         epoch = _check_int("epoch", state_dict["epoch"], minimum=0)
-        total = len(self)
-        steps = _check_int("steps_done", state_dict["steps_done"], minimum=0, maximum=total)
-        self._start_pass(epoch, steps, restored=True, finished=steps == total)
+        steps = _check_int("steps_done", state_dict["steps_done"], minimum=0, maximum=len(self))
+        self._restores += 1  # an iterator started before goes stale
+        self._restored = (epoch, steps)
+        self._selected = epoch
+        self._training = None
+        self._handed_in_full |= set(range(epoch))  # by the run that saved it
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -2106,43 +2073,38 @@ class _Planner:
 _KEY_RUN = 256  # step inputs (of every rank) whose ids `VariableBatchSampler._runs` reads as one list
 
 
-@dataclasses.dataclass
-class _Position:
-    """Where a sampler stands: its last pass, written where a pass starts (set_epoch, an iteration,
-    load_state_dict), and how far that pass got.
+@dataclasses.dataclass(eq=False)
+class _Pass:
+    """One pass over an epoch (NOTE [training and side passes]), moved on in place by its iterator as it hands out
+    step inputs (a new record per step input would cost more than the rest of it).
 
     Attributes:
-        number: passes started so far; it marks the keys a pass deals (by which `_LoadStepInput` checks the
-            dealing), and an iterator of an older pass is stale.
-        pass_epoch, start: the epoch of the pass and its first step input.
-        restored: the position came from load_state_dict, and no iteration has started since.
-        steps_done, finished: the step inputs of the pass's epoch handed out, and whether that is all of them.
-
-    Invariant: ``start <= steps_done <= T`` (T: the step inputs of an epoch), and
-    ``finished`` only with ``steps_done == T``: set once an iteration (or a
-    restored position) reached the epoch's end, never by set_epoch (not even
-    for an empty epoch); then the next iteration yields the next epoch. Each
-    pass gets a new one, which its iterator moves on in place (a new one per
-    step input costs more than the rest of it).
+        number: the passes started before it, plus one: it marks the keys the pass deals (by which `_LoadStepInput`
+            checks the dealing).
+        epoch, start: the epoch of the pass and its first step input (of this rank).
+        restores: the sampler's `load_state_dict` calls when it started: after another, it is stale and stops.
+        training: the epoch's training pass, or a side pass.
+        count: a loader's pass: what it gave the loop (`_LoopCount`); None otherwise.
+        steps_done: step inputs of this rank of the epoch handed out, ``start <= steps_done <= len(sampler)``.
+        state: "open", "handed out" (all of the epoch's: set at the last one, whatever the loop does next), or
+            "closed" (its iterator ended first).
     """
 
-    number: int = 0
-    pass_epoch: int = 0
-    start: int = 0
-    restored: bool = False
-    steps_done: int = 0
-    finished: bool = False
+    number: int
+    epoch: int
+    start: int
+    restores: int
+    training: bool
+    count: _LoopCount | None = None
+    steps_done: int = -1
+    state: str = "open"
+
+    def __post_init__(self):
+        self.steps_done = self.start
 
     @property
-    def epoch(self) -> int:
-        """The epoch the next iteration yields: the last pass's, or the next once it finished."""
-        return self.pass_epoch + self.finished
-
-    def next_start(self) -> tuple[int, int]:
-        """``(epoch, step input)`` where the next pass starts: a restored position, else the epoch's first."""
-        if self.restored and not self.finished:
-            return self.epoch, self.start
-        return self.epoch, 0
+    def is_open(self) -> bool:
+        return self.state == "open"
 
 
 def _world(group: Any = None) -> tuple[int, int]:
@@ -2194,19 +2156,27 @@ class VariableBatchSizeLR(LRScheduler):
       steps. A loop that steps plainly every iteration, whatever happened
       (torch's AMP recipe; Lightning with ``"interval": "step"``), moves both:
       torch's meaning of its own schedule there;
-    - ``step(0)`` (DeepSpeed's example, at each epoch start) changes nothing at
-      an epoch start and is refused elsewhere.
-    A trainer that skips updates without stepping the scheduler gets an adapter
-    that tells it (DeepSpeed's engine: `_follow_skipped_steps`). Before batch
-    b's update the optimizer holds ``schedule(t) x s(B_b / B_ref)``: written at
-    each step and again by an optimizer step-pre hook (`_param_groups`: also
-    where ZeRO narrows ``optimizer.param_groups`` around its inner step). An
-    epoch cut short (``break``, Lightning's
-    ``limit_train_batches``) is squared when the sampler's next epoch is set:
-    b moves to that epoch's first batch.
+    - ``step(0)`` (DeepSpeed's idiom at an epoch's start, "point to the beginning
+      of the data iter") moves b to the start of the next epoch if it is inside
+      one: the loop says that it cut the epoch.
+    An epoch whose training pass closed before handing out all its step inputs
+    (``break``, Lightning's ``limit_train_batches``), or that no pass iterated,
+    is squared (b moves to the next epoch's start) at this scheduler's first
+    call after a later epoch's training pass handed out a step input; an epoch
+    handed out to its end (a list, a loader that read past its end) is never
+    squared: a loop that cuts it says so with ``step(0)``. A trainer that skips
+    updates without stepping the scheduler gets an adapter that tells it
+    (DeepSpeed's engine: `_follow_skipped_steps`). Before batch b's update the
+    optimizer holds ``schedule(t) x s(B_b / B_ref)``: written at each step and
+    again by an optimizer step-pre hook (`_param_groups`: also where ZeRO
+    narrows ``optimizer.param_groups`` around its inner step). Queries
+    (``get_last_lr``, `batch_size`, `state_dict`) move nothing; they bring b up
+    to date with what already happened (an engine's skips, an epoch left).
+    The mistakes refused, and what stays unseen: NOTE [what is refused].
 
-    Misuse is found from the step inputs the loader handed out (NOTE [misuse, seen from the loader], above
-    `_check_update`).
+    One scheduler per optimizer: a second `VariableBatchSizeLR` on it detaches
+    the first, whose next ``step()`` raises (stack schedules with one wrapper
+    over ``ChainedScheduler([...])``).
 
     Args:
         lr_scheduler: a torch scheduler (``SequentialLR``, ``ChainedScheduler``
@@ -2241,7 +2211,7 @@ class VariableBatchSizeLR(LRScheduler):
         clock="steps",
         clock_step=1,
     ):
-        self._base, optimizer = _schedule_to_wrap(lr_scheduler)
+        self._base, optimizer, in_wrapper = _schedule_to_wrap(lr_scheduler)
         # (`is None`, never truthiness: a sampler whose epoch is empty has len() 0)
         found = _find_sampler(batch_sizes)
         self._sampler = found if found is not None else _find_sampler(dataloader)
@@ -2261,18 +2231,21 @@ class VariableBatchSizeLR(LRScheduler):
         self._batches = 0  # b, the position (see NOTE [the contract])
         self._seen = 0  # what the clock counted: tokens or samples of the updates taken
         self._skipped, self._skipped_seen = None, 0  # an engine's count of skipped steps (_follow_skipped_steps)
+        self._engine_steps = in_wrapper  # an engine steps this scheduler (its inner updates are not checked)
         self._reported = -1  # the last epoch whose LR factors were logged
         self._groups = list(optimizer.param_groups)  # the dicts the LRs are written into (see `_param_groups`)
-        self._optimizer_steps = 0
+        self._unscaled = [group["lr"] for group in optimizer.param_groups]
+        self._updates_since_step = 0  # optimizer updates since the last step()
+        self._start_checks()
+        self._detached = False
+        previous = _WRAPPERS.get(optimizer)
+        if previous is not None and previous() is not None:
+            previous()._detach()
+        _WRAPPERS[optimizer] = weakref.ref(self)
         self._hooks = [
             optimizer.register_step_pre_hook(_weakly(self._before_update)),
-            optimizer.register_step_post_hook(_weakly(self._count_update)),
+            optimizer.register_step_post_hook(_weakly(self._after_update)),
         ]
-        if self._sampler is not None:
-            self._sampler._follow(self)
-        self._mark()
-        self._handed_at_step = self._handed_floor  # a run starts at a batch's start: its first step is judged too
-        self._unscaled = [group["lr"] for group in optimizer.param_groups]
         super().__init__(optimizer, last_epoch)  # torch's first step: the LRs of batch 0
         factors, b_ref = self._factors(0)
         if _is_unit_trap(factors.mean(), self.base_batch_size is None) and self._rank_zero():
@@ -2284,7 +2257,7 @@ class VariableBatchSizeLR(LRScheduler):
     @property
     def batches_trained(self) -> int:
         """``b``: the batches trained since the run began, skipped updates included (see NOTE [the contract])."""
-        self._follow_engine()
+        self._catch_up()
         return self._batches
 
     def _batches_per_epoch(self) -> int:
@@ -2314,25 +2287,25 @@ class VariableBatchSizeLR(LRScheduler):
     @property
     def batch_size(self) -> int:
         """``B_b``: the size of the batch trained now, in ``lr_scaling_unit``."""
-        self._follow_engine()
+        self._catch_up()
         epoch, batch = self._where()
         return int(self._sizes(epoch)[batch])
 
     @property
     def lr_factor(self) -> float:
         """``s(B_b / B_ref)`` of the batch trained now."""
-        self._follow_engine()
+        self._catch_up()
         epoch, batch = self._where()
         return float(self._factors(epoch, batch)[0][0])
 
     @property
     def steps_in_epoch(self) -> int:
         """Batches of the current epoch trained (stepped, or skipped)."""
-        self._follow_engine()
+        self._catch_up()
         return self._where()[1]
 
     def get_last_lr(self):
-        self._follow_engine()
+        self._catch_up()
         return super().get_last_lr()
 
     def get_lr(self):
@@ -2355,26 +2328,52 @@ class VariableBatchSizeLR(LRScheduler):
             self._groups = list(groups)
         return self._groups
 
+    def _catch_up(self) -> None:
+        """Brings b up to date with what already happened: the steps an engine skipped since the last look, and an
+        epoch the loop left before its end once a later epoch's training pass handed out a step input (NOTE [the
+        contract]). Writes the LRs if b moved."""
+        moved = False
+        if self._skipped is not None:
+            count = self._skipped()
+            if count > self._skipped_seen:
+                self._batches += count - self._skipped_seen
+                moved = True
+            self._skipped_seen = count
+        sampler = self._sampler
+        current = None if sampler is None else sampler._training
+        if current is not None and current.steps_done > current.start and sampler._hand_outs > self._floor:
+            per_epoch = self._batches_per_epoch()
+            epoch = self._batches // per_epoch
+            if epoch < current.epoch and epoch not in sampler._handed_in_full:
+                self._batches = current.epoch * per_epoch
+                moved = True
+        if moved:
+            self._write()
+
     # -- the contract ---------------------------------------------------------------------------------------------
 
     def step(self, epoch=None, *, skipped=False):
         """Moves on to the next batch after an update (``step()``), or after a skipped one (``step(skipped=True)``).
 
-        ``step(0)`` is accepted at an epoch start, where it changes nothing (see NOTE [the contract]).
+        ``step(0)``: the loop cut the epoch it trains; b moves to the next epoch's start (see NOTE [the contract]).
 
         Raises:
-            ValueError: another argument, or ``step(0)`` inside an epoch; RuntimeError: misuse (see NOTE [misuse,
-            seen from the loader]).
+            ValueError: another argument; RuntimeError: a mistake (see NOTE [what is refused]).
         """
         if self._step_count == 0:  # torch's initial step, from __init__
             return super().step()
+        if self._detached:
+            raise RuntimeError(
+                "this VariableBatchSizeLR was detached: another VariableBatchSizeLR was made on its optimizer since, "
+                "and two would each scale the LR (and a second would lose the first's schedule); wrap the schedules "
+                "once, as VariableBatchSizeLR(ChainedScheduler([first, second]), ...)"
+            )
         if not isinstance(skipped, bool):
             raise ValueError(f"skipped should be True or False, but got skipped={skipped!r}")
-        self._follow_engine()
+        self._catch_up()
         if epoch is not None:
-            return self._realign(epoch)
-        _check_update(self)
-        _check_position(self, self._batches + 1)  # before anything moves: a refused call leaves it as it was
+            return self._cut_epoch(epoch)
+        self._check_step()
         epoch, batch = self._where()
         if not skipped:
             size = int(self._sizes(epoch, "tokens" if self.clock == "tokens" else "sequences")[batch])
@@ -2384,51 +2383,21 @@ class VariableBatchSizeLR(LRScheduler):
             self.last_epoch += 1
         self._log_factors_once(epoch)
         self._batches += 1
+        self._updates_since_step = 0
         self._write()
         if self.verbose:
-            _logger.info(
-                "step %d (epoch %d, batch %d%s): next B=%d, LR factor %.4g, lr %s",
-                self.last_epoch,
-                epoch,
-                batch,
-                ", skipped" if skipped else "",
-                self.batch_size,
-                self.lr_factor,
-                self._last_lr,
-            )
+            _logger.info("step %d (epoch %d, batch %d): next lr %s", self.last_epoch, epoch, batch, self._last_lr)
 
-    def _realign(self, epoch: Any) -> None:
-        """``step(epoch)``: DeepSpeed's example realigns with ``step(0)`` at each epoch start, where b already is."""
+    def _cut_epoch(self, epoch: Any) -> None:
+        """``step(0)``: the loop cut the epoch b is in (DeepSpeed's idiom at each epoch start, where b already is)."""
         if isinstance(epoch, bool) or not isinstance(epoch, numbers.Integral) or epoch != 0:
             raise ValueError(
-                f"VariableBatchSizeLR.step takes no argument (the next batch) or 0 (at an epoch start), but got "
-                f"epoch={epoch!r}; call step() once per batch, after its update"
+                f"VariableBatchSizeLR.step takes no argument (the next batch) or 0 (the loop cut an epoch, at the "
+                f"next one's start), but got epoch={epoch!r}; call step() once per batch, after its update"
             )
-        epoch, batch = self._where()
-        if batch:
-            raise ValueError(
-                f"step(0) marks an epoch start, but this scheduler is at batch {batch} of epoch {epoch}: the loop "
-                f"called it inside an epoch, or did not step the scheduler once per batch (step() after each "
-                f"update, step(skipped=True) after a skipped one)"
-            )
-        self._write()
-
-    def _mark(self) -> None:
-        """Starts counting the training afresh at construction or a restore: the first `step` after it is judged by
-        the bounds alone (a run restored inside a batch hands out only the rest of it before that step)."""
-        self._handed_floor, self._handed_at_step = self._handed(), None
-        self._steps_at_step = self._optimizer_steps
-
-    def _handed(self) -> int:
-        return 0 if self._sampler is None else self._sampler._handed
-
-    def _square(self, epoch: int) -> None:
-        """The sampler's next epoch is ``epoch``: an epoch before it that was cut short ends here (NOTE [the contract])."""
-        self._follow_engine()
         per_epoch = self._batches_per_epoch()
-        if (epoch - 1) * per_epoch <= self._batches < epoch * per_epoch:
-            self._batches = epoch * per_epoch
-            self._write()
+        self._batches = -(-self._batches // per_epoch) * per_epoch
+        self._write()
 
     def _log_factors_once(self, epoch: int) -> None:
         """Logs the LR factors of the epoch trained, once per epoch (rank 0)."""
@@ -2474,42 +2443,164 @@ class VariableBatchSizeLR(LRScheduler):
         self._unscaled = [group["lr"] for group in groups]
 
     def _before_update(self, *hook_args) -> None:
-        """An optimizer step-pre hook: the update of batch b, whose step inputs were handed out, uses its LR (b moved
-        on by an engine's skips); a scheduler and a sampler at different points are refused before it."""
-        self._follow_engine()
-        _check_position(self, self._batches + 1)
+        """An optimizer step-pre hook: the update of batch b uses its LR (b brought up to date first); a mistake is
+        refused before the optimizer moves a parameter."""
+        self._catch_up()
+        self._check_update()
         self._write()
 
-    def _count_update(self, *hook_args) -> None:
-        self._optimizer_steps += 1
+    def _after_update(self, *hook_args) -> None:
+        self._updates_since_step += 1
+        seen = self._loop_got()
+        self._got_at_update = None if seen is None else seen[0]
 
-    def _remove_hooks(self) -> None:
-        """Removes this scheduler's hooks (the DeepSpeed glue replaces it): it no longer moves the optimizer's LRs."""
+    def _before_forward(self, *hook_args) -> None:
+        """A forward pre-hook an adapter installs (the DeepSpeed glue's): b brought up to date before the forward."""
+        if not self._detached:
+            self._catch_up()
+
+    def _detach(self) -> None:
+        """Removes this scheduler's hooks (a new one was made on its optimizer): it no longer moves the LRs."""
         for handle in self._hooks:
             handle.remove()
-        if self._sampler is not None:
-            self._sampler._unfollow(self)
+        self._detached = True
+
+    # -- what is refused ------------------------------------------------------------------------------------------
+
+    # NOTE [what is refused]: a mistake is refused only where nothing else
+    # explains what is seen. "Got": the step inputs of this rank that the
+    # training pass (NOTE [training and side passes]) gave the loop, counted
+    # from the run's start (epoch x len(sampler) + its step inputs): exactly
+    # where the loop iterates make_dataloader's loader itself (torch's iterator
+    # counts what it yielded), else what the sampler handed out, which is an
+    # upper bound. G: the sampler's gradient_accumulation_steps.
+    # - Ahead: batch b's update, and the step() after it, need its G step
+    #   inputs: ``(b + 1) x G <= got``; else the scheduler was stepped before the
+    #   optimizer, more than once per update, or for fewer step inputs than G.
+    #   At once: before the update, or at the step.
+    # - Behind, over make_dataloader's loader alone, where the read-ahead is
+    #   known: at a step, the loop got at most one batch more than it trained
+    #   (plus make_dataloader's ``read_ahead``, a prefetcher's depth); where a
+    #   launcher rebuilt the loader, got is what was handed out less the
+    #   workers' ``num_workers x prefetch_factor``. Untold skips and an
+    #   accumulation other than G fall behind, and are refused past it.
+    # - An update on new step inputs after an update that no step() or
+    #   step(skipped=True) followed (a loop that steps per epoch, or every other
+    #   update): at the second. Two updates of one batch (SAM's) are not
+    #   refused, nor those of an engine that steps the scheduler itself (ZeRO
+    #   steps its inner optimizer once per parameter group).
+    # Unseen: untold skips within the slack (one at G = 1), and any untold skip
+    # or other accumulation over other loaders, a list or the sampler iterated
+    # directly (their read-ahead is unknown); anything before the training
+    # pass hands out a step input after the scheduler was made or restored.
+    def _start_checks(self) -> None:
+        """Checks from now on (made, or restored): what the training passes handed out before is not this run's."""
+        self._floor = 0 if self._sampler is None else self._sampler._hand_outs
+        self._got_at_step = self._got_at_update = None
+
+    def _loop_got(self) -> _Got | None:
+        """What the loop got (NOTE [what is refused]), or None before the training pass handed out a step input
+        after the scheduler was made or restored."""
+        sampler = self._sampler
+        if sampler is None or sampler._hand_outs == self._floor or sampler._training is None:
+            return None
+        current = sampler._training
+        base = current.epoch * len(sampler)
+        handed = base + current.steps_done
+        count = current.count
+        still_handing = current.state != "handed out"
+        if count is None:  # not a loader's pass: no known read-ahead
+            return _Got(handed, None, 0, still_handing)
+        slack = sampler.gradient_accumulation_steps + count.read_ahead
+        yielded = count.yielded()
+        if yielded is None:  # a loader a launcher rebuilt: its workers read ahead
+            at_least = max(base + current.start, handed - count.workers_read_ahead)
+            return _Got(handed, at_least, slack, still_handing and not count.read_ahead)
+        got = min(base + current.start + yielded, handed)
+        return _Got(got, got, slack, not count.read_ahead)
+
+    def _check_update(self) -> None:
+        """Raises before an update that batch b's step inputs have not reached, or an update on new step inputs
+        after an update no step() followed (NOTE [what is refused])."""
+        seen = self._loop_got()
+        if seen is None:
+            return
+        gas = self._sampler.gradient_accumulation_steps
+        new_data = self._got_at_update is not None and seen[0] > self._got_at_update
+        if self._updates_since_step and new_data and not self._engine_steps:
+            raise RuntimeError(
+                "the optimizer updates on new step inputs, but VariableBatchSizeLR.step() was not called after the "
+                "update before: call scheduler.step() once per batch, after its update (step(skipped=True) after an "
+                "update AMP skipped), not once per epoch or every other update"
+            )
+        self._check_behind(seen, (self._batches + 1) * gas)
+        if (self._batches + 1) * gas > seen.got:
+            raise RuntimeError(
+                f"the optimizer updates batch {self._batches}, whose {gas} step input(s) on this rank the loop has not "
+                f"got yet (it got {seen[0]} since the run began, {(self._batches + 1) * gas} needed): scheduler.step() "
+                f"ran before optimizer.step() (call it after the update); or the loop updates after fewer step inputs "
+                f"than gradient_accumulation_steps={gas} ({_SAME_ACCUMULATION}); or the scheduler is stepped more than "
+                f"once per update (HF Accelerate: keep it out of accelerator.prepare(), and under "
+                f"accelerator.accumulate() step it only when accelerator.sync_gradients); or {_RESTORED_APART}"
+            )
+
+    def _check_step(self) -> None:
+        """Raises before a step() past the step inputs the loop got, or too far behind them (NOTE [what is
+        refused]); a refused call leaves everything as it was."""
+        seen = self._loop_got()
+        if seen is None:
+            return
+        got, in_step = seen.got, seen.in_step
+        gas = self._sampler.gradient_accumulation_steps
+        trained = (self._batches + 1) * gas  # this rank's step inputs of the batches trained after this step
+        new = None if self._got_at_step is None else got - self._got_at_step
+        # no update since the last step(), and not a batch's step inputs since: a skipped update explains it only
+        # where the loop may have read them before (a list, workers that read to the epoch's end)
+        again = new is not None and new < gas and in_step
+        if not self._updates_since_step and (trained > got or again):
+            since = "" if new is None else f", and the loop got {new} step inputs"
+            raise RuntimeError(
+                f"VariableBatchSizeLR.step() was called again for one update: no optimizer step ran since the last "
+                f"call (or since the scheduler was made or restored){since}, of a batch's {gas}; call it once per batch, "
+                f"after its update (step(skipped=True) for an update AMP skipped). HF Accelerate: keep the scheduler "
+                f"out of accelerator.prepare() (its wrapper steps it once per process), and under "
+                f"accelerator.accumulate() step it only when accelerator.sync_gradients"
+            )
+        if trained > got:
+            raise RuntimeError(
+                f"VariableBatchSizeLR counts {self._batches + 1} batches, {trained} step inputs on this rank at "
+                f"gradient_accumulation_steps={gas}, but the loop got {got}: it steps the scheduler more than once "
+                f"per update (HF Accelerate: keep it out of accelerator.prepare()), or for fewer step inputs than "
+                f"the sampler's batch ({_SAME_ACCUMULATION}), or {_RESTORED_APART}"
+            )
+        self._check_behind(seen, trained)
+        self._got_at_step = got
+
+    def _check_behind(self, seen: _Got, trained: int) -> None:
+        """Raises when the loop got more than ``slack`` step inputs beyond the ``trained`` ones of the batches
+        trained, or being trained (NOTE [what is refused])."""
+        at_least, slack = seen.at_least, seen.slack
+        gas = self._sampler.gradient_accumulation_steps
+        if at_least is not None and at_least - trained > slack:
+            raise RuntimeError(
+                f"the loop got {at_least} step inputs on this rank but VariableBatchSizeLR counts {trained // gas} "
+                f"batches at gradient_accumulation_steps={gas} ({trained}): {at_least - trained} behind, more than the "
+                f"one batch a loop reads ahead ({slack}). The loop skips updates without telling the scheduler (call "
+                f"step(skipped=True) for them, or step() every iteration; HF Trainer and TRL: varbatch."
+                f"hf_trainer_lr_scheduler; Lightning: 'interval': 'step' in configure_optimizers), or accumulates "
+                f"more step inputs than the sampler's batch ({_SAME_ACCUMULATION}), or cut an epoch it had handed out "
+                f"whole (call step(0) at the next epoch's start), or reads ahead through a prefetcher of its own "
+                f"(declare its depth: make_dataloader(..., read_ahead=step inputs)), or {_RESTORED_APART}"
+            )
 
     # -- an engine's skips ------------------------------------------------------------------------------------------
 
     def _follow_skipped_steps(self, skipped: Callable[[], int]) -> None:
         """Takes an adapter's count of the updates a trainer skipped without stepping this scheduler (the DeepSpeed
-        glue's): each moves b on, t stays. It is read before each update, at each `step`, when the sampler's epoch is
-        set (so a skip in an epoch's last update is counted before the epoch is squared) and by `state_dict`, which
-        saves the last count read."""
+        glue's): each moves b on, t stays. It is read whenever b is brought up to date (`_catch_up`: before each
+        update and forward, at each `step`, at each query), and `state_dict` saves the last count read."""
         self._skipped, self._skipped_seen = skipped, skipped()
-
-    def _follow_engine(self) -> bool:
-        """Moves b on by the steps the engine skipped since the last look; True if it wrote the LRs."""
-        if self._skipped is None:
-            return False
-        count = self._skipped()
-        new, self._skipped_seen = count - self._skipped_seen, count
-        if new <= 0:
-            return False
-        self._batches += new
-        self._write()
-        return True
+        self._engine_steps = True
 
     # -- state ----------------------------------------------------------------------------------------------------
 
@@ -2527,7 +2618,7 @@ class VariableBatchSizeLR(LRScheduler):
     def state_dict(self):
         """Torch's position and LRs, b, and the wrapped scheduler's state: plain data but for what that scheduler
         keeps (MultiStepLR's milestones are a Counter: save with torch.save, not JSON)."""
-        self._follow_engine()
+        self._catch_up()
         state = {key: copy.deepcopy(value) for key, value in super().state_dict().items() if key in self._STATE}
         return {
             **state,
@@ -2544,8 +2635,29 @@ class VariableBatchSizeLR(LRScheduler):
         if self._base is not None:
             self._base.load_state_dict(copy.deepcopy(state_dict["base_lr_scheduler"]))
         super().load_state_dict({key: copy.deepcopy(state_dict[key]) for key in self._STATE})
-        self._mark()  # checked again from the step inputs handed out after the restore
+        self._start_checks()  # checked again from the step inputs handed out after the restore
+        self._updates_since_step = 0
         self._write()
+
+
+class _Got(typing.NamedTuple):
+    """What a loop got of the training pass, as `VariableBatchSizeLR._loop_got` sees it (NOTE [what is refused])."""
+
+    got: int  # this rank's step inputs from the run's start: exact, or an upper bound
+    at_least: int | None  # a lower bound over make_dataloader's loader (None elsewhere: no lag check)
+    slack: int  # the step inputs beyond the batch trained that a loop may have read ahead
+    in_step: bool  # whether ``got`` grows with each step input the loop takes (else it may have read to the end)
+
+
+# The optimizer each VariableBatchSizeLR scales, and the last one made on it: a new one detaches the one before.
+_WRAPPERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+# The other cause of a scheduler ahead of or behind the step inputs (three messages).
+_RESTORED_APART = (
+    "the scheduler and the sampler were restored from different points of the run (restore both from one "
+    "checkpoint; HF Accelerate's prepared loader sets the epoch to its own count of passes, 0 after a restart, "
+    "unless you call loader.set_epoch(epoch))"
+)
 
 
 def _weakly(method: Callable) -> Callable:
@@ -3513,6 +3625,7 @@ def make_dataloader(
     num_workers=0,
     pin_memory=False,
     dataloader_class=None,
+    read_ahead=0,
     **dataloader_kwargs,
 ) -> DataLoader:
     """A `DataLoader` over ``batch_sampler``'s step inputs: ``collate_fn(samples)`` for each (the list without one).
@@ -3530,7 +3643,9 @@ def make_dataloader(
     workers (also spawned), ``pin_memory`` and ``persistent_workers``, under
     torchrun, DeepSpeed, HF Accelerate's ``prepare`` and Lightning (see README);
     ``dataloader_class`` (a DataLoader subclass, e.g. torchdata's
-    ``StatefulDataLoader``) replaces torch's. ``loader.variable_batch_sampler``
+    ``StatefulDataLoader``) replaces torch's. ``read_ahead``: the step inputs
+    the loop reads ahead of the batch it trains beyond one batch, through a
+    prefetcher of its own (its depth: NOTE [what is refused]). ``loader.variable_batch_sampler``
     is ``batch_sampler``. Under torch.distributed with ``num_replicas > 1`` it is
     a collective: every process calls it, and the processes check that they
     planned the same epoch (see `_check_ranks_agree`).
@@ -3552,6 +3667,7 @@ def make_dataloader(
         taken.append("in_order")
     if taken:
         raise TypeError(f"make_dataloader got {taken}, which the VariableBatchSampler decides; leave them out")
+    read_ahead = _check_int("read_ahead", read_ahead, fix="the step inputs a prefetcher of the loop reads ahead")
     seqlens = batch_sampler.seqlens
     if hasattr(dataset, "__len__") and seqlens is not None and len(dataset) != len(seqlens):
         raise ValueError(
@@ -3574,22 +3690,20 @@ def make_dataloader(
             bases = (_RestoresAtOnce, *bases)
         loader_class = type(f"_{dataloader_class.__name__}", bases, {})
     load_step_input = _LoadStepInput(dataset, settings, batch_sampler.rank, collate_fn, sample_padding_fn)
+    prefetch_factor = dataloader_kwargs.get("prefetch_factor") or 2 if num_workers else 0
+    read_ahead = {"workers_read_ahead": num_workers * prefetch_factor, "read_ahead": read_ahead}
     loader = loader_class(
         _KeyDataset(batch_sampler),
         batch_size=1,
-        sampler=_StepInputKeys(batch_sampler, every_rank=True, batched=False),
+        sampler=_StepInputKeys(batch_sampler, every_rank=True, batched=False, **read_ahead),
         num_workers=num_workers,
         pin_memory=pin_memory,
         collate_fn=load_step_input,
         **dataloader_kwargs,
     )
     # see NOTE [the loader deals itself]
-    loader._local = _StepInputKeys(batch_sampler, every_rank=False, batched=True)
+    loader._local = _StepInputKeys(batch_sampler, every_rank=False, batched=True, **read_ahead)
     loader.variable_batch_sampler = batch_sampler
-    # What this loader's workers read ahead of the loop, and one step input a loop that fetches one batch ahead
-    # reads (HF Accelerate's and Lightning's): see NOTE [misuse, seen from the loader].
-    prefetch = loader.prefetch_factor if num_workers else 0
-    batch_sampler._read_ahead = max(batch_sampler._read_ahead, num_workers * prefetch + 1)
     if batch_sampler.num_replicas > 1 and _world()[1] > 1:  # one plan dealt over ranks: every process planned it?
         _check_ranks_agree(batch_sampler)
     return loader
@@ -3621,6 +3735,28 @@ class _Loader(DataLoader):
     anyway) lacks this rank's keys and refuses to iterate; `_LoadStepInput`
     checks the dealing, so any other re-dealing fails at the first batch.
     """
+
+    def __iter__(self):
+        """Torch's iterator, whose count of what it yielded the loop the pass reads (NOTE [what is refused]).
+
+        With ``persistent_workers`` torch keeps one iterator and restarts it at
+        each ``iter()`` (torch/utils/data/dataloader.py, ``DataLoader.__iter__``):
+        a second pass while one is open would take the training pass's place.
+        """
+        training = self.variable_batch_sampler._training
+        open_here = training is not None and training.is_open and training.count is not None
+        if self.persistent_workers and open_here and training.count.source is self.__dict__.get("_local"):
+            raise RuntimeError(
+                "a second pass over this loader while its training pass is open: with persistent_workers=True "
+                "torch restarts the one iterator, so the training pass would stop where it is; iterate a second "
+                "loader (make_dataloader again, on the same sampler) for a side pass, or set persistent_workers="
+                "False"
+            )
+        iterator = super().__iter__()
+        keys = getattr(iterator, "_sampler_iter", None)
+        if isinstance(keys, _KeyIterator):
+            keys.count.follow(iterator)
+        return iterator
 
     @property
     def _index_sampler(self):
@@ -3674,20 +3810,28 @@ class _StepInputKey(typing.NamedTuple):
     every_rank: bool = False  # from the view of every rank's step inputs that launchers deal (see `_StepInputKeys`)
 
 
-def _step_input_keys(sampler: VariableBatchSampler, every_rank: bool) -> Iterator[_StepInputKey]:
+def _step_input_keys(sampler: VariableBatchSampler, every_rank: bool, count: _LoopCount) -> Iterator[_StepInputKey]:
     """A pass of ``sampler`` as the loader reads it: the `_StepInputKey` of each of this rank's step inputs (with
     ``every_rank``, of every rank's, in the order g = 0, 1, ...), dealt as `VariableBatchSampler.__iter__` deals
     them; this rank's move the position on as they are handed out.
 
     A key holds the step input's sample ids, their seqlens, the length to pad
     them to, and where the pass dealt it, by which `_LoadStepInput` checks the
-    dealing.
+    dealing. ``count`` is the pass's `_LoopCount`.
     """
-    epoch, start, position = sampler._begin_pass()
+    current = sampler._start_pass(count)
+    try:
+        yield from _pass_keys(sampler, current, every_rank)
+    finally:
+        sampler._close(current)
+
+
+def _pass_keys(sampler: VariableBatchSampler, current: _Pass, every_rank: bool) -> Iterator[_StepInputKey]:
+    """The keys of the pass ``current`` (see `_step_input_keys`)."""
+    epoch, start = current.epoch, current.start
     plan = sampler.plan_for_epoch(epoch)
     m, ranks = sampler.micro_batch_size, sampler.num_replicas
     rank = sampler.rank
-    total = len(sampler)  # read once: a key costs less than len()
     for steps, ids, bounds in sampler._runs(epoch, start):
         first = steps.start * ranks  # the run's first step input g, of any rank
         lens = None if sampler.seqlens is None else sampler.seqlens[ids].tolist()
@@ -3696,7 +3840,7 @@ def _step_input_keys(sampler: VariableBatchSampler, every_rank: bool) -> Iterato
         for t in steps:
             dealt = range(t * ranks, (t + 1) * ranks) if every_rank else (t * ranks + rank,)
             for g in dealt:
-                if g % ranks == rank and not sampler._hand_out(position, t + 1, total):  # this rank's t-th
+                if g % ranks == rank and not sampler._hand_out(current, t + 1):  # this rank's t-th
                     return
                 a, b = bounds[g - first], bounds[g - first + 1]
                 yield _StepInputKey(
@@ -3704,7 +3848,7 @@ def _step_input_keys(sampler: VariableBatchSampler, every_rank: bool) -> Iterato
                     seqlens=None if lens is None else tuple(lens[a:b]),
                     pad_to=0 if pad_to is None else pad_to[g - first],
                     epoch=epoch,
-                    pass_number=position.number,
+                    pass_number=current.number,
                     pass_start=start,
                     step_input=g,
                     every_rank=every_rank,  # marked, so that the dealing check can tell a view that was not dealt
@@ -3717,19 +3861,27 @@ class _StepInputKeys(DistributedSampler):
     (a batch sampler's batch of one), else the keys themselves (a sampler a loader batches by one).
 
     A `DistributedSampler` in type only (its ``__init__`` is not called): see NOTE [the loader deals itself]. Its
-    state is ``sampler``'s, which torchdata's StatefulDataLoader saves with the loader's.
+    state is ``sampler``'s, which torchdata's StatefulDataLoader saves with the loader's. ``workers_read_ahead``
+    and ``read_ahead``: what the loader's workers and the loop read ahead (NOTE [what is refused]).
     """
 
-    def __init__(self, sampler: VariableBatchSampler, *, every_rank: bool, batched: bool):
+    def __init__(
+        self,
+        sampler: VariableBatchSampler,
+        *,
+        every_rank: bool,
+        batched: bool,
+        workers_read_ahead: int = 0,
+        read_ahead: int = 0,
+    ):
         self.variable_batch_sampler = sampler
         self.every_rank = every_rank
         self.batched = batched
+        self.workers_read_ahead = workers_read_ahead
+        self.read_ahead = read_ahead
 
     def __iter__(self):
-        keys = _step_input_keys(self.variable_batch_sampler, self.every_rank)
-        if self.batched:
-            return ([key] for key in keys)
-        return keys
+        return _KeyIterator(self)
 
     def __len__(self):
         sampler = self.variable_batch_sampler
@@ -3743,6 +3895,46 @@ class _StepInputKeys(DistributedSampler):
 
     def load_state_dict(self, state_dict):
         self.variable_batch_sampler.load_state_dict(state_dict)
+
+
+class _KeyIterator:
+    """An iterator over the keys of one pass of a `_StepInputKeys` (``[key]`` each when batched), with the pass's
+    `_LoopCount`. It holds the keys' generator and nothing holds it back: when torch drops it (a ``break``), the
+    generator closes and the pass with it."""
+
+    def __init__(self, keys: _StepInputKeys):
+        self.batched = keys.batched
+        self.count = _LoopCount(keys)
+        self._keys = _step_input_keys(keys.variable_batch_sampler, keys.every_rank, self.count)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        key = next(self._keys)
+        return [key] if self.batched else key
+
+
+class _LoopCount:
+    """What a loader's pass gave the loop: what torch's iterator over make_dataloader's loader yielded since the
+    pass started (`_Loader.__iter__` makes it follow that iterator), unknown in a loader a launcher rebuilt; and
+    what the loader's workers and the loop read ahead. Holds no reference to the pass's keys (see `_KeyIterator`)."""
+
+    def __init__(self, keys: _StepInputKeys):
+        self.source = keys
+        self.workers_read_ahead = keys.workers_read_ahead
+        self.read_ahead = keys.read_ahead
+        self._iterator = None  # a weak reference to torch's iterator, and its count of yields when the pass started
+
+    def follow(self, iterator: Any) -> None:
+        self._iterator = (weakref.ref(iterator), iterator._num_yielded)
+
+    def yielded(self) -> int | None:
+        """Step inputs the loader's iterator gave the loop since the pass started; None where unknown."""
+        iterator = None if self._iterator is None else self._iterator[0]()
+        if iterator is None:
+            return None
+        return iterator._num_yielded - self._iterator[1]
 
 
 class _RestoresAtOnce:
@@ -3992,6 +4184,8 @@ def hf_trainer_lr_scheduler(trainer, lr_scheduler, base_batch_size, batch_sizes,
             f"self.args.gradient_accumulation_steps"
         )
     scheduler = VariableBatchSizeLR(lr_scheduler, base_batch_size, batch_sizes, **options)
+    # Under DeepSpeed the engine steps the scheduler, and ZeRO its inner optimizer once per parameter group.
+    scheduler._engine_steps = bool(getattr(trainer, "is_deepspeed_enabled", False))
 
     class TellSkippedUpdates(transformers.TrainerCallback):
         """Moves b on to ``state.global_step`` (see NOTE [HF Trainer's skipped updates])."""
@@ -4367,7 +4561,7 @@ def get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
     pipeline = grid is not None and hasattr(engine, "train_batch")
     base = engine.lr_scheduler if getattr(engine, "lr_scheduler", None) is not None else engine.optimizer
     if isinstance(base, VariableBatchSizeLR):  # called again: scale the original schedule, not the scaled one
-        base._remove_hooks()
+        base._detach()
         for group, lr in zip(base.optimizer.param_groups, base._unscaled):
             group["lr"] = lr
         base = base._base if base._base is not None else base.optimizer
@@ -4398,8 +4592,13 @@ def get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
     if scheduler is not None:
         engine.lr_scheduler = scheduler
         # The DeepSpeed adapter: on an fp16 overflow the engine adds to its skipped_steps and steps neither the
-        # optimizer nor this scheduler, but the data moves on; engine.load_checkpoint restores skipped_steps.
+        # optimizer nor this scheduler, but the data moves on; engine.load_checkpoint restores skipped_steps. The
+        # engine steps the scheduler itself. Before each forward the scheduler catches up with the skips, so that
+        # engine.get_lr() between a forward and its step shows the LR that step applies.
         scheduler._follow_skipped_steps(lambda: int(getattr(engine, "skipped_steps", 0)))
+        module = getattr(engine, "module", None)
+        if isinstance(module, torch.nn.Module):
+            module.register_forward_pre_hook(_weakly(scheduler._before_forward))
     return loader, scheduler, io_kwargs
 
 
