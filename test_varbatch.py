@@ -22,6 +22,7 @@ import json
 import math
 import os
 import pickle
+import queue
 import re
 import runpy
 import shutil
@@ -30,6 +31,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import types
 import unittest.mock
@@ -3357,10 +3359,10 @@ for epoch in range(2):
     for i, (x, lengths) in enumerate(loader):
         if i % gas == 0:
             before = engine.get_lr()[0]  # what a loop that never asks the scheduler reads before its forward pass
-            starts.append([epoch, i // gas, scheduler.steps_in_epoch, scheduler.get_last_lr()[0], before])
         loss = engine(x).sum()
         if i % gas == 0:
-            starts[-1].append(engine.get_lr()[0])  # after the forward pass, as DeepSpeed's monitor logs it
+            engine_lr = engine.get_lr()[0]  # after the forward pass, nothing of varbatch's touched since the step
+            starts.append([epoch, i // gas, scheduler.steps_in_epoch, scheduler.get_last_lr()[0], before, engine_lr])
         engine.backward(loss)
         if i % gas == gas - 1:
             engine.optimizer.overflow = batch in overflow_at  # what DeepSpeed's fp16 optimizer sets
@@ -3439,7 +3441,9 @@ def test_fp16_overflow_lr_follows_the_batch_trained(overflow_run):
 
 
 def test_fp16_overflow_scheduler_position_follows_the_batches(overflow_run):
-    """After skipped steps, steps_in_epoch and get_last_lr() at a batch's start are that batch's."""
+    """After skipped steps, steps_in_epoch and get_last_lr() at a batch's start are that batch's, and so is
+    engine.get_lr() read between the batch's forward and its step, nothing of varbatch's touched since the step
+    before (the glue's forward pre-hook catches the scheduler up with the engine's skips)."""
     out, batches, expected = overflow_run
     assert [(e, b) for e, b, *_ in out["starts"]] == batches
     for j, (e, b, steps_in_epoch, last_lr, _, engine_lr) in enumerate(out["starts"]):
@@ -3845,6 +3849,302 @@ def test_skips_never_told_are_refused_once_they_outrun_the_read_ahead(workers):
     assert error is not None and "step(skipped=True)" in str(error), error
     seen_at = sorted(skips)[ahead] + 1  # the update after the (W + 1)-th untold skip
     assert began <= seen_at + 1, f"refused at update {began}, the {ahead + 1}-th untold skip was at {seen_at - 1}"
+
+
+# -- correct loops train exactly: training and side passes (NOTE [training and side passes]) ----------------------
+
+_LOOP_SEQLENS = _lengths(90, 2, 30, seed=31)
+
+
+class _Prefetcher:
+    """A loop's own prefetcher: a thread reads ``depth`` items ahead of the loop from ``source`` (what people write to
+    overlap loading with compute)."""
+
+    def __init__(self, source, depth):
+        self.source, self.depth = source, depth
+
+    def __iter__(self):
+        items = queue.Queue(self.depth)
+        done = object()
+
+        def fill():
+            for item in self.source:
+                items.put(item)
+            items.put(done)
+
+        thread = threading.Thread(target=fill, daemon=True)
+        thread.start()
+        while (item := items.get()) is not done:
+            yield item
+        thread.join()
+
+
+def _loop_source(source, sampler, dataset, workers):
+    """The loop's source of step inputs (each a list of samples) and the extra make_dataloader arguments it needs."""
+    if source == "list(sampler)":
+        return lambda: [[dataset[i] for i in ids] for ids in list(sampler)]
+    if source == "the sampler":
+        return lambda: ([dataset[i] for i in ids] for ids in sampler)
+    if source == "torch's DataLoader":
+        loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=workers, collate_fn=list)
+        return lambda: loader
+    depth = 3 if source == "a prefetcher" else 0
+    loader = make_dataloader(dataset, sampler, num_workers=workers, read_ahead=depth)
+    if depth:
+        return lambda: _Prefetcher(loader, depth)
+    return lambda: loader
+
+
+def _correct_loop(source, *, workers=0, gas=1, epochs=2, peeks=(), side_every=None, cut=None, tell_cut=False):
+    """A correct loop over ``source``: it sets each epoch before its pass, accumulates the sampler's G step inputs an
+    update and steps the scheduler after each. ``peeks``: epochs set (and their plans read) before training;
+    ``side_every``: a loss pass over the training set every so many updates, through the same source; ``cut``: the
+    updates of epoch 0 after which the loop breaks (told with step(0) where ``tell_cut``).
+    Returns (sampler, [(LR applied, [(epoch, sample id)])], the samples trained per epoch)."""
+    sampler = VariableBatchSampler(
+        _LOOP_SEQLENS, 64, gradient_accumulation_steps=gas, num_replicas=1, order="random", seed=5
+    )
+    dataset = _id_dataset(_LOOP_SEQLENS)
+    passes = _loop_source(source, sampler, dataset, workers)
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([param], lr=_BASE_LR)
+    scheduler = VariableBatchSizeLR(optimizer, "mean", sampler)
+    updates, trained = [], []
+    optimizer.register_step_pre_hook(lambda opt, args, kwargs: updates.append((opt.param_groups[0]["lr"], trained[:])))
+    for epoch in peeks:  # queries: they move nothing
+        sampler.set_epoch(epoch)
+        assert sampler.plan.epoch == epoch and len(sampler) > 0 and sampler.horizon(1, "samples") > 0
+    per_epoch = {}
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        if tell_cut:
+            scheduler.step(0)
+        for i, samples in enumerate(passes()):
+            ids = [int(sample[0]) - 1 for sample in samples]
+            trained.extend((epoch, k) for k in ids)
+            per_epoch.setdefault(epoch, []).extend(ids)
+            (param * len(ids)).sum().backward()
+            if (i + 1) % gas:
+                continue
+            optimizer.step()
+            optimizer.zero_grad()
+            scheduler.step()
+            trained.clear()
+            if side_every and len(updates) % side_every == 0:
+                with torch.no_grad():
+                    side = sum(len(samples) for samples in passes())
+                assert source != "make_dataloader" or side == sum(sampler.plan.batch_sizes)
+            if epoch == 0 and cut is not None and len(updates) == cut:
+                break
+    return sampler, updates, per_epoch
+
+
+def _assert_exact(sampler, updates, per_epoch, cut=None):
+    """Every update at its batch's LR (of one batch), and every planned sample of each epoch trained once."""
+    assert not _updates_off(sampler, updates), "updates at another batch's LR"
+    for epoch, ids in per_epoch.items():
+        planned = sampler.plan_for_epoch(epoch).sample_ids.tolist()
+        if epoch == 0 and cut is not None:
+            assert len(ids) == len(set(ids)) and set(ids) <= set(planned)
+        else:
+            assert sorted(ids) == sorted(planned), f"epoch {epoch}: trained {len(ids)} of {len(planned)} planned"
+
+
+_SOURCES = ["make_dataloader", "torch's DataLoader", "list(sampler)", "the sampler", "a prefetcher"]
+
+
+@pytest.mark.parametrize("source", _SOURCES)
+@pytest.mark.parametrize("gas", [1, 2])
+def test_correct_loops_over_every_source_train_exactly(source, gas):
+    """A textbook loop over make_dataloader's loader, torch's DataLoader over the sampler, an epoch made a list first,
+    the sampler iterated directly, or a prefetcher of its own (read_ahead declared): every update at its batch's LR,
+    every sample once, with epochs peeked at first (set_epoch(1..3)) and a train-set loss pass every 5 updates (but
+    through a prefetcher, which may have read the training pass to its end: the README says to use a sampler of its
+    own there)."""
+    side_every = None if source == "a prefetcher" else 5
+    sampler, updates, per_epoch = _correct_loop(source, gas=gas, peeks=(1, 3, 2), side_every=side_every)
+    assert len(updates) == 2 * len(sampler) // gas
+    _assert_exact(sampler, updates, per_epoch)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source", ["make_dataloader", "torch's DataLoader", "a prefetcher"])
+def test_correct_loops_with_workers_train_exactly(source):
+    """The same loops with 2 loader workers reading ahead: exact."""
+    side_every = None if source == "a prefetcher" else 7
+    sampler, updates, per_epoch = _correct_loop(source, workers=2, gas=2, peeks=(2,), side_every=side_every)
+    assert len(updates) == len(sampler)
+    _assert_exact(sampler, updates, per_epoch)
+
+
+@pytest.mark.parametrize("source, workers, tell_cut", [("make_dataloader", 0, False), ("list(sampler)", 0, True)])
+def test_an_epoch_cut_is_squared_or_told_and_the_next_trains_exactly(source, workers, tell_cut):
+    """A loop that breaks out of epoch 0: over make_dataloader's loader the epoch is squared at the next epoch's first
+    update; over a list, handed out whole, the loop says so with step(0) at the next epoch's start."""
+    sampler, updates, per_epoch = _correct_loop(source, workers=workers, epochs=3, cut=3, tell_cut=tell_cut)
+    _assert_exact(sampler, updates, per_epoch, cut=3)
+    assert len(updates) == 3 + 2 * len(sampler)
+
+
+@pytest.mark.slow
+def test_an_epoch_cut_with_workers_is_squared():
+    """A ``break`` with 2 workers reading ahead: the next epoch's first update is at its first batch's LR."""
+    sampler, updates, per_epoch = _correct_loop("make_dataloader", workers=2, epochs=2, cut=2)
+    _assert_exact(sampler, updates, per_epoch, cut=2)
+
+
+@given(
+    actions=st.lists(
+        st.sampled_from(["len", "plan", "horizon", "state_dict", "get_last_lr", "peek", "side pass", "set other"]),
+        max_size=6,
+    ),
+    gas=st.sampled_from([1, 2]),
+    epochs=st.integers(1, 3),
+)
+@settings(max_examples=25, deadline=None)
+def test_queries_and_side_passes_between_updates_change_nothing(actions, gas, epochs):
+    """A correct loop that sets each epoch before its pass, with any queries and side passes between its updates
+    (len, plans, horizon, state_dict, get_last_lr, a peek, a whole pass, set_epoch of another epoch and back):
+    every update at its batch's LR and every sample once."""
+    sampler = VariableBatchSampler(_LOOP_SEQLENS, 64, gradient_accumulation_steps=gas, num_replicas=1, seed=5)
+    loader = make_dataloader(_id_dataset(_LOOP_SEQLENS), sampler)
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([param], lr=_BASE_LR)
+    scheduler = VariableBatchSizeLR(optimizer, "mean", sampler)
+    updates, trained, per_epoch = [], [], {}
+    optimizer.register_step_pre_hook(lambda opt, args, kwargs: updates.append((opt.param_groups[0]["lr"], trained[:])))
+
+    def query(action, epoch):
+        if action == "len":
+            assert len(sampler) == len(loader)
+        elif action == "plan":
+            sampler.plan_for_epoch(epoch + 1)
+        elif action == "horizon":
+            sampler.horizon(2, "samples")
+        elif action == "state_dict":
+            sampler.state_dict(), scheduler.state_dict()
+        elif action == "get_last_lr":
+            scheduler.get_last_lr()
+        elif action == "peek":
+            next(iter(loader))
+        elif action == "side pass":
+            assert sum(len(samples) for samples in loader) == sum(sampler.plan.batch_sizes)
+        else:
+            sampler.set_epoch(epoch + 2)
+            sampler.set_epoch(epoch)
+
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        for i, samples in enumerate(loader):
+            ids = [int(sample[0]) - 1 for sample in samples]
+            trained.extend((epoch, k) for k in ids)
+            per_epoch.setdefault(epoch, []).extend(ids)
+            if (i + 1) % gas:
+                continue
+            optimizer.step()
+            scheduler.step()
+            trained.clear()
+            query(actions[len(updates) % len(actions)] if actions else "len", epoch)
+    assert len(updates) == epochs * len(sampler) // gas
+    _assert_exact(sampler, updates, per_epoch)
+
+
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
+def test_the_scheduler_stepped_before_the_optimizer_is_refused_at_the_first_update(workers):
+    """scheduler.step() before optimizer.step() over make_dataloader's loader, workers reading ahead or not: refused at
+    the first update, before the optimizer moves, naming the order."""
+    sampler = VariableBatchSampler(_LOOP_SEQLENS, 64, num_replicas=1, seed=5)
+    loader = make_dataloader(_id_dataset(_LOOP_SEQLENS), sampler, num_workers=workers)
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([param], lr=_BASE_LR)
+    scheduler = VariableBatchSizeLR(optimizer, "mean", sampler)
+    (param * 2).sum().backward()
+    next_batch = iter(loader)
+    next(next_batch)
+    scheduler.step()
+    with pytest.raises(RuntimeError, match=re.escape("scheduler.step() ran before optimizer.step()")):
+        optimizer.step()
+    assert param.item() == 0
+
+
+def test_an_untold_skip_is_refused_at_the_second_and_one_alone_stays_unseen():
+    """A loop that skips an update without telling the scheduler, once per epoch (G = 1, make_dataloader's loader): the
+    first untold skip is within the slack of one batch (unseen, as the README says), the second is refused, naming
+    step(skipped=True)."""
+    sampler = VariableBatchSampler(_LOOP_SEQLENS, 64, num_replicas=1, seed=5)
+    loader = make_dataloader(_id_dataset(_LOOP_SEQLENS), sampler)
+    optimizer = _optimizer()
+    scheduler = VariableBatchSizeLR(optimizer, "mean", sampler)
+    updates = 0
+    with pytest.raises(RuntimeError, match=re.escape("step(skipped=True)")):
+        for epoch in range(3):
+            sampler.set_epoch(epoch)
+            for i, _ in enumerate(loader):
+                if i == 4:
+                    continue  # skipped, untold
+                optimizer.step()
+                scheduler.step()
+                updates += 1
+    assert epoch == 1 and updates < 2 * len(sampler)
+
+
+def test_a_scheduler_stepped_once_per_epoch_is_refused_at_the_second_update():
+    """scheduler.step() once per epoch, not once per update: refused at the second update, before it moves a
+    parameter; two updates of one batch (SAM's) are not refused."""
+    sampler = VariableBatchSampler(_LOOP_SEQLENS, 64, num_replicas=1, seed=5)
+    loader = make_dataloader(_id_dataset(_LOOP_SEQLENS), sampler)
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([param], lr=_BASE_LR)
+    scheduler = VariableBatchSizeLR(optimizer, "mean", sampler)
+    batches = iter(loader)
+    next(batches)
+    for _ in range(2):  # SAM: two updates of one batch
+        (param * 1).sum().backward()
+        optimizer.step()
+    next(batches)
+    (param * 1).sum().backward()
+    before = param.item()
+    with pytest.raises(RuntimeError, match=re.escape("not once per epoch or every other update")):
+        optimizer.step()
+    assert param.item() == before and scheduler.batches_trained == 0
+
+
+def test_a_second_wrapper_on_an_optimizer_detaches_the_first():
+    """Two VariableBatchSizeLR on one optimizer (as torch's tests stack two schedulers): the second detaches the
+    first, whose next step() raises naming ChainedScheduler; one wrapper over ChainedScheduler trains both decays."""
+    sampler = VariableBatchSampler(_LOOP_SEQLENS, 64, num_replicas=1, seed=5)
+    optimizer = _optimizer()
+    first = VariableBatchSizeLR(torch.optim.lr_scheduler.StepLR(optimizer, 2, 0.5), "mean", sampler)
+    second = VariableBatchSizeLR(torch.optim.lr_scheduler.ExponentialLR(optimizer, 0.9), "mean", sampler)
+    with pytest.raises(RuntimeError, match=re.escape("ChainedScheduler([first, second])")):
+        first.step()
+    second.step()
+    optimizer = _optimizer()
+    chained = torch.optim.lr_scheduler.ChainedScheduler(
+        [torch.optim.lr_scheduler.StepLR(optimizer, 2, 0.5), torch.optim.lr_scheduler.ExponentialLR(optimizer, 0.9)]
+    )
+    scheduler = VariableBatchSizeLR(chained, "mean", sampler)
+    sizes = sampler.plan.batch_sizes
+    for t, _ in zip(range(6), sampler):
+        _check_lr(t, _BASE_LR * 0.5 ** (t // 2) * 0.9**t * sizes[t] / sizes.mean(), scheduler.get_last_lr()[0])
+        optimizer.step()
+        scheduler.step()
+
+
+def test_persistent_workers_refuse_a_second_pass_while_one_is_open():
+    """persistent_workers=True: torch restarts its one iterator at each iter(), so a side pass over the training
+    loader is refused while its training pass is open, naming a second loader; one loader per pass works."""
+    sampler = VariableBatchSampler(_LOOP_SEQLENS, 64, num_replicas=1, seed=5)
+    dataset = _id_dataset(_LOOP_SEQLENS)
+    loader = make_dataloader(dataset, sampler, num_workers=1, persistent_workers=True)
+    training = iter(loader)
+    next(training)
+    with pytest.raises(RuntimeError, match="iterate a second loader"):
+        iter(loader)
+    side = make_dataloader(dataset, sampler)
+    assert sum(len(samples) for samples in side) == sum(sampler.plan.batch_sizes)
+    assert 1 + sum(1 for _ in training) == len(sampler) and sampler.epoch == 1
+    del training
 
 
 # -- horizons and clocks: schedules over epochs of different plans (issue 12) ----------------------

@@ -1822,6 +1822,7 @@ class VariableBatchSampler(Sampler[list[int]]):
         self._alone = False
         # The passes (NOTE [training and side passes]).
         self._selected = 0  # the epoch the next pass iterates: set_epoch's, or the next once one was handed out
+        self._advanced = False  # `_selected` moved on by a pass handed out to its end, not set by the loop
         self._restored: tuple[int, int] | None = None  # (epoch, steps_done) of load_state_dict, until a pass starts
         self._training: _Pass | None = None  # the last training pass
         self._passes = 0  # passes started (their numbers)
@@ -1878,6 +1879,7 @@ class VariableBatchSampler(Sampler[list[int]]):
         at their plans) loses nothing; a pass of another epoch drops it.
         """
         self._selected = _check_int("epoch", epoch)
+        self._advanced = False
 
     def __len__(self) -> int:
         """Step inputs per epoch on this rank: the same on every rank and in every epoch."""
@@ -1942,8 +1944,9 @@ class VariableBatchSampler(Sampler[list[int]]):
         self._passes += 1
         epoch = self._selected
         training = self._training
-        if training is not None and training.is_open and training.epoch == epoch and not self._is_stale(training):
-            return _Pass(self._passes, epoch, 0, self._restores, training=False)
+        open_now = training is not None and training.is_open and not self._is_stale(training)
+        if open_now and (training.epoch == epoch or self._advanced):  # (advanced: handed out, the loop reads it)
+            return _Pass(self._passes, training.epoch, 0, self._restores, training=False)
         start = 0
         if self._restored is not None and self._restored[0] == epoch:
             start = self._restored[1]
@@ -1974,6 +1977,7 @@ class VariableBatchSampler(Sampler[list[int]]):
         self._handed_in_full.add(current.epoch)
         if self._selected == current.epoch:
             self._selected = current.epoch + 1
+            self._advanced = True
 
     def _close(self, current: _Pass) -> None:
         """Marks a pass whose iterator ended or was closed (a ``break``, a dropped iterator) before its end."""
@@ -2046,6 +2050,7 @@ class VariableBatchSampler(Sampler[list[int]]):
         self._restores += 1  # an iterator started before goes stale
         self._restored = (epoch, steps)
         self._selected = epoch
+        self._advanced = False
         self._training = None
         self._handed_in_full |= set(range(epoch))  # by the run that saved it
 
@@ -2104,6 +2109,11 @@ class _Pass:
 
     @property
     def is_open(self) -> bool:
+        """Neither closed nor given to the loop in full. Handed out to its end is given in full, but for a pass of
+        make_dataloader's loader whose iterator the loop still reads (its workers read to the end first)."""
+        if self.state == "handed out" and self.count is not None:
+            yielded = self.count.yielded()
+            return yielded is not None and self.start + yielded < self.steps_done
         return self.state == "open"
 
 
