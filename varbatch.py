@@ -3574,8 +3574,11 @@ def make_dataloader(
             bases = (_RestoresAtOnce, *bases)
         loader_class = type(f"_{dataloader_class.__name__}", bases, {})
     load_step_input = _LoadStepInput(dataset, settings, batch_sampler.rank, collate_fn, sample_padding_fn)
+    # torchdata checks a dataset for state_dict and load_state_dict (its Stateful protocol): see NOTE [the
+    # dataset's own state]
+    stateful = hasattr(dataset, "state_dict") and hasattr(dataset, "load_state_dict")
     loader = loader_class(
-        _KeyDataset(batch_sampler),
+        _StatefulKeyDataset(batch_sampler, dataset) if stateful else _KeyDataset(batch_sampler),
         batch_size=1,
         sampler=_StepInputKeys(batch_sampler, every_rank=True, batched=False),
         num_workers=num_workers,
@@ -3658,6 +3661,38 @@ class _KeyDataset(Dataset):
 
     def __len__(self):  # DeepSpeed's deepspeed_io() takes only datasets that have one
         raise TypeError("varbatch's key dataset has no length: its items are the keys its sampler yields")
+
+
+class _StatefulKeyDataset(_KeyDataset):
+    """A `_KeyDataset` whose ``state_dict``/``load_state_dict`` are the user's dataset's, as they are.
+
+    NOTE [the dataset's own state]: torchdata's StatefulDataLoader saves a
+    map-style dataset's state (an augmentation RNG, a curriculum) with the
+    loader's, and in each worker that worker's copy, when the dataset has
+    both methods (``isinstance(dataset, Stateful)``, a protocol checked by
+    attribute: torchdata/stateful_dataloader/stateful.py). The dataset it sees is
+    this wrapper, so the wrapper has them exactly when the user's dataset does
+    (a `_KeyDataset` has neither: torchdata then saves None, as without
+    varbatch), and forwards them without adding keys. They must reach the very
+    object the samples are read from, `_LoadStepInput`'s ``dataset``: a forked
+    worker inherits both references to one object, and a spawned worker
+    unpickles the loader's dataset and collate in one pickle (the worker
+    process's arguments), whose memo keeps them one object; so ``__reduce__``
+    keeps ``dataset`` (and, as `_KeyDataset`'s, drops the sampler).
+    """
+
+    def __init__(self, sampler: VariableBatchSampler | None, dataset: Any):
+        super().__init__(sampler)
+        self.dataset = dataset
+
+    def __reduce__(self):
+        return (_StatefulKeyDataset, (None, self.dataset))
+
+    def state_dict(self):
+        return self.dataset.state_dict()
+
+    def load_state_dict(self, state_dict):
+        self.dataset.load_state_dict(state_dict)
 
 
 class _StepInputKey(typing.NamedTuple):
