@@ -3632,7 +3632,7 @@ def make_dataloader(
     load_step_input = _LoadStepInput(dataset, settings, batch_sampler.rank, collate_fn, sample_padding_fn)
     # torchdata checks a dataset for state_dict and load_state_dict (its Stateful protocol): see NOTE [the
     # dataset's own state]
-    stateful = hasattr(dataset, "state_dict") and hasattr(dataset, "load_state_dict")
+    stateful = callable(getattr(dataset, "state_dict", None)) and callable(getattr(dataset, "load_state_dict", None))
     loader = loader_class(
         _StatefulKeyDataset(batch_sampler, dataset) if stateful else _KeyDataset(batch_sampler),
         batch_size=1,
