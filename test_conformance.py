@@ -148,7 +148,7 @@ def test_flat_collate_equals_hf_flattening(
 @_PROPERTY
 @given(samples=_hf_samples(), call_separator_id=st.sampled_from([None, -7]))
 def test_flat_collate_leaves_its_samples_as_they_were(samples, call_separator_id):
-    """HF's immutability promise: collating changes no sample (its first label becomes the separator in the row only)."""
+    """HF's immutability promise: collating changes no sample (the separator replaces a first label in the row only)."""
     before = copy.deepcopy(samples)
     FlatCollate(return_flash_attn_kwargs=True, return_seq_idx=True)(samples, separator_id=call_separator_id)
     for sample, original in zip(samples, before):
@@ -257,7 +257,7 @@ def test_flat_collate_refuses_hf_positional_return_tensors_by_name():
     ],
 )
 def test_flat_collate_refuses_edge_inputs_by_name(samples, message):
-    """Edge inputs HF's collator goes on with, silently dropping or misaligning tokens, are refused naming the sample."""
+    """Edge inputs HF's collator goes on with, dropping or misaligning tokens silently, are refused by sample."""
     with pytest.raises(ValueError, match=message):
         FlatCollate()(samples)
 

@@ -3305,14 +3305,12 @@ class FlatCollate:
         self.return_seq_idx, self.pad_value = return_seq_idx, pad_value
         for name in ("return_position_ids", "return_flash_attn_kwargs", "return_seq_idx"):
             value = getattr(self, name)
-            if not isinstance(value, bool):
-                # HF's collators take return_tensors as their first positional argument: FlatCollate("pt")
-                hint = (
-                    "; pass return_tensors by keyword: FlatCollate(return_tensors='pt')"
-                    if isinstance(value, str)
-                    else ""
-                )
-                raise TypeError(f"{name} should be a bool, but got {name}={value!r}{hint}")
+            if isinstance(value, bool):
+                continue
+            hint = ""
+            if isinstance(value, str):  # HF's collators take return_tensors first: FlatCollate("pt")
+                hint = "; pass return_tensors by keyword: FlatCollate(return_tensors='pt')"
+            raise TypeError(f"{name} should be a bool, but got {name}={value!r}{hint}")
         self.separator_id = _check_int("separator_id", separator_id, -(2**63), 2**63 - 1)
         self.position_ids_start = _check_int("position_ids_start", position_ids_start)
         self.return_tensors = _check_return_tensors(return_tensors)
@@ -3373,10 +3371,10 @@ class FlatCollate:
         """`DataCollatorWithFlattening`'s keys, dtypes and values for HF-style samples (and a padding segment).
 
         Where HF's collator goes on with samples it cannot align (it drops an
-        empty sample, reads labels only if the first sample has them, and shifts
-        every later label by a sample whose labels are shorter than its
-        input_ids), these are refused: each would train other tokens than the
-        user meant, silently.
+        empty sample, takes labels from all samples or none as the first sample
+        has them, and shifts every later label by a sample whose labels are
+        shorter than its input_ids), these are refused: each would silently
+        train other tokens than the user meant.
         """
         labelled = ["labels" in sample for sample in samples]
         if not all(labelled) and any(labelled):
@@ -3586,8 +3584,10 @@ def make_dataloader(
     workers (also spawned), ``pin_memory`` and ``persistent_workers``, under
     torchrun, DeepSpeed, HF Accelerate's ``prepare`` and Lightning (see README);
     ``dataloader_class`` (a DataLoader subclass, e.g. torchdata's
-    ``StatefulDataLoader``) replaces torch's. ``loader.variable_batch_sampler``
-    is ``batch_sampler``. Under torch.distributed with ``num_replicas > 1`` it is
+    ``StatefulDataLoader``) replaces torch's; a dataset with ``state_dict`` and
+    ``load_state_dict`` (an augmentation RNG) has its state saved and restored by
+    it as without varbatch (see NOTE [the dataset's own state]).
+    ``loader.variable_batch_sampler`` is ``batch_sampler``. Under torch.distributed with ``num_replicas > 1`` it is
     a collective: every process calls it, and the processes check that they
     planned the same epoch (see `_check_ranks_agree`).
 
