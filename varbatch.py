@@ -3400,7 +3400,9 @@ class FlatCollate:
     T x ...``, with ``cu_seqlens`` (int32, ``n + 1`` offsets), ``max_seqlen`` (an int) and ``position_ids`` (``1
     x T``) for its ``seqlens``. A sample longer than its planned seqlen (``seqlens``) is refused: it could break
     its row's bound. ``pad_value`` (a number, or a field -> number dict) fills a pipeline row's padding segment
-    (see NOTE [the flat row]).
+    (see NOTE [the flat row]). As HF's collators, it takes ``return_tensors`` (keyword-only, at construction and at
+    call; ``"pt"``, the one kind it returns) and, at call, ``separator_id`` (keyword-only); ``seqlens`` stays the
+    call's second parameter.
 
     Example:
         >>> FlatCollate()([{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}])["position_ids"]
@@ -3418,20 +3420,48 @@ class FlatCollate:
         return_seq_idx=False,
         position_ids_start=0,
         pad_value=0,
+        *,
+        return_tensors="pt",
     ):
         self.return_position_ids, self.return_flash_attn_kwargs = return_position_ids, return_flash_attn_kwargs
         self.return_seq_idx, self.pad_value = return_seq_idx, pad_value
         for name in ("return_position_ids", "return_flash_attn_kwargs", "return_seq_idx"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} should be a bool, but got {name}={getattr(self, name)!r}")
+            value = getattr(self, name)
+            if isinstance(value, bool):
+                continue
+            hint = ""
+            if isinstance(value, str):  # HF's collators take return_tensors first: FlatCollate("pt")
+                hint = "; pass return_tensors by keyword: FlatCollate(return_tensors='pt')"
+            raise TypeError(f"{name} should be a bool, but got {name}={value!r}{hint}")
         self.separator_id = _check_int("separator_id", separator_id, -(2**63), 2**63 - 1)
         self.position_ids_start = _check_int("position_ids_start", position_ids_start)
+        self.return_tensors = _check_return_tensors(return_tensors)
 
-    def __call__(self, samples, seqlens=None):
+    def __call__(self, samples, seqlens=None, *, return_tensors=None, separator_id=None):
+        """Collates ``samples`` into one flat row.
+
+        Args:
+            samples: the samples of a step input.
+            seqlens: their planned seqlens (`make_dataloader` passes them), each a bound on its sample's length.
+            return_tensors: ``"pt"``, or None for the construction's (HF's collators take it here too).
+            separator_id: each sample's first label and the labels of a pipeline row's padding, or None for the
+                construction's.
+        """
+        if isinstance(seqlens, (str, bytes)):  # HF's collators take return_tensors second: collate(samples, "pt")
+            raise TypeError(
+                f"seqlens should be the samples' planned seqlens (a sequence of ints) or None, but got "
+                f"seqlens={seqlens!r}; pass return_tensors by keyword: collate(samples, return_tensors={seqlens!r})"
+            )
+        if return_tensors is not None:
+            _check_return_tensors(return_tensors)
+        if separator_id is None:
+            separator_id = self.separator_id
+        else:
+            separator_id = _check_int("separator_id", separator_id, -(2**63), 2**63 - 1)
         if len(samples) == 0:
             raise ValueError("FlatCollate got an empty list of samples")
         if isinstance(samples[0], Mapping) and "input_ids" in samples[0]:
-            return self._hf_row(samples, seqlens)
+            return self._hf_row(samples, seqlens, separator_id)
         columns = _columns(samples, "FlatCollate")
         tensors = [[_as_tensor(value) for value in values] for _, values in columns]
         lengths = None
@@ -3459,8 +3489,15 @@ class FlatCollate:
             return (*out, *flat)
         return {**{key: field for (key, _), field in zip(columns, out)}, **dict(zip(_FLAT_KEYS, flat))}
 
-    def _hf_row(self, samples: list, seqlens: Any) -> dict:
-        """`DataCollatorWithFlattening`'s keys, dtypes and values for HF-style samples (and a padding segment)."""
+    def _hf_row(self, samples: list, seqlens: Any, separator_id: int) -> dict:
+        """`DataCollatorWithFlattening`'s keys, dtypes and values for HF-style samples (and a padding segment).
+
+        Where HF's collator goes on with samples it cannot align (it drops an
+        empty sample, takes labels from all samples or none as the first sample
+        has them, and shifts every later label by a sample whose labels are
+        shorter than its input_ids), these are refused: each would silently
+        train other tokens than the user meant.
+        """
         labelled = ["labels" in sample for sample in samples]
         if not all(labelled) and any(labelled):
             raise ValueError(
@@ -3469,15 +3506,19 @@ class FlatCollate:
             )
         ids = [_token_ids(sample, "input_ids") for sample in samples]
         labels = [_token_ids(sample, "labels" if labelled[0] else "input_ids").clone() for sample in samples]
-        if [len(x) for x in labels] != [len(x) for x in ids]:
-            raise ValueError("FlatCollate needs one label per token in every sample (-100 where none is learned)")
+        odd = next((i for i, (x, y) in enumerate(zip(ids, labels)) if len(x) != len(y)), None)
+        if odd is not None:
+            raise ValueError(
+                f"FlatCollate needs one label per token, but sample {odd} of the step input has {len(labels[odd])} "
+                f"labels for {len(ids[odd])} input_ids; give it one label per token (-100 where none is learned)"
+            )
         pad = self._padding([len(x) for x in ids], seqlens)
         for sample_labels in labels:
-            sample_labels[0] = self.separator_id
+            sample_labels[0] = separator_id
         cu_seqlens = _cu_seqlens([len(x) for x in ids], pad)
         batch = {  # 1 x T
             "input_ids": torch.cat([*ids, torch.zeros(pad, dtype=torch.int64)])[None],
-            "labels": torch.cat([*labels, torch.full((pad,), self.separator_id)])[None],
+            "labels": torch.cat([*labels, torch.full((pad,), separator_id)])[None],
         }
         if self.return_position_ids:
             batch["position_ids"] = self._positions(cu_seqlens)
@@ -3494,7 +3535,10 @@ class FlatCollate:
     def _padding(lengths: list[int], seqlens: Any) -> int:
         """The tokens of the row's padding segment (a pipeline's, up to `_FLAT_ROW`), after checking the seqlens."""
         if 0 in lengths:
-            raise ValueError(f"sample {lengths.index(0)} of the step input is empty; varbatch plans seqlens >= 1")
+            raise ValueError(
+                f"sample {lengths.index(0)} of the step input is empty, but varbatch plans seqlens >= 1 (HF's "
+                f"collator drops such a sample); leave empty samples out of the dataset, or give them tokens"
+            )
         planned = seqlens if seqlens is not None else [math.inf] * len(lengths)
         longer = [i for i, (length, bound) in enumerate(zip(lengths, planned)) if length > bound]
         if len(planned) != len(lengths) or longer:
@@ -3515,6 +3559,16 @@ class FlatCollate:
 
 
 _FLAT_KEYS = ("cu_seqlens", "max_seqlen", "position_ids")  # what a dict sample's row has for `seqlens`
+
+
+def _check_return_tensors(return_tensors: Any) -> str:
+    """``"pt"``, the one kind of tensors `FlatCollate` returns; else raises naming the value."""
+    if not (isinstance(return_tensors, str) and return_tensors == "pt"):
+        raise ValueError(
+            f"FlatCollate returns torch tensors only (return_tensors='pt'), but got return_tensors="
+            f"{return_tensors!r}; pass return_tensors='pt' or leave it out"
+        )
+    return return_tensors
 
 
 def _token_ids(sample: Mapping, key: str) -> torch.Tensor:
@@ -3653,10 +3707,12 @@ def make_dataloader(
     workers (also spawned), ``pin_memory`` and ``persistent_workers``, under
     torchrun, DeepSpeed, HF Accelerate's ``prepare`` and Lightning (see README);
     ``dataloader_class`` (a DataLoader subclass, e.g. torchdata's
-    ``StatefulDataLoader``) replaces torch's. ``read_ahead``: the step inputs
-    the loop reads ahead of the batch it trains beyond one batch, through a
-    prefetcher of its own (its depth: NOTE [what is refused]). ``loader.variable_batch_sampler``
-    is ``batch_sampler``. Under torch.distributed with ``num_replicas > 1`` it is
+    ``StatefulDataLoader``) replaces torch's; a dataset with ``state_dict`` and
+    ``load_state_dict`` (an augmentation RNG) has its state saved and restored by
+    it as without varbatch (see NOTE [the dataset's own state]). ``read_ahead``:
+    the step inputs the loop reads ahead of the batch it trains beyond one batch,
+    through a prefetcher of its own (its depth: NOTE [what is refused]).
+    ``loader.variable_batch_sampler`` is ``batch_sampler``. Under torch.distributed with ``num_replicas > 1`` it is
     a collective: every process calls it, and the processes check that they
     planned the same epoch (see `_check_ranks_agree`).
 
@@ -3702,8 +3758,11 @@ def make_dataloader(
     load_step_input = _LoadStepInput(dataset, settings, batch_sampler.rank, collate_fn, sample_padding_fn)
     prefetch_factor = dataloader_kwargs.get("prefetch_factor") or 2 if num_workers else 0
     read_ahead = {"workers_read_ahead": num_workers * prefetch_factor, "read_ahead": read_ahead}
+    # torchdata checks a dataset for state_dict and load_state_dict (its Stateful protocol): see NOTE [the
+    # dataset's own state]
+    stateful = callable(getattr(dataset, "state_dict", None)) and callable(getattr(dataset, "load_state_dict", None))
     loader = loader_class(
-        _KeyDataset(batch_sampler),
+        _StatefulKeyDataset(batch_sampler, dataset) if stateful else _KeyDataset(batch_sampler),
         batch_size=1,
         sampler=_StepInputKeys(batch_sampler, every_rank=True, batched=False, **read_ahead),
         num_workers=num_workers,
@@ -3804,6 +3863,38 @@ class _KeyDataset(Dataset):
 
     def __len__(self):  # DeepSpeed's deepspeed_io() takes only datasets that have one
         raise TypeError("varbatch's key dataset has no length: its items are the keys its sampler yields")
+
+
+class _StatefulKeyDataset(_KeyDataset):
+    """A `_KeyDataset` whose ``state_dict``/``load_state_dict`` are the user's dataset's, as they are.
+
+    NOTE [the dataset's own state]: torchdata's StatefulDataLoader saves a
+    map-style dataset's state (an augmentation RNG, a curriculum) with the
+    loader's, and in each worker that worker's copy, when the dataset has
+    both methods (``isinstance(dataset, Stateful)``, a protocol checked by
+    attribute: torchdata/stateful_dataloader/stateful.py). The dataset it sees is
+    this wrapper, so the wrapper has them exactly when the user's dataset does
+    (a `_KeyDataset` has neither: torchdata then saves None, as without
+    varbatch), and forwards them without adding keys. They must reach the very
+    object the samples are read from, `_LoadStepInput`'s ``dataset``: a forked
+    worker inherits both references to one object, and a spawned worker
+    unpickles the loader's dataset and collate in one pickle (the worker
+    process's arguments), whose memo keeps them one object; so ``__reduce__``
+    keeps ``dataset`` (and, as `_KeyDataset`'s, drops the sampler).
+    """
+
+    def __init__(self, sampler: VariableBatchSampler | None, dataset: Any):
+        super().__init__(sampler)
+        self.dataset = dataset
+
+    def __reduce__(self):
+        return (_StatefulKeyDataset, (None, self.dataset))
+
+    def state_dict(self):
+        return self.dataset.state_dict()
+
+    def load_state_dict(self, state_dict):
+        self.dataset.load_state_dict(state_dict)
 
 
 class _StepInputKey(typing.NamedTuple):
