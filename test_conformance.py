@@ -355,17 +355,7 @@ def test_wrapped_scheduler_lrs_follow_the_schedule_times_the_batch_factor(name):
         scheduler.step()
 
 
-# A defect found here, left for the scheduler's owner: with a tensor LR in a param group, the wrapper's unscaled LR is
-# that very tensor, and torch's LRScheduler.__init__ (its initial step, `_update_lr` -> `_update_param_group_val`)
-# writes a tensor LR in place with fill_: the unscaled LR becomes batch 0's scaled LR, and every later LR of that
-# group is off by batch 0's factor under the schedules that read the group's LR (here 0.25 for 0.5 at step 1).
-_TENSOR_LR_DEFECT = (
-    "VariableBatchSizeLR keeps the param group's LR tensor as its unscaled LR, and torch's initial step fills that "
-    "tensor in place with batch 0's scaled LR"
-)
-
-
-@pytest.mark.xfail(strict=True, reason=_TENSOR_LR_DEFECT)
+# A tensor LR (torch's suite's second param group) is the optimizer's own, written in place by the schedulers.
 @pytest.mark.parametrize("name", ["StepLR", "ExponentialLR", "optimizer (constant)"])
 def test_a_tensor_lr_follows_the_schedule_times_the_batch_factor(name):
     """torch's suite's second param group has a tensor LR: its LRs follow the schedule times the factor as a float's."""

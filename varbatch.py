@@ -33,8 +33,9 @@ The contract with a training loop:
 - save and restore the sampler's and the scheduler's states from one checkpoint;
 - HF Trainer and TRL: ``hf_trainer_lr_scheduler``; DeepSpeed's engine:
   ``get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed``.
-Nothing watches the model: misuse is found from the step inputs the loader
-handed out, and refused with a message naming the fix.
+Nothing watches the model; queries (len, plans, state_dict, a peek, a side
+pass over the epoch) move nothing; a mistake is refused only where nothing else
+explains what the loop got (NOTE [what is refused]), naming the fix.
 
 The file has four parts. Part I is the technique in plain code, read top-down:
 the settings and the plan, the orders, the greedy rule, the equal epochs, the LR
@@ -1863,9 +1864,10 @@ class VariableBatchSampler(Sampler[list[int]]):
 
     @property
     def steps_done(self) -> int:
-        """Step inputs of this rank handed out by the last training pass (or restored): where a state saved now
-        resumes its epoch."""
-        return self._resume_point()[1]
+        """Step inputs of `epoch` on this rank handed out by its training pass (or restored): where its next pass
+        starts, or where a state saved now resumes it; 0 for an epoch no pass reached."""
+        epoch, done = self._resume_point()
+        return done if epoch == self.epoch else 0
 
     @property
     def plan(self) -> Plan:
@@ -2244,7 +2246,7 @@ class VariableBatchSizeLR(LRScheduler):
         self._engine_steps = in_wrapper  # an engine steps this scheduler (its inner updates are not checked)
         self._reported = -1  # the last epoch whose LR factors were logged
         self._groups = list(optimizer.param_groups)  # the dicts the LRs are written into (see `_param_groups`)
-        self._unscaled = [group["lr"] for group in optimizer.param_groups]
+        self._unscaled = [_lr_value(group["lr"]) for group in optimizer.param_groups]
         self._updates_since_step = 0  # optimizer updates since the last step()
         self._start_checks()
         self._detached = False
@@ -2327,7 +2329,7 @@ class VariableBatchSizeLR(LRScheduler):
         """Writes ``get_lr()``, the LRs of batch b, into the optimizer; ``t`` unchanged."""
         self._last_lr = self.get_lr()
         for group, lr in zip(self._param_groups(), self._last_lr):
-            group["lr"] = lr
+            _set_lr(group, lr)
 
     def _param_groups(self) -> list[dict]:
         """The optimizer's param-group dicts: its own list where it holds them all, else (ZeRO narrows it to the
@@ -2445,12 +2447,12 @@ class VariableBatchSizeLR(LRScheduler):
             return
         groups = self._param_groups()
         for group, lr in zip(groups, self._unscaled):
-            group["lr"] = lr
+            _set_lr(group, lr)
         with warnings.catch_warnings():  # torch's step-order check, which this class's own step makes
             warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
             for _ in range(ticks):
                 self._base.step()
-        self._unscaled = [group["lr"] for group in groups]
+        self._unscaled = [_lr_value(group["lr"]) for group in groups]
 
     def _before_update(self, *hook_args) -> None:
         """An optimizer step-pre hook: the update of batch b uses its LR (b brought up to date first); a mistake is
@@ -2668,6 +2670,21 @@ _RESTORED_APART = (
     "checkpoint; HF Accelerate's prepared loader sets the epoch to its own count of passes, 0 after a restart, "
     "unless you call loader.set_epoch(epoch))"
 )
+
+
+def _lr_value(lr: Any) -> Any:
+    """An LR as a value of its own: a tensor LR (fused and capturable optimizers') is the optimizer's, written in
+    place by the schedulers, so it is copied."""
+    return lr.detach().clone() if isinstance(lr, torch.Tensor) else lr
+
+
+def _set_lr(group: dict, lr: Any) -> None:
+    """Writes ``lr`` into a param group: in place into a tensor LR, as torch's schedulers do (the optimizer may hold
+    that very tensor), else as it is."""
+    if isinstance(group["lr"], torch.Tensor):
+        group["lr"].fill_(float(lr))
+    else:
+        group["lr"] = lr
 
 
 def _weakly(method: Callable) -> Callable:
@@ -4664,7 +4681,7 @@ def get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
     if isinstance(base, VariableBatchSizeLR):  # called again: scale the original schedule, not the scaled one
         base._detach()
         for group, lr in zip(base.optimizer.param_groups, base._unscaled):
-            group["lr"] = lr
+            _set_lr(group, lr)
         base = base._base if base._base is not None else base.optimizer
     settings = _Settings.of(  # padding-free pipeline rows need one length per batch, not one sample count
         **plan_options,
