@@ -4019,6 +4019,124 @@ def test_loss_weights_give_the_full_batch_gradient(unit):
     assert unweighted_differs, "the data never has micro-batches of different sizes: the test proves nothing"
 
 
+@given(
+    seqlens=st.lists(st.integers(1, 30), min_size=40, max_size=240),  # epochs of several batches
+    micro_batch_size=st.integers(1, 2),
+    gas=st.integers(1, 3),
+    num_replicas=st.integers(1, 3),
+    order=st.sampled_from(ORDERS),
+    budget=st.sampled_from(BUDGETS),
+    unit=st.sampled_from(["sequences", "tokens", "label_tokens", "per sample"]),
+    data=st.data(),
+)
+@settings(max_examples=40)
+def test_the_loader_yields_each_step_input_beside_its_batchs_count(
+    seqlens, micro_batch_size, gas, num_replicas, order, budget, unit, data
+):
+    """With batch_count, every rank's loader yields each step input beside the count of its whole batch (every rank,
+    every accumulation step; oracle: the sum over the plan's micro-batches of the batch), from any resume position,
+    balanced or not; the loop's own index, counted from steps_done, names the batch."""
+    options = dict(micro_batch_size=micro_batch_size, gradient_accumulation_steps=gas, num_replicas=num_replicas)
+    options.update(order=order, budget=budget, seed=3)
+    try:
+        sampler = VariableBatchSampler(seqlens, 45, rank=0, **options)
+    except ValueError as error:
+        assert "not enough samples" in str(error)
+        assume(False)
+    if order in ("random", "bucket") and data.draw(st.booleans(), label="balance_ranks"):
+        options.update(balance_ranks=True, quadratic_tokens=20.0)
+    per_sample = {
+        "sequences": [1] * len(seqlens),
+        "tokens": seqlens,
+        "label_tokens": [n - 1 for n in seqlens],  # a causal LM's labels: its inputs shifted by one
+        "per sample": data.draw(st.lists(st.integers(0, 5), min_size=len(seqlens), max_size=len(seqlens))),
+    }[unit]
+    rank = data.draw(st.integers(0, num_replicas - 1), label="rank")
+    epoch = data.draw(st.integers(0, 1), label="epoch")
+    start = data.draw(st.integers(0, len(sampler) - 1), label="resumed at")
+    sampler = VariableBatchSampler(seqlens, 45, rank=rank, **options)
+    sampler.load_state_dict({**sampler.state_dict(), "epoch": epoch, "steps_done": start})
+    plan, k = sampler.plan, sampler.effective_batch_size
+    loader = make_dataloader(
+        list(range(len(seqlens))), sampler, batch_count=per_sample if unit == "per sample" else unit
+    )
+    seen = 0
+    for t, (ids, batch_count) in enumerate(loader, start=sampler.steps_done):
+        b = t // gas
+        batch = [i for j in range(b * k, (b + 1) * k) for i in plan.microbatch(j).tolist()]
+        assert set(ids) <= set(batch), f"step input {t} is not part of batch {b}"
+        assert batch_count == sum(per_sample[i] for i in batch), f"step input {t}: batch {b}'s count is wrong"
+        seen += 1
+    assert seen == len(sampler) - start
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("unit", ["sequences", "tokens"])
+def test_loss_weights_from_the_loader_give_the_full_batch_gradient_after_a_resume(unit, workers):
+    """Step-input losses weighted by the loader's batch_count, averaged over 2 ranks and summed over 3 accumulation
+    steps, give each batch mean's gradient, also for the batch that a resume inside an accumulation step cuts in two
+    (the accumulated gradient kept, as a checkpoint inside a batch keeps it; the loop's own count restarts)."""
+    num_replicas, gas = 2, 3
+    seqlens = _lengths(80, 1, 12, seed=4)
+    data = _token_dataset(seqlens)
+    model = torch.nn.Linear(3, 1, dtype=torch.float64)
+
+    def sampler_of(rank):
+        return VariableBatchSampler(
+            seqlens, 24, gradient_accumulation_steps=gas, num_replicas=num_replicas, rank=rank, order="random", seed=1
+        )
+
+    def loader_of(sampler):
+        return make_dataloader(data, sampler, collate_fn=PaddedCollate(), num_workers=workers, batch_count=unit)
+
+    def step_loss(x, y, lengths):
+        """The step input's mean loss (over its sequences, or its real tokens) and its own count."""
+        mask = torch.arange(x.shape[1]) < lengths[:, None]  # B x S: the real tokens
+        errors = (model(x).squeeze(-1) - y) ** 2 * mask  # B x S
+        if unit == "sequences":
+            return (errors.sum(dim=1) / lengths).mean(), len(lengths)
+        return errors.sum() / mask.sum(), mask.sum()
+
+    def train(sampler, grads, stop=None):
+        """The loop: the optimizer's step after step input t with (t + 1) % gas == 0, t counted from steps_done."""
+        old_weights_differ = False  # the batch counts a loop indexing the plan by its own count would have used
+        plan_counts = sampler.plan.batch_sizes if unit == "sequences" else sampler.plan.batch_tokens
+        for i, (t, ((x, y, lengths), batch_count)) in enumerate(
+            enumerate(loader_of(sampler), start=sampler.steps_done)
+        ):
+            loss, count = step_loss(x, y, lengths)
+            (loss * micro_batch_loss_weight(count, batch_count, num_replicas=num_replicas)).backward()
+            old_weights_differ |= int(plan_counts[i // gas]) != batch_count
+            if (t + 1) % gas == 0:
+                grads[t // gas] = [p.grad.clone() for p in model.parameters()]
+                model.zero_grad()
+            if t + 1 == stop:
+                break
+        return old_weights_differ
+
+    probe = sampler_of(0)
+    stop = len(probe) // 2 // gas * gas + 1  # inside the accumulation of a batch
+    assert stop % gas and 0 < stop < len(probe)
+    grads = [{} for _ in range(num_replicas)]
+    for rank in range(num_replicas):
+        model.zero_grad()
+        sampler = sampler_of(rank)
+        train(sampler, grads[rank], stop=stop)
+        resumed = sampler_of(rank)
+        resumed.load_state_dict(sampler.state_dict(steps_done=stop))  # with workers, steps_done runs ahead
+        assert train(resumed, grads[rank]), "a loop's own count would weight right here: the test proves nothing"
+    plan = probe.plan
+    for b in range(plan.num_batches):
+        k = plan.effective_batch_size
+        ids = [i for j in range(b * k, (b + 1) * k) for i in plan.microbatch(j).tolist()]
+        batch = PaddedCollate()([data[i] for i in ids])
+        model.zero_grad()
+        step_loss(*batch)[0].backward()  # the whole batch's mean
+        averaged = [sum(rank[b][p] for rank in grads) / num_replicas for p in range(2)]  # DDP averages over ranks
+        for got, p in zip(averaged, model.parameters()):
+            assert torch.allclose(got, p.grad, rtol=1e-10, atol=1e-12), f"batch {b}: {got} != {p.grad}"
+
+
 def _causal_lm_collate(samples):
     """HF causal-LM inputs: input_ids, attention_mask, labels (-100 on padding)."""
     ids = torch.nn.utils.rnn.pad_sequence(samples, batch_first=True, padding_value=0)
@@ -5170,6 +5288,40 @@ _BAD_MAKE_DATALOADER = [
         lambda: make_dataloader([torch.ones(2)] * 3, VariableBatchSampler([2, 2, 2], 4), sample_padding_fn=3),
         TypeError,
         "sample_padding_fn=3",
+    ),
+    (
+        "batch_count no unit",
+        lambda: make_dataloader([torch.ones(2)] * 3, VariableBatchSampler([2, 2, 2], 4), batch_count="token"),
+        ValueError,
+        "batch_count='token' (did you mean 'tokens'?)",
+    ),
+    (
+        "batch_count a count per sample of another size",
+        lambda: make_dataloader([torch.ones(2)] * 3, VariableBatchSampler([2, 2, 2], 4), batch_count=[1, 1]),
+        ValueError,
+        "one count per sample (3), but got 2 counts",
+    ),
+    (
+        "batch_count a negative count",
+        lambda: make_dataloader([torch.ones(2)] * 3, VariableBatchSampler([2, 2, 2], 4), batch_count=[1, -1, 1]),
+        ValueError,
+        "batch_count[1]=-1",
+    ),
+    (
+        "batch_count a number",
+        lambda: make_dataloader([torch.ones(2)] * 3, VariableBatchSampler([2, 2, 2], 4), batch_count=12),
+        TypeError,
+        "batch_count=12",
+    ),
+    (
+        "batch_count in tokens over given micro-batches (no seqlens)",
+        lambda: make_dataloader(
+            [torch.ones(n) for n in _GLUE_SEQLENS],
+            _given_microbatches_loader().variable_batch_sampler,
+            batch_count="label_tokens",
+        ),
+        ValueError,
+        "batch_count='label_tokens' counts tokens",
     ),
 ]
 
