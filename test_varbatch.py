@@ -8448,6 +8448,7 @@ LIGHTNING = COMMON + textwrap.dedent("""
 """)
 
 STATEFUL = COMMON + textwrap.dedent("""
+    import copy
     import torch.distributed as dist
     from torchdata.stateful_dataloader import StatefulDataLoader
     dist.init_process_group("gloo")
@@ -8459,27 +8460,54 @@ STATEFUL = COMMON + textwrap.dedent("""
         the checkpoint file's ``state`` if given, as a new process would build them.\"\"\"
         sampler = make_sampler()
         loader = varbatch.make_dataloader(Data(), sampler, collate_fn=varbatch.PaddedCollate(),
-                                          num_workers=OPTS.get("workers", 0), dataloader_class=StatefulDataLoader)
+                                          num_workers=OPTS.get("workers", 0), dataloader_class=StatefulDataLoader,
+                                          batch_count="tokens")
         model, optimizer = model_and_optimizer()
         scheduler = varbatch.VariableBatchSizeLR(optimizer, "mean", sampler)
         if state is not None:
             model.load_state_dict(state["model"]); optimizer.load_state_dict(state["optimizer"])
             scheduler.load_state_dict(state["scheduler"]); loader.load_state_dict(state["loader"])
+            for parameter, grad in zip(model.parameters(), state["grads"]):  # a batch cut by the checkpoint
+                parameter.grad = grad
         return sampler, loader, model, optimizer, scheduler
+
+    def token_mean(model, batch):
+        \"\"\"The loss averaged over the batch's real tokens, and their number.\"\"\"
+        x, lengths = batch
+        mask = torch.arange(x.shape[1]) < lengths[:, None]
+        return (model(x.unsqueeze(-1)).squeeze(-1).pow(2) * mask).sum() / mask.sum() * 1e-6, mask.sum()
+
+    GRAD_ERRORS = []
+    def check_gradient(model, sampler, epoch, b):
+        \"\"\"Averages the gradient over the ranks (as DDP does) and notes how far it is from the gradient of batch
+        b's token mean, from the plan.\"\"\"
+        grads = [p.grad for p in model.parameters()]
+        for grad in grads:
+            dist.all_reduce(grad); grad /= dist.get_world_size()
+        plan, k = sampler.plan_for_epoch(epoch), sampler.effective_batch_size
+        ids = plan.sample_ids[plan.microbatch_offsets[b * k]:plan.microbatch_offsets[(b + 1) * k]].tolist()
+        reference = copy.deepcopy(model)
+        reference.zero_grad()
+        token_mean(reference, varbatch.PaddedCollate()([Data()[i] for i in ids]))[0].backward()
+        want = torch.cat([p.grad.flatten() for p in reference.parameters()])
+        GRAD_ERRORS.append(float((torch.cat([g.flatten() for g in grads]) - want).norm() / want.norm()))
 
     def run(sampler, loader, model, optimizer, scheduler, start_epoch=0, trained=0, stop_after=None):
         for epoch in range(start_epoch, EPOCHS):
             sampler.set_epoch(epoch)
-            for batch in loader:
+            for batch, batch_tokens in loader:  # the loss weighted by the batch's tokens that come beside it
                 record(epoch, scheduler.steps_in_epoch, batch, optimizer.param_groups[0]["lr"])
-                loss_of(model, batch).backward()
+                loss, tokens = token_mean(model, batch)
+                (loss * varbatch.micro_batch_loss_weight(tokens, batch_tokens, num_replicas=2)).backward()
                 trained += 1
                 if trained % GAS == 0:
+                    check_gradient(model, sampler, epoch, scheduler.steps_in_epoch)
                     optimizer.step(); scheduler.step(); optimizer.zero_grad()
                 if trained == stop_after:
                     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                                 "scheduler": scheduler.state_dict(), "loader": loader.state_dict(),
-                                "epoch": epoch, "trained": trained}, state_path)
+                                "grads": [p.grad for p in model.parameters()], "epoch": epoch,
+                                "trained": trained}, state_path)
                     return
 
     # Stopped after stop_after step inputs (checkpoint saved to a file), then every object dropped (the loader's
@@ -8487,7 +8515,7 @@ STATEFUL = COMMON + textwrap.dedent("""
     run(*build(), stop_after=OPTS["stop_after"])
     state = torch.load(state_path, weights_only=False)
     run(*build(state), start_epoch=state["epoch"], trained=state["trained"])
-    save(rank)
+    save(rank, grad_errors=GRAD_ERRORS)
     dist.barrier(); dist.destroy_process_group()
 """)
 
@@ -8772,15 +8800,21 @@ def test_lightning_rebuilding_the_loader_is_refused():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stop_after, workers", [(58, 2)])
+@pytest.mark.parametrize("stop_after, workers", [(57, 2)])
 def test_stateful_dataloader_resumes_exactly(tmp_path, stop_after, workers):
-    """StatefulDataLoader with workers on 2 ranks, stopped mid-epoch with a checkpoint file and resumed from that file
-    by a loader, sampler and scheduler built afresh (in the same processes: varbatch keeps no state outside its
-    objects): the ranks train the plan exactly once."""
+    """StatefulDataLoader with workers on 2 ranks, stopped mid-epoch inside an accumulation step with a checkpoint
+    file and resumed from that file by a loader, sampler and scheduler built afresh (in the same processes: varbatch
+    keeps no state outside its objects): the ranks train the plan exactly once, and every update's gradient,
+    averaged over the ranks, is its batch's token mean's, by the loader's batch_count (the cut batch's too)."""
     pytest.importorskip("torchdata")
+    assert stop_after % 2, "the checkpoint should cut a batch of 2 accumulation steps"
     rc, output, records, _ = _launch_ranks(tmp_path, STATEFUL, {"gas": 2, "workers": workers, "stop_after": stop_after})
     assert rc == 0, output[-3000:]
     _check_against_plan(records, mbs=1, gas=2, epochs=2)
+    for rank in range(2):
+        errors = json.loads((tmp_path / "out" / f"rank{rank}.json").read_text())["grad_errors"]
+        assert len(errors) == len(_plan(0, 1, 2).batch_sizes) + len(_plan(1, 1, 2).batch_sizes), len(errors)
+        assert max(errors) < 1e-5, f"rank {rank}: gradients off their batch's token mean's by up to {max(errors):.2g}"
 
 
 @pytest.mark.parametrize("stop, workers", [(7, 2), (10, 2), (11, 3)])
