@@ -4324,6 +4324,124 @@ def test_loss_weights_give_the_full_batch_gradient(unit):
     assert unweighted_differs, "the data never has micro-batches of different sizes: the test proves nothing"
 
 
+@given(
+    seqlens=st.lists(st.integers(1, 30), min_size=40, max_size=240),  # epochs of several batches
+    micro_batch_size=st.integers(1, 2),
+    gas=st.integers(1, 3),
+    num_replicas=st.integers(1, 3),
+    order=st.sampled_from(ORDERS),
+    budget=st.sampled_from(BUDGETS),
+    unit=st.sampled_from(["sequences", "tokens", "label_tokens", "per sample"]),
+    data=st.data(),
+)
+@settings(max_examples=40)
+def test_the_loader_yields_each_step_input_beside_its_batchs_count(
+    seqlens, micro_batch_size, gas, num_replicas, order, budget, unit, data
+):
+    """With batch_count, every rank's loader yields each step input beside the count of its whole batch (every rank,
+    every accumulation step; oracle: the sum over the plan's micro-batches of the batch), from any resume position,
+    balanced or not; the loop's own index, counted from steps_done, names the batch."""
+    options = dict(micro_batch_size=micro_batch_size, gradient_accumulation_steps=gas, num_replicas=num_replicas)
+    options.update(order=order, budget=budget, seed=3)
+    try:
+        sampler = VariableBatchSampler(seqlens, 45, rank=0, **options)
+    except ValueError as error:
+        assert "not enough samples" in str(error)
+        assume(False)
+    if order in ("random", "bucket") and data.draw(st.booleans(), label="balance_ranks"):
+        options.update(balance_ranks=True, quadratic_tokens=20.0)
+    per_sample = {
+        "sequences": [1] * len(seqlens),
+        "tokens": seqlens,
+        "label_tokens": [n - 1 for n in seqlens],  # a causal LM's labels: its inputs shifted by one
+        "per sample": data.draw(st.lists(st.integers(0, 5), min_size=len(seqlens), max_size=len(seqlens))),
+    }[unit]
+    rank = data.draw(st.integers(0, num_replicas - 1), label="rank")
+    epoch = data.draw(st.integers(0, 1), label="epoch")
+    start = data.draw(st.integers(0, len(sampler) - 1), label="resumed at")
+    sampler = VariableBatchSampler(seqlens, 45, rank=rank, **options)
+    sampler.load_state_dict({**sampler.state_dict(), "epoch": epoch, "steps_done": start})
+    plan, k = sampler.plan, sampler.effective_batch_size
+    loader = make_dataloader(
+        list(range(len(seqlens))), sampler, batch_count=per_sample if unit == "per sample" else unit
+    )
+    seen = 0
+    for t, (ids, batch_count) in enumerate(loader, start=sampler.steps_done):
+        b = t // gas
+        batch = [i for j in range(b * k, (b + 1) * k) for i in plan.microbatch(j).tolist()]
+        assert set(ids) <= set(batch), f"step input {t} is not part of batch {b}"
+        assert batch_count == sum(per_sample[i] for i in batch), f"step input {t}: batch {b}'s count is wrong"
+        seen += 1
+    assert seen == len(sampler) - start
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("unit", ["sequences", "tokens"])
+def test_loss_weights_from_the_loader_give_the_full_batch_gradient_after_a_resume(unit, workers):
+    """Step-input losses weighted by the loader's batch_count, averaged over 2 ranks and summed over 3 accumulation
+    steps, give each batch mean's gradient, also for the batch that a resume inside an accumulation step cuts in two
+    (the accumulated gradient kept, as a checkpoint inside a batch keeps it; the loop's own count restarts)."""
+    num_replicas, gas = 2, 3
+    seqlens = _lengths(80, 1, 12, seed=4)
+    data = _token_dataset(seqlens)
+    model = torch.nn.Linear(3, 1, dtype=torch.float64)
+
+    def sampler_of(rank):
+        return VariableBatchSampler(
+            seqlens, 24, gradient_accumulation_steps=gas, num_replicas=num_replicas, rank=rank, order="random", seed=1
+        )
+
+    def loader_of(sampler):
+        return make_dataloader(data, sampler, collate_fn=PaddedCollate(), num_workers=workers, batch_count=unit)
+
+    def step_loss(x, y, lengths):
+        """The step input's mean loss (over its sequences, or its real tokens) and its own count."""
+        mask = torch.arange(x.shape[1]) < lengths[:, None]  # B x S: the real tokens
+        errors = (model(x).squeeze(-1) - y) ** 2 * mask  # B x S
+        if unit == "sequences":
+            return (errors.sum(dim=1) / lengths).mean(), len(lengths)
+        return errors.sum() / mask.sum(), mask.sum()
+
+    def train(sampler, grads, stop=None):
+        """The loop: the optimizer's step after step input t with (t + 1) % gas == 0, t counted from steps_done."""
+        old_weights_differ = False  # the batch counts a loop indexing the plan by its own count would have used
+        plan_counts = sampler.plan.batch_sizes if unit == "sequences" else sampler.plan.batch_tokens
+        for i, (t, ((x, y, lengths), batch_count)) in enumerate(
+            enumerate(loader_of(sampler), start=sampler.steps_done)
+        ):
+            loss, count = step_loss(x, y, lengths)
+            (loss * micro_batch_loss_weight(count, batch_count, num_replicas=num_replicas)).backward()
+            old_weights_differ |= int(plan_counts[i // gas]) != batch_count
+            if (t + 1) % gas == 0:
+                grads[t // gas] = [p.grad.clone() for p in model.parameters()]
+                model.zero_grad()
+            if t + 1 == stop:
+                break
+        return old_weights_differ
+
+    probe = sampler_of(0)
+    stop = len(probe) // 2 // gas * gas + 1  # inside the accumulation of a batch
+    assert stop % gas and 0 < stop < len(probe)
+    grads = [{} for _ in range(num_replicas)]
+    for rank in range(num_replicas):
+        model.zero_grad()
+        sampler = sampler_of(rank)
+        train(sampler, grads[rank], stop=stop)
+        resumed = sampler_of(rank)
+        resumed.load_state_dict(sampler.state_dict(steps_done=stop))  # with workers, steps_done runs ahead
+        assert train(resumed, grads[rank]), "a loop's own count would weight right here: the test proves nothing"
+    plan = probe.plan
+    for b in range(plan.num_batches):
+        k = plan.effective_batch_size
+        ids = [i for j in range(b * k, (b + 1) * k) for i in plan.microbatch(j).tolist()]
+        batch = PaddedCollate()([data[i] for i in ids])
+        model.zero_grad()
+        step_loss(*batch)[0].backward()  # the whole batch's mean
+        averaged = [sum(rank[b][p] for rank in grads) / num_replicas for p in range(2)]  # DDP averages over ranks
+        for got, p in zip(averaged, model.parameters()):
+            assert torch.allclose(got, p.grad, rtol=1e-10, atol=1e-12), f"batch {b}: {got} != {p.grad}"
+
+
 def _causal_lm_collate(samples):
     """HF causal-LM inputs: input_ids, attention_mask, labels (-100 on padding)."""
     ids = torch.nn.utils.rnn.pad_sequence(samples, batch_first=True, padding_value=0)
@@ -5475,6 +5593,40 @@ _BAD_MAKE_DATALOADER = [
         lambda: make_dataloader([torch.ones(2)] * 3, VariableBatchSampler([2, 2, 2], 4), sample_padding_fn=3),
         TypeError,
         "sample_padding_fn=3",
+    ),
+    (
+        "batch_count no unit",
+        lambda: make_dataloader([torch.ones(2)] * 3, VariableBatchSampler([2, 2, 2], 4), batch_count="token"),
+        ValueError,
+        "batch_count='token' (did you mean 'tokens'?)",
+    ),
+    (
+        "batch_count a count per sample of another size",
+        lambda: make_dataloader([torch.ones(2)] * 3, VariableBatchSampler([2, 2, 2], 4), batch_count=[1, 1]),
+        ValueError,
+        "one count per sample (3), but got 2 counts",
+    ),
+    (
+        "batch_count a negative count",
+        lambda: make_dataloader([torch.ones(2)] * 3, VariableBatchSampler([2, 2, 2], 4), batch_count=[1, -1, 1]),
+        ValueError,
+        "batch_count[1]=-1",
+    ),
+    (
+        "batch_count a number",
+        lambda: make_dataloader([torch.ones(2)] * 3, VariableBatchSampler([2, 2, 2], 4), batch_count=12),
+        TypeError,
+        "batch_count=12",
+    ),
+    (
+        "batch_count in tokens over given micro-batches (no seqlens)",
+        lambda: make_dataloader(
+            [torch.ones(n) for n in _GLUE_SEQLENS],
+            _given_microbatches_loader().variable_batch_sampler,
+            batch_count="label_tokens",
+        ),
+        ValueError,
+        "batch_count='label_tokens' counts tokens",
     ),
 ]
 
@@ -8601,6 +8753,7 @@ LIGHTNING = COMMON + textwrap.dedent("""
 """)
 
 STATEFUL = COMMON + textwrap.dedent("""
+    import copy
     import torch.distributed as dist
     from torchdata.stateful_dataloader import StatefulDataLoader
     dist.init_process_group("gloo")
@@ -8612,27 +8765,54 @@ STATEFUL = COMMON + textwrap.dedent("""
         the checkpoint file's ``state`` if given, as a new process would build them.\"\"\"
         sampler = make_sampler()
         loader = varbatch.make_dataloader(Data(), sampler, collate_fn=varbatch.PaddedCollate(),
-                                          num_workers=OPTS.get("workers", 0), dataloader_class=StatefulDataLoader)
+                                          num_workers=OPTS.get("workers", 0), dataloader_class=StatefulDataLoader,
+                                          batch_count="tokens")
         model, optimizer = model_and_optimizer()
         scheduler = varbatch.VariableBatchSizeLR(optimizer, "mean", sampler)
         if state is not None:
             model.load_state_dict(state["model"]); optimizer.load_state_dict(state["optimizer"])
             scheduler.load_state_dict(state["scheduler"]); loader.load_state_dict(state["loader"])
+            for parameter, grad in zip(model.parameters(), state["grads"]):  # a batch cut by the checkpoint
+                parameter.grad = grad
         return sampler, loader, model, optimizer, scheduler
+
+    def token_mean(model, batch):
+        \"\"\"The loss averaged over the batch's real tokens, and their number.\"\"\"
+        x, lengths = batch
+        mask = torch.arange(x.shape[1]) < lengths[:, None]
+        return (model(x.unsqueeze(-1)).squeeze(-1).pow(2) * mask).sum() / mask.sum() * 1e-6, mask.sum()
+
+    GRAD_ERRORS = []
+    def check_gradient(model, sampler, epoch, b):
+        \"\"\"Averages the gradient over the ranks (as DDP does) and notes how far it is from the gradient of batch
+        b's token mean, from the plan.\"\"\"
+        grads = [p.grad for p in model.parameters()]
+        for grad in grads:
+            dist.all_reduce(grad); grad /= dist.get_world_size()
+        plan, k = sampler.plan_for_epoch(epoch), sampler.effective_batch_size
+        ids = plan.sample_ids[plan.microbatch_offsets[b * k]:plan.microbatch_offsets[(b + 1) * k]].tolist()
+        reference = copy.deepcopy(model)
+        reference.zero_grad()
+        token_mean(reference, varbatch.PaddedCollate()([Data()[i] for i in ids]))[0].backward()
+        want = torch.cat([p.grad.flatten() for p in reference.parameters()])
+        GRAD_ERRORS.append(float((torch.cat([g.flatten() for g in grads]) - want).norm() / want.norm()))
 
     def run(sampler, loader, model, optimizer, scheduler, start_epoch=0, trained=0, stop_after=None):
         for epoch in range(start_epoch, EPOCHS):
             sampler.set_epoch(epoch)
-            for batch in loader:
+            for batch, batch_tokens in loader:  # the loss weighted by the batch's tokens that come beside it
                 record(epoch, scheduler.steps_in_epoch, batch, optimizer.param_groups[0]["lr"])
-                loss_of(model, batch).backward()
+                loss, tokens = token_mean(model, batch)
+                (loss * varbatch.micro_batch_loss_weight(tokens, batch_tokens, num_replicas=2)).backward()
                 trained += 1
                 if trained % GAS == 0:
+                    check_gradient(model, sampler, epoch, scheduler.steps_in_epoch)
                     optimizer.step(); scheduler.step(); optimizer.zero_grad()
                 if trained == stop_after:
                     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                                 "scheduler": scheduler.state_dict(), "loader": loader.state_dict(),
-                                "epoch": epoch, "trained": trained}, state_path)
+                                "grads": [p.grad for p in model.parameters()], "epoch": epoch,
+                                "trained": trained}, state_path)
                     return
 
     # Stopped after stop_after step inputs (checkpoint saved to a file), then every object dropped (the loader's
@@ -8640,7 +8820,7 @@ STATEFUL = COMMON + textwrap.dedent("""
     run(*build(), stop_after=OPTS["stop_after"])
     state = torch.load(state_path, weights_only=False)
     run(*build(state), start_epoch=state["epoch"], trained=state["trained"])
-    save(rank)
+    save(rank, grad_errors=GRAD_ERRORS)
     dist.barrier(); dist.destroy_process_group()
 """)
 
@@ -8925,15 +9105,21 @@ def test_lightning_rebuilding_the_loader_is_refused():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stop_after, workers", [(58, 2)])
+@pytest.mark.parametrize("stop_after, workers", [(57, 2)])
 def test_stateful_dataloader_resumes_exactly(tmp_path, stop_after, workers):
-    """StatefulDataLoader with workers on 2 ranks, stopped mid-epoch with a checkpoint file and resumed from that file
-    by a loader, sampler and scheduler built afresh (in the same processes: varbatch keeps no state outside its
-    objects): the ranks train the plan exactly once."""
+    """StatefulDataLoader with workers on 2 ranks, stopped mid-epoch inside an accumulation step with a checkpoint
+    file and resumed from that file by a loader, sampler and scheduler built afresh (in the same processes: varbatch
+    keeps no state outside its objects): the ranks train the plan exactly once, and every update's gradient,
+    averaged over the ranks, is its batch's token mean's, by the loader's batch_count (the cut batch's too)."""
     pytest.importorskip("torchdata")
+    assert stop_after % 2, "the checkpoint should cut a batch of 2 accumulation steps"
     rc, output, records, _ = _launch_ranks(tmp_path, STATEFUL, {"gas": 2, "workers": workers, "stop_after": stop_after})
     assert rc == 0, output[-3000:]
     _check_against_plan(records, mbs=1, gas=2, epochs=2)
+    for rank in range(2):
+        errors = json.loads((tmp_path / "out" / f"rank{rank}.json").read_text())["grad_errors"]
+        assert len(errors) == len(_plan(0, 1, 2).batch_sizes) + len(_plan(1, 1, 2).batch_sizes), len(errors)
+        assert max(errors) < 1e-5, f"rank {rank}: gradients off their batch's token mean's by up to {max(errors):.2g}"
 
 
 @pytest.mark.parametrize("stop, workers", [(7, 2), (10, 2), (11, 3)])

@@ -101,6 +101,7 @@ _OnOverlong = Literal["skip", "error"]
 _LRMethod = Literal["linear", "sqrt", "none"]
 _LRUnit = Literal["sequences", "tokens"]
 _Clock = Literal["steps", "tokens", "samples"]
+_BatchCount = Literal["sequences", "tokens", "label_tokens"]
 _DROP_REASONS = ("over_budget", "min_batch_size", "tail", "filtered")
 # `random` and `bucket` never use an unseeded generator: every rank must draw the
 # same order (DeepSpeed's `random` with seed=None draws a different one per rank).
@@ -418,6 +419,25 @@ def _check_tokens_known(sampler: VariableBatchSampler, what: str) -> None:
             f"batch_size) has no seqlens; count sequences, or plan with get_dataloader_and_lr_"
             f"scheduler_for_variable_batch_size or make_dataloader, which have them"
         )
+
+
+def _check_batch_count(batch_count: Any, sampler: VariableBatchSampler, dataset: Any) -> str | np.ndarray | None:
+    """`make_dataloader`'s ``batch_count``: None, a unit, or one count per sample of ``dataset`` (read-only int64)."""
+    if batch_count is None:
+        return None
+    if isinstance(batch_count, str):
+        unit = _check_choice("batch_count", batch_count, _BatchCount)
+        if unit != "sequences":
+            _check_tokens_known(sampler, f"batch_count={unit!r}")
+        return unit
+    fix = "pass what each sample adds to the loss's denominator, e.g. its label tokens, or a unit such as 'tokens'"
+    counts = _as_counts(batch_count, "batch_count", minimum=0, fix=fix)
+    size = len(dataset) if hasattr(dataset, "__len__") else None
+    if sampler.seqlens is not None:
+        size = len(sampler.seqlens)
+    if size is not None and len(counts) != size:
+        raise ValueError(f"batch_count should hold one count per sample ({size}), but got {len(counts)} counts; {fix}")
+    return counts
 
 
 def _is_unit_trap(mean: float, default_reference: bool) -> bool:
@@ -1689,7 +1709,8 @@ def micro_batch_loss_weight(count, batch_count, *, num_replicas=1, gradient_accu
     (all ranks, all accumulation steps) the batch mean; engines that *average*
     over ranks and accumulation steps (DDP, DeepSpeed) divide by ``num_replicas
     x gradient_accumulation_steps``, which the weight undoes (1 and 1 for a
-    plain loop that sums ``loss.backward()`` calls).
+    plain loop that sums ``loss.backward()`` calls). `make_dataloader` with
+    ``batch_count`` yields each step input's ``batch_count`` beside it.
 
     Weight only a loss that is a mean over its own step input. HF Trainer
     already weights an HF model's loss: it divides each step input's loss sum
@@ -3707,6 +3728,7 @@ def make_dataloader(
     pin_memory=False,
     dataloader_class=None,
     read_ahead=0,
+    batch_count=None,
     **dataloader_kwargs,
 ) -> DataLoader:
     """A `DataLoader` over ``batch_sampler``'s step inputs: ``collate_fn(samples)`` for each (the list without one).
@@ -3733,10 +3755,27 @@ def make_dataloader(
     a collective: every process calls it, and the processes check that they
     planned the same epoch (see `_check_ranks_agree`).
 
+    Loss weights: with ``batch_count`` (default None: each step input as it is)
+    the loader yields ``(step_input, batch_count)``, the count of the step
+    input's whole batch (all ranks and accumulation steps) of what the loss
+    averages over: ``"sequences"``, ``"tokens"`` (the seqlens), ``"label_tokens"``
+    (a causal LM's labels are its shifted inputs: ``L - 1`` per sequence of
+    ``L``, as in a `FlatCollate` row), or one count per sample (label tokens
+    where prompts are masked). Weight the step input's mean loss with
+    ``micro_batch_loss_weight(count, batch_count, ...)``, ``count`` its own
+    denominator. The count comes from the plan with the step input (NOTE [the
+    batch count travels with the step input]): right after a resume anywhere and
+    with workers, whatever the loop counts. Step the optimizer after this rank's
+    step input ``t`` with ``(t + 1) % G == 0``, ``t`` counted from
+    ``sampler.steps_done`` (a resume may start inside a batch):
+    ``enumerate(loader, start=sampler.steps_done)``. Leave it None under HF
+    Trainer and TRL: they weight an HF model's loss themselves.
+
     Raises:
         TypeError, ValueError: another sampler, same-length mode without
-        ``sample_padding_fn``, a dataset of another size than the seqlens, or a
-        DataLoader option the sampler decides (batch size, shuffling); while
+        ``sample_padding_fn``, a dataset of another size than the seqlens, a
+        ``batch_count`` that is no unit or of another size, or a DataLoader
+        option the sampler decides (batch size, shuffling); while
         iterating, ValueError: a collated tensor over the padded budget;
         RuntimeError: the processes planned differently.
     """
@@ -3757,6 +3796,7 @@ def make_dataloader(
             f"the dataset has {len(dataset)} samples but the sampler was given {len(seqlens)} seqlens; give "
             f"one seqlen per sample of this dataset"
         )
+    batch_count = _check_batch_count(batch_count, batch_sampler, dataset)
     settings = batch_sampler.settings
     if settings.padding_free and collate_fn is None:
         collate_fn = FlatCollate()
@@ -3781,14 +3821,14 @@ def make_dataloader(
     loader = loader_class(
         _StatefulKeyDataset(batch_sampler, dataset) if stateful else _KeyDataset(batch_sampler),
         batch_size=1,
-        sampler=_StepInputKeys(batch_sampler, every_rank=True, batched=False, **read_ahead),
+        sampler=_StepInputKeys(batch_sampler, every_rank=True, batched=False, batch_count=batch_count, **read_ahead),
         num_workers=num_workers,
         pin_memory=pin_memory,
         collate_fn=load_step_input,
         **dataloader_kwargs,
     )
     # see NOTE [the loader deals itself]
-    loader._local = _StepInputKeys(batch_sampler, every_rank=False, batched=True, **read_ahead)
+    loader._local = _StepInputKeys(batch_sampler, every_rank=False, batched=True, batch_count=batch_count, **read_ahead)
     loader.variable_batch_sampler = batch_sampler
     if batch_sampler.num_replicas > 1 and _world()[1] > 1:  # one plan dealt over ranks: every process planned it?
         _check_ranks_agree(batch_sampler)
@@ -3926,30 +3966,37 @@ class _StepInputKey(typing.NamedTuple):
     pass_start: int  # this rank's step input t that the pass started at
     step_input: int  # g, its index among the epoch's step inputs of all ranks (see the dealing rule)
     every_rank: bool = False  # from the view of every rank's step inputs that launchers deal (see `_StepInputKeys`)
+    batch_count: int | None = None  # its batch's count, yielded beside it (NOTE [the batch count travels ...])
 
 
-def _step_input_keys(sampler: VariableBatchSampler, every_rank: bool, count: _LoopCount) -> Iterator[_StepInputKey]:
+def _step_input_keys(
+    sampler: VariableBatchSampler, every_rank: bool, count: _LoopCount, batch_count: str | np.ndarray | None = None
+) -> Iterator[_StepInputKey]:
     """A pass of ``sampler`` as the loader reads it: the `_StepInputKey` of each of this rank's step inputs (with
     ``every_rank``, of every rank's, in the order g = 0, 1, ...), dealt as `VariableBatchSampler.__iter__` deals
     them; this rank's move the position on as they are handed out.
 
     A key holds the step input's sample ids, their seqlens, the length to pad
     them to, and where the pass dealt it, by which `_LoadStepInput` checks the
-    dealing. ``count`` is the pass's `_LoopCount`.
+    dealing; with ``batch_count``, its batch's count (see `_batch_counts`). ``count`` is the pass's `_LoopCount`.
     """
     current = sampler._start_pass(count)
     try:
-        yield from _pass_keys(sampler, current, every_rank)
+        yield from _pass_keys(sampler, current, every_rank, batch_count)
     finally:
         sampler._close(current)
 
 
-def _pass_keys(sampler: VariableBatchSampler, current: _Pass, every_rank: bool) -> Iterator[_StepInputKey]:
+def _pass_keys(
+    sampler: VariableBatchSampler, current: _Pass, every_rank: bool, batch_count: str | np.ndarray | None
+) -> Iterator[_StepInputKey]:
     """The keys of the pass ``current`` (see `_step_input_keys`)."""
     epoch, start = current.epoch, current.start
     plan = sampler.plan_for_epoch(epoch)
     m, ranks = sampler.micro_batch_size, sampler.num_replicas
     rank = sampler.rank
+    counts = None if batch_count is None else _batch_counts(plan, batch_count)
+    per_batch = ranks * sampler.gradient_accumulation_steps  # step inputs g of a batch, of every rank
     for steps, ids, bounds in sampler._runs(epoch, start):
         first = steps.start * ranks  # the run's first step input g, of any rank
         lens = None if sampler.seqlens is None else sampler.seqlens[ids].tolist()
@@ -3970,7 +4017,28 @@ def _pass_keys(sampler: VariableBatchSampler, current: _Pass, every_rank: bool) 
                     pass_start=start,
                     step_input=g,
                     every_rank=every_rank,  # marked, so that the dealing check can tell a view that was not dealt
+                    batch_count=None if counts is None else counts[g // per_batch],
                 )
+
+
+# NOTE [the batch count travels with the step input]: a step input's loss weight is its own count over its
+# batch's (`micro_batch_loss_weight`). The loop knows its own count (its loss's denominator), not which batch a step
+# input is part of: after a resume, `enumerate(loader)` starts at 0 inside the epoch, and loader workers read ahead.
+# So the batch's count comes from the plan inside the step input's key, which the loader's workers get (their
+# `_KeyDataset` holds no plan), and is yielded beside the step input, as HF Trainer passes `num_items_in_batch`
+# beside each of its step inputs. The count, not the weight: the weight's factors R and G depend on what the
+# engine averages (DDP averages over ranks; DeepSpeed and Accelerate divide the loss by G, a loop that sums its
+# backward calls does not), which the loader cannot see.
+def _batch_counts(plan: Plan, batch_count: str | np.ndarray) -> list[int]:
+    """Per batch of ``plan``: its sequences, tokens (the seqlens), label tokens (tokens less sequences: a causal
+    LM's labels are its shifted inputs), or the sum of the given per-sample counts over its samples."""
+    if isinstance(batch_count, np.ndarray):
+        k = plan.effective_batch_size
+        running = np.concatenate([[0], np.cumsum(batch_count[plan.sample_ids])])  # before each sample of the plan
+        return np.diff(running[plan.microbatch_offsets[::k]]).tolist()  # batch b: micro-batches b*k .. b*k + k - 1
+    if batch_count == "label_tokens":
+        return (plan.batch_tokens - plan.batch_sizes).tolist()
+    return plan._amounts(batch_count).tolist()
 
 
 class _StepInputKeys(DistributedSampler):
@@ -3989,12 +4057,14 @@ class _StepInputKeys(DistributedSampler):
         *,
         every_rank: bool,
         batched: bool,
+        batch_count: Any = None,
         workers_read_ahead: int = 0,
         read_ahead: int = 0,
     ):
         self.variable_batch_sampler = sampler
         self.every_rank = every_rank
         self.batched = batched
+        self.batch_count = batch_count  # what the keys count per batch (see `make_dataloader`)
         self.workers_read_ahead = workers_read_ahead
         self.read_ahead = read_ahead
 
@@ -4023,7 +4093,7 @@ class _KeyIterator:
     def __init__(self, keys: _StepInputKeys):
         self.batched = keys.batched
         self.count = _LoopCount(keys)
-        self._keys = _step_input_keys(keys.variable_batch_sampler, keys.every_rank, self.count)
+        self._keys = _step_input_keys(keys.variable_batch_sampler, keys.every_rank, self.count, keys.batch_count)
 
     def __iter__(self):
         return self
@@ -4159,7 +4229,7 @@ class _LoadStepInput:
                     f"{wrong[0][1]} for sample {wrong[0][0]}; it must pad the first dimension to `length`"
                 )
         if self.collate_fn is None:
-            return samples
+            return _with_batch_count(samples, key)
         padded = _PADDED_SEQLENS.set(key.seqlens if key.pad_to and not self.padding_free else None)
         row = _FLAT_ROW.set(key.pad_to if self.padding_free else 0)  # NOTE [same-length ...], NOTE [the flat row]
         try:
@@ -4172,7 +4242,7 @@ class _LoadStepInput:
             _PADDED_SEQLENS.reset(padded)
         if self.step_input_bound is not None:
             self._check_budget(batch, key)
-        return batch
+        return _with_batch_count(batch, key)
 
     def _check_budget(self, batch: Any, key: _StepInputKey) -> None:
         """Raises when the collated step input's ``B x S`` tensor is over the padded budget's bound.
@@ -4208,6 +4278,11 @@ class _LoadStepInput:
             f"count (BOS/EOS, padding to a multiple); count them in the seqlens (e.g. [len(ids) + 1 for ids in "
             f"tokenized] for an EOS the collate appends)"
         )
+
+
+def _with_batch_count(step_input: Any, key: _StepInputKey) -> Any:
+    """``(step_input, batch_count)`` where the loader counts (see `make_dataloader`), else the step input."""
+    return step_input if key.batch_count is None else (step_input, key.batch_count)
 
 
 def _check_ranks_agree(sampler: VariableBatchSampler) -> None:
