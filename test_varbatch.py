@@ -4,7 +4,7 @@ Budget, order, shapes (pipeline, same size, same length, step inputs), nothing l
 weights, seqlens source, resume, bad input (one table per entry point); then the ``plan``
 command, then the runs launched with several processes (marked ``slow``, at the end).
 
-Run: ``python -m pytest -q test_varbatch.py`` (CI's command: everything, a few minutes on two
+Run: ``python -m pytest -q test_varbatch.py test_conformance.py`` (CI's command: everything, a few minutes on two
 cores) or ``python -m pytest -q -m "not slow" test_varbatch.py`` (about a minute). Comparisons
 with DeepSpeed's own module import DeepSpeed inside the tests and skip where it is missing.
 """
@@ -8292,7 +8292,7 @@ def test_deepspeed_style_script_runs_unchanged_on_varbatch_with_zero_stage_1(tmp
 # check the numbers of these same launches.
 
 _README = Path(varbatch.__file__).with_name("README.md")
-_README_TEST_COMMAND = "python -m pytest -q test_varbatch.py"
+_README_TEST_COMMAND = "python -m pytest -q test_varbatch.py test_conformance.py"
 _README_SMALL_EXAMPLE = ["--num-samples", "600", "--epochs", "3"]  # `python example.py`, which no test shares
 # Recipes the tests run under _RECIPE_RECORDER, and check; the library each is about.
 _README_RECIPE_NEEDS = {

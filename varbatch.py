@@ -1960,7 +1960,7 @@ class VariableBatchSampler(Sampler[list[int]]):
     # trains. `set_epoch` only selects the next pass's epoch, as torch's
     # DistributedSampler's does. A restored position waits for the first pass of
     # its epoch (torchdata's convention); a pass of another epoch drops it.
-    def _start_pass(self, count: _LoopCount | None = None) -> _Pass:
+    def _start_pass(self, count: Any = None) -> _Pass:
         """Starts a pass over the selected epoch: a side pass while its training pass is open, else its training
         pass, from a position restored for that epoch or its start. ``count``: a loader's pass's `_LoopCount`."""
         _check_world(self)
@@ -2123,7 +2123,7 @@ class _Pass:
     start: int
     restores: int
     training: bool
-    count: _LoopCount | None = None
+    count: Any = None  # a loader's `_LoopCount` (Part III)
     steps_done: int = -1
     state: str = "open"
 
