@@ -6683,6 +6683,22 @@ def test_step_input_costs_by_form():
         assert np.allclose(varbatch._step_input_costs(plan, np.asarray(seqlens)), expected), options
 
 
+@given(seqlens=st.lists(st.integers(1, 40), min_size=1, max_size=5), ranks=st.integers(2, 4))
+def test_balanced_ranks_refuse_too_few_samples_as_the_unbalanced_plan_does(seqlens, ranks):
+    """Too few samples for one batch: balance_ranks=True refuses the sampler with the unbalanced plan's message (its
+    counts), not an error of its own."""
+    options = dict(num_replicas=ranks, rank=0, order="random")
+    try:
+        VariableBatchSampler(seqlens, 45, **options)
+    except ValueError as error:
+        unbalanced = str(error)
+    else:
+        assume(False)
+    with pytest.raises(ValueError) as balanced:
+        VariableBatchSampler(seqlens, 45, balance_ranks=True, quadratic_tokens=20.0, **options)
+    assert str(balanced.value) == unbalanced
+
+
 def test_one_rank_and_padded_pipeline_batches_are_left_as_they_are():
     """One rank waits for no one; padded same-size, same-length batches share one shape: balancing says so."""
     seqlens = _lengths(300, high=60)

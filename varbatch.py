@@ -1574,8 +1574,8 @@ def _balanced(plan: Plan, seqlens: np.ndarray) -> Plan:
     (one rank; padded pipeline batches)."""
     settings = plan.settings
     one_shape = settings.same_size and settings.same_length and not settings.padding_free
-    if not settings.balance_ranks or settings.num_replicas == 1 or one_shape:
-        return plan
+    if not settings.balance_ranks or settings.num_replicas == 1 or one_shape or plan.num_batches == 0:
+        return plan  # (an empty plan is refused by its caller, naming its counts)
     costs = _step_input_costs(plan, seqlens)
     window = len(costs)
     if settings.same_size or settings.same_length:  # a pipeline's batch keeps its step inputs
