@@ -545,6 +545,19 @@ def _empty_plan_message(plan: Plan) -> str:
     )
 
 
+def _same_tail_message(plan: Plan) -> str:
+    """What a plan of one order for every epoch drops as ``tail`` in each, and the settings that change it (NOTE
+    [the tail moves])."""
+    settings = plan.settings
+    fixes = "order='random' or 'bucket' (sequence_picking_order), which leave other samples over each epoch"
+    if settings.min_batch_size > 1:
+        fixes += f", or a min_batch_size below {settings.min_batch_size}, which cuts the leftover into more parts"
+    return (
+        f"order={settings.order!r} drops the same {_format_ids(plan.dropped['tail'])} as tail in every epoch, never"
+        f" trained; use {fixes}"
+    )
+
+
 def _sampler_world(num_replicas: Any, rank: Any, options: dict) -> tuple[int, int, bool]:
     """A sampler's ``num_replicas`` and ``rank`` (torch.distributed's where None), checked, and whether it deals to
     1 rank by default (torch.distributed not, or not yet, up: see `_check_world`); ``options`` may not hold
@@ -1521,10 +1534,20 @@ def _reference_plan(seqlens: np.ndarray, settings: _Settings, sample_ids: np.nda
 def _equal_plan(
     seqlens: np.ndarray, settings: _Settings, sample_ids: np.ndarray | None, epoch: int, reference: Plan
 ) -> Plan:
-    """The plan of ``epoch``, with as many batches as ``reference``, epoch 0's (`_reference_plan`): its packing
-    lengthened, or one drawn again, or the last resort (see NOTE [every epoch the same length])."""
-    if epoch == 0 or settings.order not in _DRAWN_ORDERS:  # the deterministic orders pack every epoch alike
+    """The plan of ``epoch``, with as many batches as ``reference``, epoch 0's (`_reference_plan`): in a drawn
+    order, `_drawn_plan` with its tail moved (NOTE [the tail moves])."""
+    if settings.order not in _DRAWN_ORDERS:  # the deterministic orders pack every epoch alike
         return dataclasses.replace(reference, epoch=epoch)
+    return _traded_tail(_drawn_plan(seqlens, settings, sample_ids, epoch, reference), seqlens)
+
+
+def _drawn_plan(
+    seqlens: np.ndarray, settings: _Settings, sample_ids: np.ndarray | None, epoch: int, reference: Plan
+) -> Plan:
+    """The plan of ``epoch`` in a drawn order before its tail moves: ``reference`` itself (epoch 0), or the epoch's
+    packing lengthened, or one drawn again, or the last resort (see NOTE [every epoch the same length])."""
+    if epoch == 0:
+        return reference
     for attempt in range(_REDRAWS):
         plan = _lengthened(_pack(seqlens, settings, sample_ids, epoch, attempt), seqlens, reference.num_batches)
         if plan is not None:
@@ -1603,6 +1626,75 @@ def _reshuffled(plan: Plan, epoch: int) -> Plan:
     for array in fresh.values():
         array.setflags(write=False)
     return dataclasses.replace(plan, **fresh, epoch=epoch)
+
+
+# =============================================================================
+# The tail: other samples left over each epoch
+# =============================================================================
+
+
+# NOTE [the tail moves]: a packing leaves over, as `tail`, the last samples of its picking order that fill
+# no batch (fewer than k where min_batch_size is 1). A drawn order is new every epoch, but its end need not
+# be: a `bucket` window is sorted by length, and a set of one window (one smaller than the default window,
+# a few thousand samples) ends with its longest samples in every epoch, so the longest was left out of
+# every epoch and never trained. So in the drawn orders each tail sample in turn trades places with a
+# sample drawn uniformly, from (seed, epoch), among itself and the packed samples whose place it can take
+# within the budget (`_places_within_budget`): its micro-batch's seqlens still sum to at most max_tokens,
+# or its padding group's rows x longest seqlen. Over E epochs a sample is then left over about E / (its
+# choices + 1) times, where the choices are the places the tail sample can take: the possible tails. The
+# trade keeps everything NOTE [every epoch the same length] made: the micro-batches' sizes, the batches
+# and their order, epoch 0's number of batches; only who sits where changes (the batches' tokens and
+# longest seqlens follow). Why not another packing (the order begun elsewhere, or packed without samples
+# drawn to be left over): a set whose epoch 0 packs tight (padded, sorted windows) needs more batches in
+# most other packings and fits no other, and a sample set aside moves every micro-batch after it, which
+# may leave another tail. A plan that drops no tail is not touched: it is bit for bit as before. The
+# `dataloader` and `seqlen` orders promise one order for every epoch, so one tail: `_log_plan` says so,
+# once, with the settings that change it.
+_TAIL_STREAM = 0x7461696C  # b"tail": the trades' own stream of a seed
+
+
+def _traded_tail(plan: Plan, seqlens: np.ndarray) -> Plan:
+    """``plan`` (of the ``seqlens``) with each sample of its tail in turn traded for one drawn from (seed, epoch)
+    among itself and the packed samples whose place it can take within the budget (NOTE [the tail moves])."""
+    if not len(plan.dropped["tail"]):
+        return plan
+    settings = plan.settings
+    rng = np.random.default_rng((settings.seed, plan.epoch, _TAIL_STREAM))
+    ids = plan.sample_ids.copy()
+    sizes = plan.microbatch_sizes()
+    tail = plan.dropped["tail"].copy()
+    for t, sample in enumerate(tail.tolist()):
+        places = np.flatnonzero(_places_within_budget(ids, sizes, seqlens, int(seqlens[sample]), settings))
+        choice = rng.integers(len(places) + 1)  # len(places): the sample itself stays left over
+        if choice < len(places):
+            tail[t] = ids[places[choice]]
+            ids[places[choice]] = sample
+    longest, tokens = _implementation(_microbatch_stats, len(ids))(seqlens, ids, sizes, settings)
+    fresh = _plan_arrays(ids, sizes, longest, tokens, settings, seqlens)
+    fresh["dropped"] = {**plan.dropped, "tail": np.sort(tail)}
+    for array in (*fresh.values(), fresh["dropped"]["tail"]):
+        if isinstance(array, np.ndarray):
+            array.setflags(write=False)
+    return dataclasses.replace(plan, **fresh)
+
+
+def _places_within_budget(
+    ids: np.ndarray, sizes: np.ndarray, seqlens: np.ndarray, seqlen: int, settings: _Settings
+) -> np.ndarray:
+    """Per position of the plan's ``ids`` (micro-batches of ``sizes`` samples, of the ``seqlens``), whether a
+    sample of ``seqlen`` tokens in place of the one there keeps its micro-batch within the budget: under "sum"
+    its seqlens; under "padded" its padding group's most rows x longest seqlen, which becomes ``seqlen`` where
+    that is longer (the group fits as it is)."""
+    lens = seqlens[ids].astype(np.int64)
+    offsets = _offsets(sizes)
+    if settings.budget == "sum":
+        tokens = np.add.reduceat(lens, offsets[:-1])
+        return np.repeat(tokens, sizes) - lens + seqlen <= settings.max_tokens
+    group = settings.padding_group
+    longest = np.maximum.reduceat(lens, offsets[:-1]).reshape(-1, group).max(axis=1)
+    rows = sizes.reshape(-1, group).max(axis=1)
+    fits = np.repeat(rows * np.maximum(longest, seqlen) <= settings.max_tokens, group)
+    return np.repeat(fits, sizes)
 
 
 # =============================================================================
@@ -2157,12 +2249,23 @@ def _on_rank_zero(rank: int) -> bool:
     return (_world()[0] if _world()[1] > 1 else rank) == 0
 
 
+# The messages of `_log_plan` on tails dropped in every epoch given in this process: each is given once (Python's
+# own once-per-message registry is emptied whenever a warnings filter changes, as at every scheduler step).
+_SAME_TAILS_TOLD: set[str] = set()
+
+
 def _log_plan(plan: Plan, verbose: bool) -> None:
     """The drops, one warning per reason with a count and the first ids (never an unbounded line); with
-    ``verbose`` the plan's totals."""
+    ``verbose`` the plan's totals. A tail that an order of one plan for every epoch drops in each is warned of
+    once, with the settings that change it (NOTE [the tail moves])."""
     for reason in ("over_budget", "min_batch_size", "tail"):
         if len(plan.dropped[reason]):
             _logger.warning("epoch %d: dropped %s as %s", plan.epoch, _format_ids(plan.dropped[reason]), reason)
+    if len(plan.dropped["tail"]) and plan.settings.order not in _DRAWN_ORDERS:
+        message = _same_tail_message(plan)
+        if message not in _SAME_TAILS_TOLD:
+            _SAME_TAILS_TOLD.add(message)
+            warnings.warn(message, stacklevel=2)
     if verbose:
         # One line of JSON with sorted keys: a log line a script parses back (json.loads) and that compares key by
         # key with another epoch's; the table for people is `python plan.py`, kept out of the vendored file.
