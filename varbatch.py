@@ -996,7 +996,8 @@ def plan_batches(
     Returns:
         The `Plan`. Micro-batches that do not fill a last batch are cut into
         ``k`` where they can be: with ``min_batch_size=1`` fewer than ``k``
-        samples are dropped as ``tail``. A sample is dropped as ``min_batch_size``
+        samples are dropped as ``tail``, in the ``random`` and ``bucket``
+        orders other ones each epoch (NOTE [the tail moves]). A sample is dropped as ``min_batch_size``
         only where no micro-batch (or block) of that many samples starting with it fits.
 
     Raises:
@@ -1633,23 +1634,25 @@ def _reshuffled(plan: Plan, epoch: int) -> Plan:
 # =============================================================================
 
 
-# NOTE [the tail moves]: a packing leaves over, as `tail`, the last samples of its picking order that fill
-# no batch (fewer than k where min_batch_size is 1). A drawn order is new every epoch, but its end need not
-# be: a `bucket` window is sorted by length, and a set of one window (one smaller than the default window,
-# a few thousand samples) ends with its longest samples in every epoch, so the longest was left out of
-# every epoch and never trained. So in the drawn orders each tail sample in turn trades places with a
-# sample drawn uniformly, from (seed, epoch), among itself and the packed samples whose place it can take
-# within the budget (`_places_within_budget`): its micro-batch's seqlens still sum to at most max_tokens,
-# or its padding group's rows x longest seqlen. Over E epochs a sample is then left over about E / (its
-# choices + 1) times, where the choices are the places the tail sample can take: the possible tails. The
-# trade keeps everything NOTE [every epoch the same length] made: the micro-batches' sizes, the batches
-# and their order, epoch 0's number of batches; only who sits where changes (the batches' tokens and
-# longest seqlens follow). Why not another packing (the order begun elsewhere, or packed without samples
-# drawn to be left over): a set whose epoch 0 packs tight (padded, sorted windows) needs more batches in
-# most other packings and fits no other, and a sample set aside moves every micro-batch after it, which
-# may leave another tail. A plan that drops no tail is not touched: it is bit for bit as before. The
-# `dataloader` and `seqlen` orders promise one order for every epoch, so one tail: `_log_plan` says so,
-# once, with the settings that change it.
+# NOTE [the tail moves]: a packing leaves over, as `tail`, the last samples of its picking order that
+# fill no batch (fewer than k where min_batch_size is 1). A drawn order is new every epoch, but its end
+# need not be: a `bucket` window is sorted by length, and a set of one window (any set below the default
+# window, a few thousand samples) ends with its longest samples in every epoch, so a sample could be left
+# out of every epoch and never train (300 seqlens drawn in 1..199, padded budget, G = 2, one process: in
+# 6 of 24 draws). So in the drawn orders each tail sample in turn trades places with a sample drawn
+# uniformly, from (seed, epoch), among itself and the packed samples whose place it can take within the
+# budget (their `_room`): its micro-batch's seqlens still sum to at most max_tokens, or its padding
+# group's most rows x longest seqlen. An epoch's possible tails are then n, the sample left over and the
+# places it can take, and over E epochs a sample is left over about E / n times at most (in the 24 draws
+# above, none in more than 2 of 4 epochs). The trade keeps all that NOTE [every epoch the same length]
+# made: the micro-batches' sizes, the batches and their order, epoch 0's number of batches; only who sits
+# where changes, and with it the batches' tokens and longest seqlens. Why not another packing: the order
+# begun at a drawn place, tried first, needs more batches than epoch 0 where that packs tight (padded, one
+# sorted window) and then fits no epoch (in 6% of the epochs with a tail of 400 small sets: their tail
+# stayed), and a packing without samples drawn to be left over moves every micro-batch after them, which
+# can leave another tail. A plan that drops no tail is left as it is, bit for bit. The `dataloader` and
+# `seqlen` orders promise one order for every epoch, so one tail: `_log_plan` says so, once, with the
+# settings that change it.
 _TAIL_STREAM = 0x7461696C  # b"tail": the trades' own stream of a seed
 
 
@@ -1662,39 +1665,44 @@ def _traded_tail(plan: Plan, seqlens: np.ndarray) -> Plan:
     rng = np.random.default_rng((settings.seed, plan.epoch, _TAIL_STREAM))
     ids = plan.sample_ids.copy()
     sizes = plan.microbatch_sizes()
+    offsets = _offsets(sizes)
+    span = settings.padding_group if settings.budget == "padded" else 1  # the micro-batches a trade changes
+    room = _room(ids, sizes, seqlens, settings)
     tail = plan.dropped["tail"].copy()
     for t, sample in enumerate(tail.tolist()):
-        places = np.flatnonzero(_places_within_budget(ids, sizes, seqlens, int(seqlens[sample]), settings))
+        places = np.flatnonzero(room >= seqlens[sample])
         choice = rng.integers(len(places) + 1)  # len(places): the sample itself stays left over
-        if choice < len(places):
-            tail[t] = ids[places[choice]]
-            ids[places[choice]] = sample
+        if choice == len(places):
+            continue
+        place = places[choice]
+        tail[t], ids[place] = ids[place], sample
+        first = int(np.searchsorted(offsets, place, side="right")) - 1  # the place's micro-batch ...
+        first -= first % span  # ... and the first of its padding group
+        a, b = offsets[first], offsets[first + span]
+        room[a:b] = _room(ids[a:b], sizes[first : first + span], seqlens, settings)
     longest, tokens = _implementation(_microbatch_stats, len(ids))(seqlens, ids, sizes, settings)
     fresh = _plan_arrays(ids, sizes, longest, tokens, settings, seqlens)
-    fresh["dropped"] = {**plan.dropped, "tail": np.sort(tail)}
-    for array in (*fresh.values(), fresh["dropped"]["tail"]):
-        if isinstance(array, np.ndarray):
-            array.setflags(write=False)
-    return dataclasses.replace(plan, **fresh)
+    dropped = {**plan.dropped, "tail": np.sort(tail)}
+    for array in (*fresh.values(), dropped["tail"]):
+        array.setflags(write=False)
+    return dataclasses.replace(plan, **fresh, dropped=dropped)
 
 
-def _places_within_budget(
-    ids: np.ndarray, sizes: np.ndarray, seqlens: np.ndarray, seqlen: int, settings: _Settings
-) -> np.ndarray:
-    """Per position of the plan's ``ids`` (micro-batches of ``sizes`` samples, of the ``seqlens``), whether a
-    sample of ``seqlen`` tokens in place of the one there keeps its micro-batch within the budget: under "sum"
-    its seqlens; under "padded" its padding group's most rows x longest seqlen, which becomes ``seqlen`` where
-    that is longer (the group fits as it is)."""
+def _room(ids: np.ndarray, sizes: np.ndarray, seqlens: np.ndarray, settings: _Settings) -> np.ndarray:
+    """Per position of ``ids`` (whole padding groups of micro-batches of ``sizes`` samples, of the ``seqlens``), the
+    longest seqlen whose sample can take the place of the one there with its micro-batch within the budget: under
+    "sum", max_tokens less the others' seqlens; under "padded", its padding group's longest seqlen, or up to
+    max_tokens // the group's most rows where that is more (rows x S <= max_tokens, S the group's new longest)."""
     lens = seqlens[ids].astype(np.int64)
-    offsets = _offsets(sizes)
+    starts = _offsets(sizes)[:-1]
     if settings.budget == "sum":
-        tokens = np.add.reduceat(lens, offsets[:-1])
-        return np.repeat(tokens, sizes) - lens + seqlen <= settings.max_tokens
+        tokens = np.add.reduceat(lens, starts)
+        return settings.max_tokens - np.repeat(tokens, sizes) + lens
     group = settings.padding_group
-    longest = np.maximum.reduceat(lens, offsets[:-1]).reshape(-1, group).max(axis=1)
+    longest = np.maximum.reduceat(lens, starts).reshape(-1, group).max(axis=1)
     rows = sizes.reshape(-1, group).max(axis=1)
-    fits = np.repeat(rows * np.maximum(longest, seqlen) <= settings.max_tokens, group)
-    return np.repeat(fits, sizes)
+    room = np.maximum(longest, settings.max_tokens // rows)
+    return np.repeat(np.repeat(room, group), sizes)
 
 
 # =============================================================================
