@@ -358,6 +358,7 @@ _PART_I_CEILING = (
     1740  # formatted lines: issue 26 asked for 1,600; the sampler and the scheduler under their contract take 730
     + 21  # issue 29: the padding-free setting (its check, its rows in the plan, their totals, the last resort)
     + 103  # issue 30: balanced ranks (its NOTE, the costs, the order and the regrouping; two settings; two calls)
+    + 94  # issue 37: the tail moves (its NOTE, the trade and each place's room; a fixed tail warned of once)
 )
 
 
@@ -397,7 +398,7 @@ def _part_one_reach(source: str) -> tuple[list[str], bool, int]:
 def test_part_one_is_the_technique_on_its_own():
     """varbatch.py has its four parts in order, marked by banners; Part I's definitions refer to nothing of Parts
     III and IV and, of Part II, only to the one dispatch `_implementation`; Part I has at most `_PART_I_CEILING`
-    formatted lines (issue 26 asked for 1,600; issues 29 and 30 add their setting and rule)."""
+    formatted lines (issue 26 asked for 1,600; issues 29, 30 and 37 add their settings and rules)."""
     later, dispatches, size = _part_one_reach(Path(_ROOT, "varbatch.py").read_text(encoding="utf-8"))
     assert not later, f"Part I refers to definitions of the later parts: {later}"
     assert dispatches, "Part I should run its steps through the dispatch of Part II"

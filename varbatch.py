@@ -997,8 +997,9 @@ def plan_batches(
         The `Plan`. Micro-batches that do not fill a last batch are cut into
         ``k`` where they can be: with ``min_batch_size=1`` fewer than ``k``
         samples are dropped as ``tail``, in the ``random`` and ``bucket``
-        orders other ones each epoch (NOTE [the tail moves]). A sample is dropped as ``min_batch_size``
-        only where no micro-batch (or block) of that many samples starting with it fits.
+        orders other ones each epoch (NOTE [the tail moves]). A sample is
+        dropped as ``min_batch_size`` only where no micro-batch (or block) of
+        that many samples starting with it fits.
 
     Raises:
         TypeError, ValueError: bad input, naming the value and the fix; or no batch to pack.
@@ -1634,25 +1635,22 @@ def _reshuffled(plan: Plan, epoch: int) -> Plan:
 # =============================================================================
 
 
-# NOTE [the tail moves]: a packing leaves over, as `tail`, the last samples of its picking order that
-# fill no batch (fewer than k where min_batch_size is 1). A drawn order is new every epoch, but its end
-# need not be: a `bucket` window is sorted by length, and a set of one window (any set below the default
-# window, a few thousand samples) ends with its longest samples in every epoch, so a sample could be left
-# out of every epoch and never train (300 seqlens drawn in 1..199, padded budget, G = 2, one process: in
-# 6 of 24 draws). So in the drawn orders each tail sample in turn trades places with a sample drawn
-# uniformly, from (seed, epoch), among itself and the packed samples whose place it can take within the
-# budget (their `_room`): its micro-batch's seqlens still sum to at most max_tokens, or its padding
-# group's most rows x longest seqlen. An epoch's possible tails are then n, the sample left over and the
-# places it can take, and over E epochs a sample is left over about E / n times at most (in the 24 draws
-# above, none in more than 2 of 4 epochs). The trade keeps all that NOTE [every epoch the same length]
-# made: the micro-batches' sizes, the batches and their order, epoch 0's number of batches; only who sits
-# where changes, and with it the batches' tokens and longest seqlens. Why not another packing: the order
+# NOTE [the tail moves]: a packing leaves over, as `tail`, the last samples of its picking order that fill
+# no batch (fewer than k where min_batch_size is 1). A drawn order is new every epoch, but its end need not
+# be: a set of one `bucket` window (below the default window, a few thousand samples) is sorted by length
+# every epoch, so its longest sample could be left out of every epoch and never train (300 seqlens drawn
+# in 1..199, padded budget, G = 2, one process: in 6 of 24 draws). So in the drawn orders each tail sample
+# in turn trades places with a sample drawn uniformly, from (seed, epoch), among itself and the packed
+# samples whose place it can take within the budget (their `_room`). An epoch's possible tails are then
+# n, the sample left over and the places it can take, and over E epochs a sample is left over about E / n
+# times at most (in the 24 draws above, none in more than 2 of 4 epochs; the padded slots' real share fell
+# 0.06 points at most). The trade keeps all that NOTE [every epoch the same length] made: the micro-batches' sizes, the
+# batches and their order, their number; only who sits where changes. Why not another packing: the order
 # begun at a drawn place, tried first, needs more batches than epoch 0 where that packs tight (padded, one
-# sorted window) and then fits no epoch (in 6% of the epochs with a tail of 400 small sets: their tail
-# stayed), and a packing without samples drawn to be left over moves every micro-batch after them, which
-# can leave another tail. A plan that drops no tail is left as it is, bit for bit. The `dataloader` and
-# `seqlen` orders promise one order for every epoch, so one tail: `_log_plan` says so, once, with the
-# settings that change it.
+# sorted window) and then fits no epoch (6% of the epochs with a tail of 400 small sets kept theirs), and
+# packing without samples drawn to be left over moves every micro-batch after them, which can leave
+# another tail. A plan that drops no tail is left as it is, bit for bit. The `dataloader` and `seqlen`
+# orders promise one order for every epoch, so one tail: `_log_plan` says so, once, with the fixes.
 _TAIL_STREAM = 0x7461696C  # b"tail": the trades' own stream of a seed
 
 
