@@ -1873,8 +1873,9 @@ def _batches_of(plan):
 @settings(max_examples=150, deadline=None)
 def test_every_epoch_has_epoch_0s_batches_and_holds_every_budget(case, order):
     """Every epoch of a plan's settings has epoch 0's number of batches and a valid plan: its packing lengthened, or
-    the first packing drawn again that fits, or epoch 0's batches reshuffled; the deterministic orders' packing
-    itself. Planned in any order of epochs, each plan is the same, and plan_batches(epoch=e) is that plan."""
+    the first packing drawn again that fits, or epoch 0's batches reshuffled, then its tail traded (NOTE [the tail
+    moves]); the deterministic orders' packing itself. Planned in any order of epochs, each plan is the same, and
+    plan_batches(epoch=e) is that plan."""
     settings, ids = _settings_of(case)
     seqlens = np.asarray(case["seqlens"])
     planner = varbatch._Planner(seqlens, settings, ids)
@@ -1902,13 +1903,34 @@ def test_every_epoch_has_epoch_0s_batches_and_holds_every_budget(case, order):
         fitting = [varbatch._lengthened(p, seqlens, count) for p in packings] if e else [reference]
         first = next((p for p in fitting if p is not None), None)
         if first is None:  # the last resort: epoch 0's batches, each whole, in another order
-            assert sorted(_batches_of(plan)) == sorted(_batches_of(reference))
-            assert _plan_arrays(plan)[-1] == _plan_arrays(reference)[-1]
-        else:
-            assert _plan_arrays(plan) == _plan_arrays(first)
+            first = varbatch._reshuffled(reference, e)
+            assert sorted(_batches_of(first)) == sorted(_batches_of(reference))
+            assert _plan_arrays(first)[-1] == _plan_arrays(reference)[-1]
+        _assert_tail_traded(plan, first, case)
     with contextlib.suppress(ValueError):
         for e in (0, 3):
             assert _plan_arrays(plan_batches(**{**case, "epoch": e})) == _plan_arrays(plans[e])
+
+
+def _assert_tail_traded(plan, before, case):
+    """``plan`` is ``before`` (a plan of the same epoch) with its tail traded (NOTE [the tail moves]): bit for bit
+    where ``before`` drops no tail; else the same micro-batches' sizes, with at most one place per tail sample
+    taken by a tail sample, whose sample is left over in its stead."""
+    if len(before.dropped["tail"]) == 0:
+        assert _plan_arrays(plan) == _plan_arrays(before), "a plan without a tail changed"
+        return
+    assert plan.microbatch_offsets.tolist() == before.microbatch_offsets.tolist()
+    assert plan.sample_ids.dtype == before.sample_ids.dtype
+    tail = set(before.dropped["tail"].tolist())
+    places = np.flatnonzero(plan.sample_ids != before.sample_ids)
+    assert len(places) <= len(tail)
+    taken = set(plan.sample_ids[places].tolist())
+    assert taken <= tail, "a place went to a sample that was not left over"
+    left = (tail - taken) | set(before.sample_ids[places].tolist())
+    assert plan.dropped["tail"].tolist() == sorted(left)
+    for reason in ("over_budget", "min_batch_size", "filtered"):
+        assert plan.dropped[reason].tolist() == before.dropped[reason].tolist()
+    _assert_valid_plan(plan, case)
 
 
 @given(case=plan_cases(orders=ORDERS), extra=st.integers(0, 6))
@@ -1955,6 +1977,112 @@ def test_lengthened_cuts_in_two_the_fullest_batches_that_can_be_cut(case, extra)
         assert sorted(i for mb in parts for i in mb) == sorted(i for mb in batch for i in mb)
         assert all(any(set(part) <= set(mb) for mb in batch) for part in parts), f"batch {b} cut across micro-batches"
         at += 2 * k
+
+
+# -- the tail moves (NOTE [the tail moves]) ----------------------------------------------------------------------
+
+
+def _places_it_can_take(plan, sample, case):
+    """The positions (in ``plan.sample_ids``) whose sample ``sample`` can replace with every micro-batch still within
+    the budget of DESIGN.md section 1, found by putting it there and costing its padding group again."""
+    lens, k, m = case["seqlens"], case["effective_batch_size"], case["micro_batch_size"]
+    span = k if case["same_length"] else m  # micro-batches padded to one S
+    mbs = plan.microbatches()
+    places, position = [], 0
+    for j, mb in enumerate(mbs):
+        for row in range(len(mb)):
+            group = [list(other) for other in mbs[j - j % span : j - j % span + span]]
+            group[j % span][row] = sample
+            longest = max(lens[i] for other in group for i in other)
+            if case["budget"] == "sum":
+                fits = sum(lens[i] for i in group[j % span]) <= case["max_tokens"]
+            else:
+                fits = all(len(other) * longest <= case["max_tokens"] for other in group)
+            if fits:
+                places.append(position)
+            position += 1
+    return places
+
+
+def _most_expected(mean, risk):
+    """The largest count that a sum of independent 0/1 draws with this ``mean`` exceeds with probability at most
+    ``risk`` (Chernoff: P(X >= b) <= e^-mean (e mean / b)^b for b > mean)."""
+    if mean == 0:
+        return 0
+    b = math.floor(mean) + 1
+    while -mean + b * (1 + math.log(mean / b)) > math.log(risk):
+        b += 1
+    return b - 1
+
+
+@given(case=plan_cases(orders=("random", "bucket")), two_ranks=st.booleans(), one_window=st.booleans())
+@example(  # one bucket window, sorted whole, ending with the longest sample: left over in every epoch until it moved
+    case=_case([*_lengths(30, 1, 20, seed=4), 25], 30, effective_batch_size=2, order="bucket"),
+    two_ranks=False,
+    one_window=True,
+)
+@settings(max_examples=60, deadline=None)
+def test_no_sample_is_left_over_more_often_than_its_possible_tails_allow(case, two_ranks, one_window):
+    """Over 40 epochs of a drawn order with batches of two micro-batches (a tail of one sample at most), each
+    epoch's tail is drawn among the sample its packing leaves over and the samples whose place that one can take
+    within the budget (found here by putting it there): a sample is left over no more often than E / (possible
+    tails) allows, by a bound that a fair draw exceeds with probability below 1e-9; never where it could not be."""
+    m = case["micro_batch_size"]
+    case = {**case, "effective_batch_size": 2, "num_replicas": 2 if m == 1 and two_ranks else 1, "min_batch_size": 1}
+    if one_window:  # the default window holds every sample of a set this small
+        case["bucket_size"] = None
+    settings, ids = _settings_of(case)
+    seqlens = np.asarray(case["seqlens"])
+    planner = varbatch._Planner(seqlens, settings, ids)
+    try:
+        reference = planner.reference
+    except ValueError:  # every sample over max_tokens
+        reference = None
+    assume(reference is not None and reference.num_batches > 0)
+    epochs = 40
+    chances = np.zeros(len(seqlens))  # per sample, the sum over epochs of its chance to be left over
+    left_over = np.zeros(len(seqlens), np.int64)
+    for epoch in range(epochs):
+        before = varbatch._drawn_plan(seqlens, settings, ids, epoch, reference)
+        tail = planner(epoch).dropped["tail"].tolist()
+        if not len(before.dropped["tail"]):
+            assert tail == []
+            continue
+        (sample,) = before.dropped["tail"].tolist()
+        choices = [sample, *before.sample_ids[_places_it_can_take(before, sample, case)].tolist()]
+        assert len(tail) == 1 and tail[0] in choices, f"epoch {epoch}: {tail} is not among {choices}"
+        chances[choices] += 1 / len(choices)
+        left_over[tail[0]] += 1
+    for i in range(len(seqlens)):
+        most = _most_expected(chances[i], 1e-9 / len(seqlens))
+        assert left_over[i] <= most, f"sample {i} left over in {left_over[i]} of {epochs} epochs, chance {chances[i]}"
+
+
+def _always_leaves_over(seed, max_tokens):
+    """Whether the plans of epochs 0-3 of 300 seqlens drawn from ``seed`` (one bucket window, padded budget, one
+    process, G = 2) leave a sample over in each before their tails move: the old planner's plans."""
+    seqlens = np.random.default_rng(seed).integers(1, 200, 300)
+    settings = varbatch._Settings.of(max_tokens=max_tokens, budget="padded", order="bucket", effective_batch_size=2)
+    reference = varbatch._reference_plan(seqlens, settings, None)
+    tails = [set(varbatch._drawn_plan(seqlens, settings, None, e, reference).dropped["tail"]) for e in range(4)]
+    return bool(set.intersection(*tails))
+
+
+@pytest.mark.parametrize("max_tokens", [256, 512], ids=["vendoring recipe", "HF Trainer recipe"])
+def test_no_sample_of_a_small_bucket_set_is_left_out_of_every_epoch(max_tokens):
+    """300 samples, order="bucket" (a set this small is one sorted window), one process, G = 2, 4 epochs, seqlens
+    whose old plans left the same sample over in every epoch: every sample trains in 2 of the 4 epochs at least."""
+    seed = _first_seed(functools.partial(_always_leaves_over, max_tokens=max_tokens))
+    seqlens = np.random.default_rng(seed).integers(1, 200, 300).tolist()
+    sampler = VariableBatchSampler(
+        seqlens, max_tokens, budget="padded", order="bucket", gradient_accumulation_steps=2, num_replicas=1, rank=0
+    )
+    trained = collections.Counter()
+    for epoch in range(4):
+        sampler.set_epoch(epoch)
+        trained.update(i for step_input in sampler for i in step_input)
+    assert min(trained[i] for i in range(300)) >= 2, {i: n for i, n in trained.items() if n < 2}
+    assert max(trained.values()) == 4
 
 
 # -- the planner against a slow, obviously correct oracle ------------------------------------------
@@ -2333,10 +2461,14 @@ def test_an_epoch_whose_packing_has_no_batch_has_epoch_0s_batches():
 
 
 def test_the_last_resort_is_epoch_0s_batches_reshuffled(monkeypatch):
-    """With no packing drawn, an epoch is epoch 0's plan with its batches in an order drawn from (seed, epoch)."""
+    """With no packing drawn, an epoch is epoch 0's plan with its batches in an order drawn from (seed, epoch) (here
+    one without a tail, which would then move: test_every_epoch_has_epoch_0s_batches_and_holds_every_budget)."""
     monkeypatch.setattr(varbatch, "_REDRAWS", 0)
     lengths = _lengths(300, 1, 60, seed=3)
-    options = dict(effective_batch_size=4, order="random", budget="padded", seed=5)
+    options = dict(effective_batch_size=4, order="random", budget="padded")
+    options["seed"] = _first_seed(
+        lambda seed: len(plan_batches(lengths, 100, seed=seed, **options).dropped["tail"]) == 0
+    )
     first = plan_batches(lengths, 100, **options)
     orders = []
     for epoch in (1, 2):
@@ -2719,6 +2851,36 @@ def test_drops_are_logged_once_per_trained_epoch_on_rank_0(caplog):
         "epoch 0: dropped 2 samples (ids 60, 61) as over_budget",
         "epoch 1: dropped 2 samples (ids 60, 61) as over_budget",
     ]
+
+
+def test_a_tail_dropped_in_every_epoch_is_warned_of_once_with_its_fix(monkeypatch):
+    """The orders of one plan for every epoch drop one tail in each: one warning (on rank 0, not one per epoch, though
+    catch_warnings between epochs, as at every scheduler step, empties Python's own once-registry) naming its ids and
+    the orders that move it, and min_batch_size where that is above 1; none in a drawn order."""
+    monkeypatch.setattr(varbatch, "_SAME_TAILS_TOLD", set())
+    cases = [  # (seqlens, order, min_batch_size, the ids dropped as tail)
+        ([3, 5, 2, 6, 4, 1, 7], "seqlen", 1, "1 sample (ids 6)"),
+        ([3, 5, 2, 6, 4, 1, 7, 2, 3, 1, 2, 1], "dataloader", 2, "1 sample (ids 11)"),
+        ([3, 5, 2, 6, 4, 1, 7, 2, 3, 1, 2, 1], "bucket", 2, None),
+    ]
+    for seqlens, order, min_batch_size, ids in cases:
+        options = dict(order=order, min_batch_size=min_batch_size)
+        sampler = VariableBatchSampler(seqlens, 8, gradient_accumulation_steps=2, **options)
+        other_rank = VariableBatchSampler(seqlens, 8, num_replicas=2, rank=1, **options)  # the same plan, k = 2
+        assert len(sampler.plan.dropped["tail"]) > 0  # the case has a tail
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                list(sampler), list(other_rank)
+                with warnings.catch_warnings():
+                    pass
+        told = [str(w.message) for w in caught if "as tail in every epoch" in str(w.message)]
+        if ids is None:
+            assert told == [], order
+            continue
+        (message,) = told
+        assert f"order={order!r} drops the same {ids}" in message and "order='random' or 'bucket'" in message
+        assert ("min_batch_size below 2" in message) == (min_batch_size == 2), message
 
 
 def test_drop_log_lines_are_bounded(caplog):

@@ -492,6 +492,19 @@ def _empty_plan_message(plan: Plan) -> str:
     )
 
 
+def _same_tail_message(plan: Plan) -> str:
+    """What a plan of one order for every epoch drops as ``tail`` in each, and the settings that change it (NOTE
+    [the tail moves])."""
+    settings = plan.settings
+    fixes = "order='random' or 'bucket' (sequence_picking_order), which leave other samples over each epoch"
+    if settings.min_batch_size > 1:
+        fixes += f", or a min_batch_size below {settings.min_batch_size}, which cuts the leftover into more parts"
+    return (
+        f"order={settings.order!r} drops the same {_format_ids(plan.dropped['tail'])} as tail in every epoch, never"
+        f" trained; use {fixes}"
+    )
+
+
 def _sampler_world(num_replicas: Any, rank: Any, options: dict) -> tuple[int, int, bool]:
     """A sampler's ``num_replicas`` and ``rank`` (torch.distributed's where None), checked, and whether it deals to
     1 rank by default (torch.distributed not, or not yet, up: see `_check_world`); ``options`` may not hold
@@ -919,8 +932,10 @@ def plan_batches(
     Returns:
         The `Plan`. Micro-batches that do not fill a last batch are cut into
         ``k`` where they can be: with ``min_batch_size=1`` fewer than ``k``
-        samples are dropped as ``tail``. A sample is dropped as ``min_batch_size``
-        only where no micro-batch (or block) of that many samples starting with it fits.
+        samples are dropped as ``tail``, in the ``random`` and ``bucket``
+        orders other ones each epoch (NOTE [the tail moves]). A sample is
+        dropped as ``min_batch_size`` only where no micro-batch (or block) of
+        that many samples starting with it fits.
 
     Raises:
         TypeError, ValueError: bad input, naming the value and the fix; or no batch to pack.
@@ -1457,10 +1472,20 @@ def _reference_plan(seqlens: np.ndarray, settings: _Settings, sample_ids: np.nda
 def _equal_plan(
     seqlens: np.ndarray, settings: _Settings, sample_ids: np.ndarray | None, epoch: int, reference: Plan
 ) -> Plan:
-    """The plan of ``epoch``, with as many batches as ``reference``, epoch 0's (`_reference_plan`): its packing
-    lengthened, or one drawn again, or the last resort (see NOTE [every epoch the same length])."""
-    if epoch == 0 or settings.order not in _DRAWN_ORDERS:  # the deterministic orders pack every epoch alike
+    """The plan of ``epoch``, with as many batches as ``reference``, epoch 0's (`_reference_plan`): in a drawn
+    order, `_drawn_plan` with its tail moved (NOTE [the tail moves])."""
+    if settings.order not in _DRAWN_ORDERS:  # the deterministic orders pack every epoch alike
         return dataclasses.replace(reference, epoch=epoch)
+    return _traded_tail(_drawn_plan(seqlens, settings, sample_ids, epoch, reference), seqlens)
+
+
+def _drawn_plan(
+    seqlens: np.ndarray, settings: _Settings, sample_ids: np.ndarray | None, epoch: int, reference: Plan
+) -> Plan:
+    """The plan of ``epoch`` in a drawn order before its tail moves: ``reference`` itself (epoch 0), or the epoch's
+    packing lengthened, or one drawn again, or the last resort (see NOTE [every epoch the same length])."""
+    if epoch == 0:
+        return reference
     for attempt in range(_REDRAWS):
         plan = _lengthened(_pack(seqlens, settings, sample_ids, epoch, attempt), seqlens, reference.num_batches)
         if plan is not None:
@@ -1539,6 +1564,79 @@ def _reshuffled(plan: Plan, epoch: int) -> Plan:
     for array in fresh.values():
         array.setflags(write=False)
     return dataclasses.replace(plan, **fresh, epoch=epoch)
+
+
+# =============================================================================
+# The tail: other samples left over each epoch
+# =============================================================================
+
+
+# NOTE [the tail moves]: a packing leaves over, as `tail`, the last samples of its picking order that fill
+# no batch (fewer than k where min_batch_size is 1). A drawn order is new every epoch, but its end need not
+# be: a set of one `bucket` window (below the default window, a few thousand samples) is sorted by length
+# every epoch, so its longest sample could be left out of every epoch and never train (300 seqlens drawn
+# in 1..199, padded budget, G = 2, one process: in 6 of 24 draws). So in the drawn orders each tail sample
+# in turn trades places with a sample drawn uniformly, from (seed, epoch), among itself and the packed
+# samples whose place it can take within the budget (their `_room`). An epoch's possible tails are then
+# n, the sample left over and the places it can take, and over E epochs a sample is left over about E / n
+# times at most (in the 24 draws above, none in more than 2 of 4 epochs; the padded slots' real share fell
+# 0.06 points at most). The trade keeps all that NOTE [every epoch the same length] made: the micro-batches' sizes, the
+# batches and their order, their number; only who sits where changes. Why not another packing: the order
+# begun at a drawn place, tried first, needs more batches than epoch 0 where that packs tight (padded, one
+# sorted window) and then fits no epoch (6% of the epochs with a tail of 400 small sets kept theirs), and
+# packing without samples drawn to be left over moves every micro-batch after them, which can leave
+# another tail. A plan that drops no tail is left as it is, bit for bit. The `dataloader` and `seqlen`
+# orders promise one order for every epoch, so one tail: `_log_plan` says so, once, with the fixes.
+_TAIL_STREAM = 0x7461696C  # b"tail": the trades' own stream of a seed
+
+
+def _traded_tail(plan: Plan, seqlens: np.ndarray) -> Plan:
+    """``plan`` (of the ``seqlens``) with each sample of its tail in turn traded for one drawn from (seed, epoch)
+    among itself and the packed samples whose place it can take within the budget (NOTE [the tail moves])."""
+    if not len(plan.dropped["tail"]):
+        return plan
+    settings = plan.settings
+    rng = np.random.default_rng((settings.seed, plan.epoch, _TAIL_STREAM))
+    ids = plan.sample_ids.copy()
+    sizes = plan.microbatch_sizes()
+    offsets = _offsets(sizes)
+    span = settings.padding_group if settings.budget == "padded" else 1  # the micro-batches a trade changes
+    room = _room(ids, sizes, seqlens, settings)
+    tail = plan.dropped["tail"].copy()
+    for t, sample in enumerate(tail.tolist()):
+        places = np.flatnonzero(room >= seqlens[sample])
+        choice = rng.integers(len(places) + 1)  # len(places): the sample itself stays left over
+        if choice == len(places):
+            continue
+        place = places[choice]
+        tail[t], ids[place] = ids[place], sample
+        first = int(np.searchsorted(offsets, place, side="right")) - 1  # the place's micro-batch ...
+        first -= first % span  # ... and the first of its padding group
+        a, b = offsets[first], offsets[first + span]
+        room[a:b] = _room(ids[a:b], sizes[first : first + span], seqlens, settings)
+    longest, tokens = _implementation(_microbatch_stats, len(ids))(seqlens, ids, sizes, settings)
+    fresh = _plan_arrays(ids, sizes, longest, tokens, settings, seqlens)
+    dropped = {**plan.dropped, "tail": np.sort(tail)}
+    for array in (*fresh.values(), dropped["tail"]):
+        array.setflags(write=False)
+    return dataclasses.replace(plan, **fresh, dropped=dropped)
+
+
+def _room(ids: np.ndarray, sizes: np.ndarray, seqlens: np.ndarray, settings: _Settings) -> np.ndarray:
+    """Per position of ``ids`` (whole padding groups of micro-batches of ``sizes`` samples, of the ``seqlens``), the
+    longest seqlen whose sample can take the place of the one there with its micro-batch within the budget: under
+    "sum", max_tokens less the others' seqlens; under "padded", its padding group's longest seqlen, or up to
+    max_tokens // the group's most rows where that is more (rows x S <= max_tokens, S the group's new longest)."""
+    lens = seqlens[ids].astype(np.int64)
+    starts = _offsets(sizes)[:-1]
+    if settings.budget == "sum":
+        tokens = np.add.reduceat(lens, starts)
+        return settings.max_tokens - np.repeat(tokens, sizes) + lens
+    group = settings.padding_group
+    longest = np.maximum.reduceat(lens, starts).reshape(-1, group).max(axis=1)
+    rows = sizes.reshape(-1, group).max(axis=1)
+    room = np.maximum(longest, settings.max_tokens // rows)
+    return np.repeat(np.repeat(room, group), sizes)
 
 
 # =============================================================================
@@ -2152,12 +2250,23 @@ def _on_rank_zero(rank: int) -> bool:
     return (_world()[0] if _world()[1] > 1 else rank) == 0
 
 
+# The messages of `_log_plan` on tails dropped in every epoch given in this process: each is given once (Python's
+# own once-per-message registry is emptied whenever a warnings filter changes, as at every scheduler step).
+_SAME_TAILS_TOLD: set[str] = set()
+
+
 def _log_plan(plan: Plan, verbose: bool) -> None:
     """The drops, one warning per reason with a count and the first ids (never an unbounded line); with
-    ``verbose`` the plan's totals."""
+    ``verbose`` the plan's totals. A tail that an order of one plan for every epoch drops in each is warned of
+    once, with the settings that change it (NOTE [the tail moves])."""
     for reason in ("over_budget", "min_batch_size", "tail"):
         if len(plan.dropped[reason]):
             _logger.warning("epoch %d: dropped %s as %s", plan.epoch, _format_ids(plan.dropped[reason]), reason)
+    if len(plan.dropped["tail"]) and plan.settings.order not in _DRAWN_ORDERS:
+        message = _same_tail_message(plan)
+        if message not in _SAME_TAILS_TOLD:
+            _SAME_TAILS_TOLD.add(message)
+            warnings.warn(message, stacklevel=2)
     if verbose:
         # One line of JSON with sorted keys: a log line a script parses back (json.loads) and that compares key by
         # key with another epoch's; the table for people is `python plan.py`, kept out of the vendored file.
