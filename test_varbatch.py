@@ -9297,7 +9297,8 @@ def test_stateful_dataloader_resumes_exactly(tmp_path, stop_after, workers):
     for rank in range(2):
         errors = json.loads((tmp_path / "out" / f"rank{rank}.json").read_text())["grad_errors"]
         assert len(errors) == len(_plan(0, 1, 2).batch_sizes) + len(_plan(1, 1, 2).batch_sizes), len(errors)
-        assert max(errors) < 1e-5, f"rank {rank}: gradients off their batch's token mean's by up to {max(errors):.2g}"
+        # float32 sums over a batch: 1e-4 relative is rounding, a batch weighted with another's count is off by 0.1 to 1
+        assert max(errors) < 1e-4, f"rank {rank}: gradients off their batch's token mean's by up to {max(errors):.2g}"
 
 
 @pytest.mark.parametrize("stop, workers", [(7, 2), (10, 2), (11, 3)])

@@ -3978,7 +3978,8 @@ class _Loader(DataLoader):
         each ``iter()`` (torch/utils/data/dataloader.py, ``DataLoader.__iter__``):
         a second pass while one is open would take the training pass's place.
         """
-        training = self.variable_batch_sampler._training
+        sampler = self.__dict__.get("variable_batch_sampler")  # (absent in a loader rebuilt as its own class)
+        training = None if sampler is None else sampler._training
         open_here = training is not None and training.is_open and training.count is not None
         if self.persistent_workers and open_here and training.count.source is self.__dict__.get("_local"):
             raise RuntimeError(
