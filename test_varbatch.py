@@ -4990,15 +4990,22 @@ def test_a_run_restored_mid_epoch_trains_the_restored_batch_or_is_refused(restor
     assert scheduler.batches_trained == 3 * len(sampler) // 2
 
 
-def test_a_scheduler_state_of_varbatch_0_2_is_refused_naming_the_version():
-    """A state saved before the position was a count of batches (its '_epoch' and '_batch') is refused by name."""
+@pytest.mark.parametrize("owner", ["sampler", "scheduler"])
+@pytest.mark.parametrize("saved", [None, "0.3.0", "0.5.0"], ids=["0.3 (no version)", "0.3.0", "0.5.0"])
+def test_a_state_of_another_version_is_refused_naming_both_versions(owner, saved):
+    """A sampler's or scheduler's state saved by another varbatch (0.3's had no version) is refused by one check
+    naming both versions, before anything is restored; this version's loads."""
     sampler = _sampler()
     scheduler = VariableBatchSizeLR(_optimizer(), "mean", sampler)
-    state = scheduler.state_dict()
-    old = {key: value for key, value in state.items() if key != "_batches"}
-    old.update(_epoch=1, _batch=3, _skipped_seen=0)
-    with pytest.raises(ValueError, match=r"saved by varbatch 0\.2"):
-        scheduler.load_state_dict(old)
+    target = sampler if owner == "sampler" else scheduler
+    state = target.state_dict()
+    target.load_state_dict(state)
+    old = {key: value for key, value in state.items() if key != "version"}
+    if saved is not None:
+        old["version"] = saved
+    with pytest.raises(ValueError, match=re.escape(f"varbatch {saved or '0.3'}")) as refused:
+        target.load_state_dict(old)
+    assert varbatch.__version__ in str(refused.value)
 
 
 # -- a restored scheduler over a fresh sampler whose data resumes by skipping batches ---------------
@@ -6654,15 +6661,11 @@ def test_padding_free_from_the_config_section_and_the_pipeline_glue():
         varbatch._read_config(_glue_config(padding_free=True, budget="padded"))
 
 
-def test_padding_free_states_before_the_setting_load_with_it_off():
-    """A sampler state saved before padding_free existed (no such setting) loads into one with it off, and a
-    padding-free state is refused by one with it off."""
+def test_a_padding_free_state_is_refused_by_a_sampler_without_the_setting():
+    """A padding-free sampler's state is refused by a sampler with padding_free off, naming the setting."""
     sampler = VariableBatchSampler([3, 5, 2, 6, 4, 1], 8, num_replicas=1, rank=0)
-    state = sampler.state_dict()
-    assert "padding_free" not in state["settings"]
-    VariableBatchSampler([3, 5, 2, 6, 4, 1], 8, num_replicas=1, rank=0).load_state_dict(state)
     flat = VariableBatchSampler([3, 5, 2, 6, 4, 1], 8, num_replicas=1, rank=0, padding_free=True).state_dict()
-    with pytest.raises(ValueError, match="cannot load a sampler state"):
+    with pytest.raises(ValueError, match="cannot load a sampler state saved with padding_free=True"):
         sampler.load_state_dict(flat)
 
 
@@ -6904,19 +6907,13 @@ def test_the_balanced_sampler_deals_the_plan_and_resumes_mid_epoch():
     assert list(resumed) == yielded[1][5:]
 
 
-def test_balance_ranks_states_before_the_setting_load_with_it_off():
-    """An unbalanced sampler's state names neither setting (as states saved before them), and loads; a balanced
-    state is refused by an unbalanced sampler."""
-    sampler = VariableBatchSampler([3, 5, 2, 6, 4, 1], 8, num_replicas=1, rank=0, order="random")
-    state = sampler.state_dict()
-    assert "balance_ranks" not in state["settings"] and "quadratic_tokens" not in state["settings"]
-    VariableBatchSampler(
-        [3, 5, 2, 6, 4, 1], 8, num_replicas=1, rank=0, order="random", quadratic_tokens=9
-    ).load_state_dict(state)
+def test_a_balanced_state_is_refused_by_an_unbalanced_sampler():
+    """A balanced sampler's state is refused by an unbalanced one, naming the setting."""
+    sampler = VariableBatchSampler([3, 5, 2, 6, 4, 1], 8, num_replicas=1, rank=0, order="random", quadratic_tokens=9)
     balanced = VariableBatchSampler(
         [3, 5, 2, 6, 4, 1], 8, num_replicas=1, rank=0, order="random", balance_ranks=True, quadratic_tokens=9
     )
-    with pytest.raises(ValueError, match="cannot load a sampler state"):
+    with pytest.raises(ValueError, match="cannot load a sampler state saved with balance_ranks=True"):
         sampler.load_state_dict(balanced.state_dict())
 
 

@@ -1,5 +1,5 @@
 # varbatch.py -- token-budget ("dynamic") batching with batch-size-aware LR scaling
-# Version 0.3.0. Licence: Apache-2.0.
+# Version 0.4.0. Licence: Apache-2.0.
 # Vendored from the varbatch project: copy this one file into your code base.
 """Token-budget batching with learning-rate scaling for PyTorch and DeepSpeed.
 
@@ -92,7 +92,7 @@ __all__ = [  # DeepSpeed's names (deepspeed.runtime.data_pipeline.data_sampling.
     "FlatCollate",
     "check_padding_free",
 ]
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 _logger = logging.getLogger("varbatch")
 
 _Budget = Literal["sum", "padded"]
@@ -291,10 +291,22 @@ def _mismatch(saved: Any, mine: dict, one: str) -> str | None:
 
 
 def _check_state(owner: Any, state_dict: Any, expected: set) -> None:
-    """A state dict has exactly the keys ``owner.state_dict()`` makes, and ``owner``'s settings."""
+    """A state dict of this version of varbatch, with exactly the keys ``owner.state_dict()`` makes (``expected``,
+    besides ``version``), and ``owner``'s settings.
+
+    The one check of a state's version: a state of another version (0.3's had none) is refused naming both, never
+    converted; a run resumes with the varbatch that saved it.
+    """
     name = type(owner).__name__
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"{name}.load_state_dict expects a dict, but got {type(state_dict).__name__}")
+    version = state_dict.get("version", "0.3 or older (no 'version' key)")
+    if version != __version__:
+        raise ValueError(
+            f"cannot load a {name} state saved by varbatch {version} into varbatch {__version__}: states do not "
+            f"carry over between versions; resume with the varbatch that saved it, or start the run anew"
+        )
+    expected = {*expected, "version"}
     unknown, missing = sorted(set(state_dict) - expected), sorted(expected - set(state_dict))
     if unknown or missing:
         raise ValueError(
@@ -540,18 +552,8 @@ def _check_horizon(sampler: VariableBatchSampler, epochs: Any, unit: Any) -> tup
 
 
 def _check_scheduler_state(scheduler: VariableBatchSizeLR, state_dict: Any) -> None:
-    """Raises unless ``state_dict`` is a `VariableBatchSizeLR` state of ``scheduler``'s settings and kind.
-
-    States saved by varbatch 0.2 (the position as an epoch and a batch of
-    epochs of differing lengths) are refused: their batch counts cannot be
-    converted to b.
-    """
-    if isinstance(state_dict, Mapping) and {"_epoch", "_batch"} <= set(state_dict):
-        raise ValueError(
-            f"this scheduler state was saved by varbatch 0.2 (its position is '_epoch' and '_batch'); varbatch "
-            f"{__version__} counts batches trained under epochs of one length and cannot convert it: resume "
-            f"with the varbatch that saved it, or start the schedule anew"
-        )
+    """Raises unless ``state_dict`` is a `VariableBatchSizeLR` state of this version, ``scheduler``'s settings and
+    kind."""
     _check_state(scheduler, state_dict, {*scheduler._STATE, "settings", "base_lr_scheduler"})
     other_kind = (state_dict["base_lr_scheduler"] is None) != (scheduler._base is None)
     if other_kind or len(state_dict["_unscaled"]) != len(scheduler._groups):
@@ -2144,12 +2146,7 @@ class VariableBatchSampler(Sampler[list[int]]):
                 "sample_ids": _digest(self._planner.sample_ids),
                 "fixed_plan": fixed and fixed.fingerprint(),
             }
-        settings = dataclasses.asdict(self.settings)
-        if not settings["padding_free"]:  # as states saved before the setting were: they load with it off
-            del settings["padding_free"]
-        if not settings["balance_ranks"]:  # likewise (and q, which only balancing reads)
-            del settings["balance_ranks"], settings["quadratic_tokens"]
-        return {**settings, **self._data}
+        return {**dataclasses.asdict(self.settings), **self._data}
 
     def state_dict(self, steps_done: int | None = None) -> dict:
         """The position to resume from (epoch, step inputs done in it) and the settings, as plain data.
@@ -2160,7 +2157,8 @@ class VariableBatchSampler(Sampler[list[int]]):
         epoch, done = self._resume_point()
         if steps_done is not None:
             done = _check_int("steps_done", steps_done, 0, len(self), "the step inputs of the epoch trained")
-        return {"epoch": epoch, "steps_done": done, "rank": self.rank, "settings": self._state_settings()}
+        state = {"epoch": epoch, "steps_done": done, "rank": self.rank, "settings": self._state_settings()}
+        return {"version": __version__, **state}
 
     def load_state_dict(self, state_dict: Mapping) -> None:
         """Restores a `state_dict`: the next pass of its epoch continues where it stopped (a state saved at an
@@ -2763,6 +2761,7 @@ class VariableBatchSizeLR(LRScheduler):
         self._catch_up()
         state = {key: copy.deepcopy(value) for key, value in super().state_dict().items() if key in self._STATE}
         return {
+            "version": __version__,
             **state,
             "settings": self._state_settings(),
             "base_lr_scheduler": None if self._base is None else self._base.state_dict(),
@@ -2771,7 +2770,7 @@ class VariableBatchSizeLR(LRScheduler):
     def load_state_dict(self, state_dict):
         """Restores a `state_dict` (never mutating it): the next `step` continues exactly where it stopped.
 
-        States saved by varbatch 0.2 are refused (`_check_scheduler_state`).
+        A state saved by another version of varbatch is refused (`_check_state`).
         """
         _check_scheduler_state(self, state_dict)
         if self._base is not None:
@@ -4244,7 +4243,7 @@ class _RestoresAtOnce:
         pending = [state_dict]
         while pending:  # the sampler's state, wherever the loader's format nests it
             node = pending.pop()
-            if isinstance(node, Mapping) and set(node) == set(VariableBatchSampler._STATE):
+            if isinstance(node, Mapping) and set(node) == {*VariableBatchSampler._STATE, "version"}:
                 return self.variable_batch_sampler.load_state_dict(node)
             pending += list(node.values()) if isinstance(node, Mapping) else []
 
