@@ -113,12 +113,11 @@ _MAX_TOKENS_LIMIT = 2**31  # sums of up to 2**31 lengths below it stay inside in
 
 
 # =============================================================================
-# Argument checks
+# Generic argument checks: each setting's own checks sit beside what it sets
 # =============================================================================
 # One template for every message: parameter, offending value, constraint, fix.
 
 
-# One template for every message: parameter, offending value, constraint, fix.
 def _check_int(name: str, value: Any, minimum: int = 0, maximum: int | None = None, fix: str = "") -> int:
     """``value`` as an int in ``[minimum, maximum]``, or raises naming ``name`` and the value."""
     fix = f"; {fix}" if fix else ""
@@ -230,44 +229,6 @@ def _digest(*arrays: Any) -> str | None:
     return digest.hexdigest()[:16]
 
 
-def _check_lr_method(method: Any) -> Any:
-    """A valid LR scaling method: a name of `_LRMethod`, None (no scaling) or a callable."""
-    if method is None or callable(method):
-        return method
-    return _check_choice("lr_scaling_method", method.lower() if isinstance(method, str) else method, _LRMethod)
-
-
-def _check_reference(reference: Any, name: str = "lr_scaling_reference") -> Any:
-    """``B_ref`` as given: None (the default, ``train_batch_size``), ``"mean"``, or a number > 0."""
-    return (
-        reference
-        if reference is None or (isinstance(reference, str) and reference == "mean")
-        else _check_real(name, reference)
-    )
-
-
-def _check_clock(clock: Any, clock_step: Any, names: tuple = ("clock", "clock_step")) -> tuple[str, int]:
-    """What advances the wrapped schedule (see `VariableBatchSizeLR`) and by how much, checked together.
-
-    NOTE [clocks]: with ``clock="tokens"`` (``"samples"``) the wrapped schedule
-    steps once per ``clock_step`` tokens (samples) of the updates taken, so its
-    position is ``floor(seen / clock_step)``: warmup and decay land at their
-    token counts whatever the batch sizes. Any step-based torch scheduler works;
-    size it with ``sampler.horizon(epochs, "tokens") // clock_step``. For a
-    function ``f`` of tokens: ``LambdaLR(optimizer, lambda s: f(s * clock_step))``.
-    """
-    clock, step = (
-        _check_choice(names[0], clock, _Clock),
-        _check_int(names[1], clock_step, 1, fix="the tokens (samples) per schedule step"),
-    )
-    if clock == "steps" and step != 1:
-        raise ValueError(
-            f"{names[1]}={step} counts tokens or samples, but {names[0]}='steps' steps the schedule once "
-            f"per optimizer step; set {names[0]} to 'tokens' or 'samples', or {names[1]} to 1"
-        )
-    return clock, step
-
-
 def _mismatch(saved: Any, mine: dict, one: str) -> str | None:
     """``"saved with seed=1 into a sampler with seed=2"`` for the first setting that differs (likeliest first);
     settings nested under a key (a scheduler's sampler's) count as settings of their own, named ``sampler.seed``."""
@@ -321,333 +282,6 @@ def _check_state(owner: Any, state_dict: Any, expected: set) -> None:
         )
 
 
-def _check_settings(settings: _Settings) -> None:
-    """Checks every option of ``settings`` and writes each back in its one form (0 and None: no bound): run once, by
-    `_Settings` as it is made."""
-
-    def put(name, value):
-        object.__setattr__(settings, name, value)
-
-    put(
-        "max_tokens",
-        _check_int(
-            "max_tokens", settings.max_tokens, 1, _MAX_TOKENS_LIMIT, "it is the token budget of one micro-batch"
-        ),
-    )
-    for name, fix in (
-        ("effective_batch_size", "it is train_batch_size, micro-batches per optimizer step"),
-        ("micro_batch_size", "it is train_micro_batch_size_per_gpu"),
-        ("num_replicas", ""),
-    ):
-        put(name, _check_int(name, getattr(settings, name), 1, fix=fix))
-    if settings.effective_batch_size % (settings.micro_batch_size * settings.num_replicas):
-        raise ValueError(
-            f"effective_batch_size={settings.effective_batch_size} should be a multiple of micro_batch_size"
-            f" x num_replicas = {settings.micro_batch_size} x {settings.num_replicas}; set train_batch_size = "
-            f"micro batch per GPU x gradient accumulation steps x data-parallel size"
-        )
-    for name, choices in (("budget", _Budget), ("order", _Order), ("on_overlong", _OnOverlong)):
-        put(
-            name, _check_choice("sequence_picking_order" if name == "order" else name, getattr(settings, name), choices)
-        )
-    for name in ("min_batch_size", "max_batch_size"):  # None or 0: no bound (DeepSpeed's convention)
-        value = getattr(settings, name)
-        zero = value is None or (not isinstance(value, bool) and isinstance(value, numbers.Integral) and value == 0)
-        put(name, None if zero else _check_int(name, value, 1, fix="or None for no bound"))
-    put("min_batch_size", settings.min_batch_size or 1)
-    if settings.max_batch_size is not None and settings.min_batch_size > settings.max_batch_size:
-        raise ValueError(
-            f"min_batch_size should be <= max_batch_size, but got min_batch_size={settings.min_batch_size} "
-            f"and max_batch_size={settings.max_batch_size}"
-        )
-    for name in ("same_size", "same_length", "padding_free", "balance_ranks"):
-        if not isinstance(getattr(settings, name), (bool, np.bool_)):
-            raise TypeError(f"{name} should be a bool, but got {name}={getattr(settings, name)!r}")
-        put(name, bool(getattr(settings, name)))
-    if settings.budget == "padded" and settings.same_length and not settings.same_size:
-        raise ValueError(
-            "budget='padded' with same_length=True needs same_size=True (the padded size of a micro-"
-            "batch then depends on the whole batch); set same_size=True or budget='sum'"
-        )
-    if settings.padding_free and settings.budget == "padded":
-        raise ValueError(
-            "padding_free=True with budget='padded': a flat row has no padded B x S tensor to bound; use "
-            "budget='sum', which bounds a row's tokens by micro_batch_size x max_tokens"
-        )
-    put("seed", _DEFAULT_SEED if settings.seed is None else _check_int("seed", settings.seed))
-    put("bucket_size", None if settings.bucket_size is None else _check_int("bucket_size", settings.bucket_size, 1))
-    _check_balance(settings)
-
-
-def _check_balance(settings: _Settings) -> None:
-    """Checks ``quadratic_tokens`` and that the order allows balancing (NOTE [balanced ranks]); warns where
-    balancing has nothing to do. Run by `_check_settings`."""
-    if settings.quadratic_tokens is not None:
-        object.__setattr__(settings, "quadratic_tokens", _check_real("quadratic_tokens", settings.quadratic_tokens))
-    if not settings.balance_ranks:
-        return
-    if settings.quadratic_tokens is None:
-        raise ValueError(
-            "balance_ranks=True needs quadratic_tokens=q, but got quadratic_tokens=None; q is the length at which one"
-            " sample's attention costs as much as the rest of the model: about 6 x hidden_size (12 x with a causal"
-            " kernel that skips the masked blocks), or timed as the README shows; where unsure, err low"
-        )
-    if settings.order in ("dataloader", "seqlen"):
-        raise ValueError(
-            f"balance_ranks=True regroups the plan's step inputs, but sequence_picking_order={settings.order!r}"
-            f" promises their order; use sequence_picking_order='random' or 'bucket', or balance_ranks=False"
-        )
-    if settings.same_size and settings.same_length and not settings.padding_free:
-        warnings.warn(
-            "balance_ranks=True does nothing with same_size=True and same_length=True (pipeline batches): every"
-            " padded step input of a batch has one shape, so one cost, already; set balance_ranks=False",
-            stacklevel=2,
-        )
-
-
-# The fix of a loop that accumulates another number of step inputs per update than the sampler (two messages).
-_SAME_ACCUMULATION = (
-    "make the loop's accumulation the sampler's gradient_accumulation_steps: HF Trainer's TrainingArguments."
-    "gradient_accumulation_steps, Lightning's Trainer(accumulate_grad_batches=...), HF Accelerate's Accelerator("
-    "gradient_accumulation_steps=...)"
-)
-
-
-def _check_world(sampler: VariableBatchSampler) -> None:
-    """Raises when torch.distributed came up with more ranks after a sampler that deals to 1 was made."""
-    if sampler._alone and _world()[1] > 1:
-        raise RuntimeError(
-            f"this VariableBatchSampler was made before torch.distributed was initialized, so it "
-            f"deals to 1 rank, but the job now has {_world()[1]}: every rank would train every "
-            f"sample; make it after init_process_group, or pass num_replicas and rank"
-        )
-
-
-def _check_tokens_known(sampler: VariableBatchSampler, what: str) -> None:
-    """Raises when the plans have no token counts: given micro-batches come without their seqlens."""
-    if sampler._planner.fixed is not None:
-        raise ValueError(
-            f"{what} counts tokens, but a loader over given micro-batches (dataloader_for_variable_"
-            f"batch_size) has no seqlens; count sequences, or plan with get_dataloader_and_lr_"
-            f"scheduler_for_variable_batch_size or make_dataloader, which have them"
-        )
-
-
-def _check_batch_count(batch_count: Any, sampler: VariableBatchSampler, dataset: Any) -> str | np.ndarray | None:
-    """`make_dataloader`'s ``batch_count``: None, a unit, or one count per sample of ``dataset`` (read-only int64)."""
-    if batch_count is None:
-        return None
-    if isinstance(batch_count, str):
-        unit = _check_choice("batch_count", batch_count, _BatchCount)
-        if unit != "sequences":
-            _check_tokens_known(sampler, f"batch_count={unit!r}")
-        return unit
-    fix = "pass what each sample adds to the loss's denominator, e.g. its label tokens, or a unit such as 'tokens'"
-    counts = _as_counts(batch_count, "batch_count", minimum=0, fix=fix)
-    size = len(dataset) if hasattr(dataset, "__len__") else None
-    if sampler.seqlens is not None:
-        size = len(sampler.seqlens)
-    if size is not None and len(counts) != size:
-        raise ValueError(f"batch_count should hold one count per sample ({size}), but got {len(counts)} counts; {fix}")
-    return counts
-
-
-def _is_unit_trap(mean: float, default_reference: bool) -> bool:
-    """Whether `_lr_warning` is due: the default ``B_ref`` (``train_batch_size``) puts the mean LR factor ``mean``
-    outside [0.5, 2]. The plan command's totals ask it.
-
-    NOTE [the unit trap]: DeepSpeed's ``B_ref`` is ``train_batch_size``, a count
-    of micro-batches, against ``B`` in sequences: the LR comes out about
-    ``max_tokens / mean seqlen`` times the configured one. It stays the default
-    (None) for compatibility, with a warning; each trained epoch's factors are logged.
-    """
-    return default_reference and not 0.5 <= mean <= 2.0
-
-
-def _lr_warning(mean: float, b_ref: float, unit: str) -> str:
-    """What the default ``B_ref`` does to the LR, and the setting that fixes it."""
-    return (
-        f"the configured LR is multiplied by {mean:.3g} on average: the default B_ref=train_batch_size={b_ref:g} "
-        f"counts micro-batches, B counts {unit} (about max_tokens / mean seqlen of them per micro-batch); set "
-        f'lr_scaling_reference to "mean" or to the batch size (in {unit}) your LR was tuned for'
-    )
-
-
-def _warn_if_balance_swings_lr(scheduler: VariableBatchSizeLR, factors: np.ndarray) -> None:
-    """Warns (rank 0) where balanced ranks scale the LR by each batch's sequence count, which they make swing (like
-    costs, like lengths: NOTE [balanced ranks]); ``factors``: the LR factors of epoch 0."""
-    sampler = scheduler._sampler
-    if sampler is None or not sampler.settings.balance_ranks or sampler.num_replicas == 1:
-        return
-    if scheduler.lr_scaling_method in (None, "none") or scheduler.lr_scaling_unit != "sequences":
-        return
-    tokens = _lr_factors(scheduler._sizes(0, "tokens"), "mean", scheduler.lr_scaling_method, 1)[0]
-    if scheduler._rank_zero():
-        warnings.warn(
-            f"balance_ranks=True groups step inputs of like cost, so a batch's sequence count swings: its LR factor "
-            f"spans {factors.max() / factors.min():.3g}x in sequences, {tokens.max() / tokens.min():.3g}x in tokens;"
-            f" the unit should match the loss: a loss averaged over tokens goes with lr_scaling_unit='tokens'",
-            stacklevel=3,
-        )
-
-
-def _empty_plan_message(plan: Plan) -> str:
-    """Why a plan has no batch, in numbers that add up, and what to change."""
-    settings, counts = plan.settings, {reason: len(ids) for reason, ids in plan.dropped.items()}
-    return (
-        f"not enough samples for one batch in epoch {plan.epoch}: of {plan.num_dropped - counts['filtered']} samples,"
-        f" {counts['over_budget']} are longer than max_tokens={settings.max_tokens}, {counts['min_batch_size']} cannot"
-        f" start a micro-batch of min_batch_size={settings.min_batch_size} within it, and the other {counts['tail']}"
-        f" cannot fill one batch of effective_batch_size={settings.effective_batch_size} micro-batches of at least"
-        f" min_batch_size samples (at least {settings.effective_batch_size * settings.min_batch_size}); use more"
-        f" data, fewer ranks or accumulation steps, or a smaller min_batch_size"
-    )
-
-
-def _same_tail_message(plan: Plan) -> str:
-    """What a plan of one order for every epoch drops as ``tail`` in each, and the settings that change it (NOTE
-    [the tail moves])."""
-    settings = plan.settings
-    fixes = "order='random' or 'bucket' (sequence_picking_order), which leave other samples over each epoch"
-    if settings.min_batch_size > 1:
-        fixes += f", or a min_batch_size below {settings.min_batch_size}, which cuts the leftover into more parts"
-    return (
-        f"order={settings.order!r} drops the same {_format_ids(plan.dropped['tail'])} as tail in every epoch, never"
-        f" trained; use {fixes}"
-    )
-
-
-def _sampler_world(num_replicas: Any, rank: Any, options: dict) -> tuple[int, int, bool]:
-    """A sampler's ``num_replicas`` and ``rank`` (torch.distributed's where None), checked, and whether it deals to
-    1 rank by default (torch.distributed not, or not yet, up: see `_check_world`); ``options`` may not hold
-    ``effective_batch_size``, which the sampler computes."""
-    if "effective_batch_size" in options:
-        raise TypeError(
-            f"VariableBatchSampler got effective_batch_size={options['effective_batch_size']!r}, which "
-            f"it computes as micro_batch_size x gradient_accumulation_steps x num_replicas; pass those"
-        )
-    world_rank, world_size = _world()
-    alone = num_replicas is None and world_size == 1
-    num_replicas = _check_int("num_replicas", world_size if num_replicas is None else num_replicas, 1)
-    rank = _check_int("rank", world_rank if rank is None else rank)
-    if rank >= num_replicas:
-        raise ValueError(
-            f"rank should be in [0, num_replicas - 1], but got rank={rank} with num_replicas={num_replicas}"
-        )
-    return num_replicas, rank, alone
-
-
-def _check_horizon(sampler: VariableBatchSampler, epochs: Any, unit: Any) -> tuple[int, str]:
-    """``epochs`` and ``unit`` of `VariableBatchSampler.horizon`, checked: ``unit`` counts tokens (of plans that
-    have them) or samples, never steps (every epoch has ``len(sampler) // G`` of them)."""
-    epochs, unit = _check_int("epochs", epochs, minimum=1), _check_choice("unit", unit, _Clock)
-    if unit == "steps":
-        raise ValueError(
-            f"horizon(unit='steps') is len(sampler) // gradient_accumulation_steps x epochs, the same in "
-            f"every epoch: {len(sampler) // sampler.gradient_accumulation_steps} x {epochs}; count tokens or samples"
-        )
-    if unit == "tokens":
-        _check_tokens_known(sampler, "horizon(unit='tokens')")
-    return epochs, unit
-
-
-def _check_scheduler_state(scheduler: VariableBatchSizeLR, state_dict: Any) -> None:
-    """Raises unless ``state_dict`` is a `VariableBatchSizeLR` state of this version, ``scheduler``'s settings and
-    kind."""
-    _check_state(scheduler, state_dict, {*scheduler._STATE, "settings", "base_lr_scheduler"})
-    other_kind = (state_dict["base_lr_scheduler"] is None) != (scheduler._base is None)
-    if other_kind or len(state_dict["_unscaled"]) != len(scheduler._groups):
-        raise ValueError("the state wraps another kind of schedule or optimizer; resume with the same ones")
-    _check_int("_batches", state_dict["_batches"], minimum=0, fix="pass a dict made by state_dict()")
-
-
-def _torch_optimizer(optimizer: Any) -> Optimizer:
-    """The torch `Optimizer` inside DeepSpeed's wrappers (ZeRO stages, fp16, bf16) and HF Accelerate's.
-
-    Accelerate's ``AcceleratedOptimizer`` (``accelerate/optimizer.py``) is an `Optimizer` in type only: it never runs
-    ``Optimizer.__init__``, so it has no step hooks; the optimizer it steps is its ``.optimizer``.
-    """
-    for _ in range(8):
-        if isinstance(optimizer, Optimizer) and hasattr(optimizer, "_optimizer_step_pre_hooks"):
-            return optimizer
-        optimizer = getattr(optimizer, "optimizer", None)
-    raise TypeError(
-        "expected a torch Optimizer, an LR scheduler, or a DeepSpeed or HF Accelerate optimizer wrapper around one"
-    )
-
-
-def _find_sampler(obj: Any, depth: int = 0) -> VariableBatchSampler | None:
-    """The `VariableBatchSampler` behind a sampler, a loader, or a launcher's wrapper of either."""
-    if isinstance(obj, VariableBatchSampler) or obj is None or depth > 4 or isinstance(obj, (str, bytes, Sequence)):
-        return obj if isinstance(obj, VariableBatchSampler) else None
-    for name in ("variable_batch_sampler", "batch_sampler", "sampler", "data_sampler", "base_dataloader"):
-        found = _find_sampler(getattr(obj, name, None), depth + 1)
-        if found is not None:
-            return found
-    return None
-
-
-def _schedule_to_wrap(lr_scheduler: Any) -> tuple[Any, Optimizer, bool]:
-    """The scheduler a `VariableBatchSizeLR` wraps (None for an optimizer: a constant LR), the torch optimizer, and
-    whether that came inside a DeepSpeed-style wrapper (ZeRO steps it once per parameter group)."""
-    if isinstance(lr_scheduler, VariableBatchSizeLR):
-        raise TypeError(
-            "lr_scheduler is a VariableBatchSizeLR already: wrapping it would scale the LR twice; wrap "
-            "the schedule (or optimizer) it wraps"
-        )
-    if isinstance(lr_scheduler, ReduceLROnPlateau):
-        raise TypeError(
-            "ReduceLROnPlateau steps on a validation metric, not on batches, so VariableBatchSizeLR "
-            "cannot wrap it; wrap a step-based schedule (LambdaLR, CosineAnnealingLR, OneCycleLR, ...) "
-            "or the optimizer itself (constant LR)"
-        )
-    # DeepSpeed's optimizer wrappers have `step` and `optimizer` as schedulers do, but also `param_groups`.
-    wraps = (
-        hasattr(lr_scheduler, "step")
-        and hasattr(lr_scheduler, "optimizer")
-        and not hasattr(lr_scheduler, "param_groups")
-    )
-    given = lr_scheduler.optimizer if wraps else lr_scheduler
-    return (lr_scheduler if wraps else None), _torch_optimizer(given), not isinstance(given, Optimizer)
-
-
-def _check_last_epoch(last_epoch: Any, optimizer: Optimizer) -> None:
-    """Raises unless ``last_epoch`` is -1, or resumes a schedule the optimizer's param groups remember."""
-    if _check_int("last_epoch", last_epoch, minimum=-1) == -1:
-        return
-    if any("initial_lr" not in group for group in optimizer.param_groups):
-        raise ValueError(
-            f"last_epoch={last_epoch} resumes a schedule whose param groups hold 'initial_lr', but "
-            f"these do not; make it with last_epoch=-1 and resume with load_state_dict()"
-        )
-
-
-def _listed_batch_sizes(batch_sizes: Any, sampler: VariableBatchSampler | None, **options: Any) -> np.ndarray | None:
-    """A `VariableBatchSizeLR`'s listed batch sizes (None with a sampler); raises on ``options`` that need the plans."""
-    if sampler is not None:
-        for name in ("lr_scaling_unit", "clock"):
-            if options[name] == "tokens":
-                _check_tokens_known(sampler, f"{name}='tokens'")
-        return None
-    if isinstance(batch_sizes, (str, bytes)) or not hasattr(batch_sizes, "__len__") or not len(batch_sizes):
-        raise ValueError(
-            f"batch_sizes should be a VariableBatchSampler, a loader made with one, or a non-empty "
-            f"sequence of batch sizes, but got batch_sizes={batch_sizes!r}"
-        )
-    listed = _as_counts(batch_sizes, "batch_sizes", fix="pass the size of every batch")
-    for name, needs_plans in (
-        ("lr_scaling_unit", options["lr_scaling_unit"] != "sequences"),
-        ("clock", options["clock"] != "steps"),
-        ("base_batch_size", options["base_batch_size"] is None),
-    ):
-        if needs_plans:
-            raise ValueError(
-                f"{name}={options[name]!r} needs the plans (their tokens and train_batch_size); pass the "
-                f"VariableBatchSampler as batch_sizes, not a list"
-            )
-    return listed
-
-
 ###############################################################################
 # Part I. The technique, in plain code
 ###############################################################################
@@ -658,30 +292,54 @@ def _listed_batch_sizes(batch_sizes: Any, sampler: VariableBatchSampler | None, 
 # =============================================================================
 
 
+def _declared(check: str, fix: str = "", **bounds: Any) -> dict:
+    """A `_Settings` field's declaration (its metadata): the check of its kind (`_checked_option`), its bounds or
+    choices, and the fix its message names."""
+    return {"check": check, "fix": fix, **bounds}
+
+
 @dataclasses.dataclass(frozen=True)
 class _Settings:
     """Every option of a plan, validated once; each is documented in `plan_batches`.
 
     Built from keyword arguments, by the config reader or by the command line,
-    then passed through: a new option is a field here and a line there.
+    then passed through: a new option is a field here, with its check, and a
+    line there. Each field declares its kind, bounds and fix; `_check_settings`
+    checks them all in one loop, then the rules that relate two of them.
     """
 
-    max_tokens: int
-    effective_batch_size: int = 1
-    micro_batch_size: int = 1
-    num_replicas: int = 1
-    budget: _Budget = "sum"
-    order: _Order = "dataloader"
-    min_batch_size: int | None = 1
-    max_batch_size: int | None = None
-    same_size: bool = False
-    same_length: bool = False
-    seed: int | None = None
-    bucket_size: int | None = None
-    on_overlong: _OnOverlong = "skip"
-    padding_free: bool = False
-    balance_ranks: bool = False
-    quadratic_tokens: float | None = None
+    max_tokens: int = dataclasses.field(
+        metadata=_declared("count", maximum=_MAX_TOKENS_LIMIT, fix="it is the token budget of one micro-batch")
+    )
+    effective_batch_size: int = dataclasses.field(
+        default=1, metadata=_declared("count", fix="it is train_batch_size, micro-batches per optimizer step")
+    )
+    micro_batch_size: int = dataclasses.field(
+        default=1, metadata=_declared("count", fix="it is train_micro_batch_size_per_gpu")
+    )
+    num_replicas: int = dataclasses.field(default=1, metadata=_declared("count", fix="the data-parallel size"))
+    budget: _Budget = dataclasses.field(default="sum", metadata=_declared("choice", choices=_Budget))
+    order: _Order = dataclasses.field(
+        default="dataloader", metadata=_declared("choice", choices=_Order, name="sequence_picking_order")
+    )
+    min_batch_size: int | None = dataclasses.field(
+        default=1, metadata=_declared("bound", unbounded=1, fix="or None for no bound")
+    )
+    max_batch_size: int | None = dataclasses.field(
+        default=None, metadata=_declared("bound", unbounded=None, fix="or None for no bound")
+    )
+    same_size: bool = dataclasses.field(default=False, metadata=_declared("flag"))
+    same_length: bool = dataclasses.field(default=False, metadata=_declared("flag"))
+    seed: int | None = dataclasses.field(
+        default=None, metadata=_declared("seed", fix="or None for varbatch's fixed default seed")
+    )
+    bucket_size: int | None = dataclasses.field(
+        default=None, metadata=_declared("count or None", fix="or None for the default window")
+    )
+    on_overlong: _OnOverlong = dataclasses.field(default="skip", metadata=_declared("choice", choices=_OnOverlong))
+    padding_free: bool = dataclasses.field(default=False, metadata=_declared("flag"))
+    balance_ranks: bool = dataclasses.field(default=False, metadata=_declared("flag"))
+    quadratic_tokens: float | None = dataclasses.field(default=None, metadata=_declared("real or None"))
 
     def __post_init__(self):
         _check_settings(self)
@@ -720,6 +378,86 @@ class _Settings:
     def padding_group(self) -> int:
         """Adjacent micro-batches padded to one S: a batch (same_length) or a step input."""
         return self.effective_batch_size if self.same_length else self.micro_batch_size
+
+
+def _check_settings(settings: _Settings) -> None:
+    """Checks every option of ``settings`` as its field declares and writes each back in its one form (a bound of 0
+    or None: no bound), then the rules that relate two options: run once, by `_Settings` as it is made."""
+    for field in dataclasses.fields(settings):
+        object.__setattr__(settings, field.name, _checked_option(field, getattr(settings, field.name)))
+    _check_relations(settings)
+
+
+def _checked_option(field: dataclasses.Field, value: Any) -> Any:
+    """``value`` of the option ``field`` in its one form, or raises naming the option, the value and its fix."""
+    meta = field.metadata
+    name = meta.get("name", field.name)  # the name users know it by
+    check = meta["check"]
+    fix = meta["fix"]
+    if check == "count":
+        return _check_int(name, value, 1, meta.get("maximum"), fix)
+    if check == "choice":
+        return _check_choice(name, value, meta["choices"])
+    if check == "flag":
+        if not isinstance(value, (bool, np.bool_)):
+            raise TypeError(f"{name} should be a bool, but got {name}={value!r}")
+        return bool(value)
+    if check == "seed":
+        return _DEFAULT_SEED if value is None else _check_int(name, value, fix=fix)
+    if check == "bound":  # None or 0: no bound (DeepSpeed's convention)
+        if value is None or (not isinstance(value, bool) and isinstance(value, numbers.Integral) and value == 0):
+            return meta["unbounded"]
+        return _check_int(name, value, 1, fix=fix)
+    if value is None:  # "count or None", "real or None"
+        return None
+    if check == "count or None":
+        return _check_int(name, value, 1, fix=fix)
+    return _check_real(name, value)
+
+
+def _check_relations(settings: _Settings) -> None:
+    """The rules that relate two options (each option checked on its own before); warns where balancing has
+    nothing to do (NOTE [balanced ranks])."""
+    if settings.effective_batch_size % (settings.micro_batch_size * settings.num_replicas):
+        raise ValueError(
+            f"effective_batch_size={settings.effective_batch_size} should be a multiple of micro_batch_size"
+            f" x num_replicas = {settings.micro_batch_size} x {settings.num_replicas}; set train_batch_size = "
+            f"micro batch per GPU x gradient accumulation steps x data-parallel size"
+        )
+    if settings.max_batch_size is not None and settings.min_batch_size > settings.max_batch_size:
+        raise ValueError(
+            f"min_batch_size should be <= max_batch_size, but got min_batch_size={settings.min_batch_size} "
+            f"and max_batch_size={settings.max_batch_size}"
+        )
+    if settings.budget == "padded" and settings.same_length and not settings.same_size:
+        raise ValueError(
+            "budget='padded' with same_length=True needs same_size=True (the padded size of a micro-"
+            "batch then depends on the whole batch); set same_size=True or budget='sum'"
+        )
+    if settings.padding_free and settings.budget == "padded":
+        raise ValueError(
+            "padding_free=True with budget='padded': a flat row has no padded B x S tensor to bound; use "
+            "budget='sum', which bounds a row's tokens by micro_batch_size x max_tokens"
+        )
+    if not settings.balance_ranks:
+        return
+    if settings.quadratic_tokens is None:
+        raise ValueError(
+            "balance_ranks=True needs quadratic_tokens=q, but got quadratic_tokens=None; q is the length at which one"
+            " sample's attention costs as much as the rest of the model: about 6 x hidden_size (12 x with a causal"
+            " kernel that skips the masked blocks), or timed as the README shows; where unsure, err low"
+        )
+    if settings.order in ("dataloader", "seqlen"):
+        raise ValueError(
+            f"balance_ranks=True regroups the plan's step inputs, but sequence_picking_order={settings.order!r}"
+            f" promises their order; use sequence_picking_order='random' or 'bucket', or balance_ranks=False"
+        )
+    if settings.same_size and settings.same_length and not settings.padding_free:
+        warnings.warn(
+            "balance_ranks=True does nothing with same_size=True and same_length=True (pipeline batches): every"
+            " padded step input of a batch has one shape, so one cost, already; set balance_ranks=False",
+            stacklevel=2,
+        )
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -2271,6 +2009,86 @@ def _log_plan(plan: Plan, verbose: bool) -> None:
         _logger.info("epoch %d plan totals: %s", plan.epoch, json.dumps(plan.totals(), sort_keys=True))
 
 
+def _sampler_world(num_replicas: Any, rank: Any, options: dict) -> tuple[int, int, bool]:
+    """A sampler's ``num_replicas`` and ``rank`` (torch.distributed's where None), checked, and whether it deals to
+    1 rank by default (torch.distributed not, or not yet, up: see `_check_world`); ``options`` may not hold
+    ``effective_batch_size``, which the sampler computes."""
+    if "effective_batch_size" in options:
+        raise TypeError(
+            f"VariableBatchSampler got effective_batch_size={options['effective_batch_size']!r}, which "
+            f"it computes as micro_batch_size x gradient_accumulation_steps x num_replicas; pass those"
+        )
+    world_rank, world_size = _world()
+    alone = num_replicas is None and world_size == 1
+    num_replicas = _check_int("num_replicas", world_size if num_replicas is None else num_replicas, 1)
+    rank = _check_int("rank", world_rank if rank is None else rank)
+    if rank >= num_replicas:
+        raise ValueError(
+            f"rank should be in [0, num_replicas - 1], but got rank={rank} with num_replicas={num_replicas}"
+        )
+    return num_replicas, rank, alone
+
+
+def _check_world(sampler: VariableBatchSampler) -> None:
+    """Raises when torch.distributed came up with more ranks after a sampler that deals to 1 was made."""
+    if sampler._alone and _world()[1] > 1:
+        raise RuntimeError(
+            f"this VariableBatchSampler was made before torch.distributed was initialized, so it "
+            f"deals to 1 rank, but the job now has {_world()[1]}: every rank would train every "
+            f"sample; make it after init_process_group, or pass num_replicas and rank"
+        )
+
+
+def _check_tokens_known(sampler: VariableBatchSampler, what: str) -> None:
+    """Raises when the plans have no token counts: given micro-batches come without their seqlens."""
+    if sampler._planner.fixed is not None:
+        raise ValueError(
+            f"{what} counts tokens, but a loader over given micro-batches (dataloader_for_variable_"
+            f"batch_size) has no seqlens; count sequences, or plan with get_dataloader_and_lr_"
+            f"scheduler_for_variable_batch_size or make_dataloader, which have them"
+        )
+
+
+def _check_horizon(sampler: VariableBatchSampler, epochs: Any, unit: Any) -> tuple[int, str]:
+    """``epochs`` and ``unit`` of `VariableBatchSampler.horizon`, checked: ``unit`` counts tokens (of plans that
+    have them) or samples, never steps (every epoch has ``len(sampler) // G`` of them)."""
+    epochs, unit = _check_int("epochs", epochs, minimum=1), _check_choice("unit", unit, _Clock)
+    if unit == "steps":
+        raise ValueError(
+            f"horizon(unit='steps') is len(sampler) // gradient_accumulation_steps x epochs, the same in "
+            f"every epoch: {len(sampler) // sampler.gradient_accumulation_steps} x {epochs}; count tokens or samples"
+        )
+    if unit == "tokens":
+        _check_tokens_known(sampler, "horizon(unit='tokens')")
+    return epochs, unit
+
+
+def _empty_plan_message(plan: Plan) -> str:
+    """Why a plan has no batch, in numbers that add up, and what to change."""
+    settings, counts = plan.settings, {reason: len(ids) for reason, ids in plan.dropped.items()}
+    return (
+        f"not enough samples for one batch in epoch {plan.epoch}: of {plan.num_dropped - counts['filtered']} samples,"
+        f" {counts['over_budget']} are longer than max_tokens={settings.max_tokens}, {counts['min_batch_size']} cannot"
+        f" start a micro-batch of min_batch_size={settings.min_batch_size} within it, and the other {counts['tail']}"
+        f" cannot fill one batch of effective_batch_size={settings.effective_batch_size} micro-batches of at least"
+        f" min_batch_size samples (at least {settings.effective_batch_size * settings.min_batch_size}); use more"
+        f" data, fewer ranks or accumulation steps, or a smaller min_batch_size"
+    )
+
+
+def _same_tail_message(plan: Plan) -> str:
+    """What a plan of one order for every epoch drops as ``tail`` in each, and the settings that change it (NOTE
+    [the tail moves])."""
+    settings = plan.settings
+    fixes = "order='random' or 'bucket' (sequence_picking_order), which leave other samples over each epoch"
+    if settings.min_batch_size > 1:
+        fixes += f", or a min_batch_size below {settings.min_batch_size}, which cuts the leftover into more parts"
+    return (
+        f"order={settings.order!r} drops the same {_format_ids(plan.dropped['tail'])} as tail in every epoch, never"
+        f" trained; use {fixes}"
+    )
+
+
 # =============================================================================
 # The LR scheduler
 # =============================================================================
@@ -2779,6 +2597,188 @@ class VariableBatchSizeLR(LRScheduler):
         self._start_checks()  # checked again from the step inputs handed out after the restore
         self._updates_since_step = 0
         self._write()
+
+
+def _check_scheduler_state(scheduler: VariableBatchSizeLR, state_dict: Any) -> None:
+    """Raises unless ``state_dict`` is a `VariableBatchSizeLR` state of this version, ``scheduler``'s settings and
+    kind."""
+    _check_state(scheduler, state_dict, {*scheduler._STATE, "settings", "base_lr_scheduler"})
+    other_kind = (state_dict["base_lr_scheduler"] is None) != (scheduler._base is None)
+    if other_kind or len(state_dict["_unscaled"]) != len(scheduler._groups):
+        raise ValueError("the state wraps another kind of schedule or optimizer; resume with the same ones")
+    _check_int("_batches", state_dict["_batches"], minimum=0, fix="pass a dict made by state_dict()")
+
+
+def _schedule_to_wrap(lr_scheduler: Any) -> tuple[Any, Optimizer, bool]:
+    """The scheduler a `VariableBatchSizeLR` wraps (None for an optimizer: a constant LR), the torch optimizer, and
+    whether that came inside a DeepSpeed-style wrapper (ZeRO steps it once per parameter group)."""
+    if isinstance(lr_scheduler, VariableBatchSizeLR):
+        raise TypeError(
+            "lr_scheduler is a VariableBatchSizeLR already: wrapping it would scale the LR twice; wrap "
+            "the schedule (or optimizer) it wraps"
+        )
+    if isinstance(lr_scheduler, ReduceLROnPlateau):
+        raise TypeError(
+            "ReduceLROnPlateau steps on a validation metric, not on batches, so VariableBatchSizeLR "
+            "cannot wrap it; wrap a step-based schedule (LambdaLR, CosineAnnealingLR, OneCycleLR, ...) "
+            "or the optimizer itself (constant LR)"
+        )
+    # DeepSpeed's optimizer wrappers have `step` and `optimizer` as schedulers do, but also `param_groups`.
+    wraps = (
+        hasattr(lr_scheduler, "step")
+        and hasattr(lr_scheduler, "optimizer")
+        and not hasattr(lr_scheduler, "param_groups")
+    )
+    given = lr_scheduler.optimizer if wraps else lr_scheduler
+    return (lr_scheduler if wraps else None), _torch_optimizer(given), not isinstance(given, Optimizer)
+
+
+def _torch_optimizer(optimizer: Any) -> Optimizer:
+    """The torch `Optimizer` inside DeepSpeed's wrappers (ZeRO stages, fp16, bf16) and HF Accelerate's.
+
+    Accelerate's ``AcceleratedOptimizer`` (``accelerate/optimizer.py``) is an `Optimizer` in type only: it never runs
+    ``Optimizer.__init__``, so it has no step hooks; the optimizer it steps is its ``.optimizer``.
+    """
+    for _ in range(8):
+        if isinstance(optimizer, Optimizer) and hasattr(optimizer, "_optimizer_step_pre_hooks"):
+            return optimizer
+        optimizer = getattr(optimizer, "optimizer", None)
+    raise TypeError(
+        "expected a torch Optimizer, an LR scheduler, or a DeepSpeed or HF Accelerate optimizer wrapper around one"
+    )
+
+
+def _find_sampler(obj: Any, depth: int = 0) -> VariableBatchSampler | None:
+    """The `VariableBatchSampler` behind a sampler, a loader, or a launcher's wrapper of either."""
+    if isinstance(obj, VariableBatchSampler) or obj is None or depth > 4 or isinstance(obj, (str, bytes, Sequence)):
+        return obj if isinstance(obj, VariableBatchSampler) else None
+    for name in ("variable_batch_sampler", "batch_sampler", "sampler", "data_sampler", "base_dataloader"):
+        found = _find_sampler(getattr(obj, name, None), depth + 1)
+        if found is not None:
+            return found
+    return None
+
+
+def _check_last_epoch(last_epoch: Any, optimizer: Optimizer) -> None:
+    """Raises unless ``last_epoch`` is -1, or resumes a schedule the optimizer's param groups remember."""
+    if _check_int("last_epoch", last_epoch, minimum=-1) == -1:
+        return
+    if any("initial_lr" not in group for group in optimizer.param_groups):
+        raise ValueError(
+            f"last_epoch={last_epoch} resumes a schedule whose param groups hold 'initial_lr', but "
+            f"these do not; make it with last_epoch=-1 and resume with load_state_dict()"
+        )
+
+
+def _listed_batch_sizes(batch_sizes: Any, sampler: VariableBatchSampler | None, **options: Any) -> np.ndarray | None:
+    """A `VariableBatchSizeLR`'s listed batch sizes (None with a sampler); raises on ``options`` that need the plans."""
+    if sampler is not None:
+        for name in ("lr_scaling_unit", "clock"):
+            if options[name] == "tokens":
+                _check_tokens_known(sampler, f"{name}='tokens'")
+        return None
+    if isinstance(batch_sizes, (str, bytes)) or not hasattr(batch_sizes, "__len__") or not len(batch_sizes):
+        raise ValueError(
+            f"batch_sizes should be a VariableBatchSampler, a loader made with one, or a non-empty "
+            f"sequence of batch sizes, but got batch_sizes={batch_sizes!r}"
+        )
+    listed = _as_counts(batch_sizes, "batch_sizes", fix="pass the size of every batch")
+    for name, needs_plans in (
+        ("lr_scaling_unit", options["lr_scaling_unit"] != "sequences"),
+        ("clock", options["clock"] != "steps"),
+        ("base_batch_size", options["base_batch_size"] is None),
+    ):
+        if needs_plans:
+            raise ValueError(
+                f"{name}={options[name]!r} needs the plans (their tokens and train_batch_size); pass the "
+                f"VariableBatchSampler as batch_sizes, not a list"
+            )
+    return listed
+
+
+def _check_lr_method(method: Any) -> Any:
+    """A valid LR scaling method: a name of `_LRMethod`, None (no scaling) or a callable."""
+    if method is None or callable(method):
+        return method
+    return _check_choice("lr_scaling_method", method.lower() if isinstance(method, str) else method, _LRMethod)
+
+
+def _check_reference(reference: Any, name: str = "lr_scaling_reference") -> Any:
+    """``B_ref`` as given: None (the default, ``train_batch_size``), ``"mean"``, or a number > 0."""
+    return (
+        reference
+        if reference is None or (isinstance(reference, str) and reference == "mean")
+        else _check_real(name, reference)
+    )
+
+
+def _check_clock(clock: Any, clock_step: Any, names: tuple = ("clock", "clock_step")) -> tuple[str, int]:
+    """What advances the wrapped schedule (see `VariableBatchSizeLR`) and by how much, checked together.
+
+    NOTE [clocks]: with ``clock="tokens"`` (``"samples"``) the wrapped schedule
+    steps once per ``clock_step`` tokens (samples) of the updates taken, so its
+    position is ``floor(seen / clock_step)``: warmup and decay land at their
+    token counts whatever the batch sizes. Any step-based torch scheduler works;
+    size it with ``sampler.horizon(epochs, "tokens") // clock_step``. For a
+    function ``f`` of tokens: ``LambdaLR(optimizer, lambda s: f(s * clock_step))``.
+    """
+    clock, step = (
+        _check_choice(names[0], clock, _Clock),
+        _check_int(names[1], clock_step, 1, fix="the tokens (samples) per schedule step"),
+    )
+    if clock == "steps" and step != 1:
+        raise ValueError(
+            f"{names[1]}={step} counts tokens or samples, but {names[0]}='steps' steps the schedule once "
+            f"per optimizer step; set {names[0]} to 'tokens' or 'samples', or {names[1]} to 1"
+        )
+    return clock, step
+
+
+def _is_unit_trap(mean: float, default_reference: bool) -> bool:
+    """Whether `_lr_warning` is due: the default ``B_ref`` (``train_batch_size``) puts the mean LR factor ``mean``
+    outside [0.5, 2]. The plan command's totals ask it.
+
+    NOTE [the unit trap]: DeepSpeed's ``B_ref`` is ``train_batch_size``, a count
+    of micro-batches, against ``B`` in sequences: the LR comes out about
+    ``max_tokens / mean seqlen`` times the configured one. It stays the default
+    (None) for compatibility, with a warning; each trained epoch's factors are logged.
+    """
+    return default_reference and not 0.5 <= mean <= 2.0
+
+
+def _lr_warning(mean: float, b_ref: float, unit: str) -> str:
+    """What the default ``B_ref`` does to the LR, and the setting that fixes it."""
+    return (
+        f"the configured LR is multiplied by {mean:.3g} on average: the default B_ref=train_batch_size={b_ref:g} "
+        f"counts micro-batches, B counts {unit} (about max_tokens / mean seqlen of them per micro-batch); set "
+        f'lr_scaling_reference to "mean" or to the batch size (in {unit}) your LR was tuned for'
+    )
+
+
+def _warn_if_balance_swings_lr(scheduler: VariableBatchSizeLR, factors: np.ndarray) -> None:
+    """Warns (rank 0) where balanced ranks scale the LR by each batch's sequence count, which they make swing (like
+    costs, like lengths: NOTE [balanced ranks]); ``factors``: the LR factors of epoch 0."""
+    sampler = scheduler._sampler
+    if sampler is None or not sampler.settings.balance_ranks or sampler.num_replicas == 1:
+        return
+    if scheduler.lr_scaling_method in (None, "none") or scheduler.lr_scaling_unit != "sequences":
+        return
+    tokens = _lr_factors(scheduler._sizes(0, "tokens"), "mean", scheduler.lr_scaling_method, 1)[0]
+    if scheduler._rank_zero():
+        warnings.warn(
+            f"balance_ranks=True groups step inputs of like cost, so a batch's sequence count swings: its LR factor "
+            f"spans {factors.max() / factors.min():.3g}x in sequences, {tokens.max() / tokens.min():.3g}x in tokens;"
+            f" the unit should match the loss: a loss averaged over tokens goes with lr_scaling_unit='tokens'",
+            stacklevel=3,
+        )
+
+
+# The fix of a loop that accumulates another number of step inputs per update than the sampler (two messages).
+_SAME_ACCUMULATION = (
+    "make the loop's accumulation the sampler's gradient_accumulation_steps: HF Trainer's TrainingArguments."
+    "gradient_accumulation_steps, Lightning's Trainer(accumulate_grad_batches=...), HF Accelerate's Accelerator("
+    "gradient_accumulation_steps=...)"
+)
 
 
 class _Got(typing.NamedTuple):
@@ -3824,6 +3824,25 @@ def _output(model: Any, batch: Any) -> torch.Tensor:
 # =============================================================================
 # The loader
 # =============================================================================
+
+
+def _check_batch_count(batch_count: Any, sampler: VariableBatchSampler, dataset: Any) -> str | np.ndarray | None:
+    """`make_dataloader`'s ``batch_count``: None, a unit, or one count per sample of ``dataset`` (read-only int64)."""
+    if batch_count is None:
+        return None
+    if isinstance(batch_count, str):
+        unit = _check_choice("batch_count", batch_count, _BatchCount)
+        if unit != "sequences":
+            _check_tokens_known(sampler, f"batch_count={unit!r}")
+        return unit
+    fix = "pass what each sample adds to the loss's denominator, e.g. its label tokens, or a unit such as 'tokens'"
+    counts = _as_counts(batch_count, "batch_count", minimum=0, fix=fix)
+    size = len(dataset) if hasattr(dataset, "__len__") else None
+    if sampler.seqlens is not None:
+        size = len(sampler.seqlens)
+    if size is not None and len(counts) != size:
+        raise ValueError(f"batch_count should hold one count per sample ({size}), but got {len(counts)} counts; {fix}")
+    return counts
 
 
 def make_dataloader(
