@@ -3902,10 +3902,16 @@ class _Loader(DataLoader):
                 "loader (make_dataloader again, on the same sampler) for a side pass, or set persistent_workers="
                 "False"
             )
+        restoring = self.__dict__.get("next_iter_state")  # torchdata's: the state its next iterator starts from
         iterator = super().__iter__()
         keys = getattr(iterator, "_sampler_iter", None)
         if isinstance(keys, _KeyIterator):
-            keys.count.follow(iterator)
+            # torchdata's iterator restored from a state saved after its last snapshot has yielded the step inputs
+            # since that snapshot again, to no loop (they were trained before the save), by the time it returns
+            again = 0
+            if isinstance(restoring, Mapping) and not restoring.get("_iterator_finished"):
+                again = restoring.get("_steps_since_snapshot", 0)
+            keys.count.follow(iterator, again)
         return iterator
 
     @property
@@ -4152,8 +4158,9 @@ class _LoopCount:
         self.read_ahead = keys.read_ahead
         self._iterator = None  # a weak reference to torch's iterator, and its count of yields when the pass started
 
-    def follow(self, iterator: Any) -> None:
-        self._iterator = (weakref.ref(iterator), iterator._num_yielded)
+    def follow(self, iterator: Any, again: int = 0) -> None:
+        """Counts from now what ``iterator`` yields, and the ``again`` step inputs of the pass it yielded before."""
+        self._iterator = (weakref.ref(iterator), iterator._num_yielded - again)
 
     def yielded(self) -> int | None:
         """Step inputs the loader's iterator gave the loop since the pass started; None where unknown, and once the
