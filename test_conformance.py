@@ -5,8 +5,10 @@ does not apply where one does not. The tests are written for varbatch; no upstre
 
 - HF transformers' ``DataCollatorWithFlattening`` (tests/trainer/test_data_collator.py): `FlatCollate`.
 - torch's scheduler protocol (test/optim/test_lrscheduler.py): `VariableBatchSizeLR` over torch's schedulers.
-- torchdata's StatefulDataLoader with a dataset that has its own state (test/stateful_dataloader/
-  test_state_dict.py): `make_dataloader(..., dataloader_class=StatefulDataLoader)`.
+- torchdata's StatefulDataLoader (test/stateful_dataloader/test_state_dict.py): a dataset that has its own state,
+  and the resume cases (0 and 3 workers, persistent workers, snapshots, the end of an epoch), over
+  `make_dataloader(..., dataloader_class=StatefulDataLoader)`, the sampler passed as ``batch_sampler`` and the
+  sampler's own ``state_dict``.
 
 Run: ``python -m pytest -q test_conformance.py`` (the workers' runs are marked ``slow``).
 """
@@ -14,6 +16,7 @@ Run: ``python -m pytest -q test_conformance.py`` (the workers' runs are marked `
 import copy
 import gc
 import io
+import json
 import pickle
 import warnings
 import weakref
@@ -522,8 +525,8 @@ def test_a_tensor_lr_is_not_aliased(name):
 # =============================================================================
 # torchdata's StatefulDataLoader: a dataset with its own state
 # =============================================================================
-# The sampler's own resume cases (0 and 3 workers, persistent workers, snapshots, the end of an epoch) are
-# test_varbatch.py's; here, the promise that a dataset's own state is saved and restored with the loader's.
+# The promise that a dataset's own state is saved and restored with the loader's; the resume cases follow in the
+# next section.
 
 
 class _AugmentedDataset:
@@ -697,3 +700,333 @@ def test_a_datasets_own_state_resumes_mid_epoch_with_workers(workers, options, s
     the worker that reads the same step inputs: the resumed run reads the samples of the uninterrupted one (spawned
     workers: the wrapper unpickled in a worker reaches the dataset its collate reads)."""
     _resumed_equals_uninterrupted(lambda: _AugmentedDataset(_SEQLENS), stop_after, workers, **options)
+
+
+# =============================================================================
+# torchdata's StatefulDataLoader: resume (test/stateful_dataloader/test_state_dict.py)
+# =============================================================================
+# Two loader modes: make_dataloader(..., dataloader_class=StatefulDataLoader) ("make") and
+# StatefulDataLoader(dataset, batch_sampler=sampler) ("direct"); the sampler's own state_dict where the promise is
+# the sampler's. The loop is torchdata's tests': it counts its epochs itself (calling set_epoch(epoch), or not) and
+# saves its count with the loader's state. The dataset draws from its own generator (`_AugmentedDataset`), so a
+# resumed run must read the same samples and the same draws. Worker cases (3 workers) are marked slow.
+# Not applicable, one line each:
+# - iterable-style datasets (the Iterable, Generator, dynamic-state and iter()-count tests): varbatch plans the ids
+#   of a map-style dataset; an iterable one has no ids to plan.
+# - in_order=False (the out-of-order tests): make_dataloader refuses it, the plan's order is the order trained.
+# - a sampler that is not stateful, fast-forwarded (TestNotStatefulSamplerSDL): varbatch's sampler is stateful.
+# - num_workers changed between save and load (TestNumWorkersMismatch): torchdata's assertion on its own format,
+#   which varbatch leaves as it is (the sampler's own state, epoch and steps_done, loads with any worker count).
+# - worker init and iteration errors: torch's error propagation, which varbatch's loader does not touch.
+# - torch's global RNG as a dataset's state (DummyMapDataset): a dataset's own generator stands for it; the global
+#   RNG of workers is seeded by torch from the loader's base seed, which torchdata saves, not varbatch.
+# - set_epoch(e + 1) right after a direct loader's load_state_dict: torchdata restores the sampler only when its
+#   next iterator starts, after that set_epoch, so the loop gets the saved epoch's rest first (as with torchdata's
+#   own StatefulDistributedSampler); make_dataloader's loader restores at load_state_dict and keeps it.
+
+_TD_EPOCHS = 3
+
+
+def _td_sampler(**options):
+    return VariableBatchSampler(_SEQLENS, 64, order="random", num_replicas=1, rank=0, **options)
+
+
+def _td_build(arm, workers=0, **options):
+    """A fresh dataset (its generator at its seed), sampler and stateful loader: varbatch's sampler through
+    make_dataloader ("make") or passed as batch_sampler ("direct"), or torchdata's own BatchSampler over its
+    RandomSampler ("torchdata", the reference: its sampler is None to the loop)."""
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+    dataset = _AugmentedDataset(_SEQLENS)
+    options = dict(collate_fn=varbatch.PaddedCollate(), num_workers=workers, **options)
+    if arm == "torchdata":
+        order = stateful.sampler.RandomSampler(dataset, generator=torch.Generator().manual_seed(5))
+        batches = stateful.sampler.BatchSampler(order, 4, drop_last=False)
+        return None, stateful.StatefulDataLoader(dataset, batch_sampler=batches, **options)
+    sampler = _td_sampler()
+    if arm == "make":
+        return sampler, make_dataloader(dataset, sampler, dataloader_class=stateful.StatefulDataLoader, **options)
+    return sampler, stateful.StatefulDataLoader(dataset, batch_sampler=sampler, **options)
+
+
+def _rows(batch):
+    """A batch's first column: ``1000 i + draw`` per sample, as read."""
+    x, _ = batch
+    return tuple(x[:, 0].tolist())
+
+
+def _ids(batches):
+    return [[row // 1000 for row in rows] for _, rows in batches]
+
+
+def _td_loop(sampler, loader, epochs, set_epoch=True):
+    """torchdata's tests' loop, counting its epochs: yields (epoch, rows) per batch, and (epoch, None) once each
+    epoch's ``for`` over the loader has ended."""
+    for epoch in epochs:
+        if set_epoch and sampler is not None:
+            sampler.set_epoch(epoch)
+        for batch in loader:
+            yield epoch, _rows(batch)
+        yield epoch, None
+
+
+def _td_full(build, set_epoch=True):
+    return [(e, rows) for e, rows in _td_loop(*build(), range(_TD_EPOCHS), set_epoch) if rows is not None]
+
+
+def _td_head(sampler, loader, epoch, stop, set_epoch=True):
+    """The batches up to a save, and the loader's state saved there: inside epoch ``epoch``'s loop after its
+    ``stop``-th batch ("last": its last, before the loop ends), or once its loop ended (``stop="end"``)."""
+    head, loop = [], _td_loop(sampler, loader, range(_TD_EPOCHS), set_epoch)
+    stop = len(loader) if stop == "last" else stop
+    for e, rows in loop:
+        if rows is not None:
+            head.append((e, rows))
+        if e == epoch and (rows is None if stop == "end" else sum(x == e for x, _ in head) == stop):
+            break
+    state = loader.state_dict()
+    loop.close()
+    return head, state
+
+
+def _td_resumed(build, head, state, epoch, stop, set_epoch=True):
+    """The rest of the run from ``state``, in a new dataset, sampler and loader: the loop's count resumes at the
+    epoch it saved (the next one once the epoch's loop had ended)."""
+    sampler, loader = build()
+    loader.load_state_dict(state)
+    start = epoch + 1 if stop == "end" else epoch
+    return [(e, rows) for e, rows in _td_loop(sampler, loader, range(start, _TD_EPOCHS), set_epoch) if rows is not None]
+
+
+def _check_resumed(full, head, rest, where):
+    assert len(head) + len(rest) == len(full), f"{where}: {len(head)} + {len(rest)} batches for {len(full)}"
+    assert _ids(head + rest) == _ids(full), f"{where}: the resumed run read other samples than the uninterrupted one"
+    assert head + rest == full, f"{where}: the same samples, but the dataset's own draws differ"
+
+
+def _td_resumes_exactly(arm, epoch, stop, set_epoch=True, workers=0, full=None, **options):
+    build = partial(_td_build, arm, workers)
+    full = _td_full(build, set_epoch) if full is None else full
+    head, state = _td_head(*_td_build(arm, workers, **options), epoch, stop, set_epoch)
+    rest = _td_resumed(partial(_td_build, arm, workers, **options), head, state, epoch, stop, set_epoch)
+    _check_resumed(full, head, rest, f"{arm}, saved in epoch {epoch} at {stop}")
+
+
+@pytest.mark.parametrize("set_epoch", [True, False], ids=["set_epoch", "no set_epoch"])
+@pytest.mark.parametrize(
+    "epoch, stop",
+    [(0, 1), (0, 10), (1, 7), (0, "last"), (1, "last"), (0, "end"), (1, "end")],
+    ids=["first batch", "batch 10", "epoch 1", "end, in the loop", "end of 1, in", "end, loop ended", "end of 1"],
+)
+@pytest.mark.parametrize("arm", ["make", "direct"])
+def test_a_loop_counting_its_epochs_resumes_exactly(arm, epoch, stop, set_epoch):
+    """torchdata's interrupted-run, multi-epoch and end-of-epoch resumes, 0 workers: saved after any batch, after an
+    epoch's last batch inside its loop, or after its loop ended, and resumed by a loop that counts its epochs itself,
+    the run reads the samples and the dataset's draws of the uninterrupted run, none twice."""
+    _td_resumes_exactly(arm, epoch, stop, set_epoch)
+
+
+@pytest.mark.parametrize("arm", ["make", "direct", "torchdata"])
+def test_an_end_of_epoch_state_resumes_as_torchdata_says(arm):
+    """TestEndOfEpochBehavior: a state saved after an epoch's last batch, inside its loop, resumes as an empty pass
+    (then the next epoch); one saved after the loop ended, as the next epoch's full pass. varbatch's arms as
+    torchdata's own sampler."""
+    _, loader = _td_build(arm)
+    for _ in loader:
+        inside = loader.state_dict()
+    after = loader.state_dict()
+    next_epoch = [_rows(batch) for batch in loader]
+    for state, passes in ((inside, [[], next_epoch]), (after, [next_epoch])):
+        _, resumed = _td_build(arm)
+        resumed.load_state_dict(state)
+        assert [[_rows(batch) for batch in resumed] for _ in passes] == passes
+
+
+@pytest.mark.parametrize("then", ["set_epoch(e)", "no set_epoch", "set_epoch(e + 1)"])
+def test_a_make_dataloader_loader_restores_an_epochs_end_as_the_sampler_does(then):
+    """Right after loader.load_state_dict() of a state saved after epoch e's last batch, sampler.epoch is e and
+    steps_done len(sampler); set_epoch(e) (or none) gives the empty rest, then e + 1 follows; set_epoch(e + 1)
+    starts e + 1. Saved after the loop ended, sampler.epoch is e + 1 at once, steps_done 0."""
+    full = _td_full(partial(_td_build, "make"))
+    epoch_2 = [rows for e, rows in full if e == 2]
+    sampler, loader = _td_build("make")
+    _, inside = _td_head(sampler, loader, 1, "last")
+    sampler, loader = _td_build("make")
+    loader.load_state_dict(inside)
+    assert (sampler.epoch, sampler.steps_done) == (1, len(sampler))
+    if then != "no set_epoch":
+        sampler.set_epoch(1 if then == "set_epoch(e)" else 2)
+    passes = [[_rows(batch) for batch in loader] for _ in range(1 if then == "set_epoch(e + 1)" else 2)]
+    assert passes == ([epoch_2] if then == "set_epoch(e + 1)" else [[], epoch_2])
+    _, after = _td_head(*_td_build("make"), 1, "end")
+    sampler, loader = _td_build("make")
+    loader.load_state_dict(after)
+    assert (sampler.epoch, sampler.steps_done) == (2, 0)
+
+
+def _sampler_epochs(sampler, epochs):
+    return {e: list(sampler) for e in epochs if sampler.set_epoch(e) is None}
+
+
+@pytest.mark.parametrize("then", ["set_epoch(e)", "no set_epoch", "set_epoch(e + 1)"])
+@pytest.mark.parametrize("epoch", [0, 1])
+def test_the_samplers_own_state_at_an_epochs_end_restores_its_empty_rest(epoch, then):
+    """The sampler's state_dict after epoch e's last step input, through JSON, loads as epoch e with steps_done
+    len(sampler) (and saves as it loaded); set_epoch(e) or none gives the empty rest, then e + 1; set_epoch(e + 1)
+    starts e + 1; a loop that counts its epochs trains exactly the uninterrupted run's step inputs."""
+
+    build = _td_sampler
+    full = _sampler_epochs(build(), range(3))
+    sampler = build()
+    _sampler_epochs(sampler, range(epoch + 1))
+    state = json.loads(json.dumps(sampler.state_dict()))
+    resumed = build()
+    resumed.load_state_dict(state)
+    assert (resumed.epoch, resumed.steps_done) == (epoch, len(resumed))
+    assert resumed.state_dict() == state
+    if then == "set_epoch(e + 1)":
+        resumed.set_epoch(epoch + 1)
+        assert list(resumed) == full[epoch + 1]
+    else:
+        if then == "set_epoch(e)":
+            resumed.set_epoch(epoch)
+        assert list(resumed) == []
+        assert (resumed.epoch, resumed.steps_done) == (epoch + 1, 0)
+        assert list(resumed) == full[epoch + 1]
+    counted = build()
+    counted.load_state_dict(state)
+    assert _sampler_epochs(counted, range(epoch, 3)) == {epoch: [], **{e: full[e] for e in range(epoch + 1, 3)}}
+
+
+@pytest.mark.parametrize("unit", ["tokens", "samples"])
+def test_horizon_after_an_end_of_epoch_restore_counts_the_epochs_left(unit):
+    """Restored at epoch 1's end (epoch 1, nothing left of it), horizon(E - epoch) is the plans of epochs 2 .. E-1,
+    as the uninterrupted sampler's (already at epoch 2) horizon(E - epoch); at the next epoch's start, the same."""
+    epochs = 5
+    sampler = _td_sampler()
+    plans = [sampler.plan_for_epoch(e) for e in range(epochs)]
+    left = sum(int(plan._amounts(unit).sum()) for plan in plans[2:])
+    _sampler_epochs(sampler, range(2))
+    resumed = _td_sampler()
+    resumed.load_state_dict(sampler.state_dict())
+    assert (sampler.epoch, resumed.epoch) == (2, 1)
+    for owner in (sampler, resumed):
+        assert owner.horizon(epochs - owner.epoch, unit) == left, f"epoch {owner.epoch}"
+    assert list(resumed) == []
+    assert resumed.horizon(epochs - resumed.epoch, unit) == left
+
+
+def _example_run(sampler, loader, gas, epochs, max_steps, steps=0):
+    """example.py's loop as it keeps the sampler's position (its section 4 and 5): per epoch from sampler.epoch,
+    set_epoch, the batches from sampler.steps_done // gas, `gas` step inputs each, the step inputs trained
+    counted; its checkpoint, sampler.state_dict(steps_done=trained). Each batch as its step inputs' sample ids (the
+    example saves no dataset state)."""
+    trained, batches_trained = sampler.steps_done, []
+    for epoch in range(sampler.epoch, epochs):
+        if steps >= max_steps:
+            break
+        sampler.set_epoch(epoch)
+        plan, b0, batches = sampler.plan, sampler.steps_done // gas, iter(loader)
+        for b in range(b0, plan.num_batches):
+            step_inputs = [_rows(next(batches)) for _ in range(gas)]
+            batches_trained.append((epoch, [[row // 1000 for row in rows] for rows in step_inputs]))
+            trained, steps = (b + 1) * gas, steps + 1
+            if steps >= max_steps:
+                break
+    return batches_trained, steps, sampler.state_dict(steps_done=trained)
+
+
+@pytest.mark.parametrize("stop", ["end of epoch 0", "end of epoch 1", "inside epoch 1"])
+def test_the_examples_resume_at_an_epochs_end_trains_the_uninterrupted_batches(stop):
+    """example.py's stop and resume (its loop and checkpoint, over make_dataloader's loader): stopped by max-steps at
+    an epoch's end or inside one, the resumed run trains the batches of the uninterrupted one."""
+    gas, epochs = 2, 3
+
+    def build():
+        sampler = _td_sampler(gradient_accumulation_steps=gas)
+        return sampler, make_dataloader(_AugmentedDataset(_SEQLENS), sampler, collate_fn=varbatch.PaddedCollate())
+
+    sampler, loader = build()
+    per_epoch = len(sampler) // gas
+    full, _, _ = _example_run(sampler, loader, gas, epochs, 10**9)
+    at = {"end of epoch 0": per_epoch, "end of epoch 1": 2 * per_epoch, "inside epoch 1": per_epoch + 3}[stop]
+    head, steps, state = _example_run(*build(), gas, epochs, at)
+    sampler, loader = build()
+    sampler.load_state_dict(state)
+    rest, _, _ = _example_run(sampler, loader, gas, epochs, 10**9, steps)
+    assert len(head) + len(rest) == len(full), f"{len(head)} + {len(rest)} batches for {len(full)}"
+    assert head + rest == full
+
+
+@pytest.mark.parametrize("arm", ["make", "direct"])
+def test_a_loader_state_loads_anywhere_and_through_json(arm):
+    """TestSnapshotZero, TestSnapshotEnd, the interrupted-shuffle and JSON tests, and load-then-state: a state saved
+    right after iter() resumes the whole epoch, also loaded into a loader in the middle of its own epoch; a state
+    loaded into the loader that saved it, after it moved on, rewinds it; a state through json.dumps/loads resumes
+    exactly; right after load_state_dict the loader's state_dict is the loaded one."""
+    _, loader = _td_build(arm)
+    batches = iter(loader)
+    at_start = loader.state_dict()
+    epoch_0 = [_rows(batch) for batch in batches]
+    _, other = _td_build(arm)
+    moved = iter(other)
+    next(moved), next(moved)
+    other.load_state_dict(at_start)
+    assert [_rows(batch) for batch in other] == epoch_0
+    _, loader = _td_build(arm)
+    batches = iter(loader)
+    head = [_rows(next(batches)) for _ in range(4)]
+    state = loader.state_dict()
+    tail = [_rows(batch) for batch in batches]
+    loader.load_state_dict(state)
+    assert [_rows(batch) for batch in loader] == tail, "loaded into the loader that saved it"
+    _, fresh = _td_build(arm)
+    fresh.load_state_dict(json.loads(json.dumps(state)))
+    assert fresh.state_dict() == json.loads(json.dumps(state))
+    assert head + [_rows(batch) for batch in fresh] == epoch_0
+
+
+def test_a_stateful_loader_reads_what_torchs_loader_reads():
+    """TestConcurrentDataLoaders: make_dataloader with StatefulDataLoader yields the batches of torch's loader."""
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+    runs = []
+    for loader_class in (None, stateful.StatefulDataLoader):
+        sampler = _td_sampler()
+        loader = make_dataloader(
+            _AugmentedDataset(_SEQLENS), sampler, collate_fn=varbatch.PaddedCollate(), dataloader_class=loader_class
+        )
+        runs.append([_rows(batch) for epoch in range(2) if sampler.set_epoch(epoch) is None for batch in loader])
+    assert runs[0] == runs[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("persistent", [False, True], ids=["workers", "persistent workers"])
+@pytest.mark.parametrize("arm", ["make", "direct", "torchdata"])
+def test_resumes_with_3_workers_read_what_the_uninterrupted_run_reads(arm, persistent):
+    """torchdata's worker resumes, 3 workers, a loop that calls no set_epoch: the uninterrupted run trains each
+    epoch's plan; saved mid-epoch (snapshots every 3 steps), after an epoch's last batch inside its loop, after its
+    loop ended, and 2 batches after a restore (the fast state request), the resumed run reads the samples and every
+    worker's dataset draws of the uninterrupted one, varbatch's arms as torchdata's own sampler. In make mode,
+    set_epoch(e + 1) after an end-of-epoch restore starts e + 1."""
+    build = partial(_td_build, arm, 3, persistent_workers=persistent)
+    full = _td_full(build, set_epoch=False)
+    if arm != "torchdata":  # each epoch's plan (not epoch 0's again: a persistent iterator restarts on each pass)
+        epochs = _sampler_epochs(_td_sampler(), range(_TD_EPOCHS))
+        assert _ids(full) == [ids for e in range(_TD_EPOCHS) for ids in epochs[e]]
+    for epoch, stop, snapshots in [(0, 10, 3), (0, "last", 1), (1, "end", 1)]:
+        saving = partial(build, snapshot_every_n_steps=snapshots)
+        head, state = _td_head(*saving(), epoch, stop, set_epoch=False)
+        rest = _td_resumed(saving, head, state, epoch, stop, set_epoch=False)
+        _check_resumed(full, head, rest, f"saved in epoch {epoch} at {stop}")
+    head, state = _td_head(*build(), 0, 10, set_epoch=False)
+    _, loader = build()
+    loader.load_state_dict(state)
+    batches = iter(loader)
+    head += [(0, _rows(next(batches))) for _ in range(2)]
+    rest = _td_resumed(build, head, loader.state_dict(), 0, 12, set_epoch=False)
+    _check_resumed(full, head, rest, "saved 2 batches after a restore")
+    if arm == "make":
+        _, inside = _td_head(*build(), 0, "last", set_epoch=False)
+        sampler, loader = build()
+        loader.load_state_dict(inside)
+        sampler.set_epoch(1)
+        assert _ids([(1, _rows(batch)) for batch in loader]) == _ids([b for b in full if b[0] == 1])

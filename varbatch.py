@@ -1774,6 +1774,12 @@ class VariableBatchSampler(Sampler[list[int]]):
         after its last one the sampler is at the next epoch, also when the iterator is not exhausted (trainers stop
         at len()). A pass started while the epoch's training pass is open is a side pass (NOTE [training and side
         passes])."""
+        if self._run_empty_rest():
+            return iter(())
+        return self._hand_out_pass()
+
+    def _hand_out_pass(self) -> Iterator[list[int]]:
+        """The pass `__iter__` makes: started at its first step input, closed when its iterator ends or is dropped."""
         current = self._start_pass()
         rank, ranks = self.rank, self.num_replicas
         try:
@@ -1816,6 +1822,24 @@ class VariableBatchSampler(Sampler[list[int]]):
         if start == len(self):  # the empty rest of an epoch saved at its end: handed out at once
             self._finish(self._training)
         return self._training
+
+    # NOTE [the empty rest at once]: a pass starts at its iterator's first step
+    # input, so that an iterator made and dropped unread moves nothing. The empty
+    # rest of an epoch restored at its end is the exception: it starts, and ends,
+    # when its iterator is made. torchdata's StatefulDataLoader, restored from a
+    # state saved after its loop ended (its ``_iterator_finished``), restores the
+    # sampler into an iterator, drops that iterator unread and iterates a fresh
+    # one (StatefulDataLoader.__iter__, torchdata/stateful_dataloader/
+    # stateful_dataloader.py), which its own samplers start at the next epoch
+    # (their restore fast-forwards at once). Here the dropped iterator has run
+    # the empty rest, so the fresh one starts the next epoch as well.
+    def _run_empty_rest(self, count: Any = None) -> bool:
+        """Runs the next pass now if it is the empty rest of an epoch restored at its end (NOTE [the empty rest at
+        once]); ``count``: a loader's pass's `_LoopCount`. Returns whether it did."""
+        if self._restored is None or self._restored != (self._selected, len(self)):
+            return False
+        self._start_pass(count)
+        return True
 
     def _hand_out(self, current: _Pass, steps_done: int) -> bool:
         """Moves the pass ``current`` on to its ``steps_done``-th step input; a training pass moves the position.
@@ -4006,10 +4030,16 @@ class _Loader(DataLoader):
                 "loader (make_dataloader again, on the same sampler) for a side pass, or set persistent_workers="
                 "False"
             )
+        restoring = self.__dict__.get("next_iter_state")  # torchdata's: the state its next iterator starts from
         iterator = super().__iter__()
         keys = getattr(iterator, "_sampler_iter", None)
         if isinstance(keys, _KeyIterator):
-            keys.count.follow(iterator)
+            # torchdata's iterator restored from a state saved after its last snapshot has yielded the step inputs
+            # since that snapshot again, to no loop (they were trained before the save), by the time it returns
+            again = 0
+            if isinstance(restoring, Mapping) and not restoring.get("_iterator_finished"):
+                again = restoring.get("_steps_since_snapshot", 0)
+            keys.count.follow(iterator, again)
         return iterator
 
     @property
@@ -4195,6 +4225,7 @@ class _StepInputKeys(DistributedSampler):
         self.batch_count = batch_count  # what the keys count per batch (see `make_dataloader`)
         self.workers_read_ahead = workers_read_ahead
         self.read_ahead = read_ahead
+        self.restored_at_load = None  # the sampler state a stateful loader restored at its load_state_dict
 
     def __iter__(self):
         return _KeyIterator(self)
@@ -4210,7 +4241,16 @@ class _StepInputKeys(DistributedSampler):
         return self.variable_batch_sampler.state_dict()
 
     def load_state_dict(self, state_dict):
-        self.variable_batch_sampler.load_state_dict(state_dict)
+        sampler = self.variable_batch_sampler
+        if state_dict is not self.restored_at_load:
+            return sampler.load_state_dict(state_dict)
+        # torchdata's repeat of the restore `_RestoresAtOnce` made: again, for an iterator it made before (the empty
+        # rest ran there: NOTE [the empty rest at once]), keeping an epoch the loop selected since
+        self.restored_at_load = None
+        selected = None if sampler._advanced else sampler._selected
+        sampler.load_state_dict(state_dict)
+        if selected is not None and selected != sampler._selected:
+            sampler.set_epoch(selected)
 
 
 class _KeyIterator:
@@ -4221,7 +4261,11 @@ class _KeyIterator:
     def __init__(self, keys: _StepInputKeys):
         self.batched = keys.batched
         self.count = _LoopCount(keys)
-        self._keys = _step_input_keys(keys.variable_batch_sampler, keys.every_rank, self.count, keys.batch_count)
+        sampler = keys.variable_batch_sampler
+        if sampler._run_empty_rest(self.count):  # see NOTE [the empty rest at once]
+            self._keys = iter(())
+        else:
+            self._keys = _step_input_keys(sampler, keys.every_rank, self.count, keys.batch_count)
 
     def __iter__(self):
         return self
@@ -4242,20 +4286,31 @@ class _LoopCount:
         self.read_ahead = keys.read_ahead
         self._iterator = None  # a weak reference to torch's iterator, and its count of yields when the pass started
 
-    def follow(self, iterator: Any) -> None:
-        self._iterator = (weakref.ref(iterator), iterator._num_yielded)
+    def follow(self, iterator: Any, again: int = 0) -> None:
+        """Counts from now what ``iterator`` yields, and the ``again`` step inputs of the pass it yielded before."""
+        self._iterator = (weakref.ref(iterator), iterator._num_yielded - again)
 
     def yielded(self) -> int | None:
-        """Step inputs the loader's iterator gave the loop since the pass started; None where unknown."""
+        """Step inputs the loader's iterator gave the loop since the pass started; None where unknown, and once the
+        iterator restarted on another pass (persistent workers: torch resets its count to 0 before that pass
+        starts, so the count would read as this pass's yields)."""
         iterator = None if self._iterator is None else self._iterator[0]()
-        if iterator is None:
+        if iterator is None or getattr(getattr(iterator, "_sampler_iter", None), "count", None) is not self:
             return None
         return iterator._num_yielded - self._iterator[1]
 
 
 class _RestoresAtOnce:
     """A stateful loader's ``load_state_dict`` that also restores the sampler at once, not only when the next
-    iterator starts (torchdata's does that), so that ``sampler.epoch`` right after it is the epoch to resume."""
+    iterator starts (torchdata's does that), so that ``sampler.epoch`` right after it is the epoch to resume.
+
+    torchdata restores the sampler again as its next iterator starts, from the same state: that second restore
+    keeps an epoch the loop selected in between (`_StepInputKeys.load_state_dict`), so that a loop that skips the
+    empty rest of an epoch saved at its end starts the next epoch, as over the sampler alone. A state saved after
+    the loader's loop ended (torchdata's ``_iterator_finished``) resumes, in torchdata, at the next epoch: the empty
+    rest runs here, so ``sampler.epoch`` is that epoch, and torchdata's second restore runs it again in the
+    iterator it drops (NOTE [the empty rest at once]).
+    """
 
     def load_state_dict(self, state_dict):
         super().load_state_dict(state_dict)
@@ -4263,8 +4318,16 @@ class _RestoresAtOnce:
         while pending:  # the sampler's state, wherever the loader's format nests it
             node = pending.pop()
             if isinstance(node, Mapping) and set(node) == {*VariableBatchSampler._STATE, "version"}:
-                return self.variable_batch_sampler.load_state_dict(node)
+                break
             pending += list(node.values()) if isinstance(node, Mapping) else []
+        else:
+            return
+        sampler = self.variable_batch_sampler
+        sampler.load_state_dict(node)
+        if state_dict.get("_iterator_finished"):
+            sampler._run_empty_rest()
+        else:
+            self.__dict__["_local"].restored_at_load = node
 
 
 class _LoadStepInput:
