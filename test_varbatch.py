@@ -6382,7 +6382,7 @@ def block_causal_mask(position_ids):
 
 
 def test_plain_sdpa_with_a_block_diagonal_mask_trains_a_flat_row_as_the_padded_batch():
-    """The README's plain-loop recipe: torch's sdpa, the mask from the positions; outputs, loss and gradients."""
+    """A plain model over flat rows: torch's sdpa, the mask from the positions; outputs, loss and gradients."""
     torch.manual_seed(0)
     qkv, head, lengths = torch.nn.Linear(16, 48), torch.nn.Linear(16, 5), [5, 11, 1, 8, 3]
     model = torch.nn.ModuleList([qkv, head])
