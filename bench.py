@@ -1083,7 +1083,7 @@ def _padding_table(
 # Randomness: how many sample pairs that share a micro-batch share one again next epoch (issue 19), beside the
 # real tokens each order fills (issue 26: the bucket order's default window is chosen for them).
 RANDOMNESS_SIZES = (2000, 100_000, 1_000_000)
-# 2b: the bucket order's window against real tokens and pairs again (the README's table): N and bucket_size values.
+# 2b: the bucket order's window against real tokens and pairs again (BENCHMARKS.md's table): N and bucket_size values.
 WINDOW_SIZES = ((2000, (500, 1000)), (1_000_000, (4096, 16384, 65536, 262144)))
 
 
@@ -1212,7 +1212,7 @@ def _window_label(seqlens: np.ndarray, window: int | None) -> str:
 
 def _window_table(quick: bool, results: dict) -> str:
     """2b: the bucket order's window (bucket_size) against real / padded and pairs again next epoch, padded
-    budget, DDP and pipeline, on long-tailed lengths; the README's table of the trade-off."""
+    budget, DDP and pipeline, on long-tailed lengths; BENCHMARKS.md's table of the trade-off."""
     rows = []
     for n, windows in WINDOW_SIZES[:1] if quick else WINDOW_SIZES:
         seqlens = long_tailed_seqlens(n, seed=8)
@@ -2590,7 +2590,7 @@ class AttentionBlock(torch.nn.Module):
 
 
 def measured_quadratic_tokens(model, make_batch, long: int = 2_048, short: int = 64, repeats: int = 5) -> float:
-    """q from a forward and backward pass at two shapes of the same tokens (the README's recipe): one sample of
+    """q from a forward and backward pass at two shapes of the same tokens (BENCHMARKS.md's timing recipe): one sample of
     ``long`` tokens costs long + long^2 / q, long / short samples of ``short`` tokens long + long short / q."""
 
     def seconds(batch):
@@ -2697,7 +2697,7 @@ def bench_rank_waits(quick: bool, results: dict) -> str:
         "2 CPU ranks (gloo, one thread each), DDP's reduction by hand: each step input's forward and backward pass,"
         " then an all-reduce of the gradients (a barrier before each step, so that the all-reduce waits for this "
         f"step's difference alone). Model: one self-attention layer, hidden size {WAIT_HIDDEN}; q measured by the "
-        f"README's recipe (the median of three, before the ranks start): {q:.0f}. {n:,} long-tailed lengths (lognormal(5.0, 1.0) clipped to "
+        f"timing recipe (the median of three, before the ranks start): {q:.0f}. {n:,} long-tailed lengths (lognormal(5.0, 1.0) clipped to "
         f"16..1,024), padded budget max_tokens {WAIT_MAX_TOKENS:,}, random order, {epochs} epochs per arm, the arms "
         "in turn epoch by epoch, in one job.",
         "",

@@ -130,7 +130,7 @@ class Setup:
     @property
     def quadratic_tokens(self) -> int:
         """q of arm (g): the README's rule of thumb, 6 x E, for attention that computes all of S x S (a mask here,
-        no causal kernel). The README's recipe (long 256, short 8 to 32) measured 330 to 780 on the full study's
+        no causal kernel). The timing recipe in BENCHMARKS.md (long 256, short 8 to 32) measured 330 to 780 on the full study's
         model, median about 650 (its LM head adds linear work): the rule errs low, the side the README advises."""
         return 6 * self.dim
 

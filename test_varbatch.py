@@ -6551,7 +6551,7 @@ def block_causal_mask(position_ids):
 
 
 def test_plain_sdpa_with_a_block_diagonal_mask_trains_a_flat_row_as_the_padded_batch():
-    """The README's plain-loop recipe: torch's sdpa, the mask from the positions; outputs, loss and gradients."""
+    """A plain model over flat rows: torch's sdpa, the mask from the positions; outputs, loss and gradients."""
     torch.manual_seed(0)
     qkv, head, lengths = torch.nn.Linear(16, 48), torch.nn.Linear(16, 5), [5, 11, 1, 8, 3]
     model = torch.nn.ModuleList([qkv, head])
@@ -6968,15 +6968,17 @@ def test_balanced_ranks_with_lr_in_sequences_warn_that_the_lr_swings():
 
 
 def _readme_quadratic_tokens():
-    """The README's recipe for q: its program run, and its function."""
+    """The recipe for q the README links to (BENCHMARKS.md, "Timing q for your model"): its program run, and its
+    function."""
+    benchmarks = _README.with_name("BENCHMARKS.md")
     (program,) = [
         body
-        for lang, body in re.findall(r"^```(\w*)\n(.*?)^```", _README.read_text(), re.S | re.M)
+        for lang, body in re.findall(r"^```(\w*)\n(.*?)^```", benchmarks.read_text(), re.S | re.M)
         if lang == "python" and "def quadratic_tokens" in body
     ]
     namespace = {"__name__": "readme_recipe"}
     with contextlib.redirect_stdout(io.StringIO()) as printed:
-        exec(compile(program, "README.md", "exec"), namespace)
+        exec(compile(program, benchmarks.name, "exec"), namespace)
     return namespace["quadratic_tokens"], printed.getvalue()
 
 
@@ -8638,6 +8640,151 @@ def _readme_lightning_recipe():
 def _readme_accelerate_recipe():
     """The README's HF Accelerate recipe (the torchrun DDP test's launch runs it)."""
     return _readme_launched("from accelerate import Accelerator", "Accelerate")
+
+
+# The README's training loop (train.py) on 1 process, three times in one interpreter (`python runner.py RECIPE`):
+# run through; run again and stopped right after its second checkpoint (a preemption); started again, resuming from
+# that checkpoint. A real GradScaler, turned on (the recipe turns it on with CUDA), finds an inf in the gradients of
+# the batches in SKIPPED and skips their updates, as AMP does; it counts the batches in its own state, which the
+# recipe checkpoints. Each run notes, per batch, whether its update was skipped, the LR its update applied, and how
+# far the accumulated gradient is from the gradient of the batch's token mean (the oracle: the recipe's model, a
+# Linear(4, 1), on the plan's samples of the batch, whose loss is the mean squared output over their tokens).
+_LOOP_RUNNER = textwrap.dedent("""
+    import json, os, runpy, sys
+    import torch
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+    import varbatch
+
+    recipe = os.path.abspath(sys.argv[1])
+    SKIPPED = {2, 3, 25, 40, 41, 75}  # 40: the first batch after the resume
+    make_dataloader, made = varbatch.make_dataloader, {}
+
+    def recording_make_dataloader(dataset, sampler, **kwargs):
+        made.update(dataset=dataset, sampler=sampler)
+        return make_dataloader(dataset, sampler, **kwargs)
+
+    def gradient_error(params, scale, b):  # the accumulated gradient against the gradient of batch b's token mean
+        sampler = made["sampler"]
+        per_epoch = len(sampler) // sampler.gradient_accumulation_steps
+        plan, index = sampler.plan_for_epoch(b // per_epoch), b % per_epoch
+        k = plan.effective_batch_size
+        ids = [i for j in range(k * index, k * (index + 1)) for i in plan.microbatch(j).tolist()]
+        x = torch.cat([made["dataset"][i] for i in ids])  # the batch's real tokens, T x 4
+        weight, bias = (p.detach().clone().requires_grad_() for p in params)
+        want = torch.autograd.grad(((x @ weight.T + bias) ** 2).mean(), (weight, bias))
+        return max(float((p.grad / scale - w).abs().max() / w.abs().max()) for p, w in zip(params, want))
+
+    class Overflowing(torch.amp.GradScaler):
+        def __init__(self, device, enabled=True):
+            super().__init__(device, enabled=True)
+            self.batch = self.start = 0
+
+        def step(self, optimizer):
+            params = optimizer.param_groups[0]["params"]
+            error = gradient_error(params, self.get_scale(), self.batch)
+            if self.batch in SKIPPED:
+                params[0].grad.view(-1)[0] = float("inf")
+            lrs.clear()
+            super().step(optimizer)
+            batches.append([not lrs, lrs[0] if lrs else None])
+            errors.append(error)
+
+        def update(self, new_scale=None):
+            super().update(new_scale)
+            self.batch += 1
+
+        def state_dict(self):
+            return {**super().state_dict(), "batch": self.batch}
+
+        def load_state_dict(self, state):
+            state = dict(state)
+            self.batch = self.start = state.pop("batch")
+            super().load_state_dict(state)
+
+    def record_lr(optimizer, args, kwargs):  # after the optimizer's own pre-step hooks (varbatch's may write the LR)
+        lrs.append(optimizer.param_groups[0]["lr"])
+
+    def hook_optimizer(optimizer, args, kwargs):
+        if record_lr not in optimizer._optimizer_step_pre_hooks.values():
+            optimizer.register_step_pre_hook(record_lr)
+
+    class Preempted(Exception):
+        pass
+
+    def run(folder, stop_after_saves=None):
+        global batches, lrs, errors
+        batches, lrs, errors, saves, save = [], [], [], [], torch.save
+
+        def saving(state, path):
+            save(state, path)
+            saves.append(path)
+            if len(saves) == stop_after_saves:
+                raise Preempted
+
+        os.makedirs(folder, exist_ok=True)
+        os.chdir(folder)
+        torch.amp.GradScaler, torch.save = Overflowing, saving
+        varbatch.make_dataloader = recording_make_dataloader
+        hook = register_optimizer_step_pre_hook(hook_optimizer)
+        try:
+            namespace = runpy.run_path(recipe, run_name="__main__")
+        except Preempted:
+            torch.distributed.destroy_process_group()
+            return {"batches": batches}
+        finally:
+            torch.amp.GradScaler, torch.save = Overflowing.__bases__[0], save
+            varbatch.make_dataloader = make_dataloader
+            hook.remove()
+            os.chdir("..")
+        sampler, model = namespace["sampler"], namespace["model"].module
+        return {
+            "batches": batches,
+            "errors": errors,
+            "start": namespace["scaler"].start,
+            "batch_tokens": [sampler.plan_for_epoch(e).batch_tokens.tolist() for e in range(namespace["epochs"])],
+            "lr": namespace["optimizer"].defaults["lr"],
+            "parameters": [p.tolist() for p in model.parameters()],
+        }
+
+    runs = {"full": run("full"), "stopped": run("resumed", stop_after_saves=2), "resumed": run("resumed")}
+    with open("runs.json", "w") as f:
+        json.dump(runs, f)
+""")
+
+
+def test_readme_training_loop_tells_amp_skips_weights_and_resumes_exactly(tmp_path):
+    """The README's training loop (1 process, loader workers, a train-set side pass every 20 batches): every
+    planned batch once, each update's gradient the gradient of its batch's token mean (the loss weights), AMP's
+    skipped updates told (each applied update at the cosine of the updates applied before it x sqrt(batch tokens /
+    the epoch's mean)); stopped after a checkpoint and started again, it trains the rest exactly as the
+    uninterrupted run (the same LRs, skips, gradients and final parameters, bit for bit)."""
+    command, program = _readme_recipe("train.py")
+    assert command == "torchrun --nproc_per_node 2 train.py", command
+    (tmp_path / "train.py").write_text(program)
+    (tmp_path / "runner.py").write_text(_LOOP_RUNNER)
+    env = dict(os.environ, PYTHONPATH=_ROOT, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1")
+    env.update(MASTER_PORT=str(_free_port()), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", CUDA_VISIBLE_DEVICES="")
+    done = _run([sys.executable, "runner.py", "train.py"], timeout=600, cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    runs = json.loads((tmp_path / "runs.json").read_text())
+    full, stopped, resumed = runs["full"], runs["stopped"], runs["resumed"]
+    planned = [tokens for epoch in full["batch_tokens"] for tokens in epoch]
+    means = [np.mean(epoch) for epoch in full["batch_tokens"] for _ in epoch]
+    assert len(full["batches"]) == len(planned), f"{len(full['batches'])} batches trained, {len(planned)} planned"
+    skipped = [b for b, (skip, _) in enumerate(full["batches"]) if skip]
+    assert skipped == [2, 3, 25, 40, 41, 75]
+    assert max(full["errors"]) < 1e-5 and max(resumed["errors"]) < 1e-5, "the gradient is not the batch mean's"
+    updates = 0
+    for b, (skip, lr) in enumerate(full["batches"]):
+        if skip:
+            continue
+        cosine = 0.5 * (1 + math.cos(math.pi * updates / len(planned)))
+        assert lr == pytest.approx(full["lr"] * cosine * math.sqrt(planned[b] / means[b]), rel=1e-9), f"batch {b}"
+        updates += 1
+    assert resumed["start"] == 40 and stopped["batches"] == full["batches"][:40]
+    assert resumed["batches"] == full["batches"][40:], "the resumed run is not the rest of the uninterrupted one"
+    assert resumed["errors"] == full["errors"][40:]
+    assert resumed["parameters"] == full["parameters"]
 
 
 def _hf_cosine(step, warmup, total):
