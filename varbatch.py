@@ -914,10 +914,9 @@ def plan_batches(
             unseeded). ``bucket_size``: samples per window, on average; by default 512
             blocks' worth at the mean length (a block: a batch with ``same_size``, a
             padded step input, else a micro-batch), all the samples where they are
-            fewer: ~99.5% of the padded slots real tokens on 1M long-tailed lengths,
-            1.5% of the pairs of samples sharing a micro-batch again next epoch (a
-            set of a few thousand: the same micro-batches every epoch); smaller,
-            fresher micro-batches and more padding. ``on_overlong``: samples
+            fewer (a set of a few thousand: the same micro-batches every epoch);
+            smaller, fresher micro-batches and more padding (the trade measured:
+            BENCHMARKS.md). ``on_overlong``: samples
             longer than ``max_tokens`` are dropped as ``over_budget`` (``"skip"``)
             or refused (``"error"``). ``padding_free``: each step input one
             flat row of its samples, under the sum budget (same_length: a
@@ -1485,8 +1484,8 @@ def _bucket_window(lengths: np.ndarray, settings: _Settings) -> int:
 # - C. The deterministic orders pack every epoch alike: C = B0. A drawn order's count is a renewal
 #   count (batches fill up with tokens until the epoch's tokens are spent), so it spreads over epochs
 #   by about sqrt(B0) x the coefficient of variation of a batch's tokens, here the interquartile
-#   range / 1.349 over the median, which the small last batch of the leftovers does not move (0.5-2x
-#   the spread measured over 15 epochs of the bench's sets). C = B0 + twice that, at most B0 /
+#   range / 1.349 over the median, which the small last batch of the leftovers does not move (its fit to
+#   the measured spread: BENCHMARKS.md). C = B0 + twice that, at most B0 /
 #   `_MARGIN_SHARE` (1 at least): few epochs pack longer, and the micro-batches added stay a small
 #   share. C is also at most B0 + the batches of epoch 0 that can be cut, so that epoch 0 reaches C.
 # - An epoch that packs B <= C batches gets its C - B batches of most samples, among those that can be
@@ -1628,22 +1627,19 @@ def _reshuffled(plan: Plan, epoch: int) -> Plan:
 # =============================================================================
 
 
-# NOTE [the tail moves]: a packing leaves over, as `tail`, the last samples of its picking order that fill
-# no batch (fewer than k where min_batch_size is 1). A drawn order is new every epoch, but its end need not
-# be: a set of one `bucket` window (below the default window, a few thousand samples) is sorted by length
-# every epoch, so its longest sample could be left out of every epoch and never train (300 seqlens drawn
-# in 1..199, padded budget, G = 2, one process: in 6 of 24 draws). So in the drawn orders each tail sample
-# in turn trades places with a sample drawn uniformly, from (seed, epoch), among itself and the packed
-# samples whose place it can take within the budget (their `_room`). An epoch's possible tails are then
-# n, the sample left over and the places it can take, and over E epochs a sample is left over about E / n
-# times at most (in the 24 draws above, none in more than 2 of 4 epochs; the padded slots' real share fell
-# 0.06 points at most). The trade keeps all that NOTE [every epoch the same length] made: the micro-batches' sizes, the
-# batches and their order, their number; only who sits where changes. Why not another packing: the order
-# begun at a drawn place, tried first, needs more batches than epoch 0 where that packs tight (padded, one
-# sorted window) and then fits no epoch (6% of the epochs with a tail of 400 small sets kept theirs), and
-# packing without samples drawn to be left over moves every micro-batch after them, which can leave
-# another tail. A plan that drops no tail is left as it is, bit for bit. The `dataloader` and `seqlen`
-# orders promise one order for every epoch, so one tail: `_log_plan` says so, once, with the fixes.
+# NOTE [the tail moves]: a packing leaves over, as `tail`, the last samples of its picking order that fill no batch
+# (fewer than k where min_batch_size is 1). A drawn order is new every epoch, but its end need not be: a set of one
+# `bucket` window (below the default window, a few thousand samples) is sorted by length every epoch, so its longest
+# sample could be left out of every epoch and never train. So in the drawn orders each tail sample in turn trades places
+# with a sample drawn uniformly, from (seed, epoch), among itself and the packed samples whose place it can take within
+# the budget (their `_room`). An epoch's possible tails are then n, the sample left over and the places it can take, and
+# over E epochs a sample is left over about E / n times at most, at the cost of a little padding (both measured:
+# BENCHMARKS.md). The trade keeps all that NOTE [every epoch the same length] made: the micro-batches' sizes, the
+# batches and their order, their number; only who sits where changes. Why not another packing: the order begun at a
+# drawn place, tried first, needs more batches than epoch 0 where that packs tight (padded, one sorted window) and then
+# fits no epoch, and packing without samples drawn to be left over moves every micro-batch after them, which can leave
+# another tail. A plan that drops no tail is left as it is, bit for bit. The `dataloader` and `seqlen` orders promise
+# one order for every epoch, so one tail: `_log_plan` says so, once, with the fixes.
 _TAIL_STREAM = 0x7461696C  # b"tail": the trades' own stream of a seed
 
 
@@ -1715,11 +1711,11 @@ def _room(ids: np.ndarray, sizes: np.ndarray, seqlens: np.ndarray, settings: _Se
 #    steps is balanced), and batches mix costs at random.
 # 3. Deal the odd steps of a batch in reverse: a rank's sum over the batch (what DDP under `no_sync` waits for)
 #    takes the costliest of every other step only, which halves that idle share.
-# The window is the epoch (windows of 64 batches, further apart in cost, idle up to 2.1% at R = 8, not 0.2%); a
-# pipeline batch's (one shape: `same_size`, `same_length`) is the batch, its step inputs only dealt anew; padded
-# pipeline batches, of one cost, stay as they are. A q 6x too large sorts nearly by tokens, which the budget evened
-# out already (11-29% idle on long-tailed lengths); 6x too small, 3-6%: err low. The shuffle draws from (seed,
-# epoch, `_BALANCE_STREAM`): the packing's draws stay as they were.
+# The window is the epoch (smaller windows, further apart in cost, leave the ranks idle longer); a pipeline batch's (one
+# shape: `same_size`, `same_length`) is the batch, its step inputs only dealt anew; padded pipeline batches, of one
+# cost, stay as they are. A q too large sorts nearly by tokens, which the budget evened out already, and costs more idle
+# time than one as much too small: err low (BENCHMARKS.md). The shuffle draws from (seed, epoch, `_BALANCE_STREAM`): the
+# packing's draws stay as they were.
 _BALANCE_STREAM = 0x62616C61  # b"bala"
 
 
@@ -3060,7 +3056,8 @@ def _strided_fitting_rows(values: np.ndarray, count: int, reach: int, width: int
 
 
 def _window_extrema(values: np.ndarray, width: int, extremum: np.ufunc) -> np.ndarray:
-    """``extremum.reduce(values[q : q + width])`` for every ``q`` with ``q + width <= len(values)`` (`_range_extrema`)."""
+    """``extremum.reduce(values[q : q + width])`` for every ``q`` with ``q + width <= len(values)``, by
+    `_range_extrema`."""
     starts = np.arange(len(values) - width + 1)
     return _range_extrema(values, starts, starts + width, extremum)
 
