@@ -377,8 +377,8 @@ def _parts(source: str) -> dict:
 
 
 def _part_one_reach(source: str) -> tuple[list[str], bool, int]:
-    """What Part I refers to (by `ast`, bodies included) of Parts II-IV but the dispatch `_implementation`, whether
-    it calls the dispatch, and its size in lines."""
+    """What Part I refers to (by `ast`, bodies included) of Parts II-IV but the fast form `_pack_rows_fast` that its
+    one dispatch runs, whether it runs that form, and its size in lines."""
     parts = _parts(source)
     assert parts["banners"] == sorted(parts["banners"]), f"the parts are out of order: {parts['banners']}"
     owner = parts["owner"]
@@ -387,16 +387,16 @@ def _part_one_reach(source: str) -> tuple[list[str], bool, int]:
     for node in ast.parse(source).body:
         if first <= node.lineno <= last:
             reached |= {(n.id, owner[n.id]) for n in ast.walk(node) if isinstance(n, ast.Name) and n.id in owner}
-    later = sorted(name for name, part in reached if part >= 2 and name != "_implementation")
-    return later, ("_implementation", 2) in reached, last - first + 1
+    later = sorted(name for name, part in reached if part >= 2 and name != "_pack_rows_fast")
+    return later, ("_pack_rows_fast", 2) in reached, last - first + 1
 
 
 def test_part_one_is_the_technique_on_its_own():
     """varbatch.py has its four parts in order, marked by banners; Part I's definitions refer to nothing of Parts
-    III and IV and, of Part II, only to the one dispatch `_implementation`."""
+    III and IV and, of Part II, only to the greedy rule's fast form, which its one dispatch runs."""
     later, dispatches, _ = _part_one_reach(Path(_ROOT, "varbatch.py").read_text(encoding="utf-8"))
     assert not later, f"Part I refers to definitions of the later parts: {later}"
-    assert dispatches, "Part I should run its steps through the dispatch of Part II"
+    assert dispatches, "Part I should run the greedy rule's fast form of Part II on large epochs"
 
 
 def test_the_part_check_finds_a_reference_to_a_later_part():
@@ -404,9 +404,9 @@ def test_the_part_check_finds_a_reference_to_a_later_part():
     lines = [
         "# Part I. The technique",
         "def plan():",
-        "    return _implementation(glue)()",
+        "    return _pack_rows_fast(glue)()",
         "# Part II. The speed paths",
-        "def _implementation(f):",
+        "def _pack_rows_fast(f):",
         "    return f",
         "# Part III. Glue",
         "def glue():",
@@ -798,9 +798,20 @@ def _greedy_walk(seqlens, max_tokens, budget, min_batch_size, max_batch_size):
     return blocks, too_small, start
 
 
+@contextlib.contextmanager
+def _form(form, chunk=2**16):
+    """Plans made inside run the greedy rule in ``form`` ("plain" or "fast", the latter over chunks of ``chunk``
+    positions), whatever their size (NOTE [one dispatch])."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(varbatch, "_PLAIN_UP_TO", 10**9 if form == "plain" else 0)
+        patch.setattr(varbatch, "_CHUNK", chunk)
+        yield
+
+
 def _in_form(form, chunk, **case):
-    """plan_batches(**case) with every step in ``form`` (chunks of ``chunk`` positions), or None without a batch."""
-    with varbatch._forms(form, chunk=chunk):
+    """plan_batches(**case) with the greedy rule in ``form`` (chunks of ``chunk`` positions), or None without a
+    batch."""
+    with _form(form, chunk):
         return _plan_or_none(case)
 
 
@@ -934,28 +945,103 @@ _PLAN_ARRAYS = (
 
 @given(case=plan_cases(orders=ORDERS), chunk=st.sampled_from([1, 2, 5, 2**16]), epoch=st.integers(0, 3))
 @settings(max_examples=150)
-def test_the_fast_forms_plan_as_the_plain_forms(case, chunk, epoch):
-    """Every step's fast form, over chunks of any size, gives the plain form's plan: the same arrays, dtypes and
-    drops, in every order, budget and shape (NOTE [one dispatch])."""
+def test_the_fast_form_plans_as_the_plain_form(case, chunk, epoch):
+    """The greedy rule's fast form, over chunks of any size, gives the plain form's plan: the same arrays, dtypes
+    and drops, in every order, budget and shape (NOTE [one dispatch])."""
     case = {**case, "epoch": epoch}
     _same_plans(_in_form("fast", chunk, **case), _in_form("plain", chunk, **case))
 
 
-def test_the_dispatch_runs_the_plain_forms_on_small_epochs_and_the_readme_says_where():
-    """`_implementation` picks each step's plain form up to `_PLAIN_UP_TO` samples and its fast form above (every
-    Part I step with a fast form: `_FAST_FORMS`), `_forms` overrides it, and the README names the size."""
-    limit = varbatch._PLAIN_UP_TO
-    for plain, fast in varbatch._FAST_FORMS.items():
-        assert plain.__name__ + "_" in fast.__name__ or fast.__name__ == "_select_in_place", (plain, fast)
-        assert varbatch._implementation(plain, limit) is plain
-        assert varbatch._implementation(plain, limit + 1) is fast
-        with varbatch._forms("fast", chunk=3):
-            assert varbatch._implementation(plain, 1) is fast
-        with varbatch._forms("plain"):
-            assert varbatch._implementation(plain, 10**9) is plain
-    assert f"epochs of up to {limit:,} samples" in Path(_ROOT, "README.md").read_text(encoding="utf-8")
-    with pytest.raises(ValueError, match="form should be one of 'plain', 'fast', but got form='quick'"):
-        varbatch._forms("quick").__enter__()
+@given(
+    seqlens=st.lists(st.integers(1, 30), min_size=4, max_size=80),
+    budget=st.sampled_from(BUDGETS),
+    order=st.sampled_from(ORDERS),
+    chunk=st.sampled_from([1, 3, 2**16]),
+)
+@settings(max_examples=30)
+def test_the_sampler_deals_the_same_step_inputs_in_either_form(seqlens, budget, order, chunk):
+    """VariableBatchSampler hands a rank the same step inputs, epoch after epoch, whichever form of the greedy rule
+    packs them."""
+
+    def epochs(form):
+        with _form(form, chunk):
+            sampler = VariableBatchSampler(
+                seqlens, 32, budget=budget, order=order, gradient_accumulation_steps=2, num_replicas=2, rank=1, seed=3
+            )
+            dealt = []
+            for epoch in range(3):
+                sampler.set_epoch(epoch)
+                dealt.append(list(sampler))
+            return dealt
+
+    assert epochs("fast") == epochs("plain")
+
+
+def test_the_dispatch_runs_the_fast_form_on_more_samples_than_the_plain_size(monkeypatch):
+    """plan_batches runs the greedy rule's fast form exactly where the packable samples outnumber `_PLAIN_UP_TO`
+    (NOTE [one dispatch]): the threshold the tests above set reaches each form."""
+    fast = varbatch._pack_rows_fast
+    packed = []
+
+    def counted(lens, settings):
+        packed.append(len(lens))
+        return fast(lens, settings)
+
+    monkeypatch.setattr(varbatch, "_pack_rows_fast", counted)
+    monkeypatch.setattr(varbatch, "_PLAIN_UP_TO", 10)
+    plan_batches([1] * 10, 4)
+    plan_batches([1] * 12, 4, sample_ids=range(10))
+    assert packed == []
+    plan_batches([1] * 11, 4)
+    plan_batches([1] * 14, 4, effective_batch_size=2, budget="padded", micro_batch_size=2)
+    assert packed == [11, 14]
+
+
+@given(case=greedy_cases())
+@example(case=dict(seqlens=[5, 1, 1], max_tokens=10, budget="padded", min_batch_size=1, max_batch_size=None, chunk=1))
+@example(
+    case=dict(seqlens=[2, 2, 9, 2, 2], max_tokens=10, budget="sum", min_batch_size=2, max_batch_size=None, chunk=2)
+)
+def test_the_greedy_rule_is_its_generalization_to_blocks_at_width_one(case):
+    """`_greedy_rows`, the loop that packs one micro-batch to a block, places the blocks, drops and tail that
+    `_pack_rows`, its generalization to blocks of several micro-batches, places with one micro-batch to a block."""
+    case = dict(case)
+    del case["chunk"]
+    lens = np.array(case.pop("seqlens"), np.int64)
+    settings = varbatch._Settings.of(**case)
+    assert settings.unit_width == 1
+    table, too_small, end = varbatch._greedy_rows(lens, settings)
+    expected_table, expected_too_small, expected_end = varbatch._pack_rows(lens, settings)
+    assert (table.tolist(), too_small, end) == (expected_table.tolist(), expected_too_small, expected_end)
+
+
+@st.composite
+def keyed_ids(draw):
+    """Distinct ids and fields of 1 to 40 bits each, one value per id: together they fit 64 bits or not."""
+    ids = draw(st.lists(st.integers(0, 10**6), unique=True, max_size=60))
+    fields = []
+    for bits in draw(st.lists(st.integers(1, 40), min_size=1, max_size=3)):
+        values = draw(
+            st.lists(
+                st.integers(0, min(2**bits - 1, 3)) | st.integers(0, 2**bits - 1), min_size=len(ids), max_size=len(ids)
+            )
+        )
+        fields.append((values, bits))
+    return ids, fields
+
+
+@given(case=keyed_ids())
+@example(case=([1, 0, 3, 2], [([5, 5, 0, 2**61 - 1], 62)]))  # 62 + 2 id bits: exactly one 64-bit key
+@example(case=([1, 0, 3, 2], [([5, 5, 0, 2**62 - 1], 63)]))  # one bit over: the fields sorted one by one
+def test_packed_keys_sort_ids_as_their_tuples_sort(case):
+    """`_sorted_by` orders ids as Python sorts the tuples (*fields, id), whether they fit one 64-bit key or not
+    (NOTE [the orders, as packed keys]), and keeps the ids' dtype."""
+    ids, fields = case
+    expected = [row[-1] for row in sorted(zip(*(values for values, _ in fields), ids))]
+    arrays = [(np.array(values, np.uint64), bits) for values, bits in fields]
+    got = varbatch._sorted_by(np.array(ids, np.int32), arrays)
+    assert got.dtype == np.int32
+    assert got.tolist() == expected
 
 
 def _bits(bound):
@@ -963,19 +1049,19 @@ def _bits(bound):
     return max(1, len(bin(bound - 1)) - 2) if bound > 1 else 1
 
 
-def _oracle_random_order(ids, rng):
+def _oracle_random_order(ids, rng, key_bits=64):
     """NOTE [the orders, as sorts], slowly: each id draws random bits; ids ordered by (bits, id)."""
     id_bits = _bits(max(ids, default=0) + 1)
-    noise = rng.integers(0, 2 ** (64 - id_bits), len(ids), dtype=np.uint64).tolist()
+    noise = rng.integers(0, 2 ** (key_bits - id_bits), len(ids), dtype=np.uint64).tolist()
     return [i for _, i in sorted(zip(noise, ids))]
 
 
-def _oracle_bucket_order(ids, lengths, window, rng):
+def _oracle_bucket_order(ids, lengths, window, rng, key_bits=64):
     """NOTE [the orders, as sorts], slowly: each id draws a window of ceil(N / window) and random bits from what
-    window, length and id leave of 64 bits; ids ordered by window, then length (descending in odd windows), then
-    those bits, then id. Returns the ids and their lengths in that order."""
+    window, length and id leave of the key's bits; ids ordered by window, then length (descending in odd windows),
+    then those bits, then id. Returns the ids and their lengths in that order."""
     windows = max(1, math.ceil(len(ids) / window))
-    spare = max(0, 64 - _bits(windows) - _bits(max(lengths, default=0) + 1) - _bits(max(ids, default=0) + 1))
+    spare = max(0, key_bits - _bits(windows) - _bits(max(lengths, default=0) + 1) - _bits(max(ids, default=0) + 1))
     drawn = rng.integers(0, windows << spare, len(ids), dtype=np.uint64).tolist()
     rows = sorted(
         zip(drawn, ids, lengths),
@@ -989,21 +1075,32 @@ def _oracle_bucket_order(ids, lengths, window, rng):
     order=st.sampled_from(["random", "bucket"]),
     seed=st.integers(0, 2**32 - 1),
     bucket_size=st.integers(1, 50),
-    form=st.sampled_from(["plain", "fast"]),
+    key_bits=st.sampled_from([64, 12]),
 )
-def test_random_orders_sort_random_keys(seqlens, order, seed, bucket_size, form):
+# window, length and id bits beyond a key of 12 bits: the fields sorted one after another
+@example(
+    seqlens=[35, 3, 29, 1, 37, 2, 28, 4, 36, 10, 20, 22, 33, 17, 5, 9],
+    order="bucket",
+    seed=1,
+    bucket_size=1,
+    key_bits=12,
+)
+def test_random_orders_sort_random_keys(seqlens, order, seed, bucket_size, key_bits):
     """One sample per batch, the samples given in reverse: the random orders pick them as the slow oracles sort
     their keys (NOTE [the orders, as sorts]), drawn from (seed, epoch 0, the plans' stream); `bucket` then shuffles
-    the batches with the next draw of the same generator. Both forms."""
+    the batches with the next draw of the same generator. With keys of 12 bits the `bucket` fields often need
+    more: their sort one field after another (NOTE [the orders, as packed keys]) gives the same order."""
     ids = list(range(len(seqlens)))[::-1]  # not the positions themselves
     rng = np.random.default_rng((seed, 0, varbatch._PLAN_STREAM))
     if order == "random":
-        expected = _oracle_random_order(ids, rng)
+        expected = _oracle_random_order(ids, rng, key_bits)
     else:
-        expected, _ = _oracle_bucket_order(ids, [seqlens[i] for i in ids], bucket_size, rng)
+        expected, _ = _oracle_bucket_order(ids, [seqlens[i] for i in ids], bucket_size, rng, key_bits)
         expected = [expected[b] for b in rng.permutation(len(expected))]
     case = dict(seqlens=seqlens, max_tokens=64, order=order, seed=seed, bucket_size=bucket_size, max_batch_size=1)
-    plan = _in_form(form, 2**16, **case, sample_ids=ids)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(varbatch, "_KEY_BITS", key_bits)
+        plan = plan_batches(**case, sample_ids=ids)
     assert plan.sample_ids.tolist() == expected
 
 

@@ -39,15 +39,14 @@ explains what the loop got (NOTE [what is refused]), naming the fix.
 
 The file has four parts. Part I is the technique in plain code, read top-down:
 the settings and the plan, the orders, the greedy rule, the equal epochs, the LR
-rule, the sampler and the scheduler. Part II holds the speed paths, each equal
-to a Part I step, and the one dispatch between them. Part III is the torch glue
+rule, the sampler and the scheduler. Part II holds the one speed path, the greedy
+rule vectorized, which Part I runs on large epochs. Part III is the torch glue
 and its guards (collate, loader, dealing checks); Part IV the trainer adapters
 and the DeepSpeed-compatible functions. The argument checks come first.
 """
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import copy
 import dataclasses
@@ -655,10 +654,9 @@ def plan_batches(
             unseeded). ``bucket_size``: samples per window, on average; by default 512
             blocks' worth at the mean length (a block: a batch with ``same_size``, a
             padded step input, else a micro-batch), all the samples where they are
-            fewer: ~99.5% of the padded slots real tokens on 1M long-tailed lengths,
-            1.5% of the pairs of samples sharing a micro-batch again next epoch (a
-            set of a few thousand: the same micro-batches every epoch); smaller,
-            fresher micro-batches and more padding. ``on_overlong``: samples
+            fewer (a set of a few thousand: the same micro-batches every epoch);
+            smaller, fresher micro-batches and more padding (the trade measured:
+            BENCHMARKS.md). ``on_overlong``: samples
             longer than ``max_tokens`` are dropped as ``over_budget`` (``"skip"``)
             or refused (``"error"``). ``padding_free``: each step input one
             flat row of its samples, under the sum budget (same_length: a
@@ -701,35 +699,26 @@ def _pack(
     """The packing of one epoch as its orders draw it (without a batch when the samples cannot fill one: then all
     are in its drops); ``attempt`` n > 0 draws the epoch's n-th other order (see NOTE [every epoch the same length]).
 
-    The steps: the packable samples in picking order (`_picked`); blocks of micro-batches by the greedy rule
-    (`_pack_rows`); the positions of their samples (`_positions`); whole batches (`_fill_last_batch`); each
-    micro-batch's longest seqlen and each batch's tokens (`_microbatch_stats`); in the `bucket` order, the
-    batches shuffled (`_reordered_batches`); the ids at the positions (`_select`). Positions are indices into
-    ``picked``. Each step named through `_implementation` runs as written here, or on large epochs as its
-    Part II form, which computes the same arrays with less time and memory.
+    The steps: the packable samples in picking order (`_picked`); the micro-batches of whole batches by the greedy
+    rule (`_microbatches`); in the `bucket` order, the batches shuffled (`_reordered_batches`); the ids at their
+    positions (indices into ``picked``); each micro-batch's longest seqlen and each batch's tokens
+    (`_microbatch_stats`).
 
     Raises:
         ValueError: from `_overlong`.
     """
-    size = len(seqlens)
     rng = np.random.default_rng((settings.seed, epoch, _PLAN_STREAM, attempt))  # attempt 0: as (seed, epoch, stream)
-    picked, lens, overlong = _picked(seqlens, sample_ids, settings, rng)
-    table, too_small, end = _implementation(_pack_rows, size)(lens, settings)
-    positions, sizes = _implementation(_positions, size)(table, settings.unit_width)
-    del table  # 24 bytes a block: not kept while the plan's arrays are made
-    positions, sizes, tail = _fill_last_batch(positions, sizes, settings)
-    longest, tokens = _implementation(_microbatch_stats, size)(lens, positions, sizes, settings)
+    picked, overlong = _picked(seqlens, sample_ids, settings, rng)
+    positions, sizes, too_small, tail = _microbatches(seqlens[picked], settings)
     if settings.order == "bucket":  # the windows are sorted: shuffle whole batches
-        order = rng.permutation(len(tokens))
-        reorder = _implementation(_reordered_batches, size)
-        positions, sizes, longest, tokens = reorder(positions, sizes, longest, tokens, order, settings, spare=lens)
-    del lens
-    packed = _implementation(_select, size)(picked, positions)
-    del positions  # picked and packed are the plan's peak: nothing else as long is kept
+        order = rng.permutation(len(sizes) // settings.effective_batch_size)
+        positions, sizes = _reordered_batches(positions, sizes, order, settings)
+    packed = picked[positions]
+    longest, tokens = _microbatch_stats(seqlens, packed, sizes, settings)
     dropped = {
         "over_budget": np.sort(overlong),
-        "min_batch_size": np.sort(picked[np.asarray(too_small, np.int64)]),
-        "tail": np.sort(picked[np.concatenate([tail, np.arange(end, len(picked))])]),
+        "min_batch_size": np.sort(picked[too_small]),
+        "tail": np.sort(picked[tail]),
         "filtered": np.zeros(0, np.int64) if sample_ids is None else np.setdiff1d(np.arange(len(seqlens)), sample_ids),
     }
     dropped = {reason: ids.astype(np.int64) for reason, ids in dropped.items()}
@@ -739,160 +728,82 @@ def _pack(
     return Plan(**arrays, dropped=dropped, settings=settings, epoch=epoch)
 
 
-def _picked(
-    seqlens: np.ndarray, sample_ids: np.ndarray | None, settings: _Settings, rng: np.random.Generator
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The packable ids in picking order (int32 where they fit), their seqlens in that order (int32 where
-    ``max_tokens`` fits), and the over-long ids (see `_overlong`)."""
-    dtype = _index_dtype(len(seqlens))
-    if sample_ids is None:
-        ids = np.arange(len(seqlens), dtype=dtype)
-        lengths = seqlens
+# NOTE [one dispatch]: the greedy rule is written below as loops over samples: the form to read, and the one that
+# runs on up to `_PLAIN_UP_TO` samples (every test-sized plan). A Python step per sample costs seconds on an epoch
+# of millions, so on more `_microbatches` runs Part II's vectorized form (`_pack_rows_fast`), which places the same
+# blocks with a Python step per micro-batch. This is the one place that chooses; every other step of a plan has one
+# form, in numpy, here. Tests reach either form through `plan_batches` and the sampler by setting `_PLAIN_UP_TO`
+# (and Part II's `_CHUNK`).
+_PLAIN_UP_TO = 4096  # samples
+
+
+def _microbatches(lens: np.ndarray, settings: _Settings) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The micro-batches of whole batches over ``lens``, the seqlens in picking order: the positions of their
+    samples, micro-batch after micro-batch, and their sizes; and the positions dropped as ``min_batch_size`` and as
+    ``tail``."""
+    if len(lens) > _PLAIN_UP_TO:  # NOTE [one dispatch]
+        table, too_small, end = _pack_rows_fast(lens, settings)
+    elif settings.unit_width == 1:
+        table, too_small, end = _greedy_rows(lens, settings)
     else:
-        ids = sample_ids.astype(dtype)
-        lengths = seqlens[ids]
-    overlong = _overlong(lengths, ids, settings)
-    if len(overlong):
-        fits = lengths <= settings.max_tokens
-        ids, lengths = ids[fits], lengths[fits]
-    return (*_implementation(_picking_order, len(seqlens))(seqlens, ids, lengths, settings, rng), overlong)
+        table, too_small, end = _pack_rows(lens, settings)
+    positions, sizes = _positions(table, settings.unit_width)
+    positions, sizes, tail = _fill_last_batch(positions, sizes, settings)
+    return positions, sizes, np.asarray(too_small, np.int64), np.concatenate([tail, np.arange(end, len(lens))])
 
 
-def _overlong(lengths: np.ndarray, ids: np.ndarray, settings: _Settings) -> np.ndarray:
-    """The ``ids`` (of seqlens ``lengths``) longer than ``max_tokens``, which fit no micro-batch under either budget.
+# The greedy rule (DeepSpeed's). A micro-batch of n samples costs the sum of their seqlens (budget "sum") or n x the
+# longest of them (budget "padded"), and max_tokens bounds that cost. Both grow with every sample added, so from each
+# position in picking order the packer adds samples while the cost stays within max_tokens; the first sample that
+# does not fit starts the next micro-batch.
 
-    Raises:
-        ValueError: there is one and ``on_overlong="error"``, or every sample is one.
+
+def _greedy_rows(lens: np.ndarray, settings: _Settings) -> tuple[np.ndarray, list[int], int]:
+    """The greedy rule over ``lens``, the seqlens in picking order, one micro-batch to a block (``unit_width`` 1).
+
+    A micro-batch takes at most ``max_batch_size`` samples; where fewer than
+    ``min_batch_size`` fit, its first sample is dropped and the next one tried.
+    Returns what `_pack_rows` returns: the blocks' table (`_block_table`), the
+    positions dropped as ``min_batch_size``, and where the tail starts.
     """
-    overlong = ids[lengths > settings.max_tokens]
-    if len(overlong) and settings.on_overlong == "error":
-        raise ValueError(
-            f"max_tokens={settings.max_tokens} is smaller than {_format_ids(overlong)} (longest "
-            f"{int(lengths.max())}); raise max_tokens, truncate them, or pass on_overlong='skip'"
-        )
-    if len(overlong) and len(overlong) == len(ids):
-        raise ValueError(
-            f"every sample is longer than max_tokens={settings.max_tokens} "
-            f"(shortest {int(lengths.min())}); raise max_tokens"
-        )
-    return overlong
+    values = lens.tolist()  # Python ints: the loop reads them one at a time
+    total = len(values)
+    cap = settings.max_batch_size or total
+    starts = []
+    rows = []
+    too_small = []
+    start = 0
+    # Invariant: positions [0, start) are each in one placed micro-batch or in `too_small`; [start, total) is unplaced.
+    while start < total:
+        rows_left = min(total - start, cap)
+        n = 0
+        tokens = 0
+        longest = 0
+        while n < rows_left:  # add samples while the budget holds
+            tokens += values[start + n]
+            longest = max(longest, values[start + n])
+            cost = tokens if settings.budget == "sum" else (n + 1) * longest
+            if cost > settings.max_tokens:
+                break
+            n += 1
+        if n >= settings.min_batch_size:
+            starts.append(start)
+            rows.append(n)
+            start += n
+        elif n == rows_left:  # ran out of samples, not of budget: the rest is the tail
+            break
+        else:
+            too_small.append(start)
+            start += 1
+    return _block_table(starts, rows), too_small, start
 
 
-def _index_dtype(bound: int) -> type:
-    """The dtype of ids, positions or seqlens below ``bound``: int32 where they fit (half the memory), else int64."""
-    return np.int32 if bound <= np.iinfo(np.int32).max + 1 else np.int64
-
-
-# NOTE [the orders, as sorts]: each order is a sort of the packable samples by a key.
-# - `dataloader`: the ids as given; `seqlen`: (seqlen, id).
-# - `random`: (r, id), r drawn uniformly below 2**(64 - id bits) for each sample: the ids come out in a
-#   uniformly random order (of N samples, about N^2 / 2^(65 - id bits) pairs draw equal r and keep their id
-#   order).
-# - `bucket`: (w, seqlen, r, id), from one draw per sample below W' x 2**s: its window w (the high part,
-#   uniform over the W' = ceil(N / window size) windows) and tie-breaking bits r (the low s bits, what
-#   64 bits leave beside window, seqlen and id), seqlen descending in odd windows. The windows come one
-#   after another, each ~window size samples (binomial) drawn at random and sorted by length, odd ones
-#   descending, ties in a random order (a set of one window still draws new micro-batches from its ties
-#   every epoch): a micro-batch that spans two windows joins samples of like length.
-# The bounds of the draws are those of the 64-bit keys the Part II form sorts (NOTE [the orders, as packed
-# keys]), so that both draw the same numbers. The generator of an epoch is seeded with (seed, epoch,
-# `_PLAN_STREAM`): numpy seeds (seed, 0) as it seeds seed alone, so without the third word epoch 0 would
-# draw the very numbers of a `default_rng(seed)` that made the data's lengths (synthetic sets do), and sort
-# by them. A fourth word, the attempt, draws an epoch again (NOTE [every epoch the same length]); attempt 0
-# seeds as the three words alone.
-_KEY_BITS = 64
-_PLAN_STREAM = 0x76617262  # b"varb": the plans' own stream of a seed
-
-
-def _picking_order(
-    seqlens: np.ndarray, ids: np.ndarray, lengths: np.ndarray, settings: _Settings, rng: np.random.Generator
-) -> tuple[np.ndarray, np.ndarray]:
-    """``ids`` (of seqlens ``lengths``) in the order in which the packer picks them, and their seqlens in that order
-    (int32 where ``max_tokens`` fits): see NOTE [the orders, as sorts]."""
-    if settings.order == "dataloader":
-        order = np.arange(len(ids))
-    elif settings.order == "seqlen":  # ties by id, whatever the order of `ids` (as DeepSpeed's sort of (len, id))
-        order = np.lexsort((ids, lengths))
-    elif settings.order == "random":
-        order = _random_order(ids, rng)
-    else:
-        order = _bucket_order(ids, lengths, _bucket_window(lengths, settings), rng)
-    return ids[order], lengths[order].astype(_index_dtype(settings.max_tokens + 1))
-
-
-def _random_order(ids: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    """The positions of ``ids`` sorted by (random bits, id): a uniformly random order."""
-    keys = rng.integers(0, 2 ** (_KEY_BITS - _id_bits(ids)), len(ids), dtype=np.uint64)
-    return np.lexsort((ids, keys))
-
-
-def _bucket_order(ids: np.ndarray, lengths: np.ndarray, window: int, rng: np.random.Generator) -> np.ndarray:
-    """The positions of ``ids`` (of seqlens ``lengths``) sorted by (window, seqlen, random bits, id), seqlen
-    descending in odd windows, in windows of ``window`` samples on average."""
-    windows = max(1, math.ceil(len(ids) / window))
-    length_bits = _bits(int(lengths.max()) + 1 if len(ids) else 1)
-    spare = max(0, _KEY_BITS - _bits(windows) - length_bits - _id_bits(ids))  # the bits of the tie-breakers
-    drawn = rng.integers(0, windows << spare, len(ids), dtype=np.uint64)
-    window_of = drawn >> np.uint64(spare)
-    ties = drawn & np.uint64(2**spare - 1)
-    signed = np.where(window_of % 2 == 1, -lengths.astype(np.int64), lengths)  # descending in odd windows
-    return np.lexsort((ids, ties, signed, window_of))
-
-
-def _bits(bound: int) -> int:
-    """The bits that hold every integer below ``bound`` (at least one)."""
-    return max(1, (bound - 1).bit_length())
-
-
-def _id_bits(ids: np.ndarray) -> int:
-    """The bits of a key's id field: they hold the largest of ``ids``."""
-    return _bits(int(ids.max()) + 1 if len(ids) else 1)
-
-
-# The `bucket` order sorts windows of randomly drawn samples; its window trades real tokens for fresh
-# micro-batches, and the default is chosen for real tokens (issue 26): padding is compute paid for on every
-# step, where pairs of samples that share a micro-batch again next epoch cost little next to it. A micro-batch
-# (or a pipeline's batch, padded to one S) takes length neighbours in its window and spans ~1 / (blocks per
-# window) of its length quantiles, so the window is counted in blocks (`_Settings.unit_width` micro-batches,
-# B x unit_width samples at the mean length): its fill is then about the same whatever N, max_tokens or mode.
-# Measured at k = 8, DDP and pipeline, both budgets: real / padded B x S slots, and of the pairs that share a
-# micro-batch in epoch 0 the share that share one in epoch 1, on long-tailed lengths (lognormal(5.5, 0.9)
-# clipped to 8..4096, max_tokens 16384) and uniform 10..499 (max_tokens 4096):
-#   blocks per window    long-tailed, N = 100k  N = 1M                uniform, N = 100k     N = 1M
-#   64 (until issue 26)  96.0-96.9%, 1.8-2.2%   96.5-96.9%, 0.2%      97.4-97.9%, 0.7-0.9%  97.5-97.9%, 0.1%
-#   256                  98.3-99.1%, 4.5-7.8%   99.0-99.1%, 0.8%      99.1-99.4%, 1.9-2.9%  99.3-99.4%, 0.3%
-#   512 (the default)    99.1-99.5%, 11-13%     99.5%, 1.3-1.5%       99.6-99.7%, 3.6-4.9%  99.6-99.7%, 0.5%
-#   1024                 99.1-99.7%, 11-20%     99.7-99.8%, 2.3-2.6%  99.8%, 7.6-8.0%       99.8%, 0.8-0.9%
-#   all (one window)     99.1-99.9%, 11-47%     99.9-100%, 5.1-11%    99.8-100%, 7.9-25%    100%, 2.8-3.7%
-# Three other long-tailed sets (the first at max_tokens 4096; lognormal(4.6, 1.2) to 2048, max_tokens 8192;
-# lognormal(6, 1.3) to 32768, max_tokens 65536) fill 99.1-99.7% at 512 blocks from N = 100k, at most 2.7% of
-# pairs again at 1M (the last's pipeline at 100k, one window, 98.1%: no window fills more); 1024 blocks
-# reach 5% there. A set smaller than the window is sorted whole (the long-tailed pipeline at 100k above):
-# the same micro-batches every epoch, as fairseq's `batch_by_size` gives. A smaller `bucket_size` buys fresh
-# ones with real tokens: at N = 2,000 long-tailed lengths (DDP, padded budget) one window fills 95.8% with
-# 97% of pairs again, windows of 1,000 samples 92.6% with 33%, of 500 87.3% with 17%. No planner escapes
-# the trade: if a sample's B - 1 mates come from the share s of all N samples nearest its length, two that
-# met meet again with probability at least (B - 1) / (s N) (Cauchy-Schwarz: uniform draws are the least),
-# 1 / s times the random share, while s sets the spread of lengths a micro-batch pads.
-
-
-def _bucket_window(lengths: np.ndarray, settings: _Settings) -> int:
-    """Samples per sorted window of the `bucket` order over the packable samples, of seqlens ``lengths``."""
-    if settings.bucket_size is not None:
-        return settings.bucket_size
-    samples_per_block = settings.unit_width * settings.max_tokens * len(lengths) / max(int(lengths.sum()), 1)
-    return max(1, math.ceil(_BUCKET_WINDOW_BLOCKS * samples_per_block))
-
-
-# The greedy rule. The cost of a micro-batch of n samples, which max_tokens bounds: the sum of
-# their seqlens (budget "sum"), or n x S (budget "padded"), S the longest seqlen of the micro-
-# batches padded together (`_Settings.padding_group`). Both grow with every sample added, so
-# whether the first n samples of a micro-batch fit is True up to some n, then False: the packer
-# takes, from each position in picking order, as many samples as fit (DeepSpeed's greedy rule).
-# A block is `_Settings.unit_width` micro-batches of one size n packed together (a padded step
-# input, or a batch with same_size): DeepSpeed interleaves them, row r of micro-batch b being
-# position start + r x width + b; where that places fewer than min_batch_size rows, consecutive
-# micro-batches are tried (`_block_rows`).
+# The greedy rule, generalized to blocks. A block is `_Settings.unit_width` micro-batches of one size n packed
+# together (a padded step input, or a batch with same_size): DeepSpeed interleaves them, row r of micro-batch b
+# being position start + r x width + b; where that places fewer than min_batch_size rows, consecutive micro-batches
+# are tried (`_block_rows`). Under the padded budget a micro-batch's S is the longest seqlen of its padding group
+# (`_Settings.padding_group`). With width 1 a block is one micro-batch, and this is `_greedy_rows`
+# (test_the_greedy_rule_is_its_generalization_to_blocks_at_width_one).
 
 
 def _pack_rows(lens: np.ndarray, settings: _Settings) -> tuple[np.ndarray, list[int], int]:
@@ -1027,17 +938,25 @@ def _positions(table: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
     """The positions (in picking order) of the blocks' samples, micro-batch after micro-batch, and each one's size.
 
     Row r of micro-batch b of block ``(start, n, consecutive)`` is position
-    ``start + b*n + r`` if consecutive, else (interleaved) ``start + r*width + b``.
+    ``start + b*n + r`` if consecutive, else (interleaved) ``start + r*width + b``:
+    micro-batch b's first position, then steps of 1, or of ``width``.
     """
-    positions = []
-    for start, n, consecutive in table.tolist():
-        for b in range(width):
-            if consecutive:
-                positions += range(start + b * n, start + b * n + n)
-            else:
-                positions += range(start + b, start + n * width, width)
-    bound = int((table[:, 0] + table[:, 1] * width).max()) if len(table) else 0
-    return np.array(positions, _index_dtype(bound)), np.repeat(table[:, 1], width)
+    sizes = np.repeat(table[:, 1], width)
+    consecutive = np.repeat(table[:, 2], width) == 1
+    place = np.tile(np.arange(width), len(table))  # b: each micro-batch's place in its block
+    firsts = np.repeat(table[:, 0], width) + np.where(consecutive, place * sizes, place)
+    steps = np.where(consecutive, 1, width)
+    return _progressions(firsts, sizes, steps), sizes
+
+
+def _progressions(firsts: np.ndarray, counts: np.ndarray, steps: np.ndarray) -> np.ndarray:
+    """``first, first + step, ..., first + (count - 1) * step`` for each triple, concatenated (int64)."""
+    offsets = _offsets(counts)
+    terms = np.arange(offsets[-1])  # each term's index in the result ...
+    terms -= np.repeat(offsets[:-1], counts)  # ... then in its progression
+    terms *= np.repeat(steps, counts)
+    terms += np.repeat(firsts, counts)
+    return terms
 
 
 def _fill_last_batch(
@@ -1086,16 +1005,15 @@ def _resplit(blocks: list[list[np.ndarray]], count: int, min_bs: int) -> list[li
 
 
 def _microbatch_stats(
-    lens: np.ndarray, positions: np.ndarray, sizes: np.ndarray, settings: _Settings
+    seqlens: np.ndarray, ids: np.ndarray, sizes: np.ndarray, settings: _Settings
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Each micro-batch's longest seqlen and each batch's tokens, of the micro-batches of ``sizes`` samples at
-    ``positions`` (``lens``: the seqlens in picking order), k micro-batches to a batch."""
-    k = settings.effective_batch_size
-    offsets = _offsets(sizes)
-    microbatches = [lens[positions[a:b]] for a, b in zip(offsets[:-1], offsets[1:])]
-    longest = [int(microbatch.max()) for microbatch in microbatches]
-    tokens = [sum(int(microbatch.sum()) for microbatch in microbatches[j : j + k]) for j in range(0, len(sizes), k)]
-    return np.array(longest, np.int64), np.array(tokens, np.int64)
+    """Each micro-batch's longest seqlen and each batch's tokens (int64), of the micro-batches of ``sizes`` samples of
+    ``ids`` (of the ``seqlens``), k micro-batches to a batch."""
+    starts = _offsets(sizes)[:-1]
+    lengths = seqlens[ids]
+    longest = np.maximum.reduceat(lengths, starts).astype(np.int64)
+    tokens = np.add.reduceat(lengths, starts[:: settings.effective_batch_size], dtype=np.int64)
+    return longest, tokens
 
 
 def _offsets(sizes: np.ndarray) -> np.ndarray:
@@ -1106,26 +1024,15 @@ def _offsets(sizes: np.ndarray) -> np.ndarray:
 
 
 def _reordered_batches(
-    positions: np.ndarray,
-    sizes: np.ndarray,
-    longest: np.ndarray,
-    tokens: np.ndarray,
-    order: np.ndarray,
-    settings: _Settings,
-    spare: np.ndarray | None = None,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Whole batches of k micro-batches in the order ``order`` (batch indices): their positions, their
-    micro-batches' sizes and longest seqlens, and their tokens (`_microbatch_stats`), each reordered. (``spare``,
-    an array whose values are no longer needed, is where the Part II form may write the positions.)"""
+    samples: np.ndarray, sizes: np.ndarray, order: np.ndarray, settings: _Settings
+) -> tuple[np.ndarray, np.ndarray]:
+    """Whole batches of k micro-batches, of ``sizes`` samples each, in the order ``order`` (batch indices): their
+    samples (positions or ids) and their micro-batches' sizes, reordered."""
     k = settings.effective_batch_size
-    starts = _offsets(sizes)[::k]  # where each batch's samples start, and the end
-    positions = np.concatenate([positions[:0], *(positions[starts[b] : starts[b + 1]] for b in order)])
-    return positions, sizes.reshape(-1, k)[order].ravel(), longest.reshape(-1, k)[order].ravel(), tokens[order]
-
-
-def _select(values: np.ndarray, indices: np.ndarray) -> np.ndarray:
-    """``values[indices]``: the ids at the plan's positions."""
-    return values[indices]
+    batch_samples = sizes.reshape(-1, k).sum(axis=1)
+    batch_starts = _offsets(batch_samples)[:-1]
+    moved = _progressions(batch_starts[order], batch_samples[order], np.ones(len(order), np.int64))  # old places
+    return samples[moved], sizes.reshape(-1, k)[order].ravel()
 
 
 def _plan_arrays(
@@ -1156,6 +1063,155 @@ def _plan_arrays(
     )
 
 
+def _picked(
+    seqlens: np.ndarray, sample_ids: np.ndarray | None, settings: _Settings, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """The packable ids in picking order and the over-long ids (see `_overlong`). The ids are int32 where every id of
+    the dataset fits, as the `Plan`'s ``sample_ids`` are."""
+    id_dtype = np.int32 if len(seqlens) <= 2**31 else np.int64
+    if sample_ids is None:
+        ids = np.arange(len(seqlens), dtype=id_dtype)
+        lengths = seqlens
+    else:
+        ids = sample_ids.astype(id_dtype)
+        lengths = seqlens[ids]
+    overlong = _overlong(lengths, ids, settings)
+    if len(overlong):
+        fits = lengths <= settings.max_tokens
+        ids = ids[fits]
+        lengths = lengths[fits]
+    return _picking_order(ids, lengths, settings, rng), overlong
+
+
+def _overlong(lengths: np.ndarray, ids: np.ndarray, settings: _Settings) -> np.ndarray:
+    """The ``ids`` (of seqlens ``lengths``) longer than ``max_tokens``, which fit no micro-batch under either budget.
+
+    Raises:
+        ValueError: there is one and ``on_overlong="error"``, or every sample is one.
+    """
+    overlong = ids[lengths > settings.max_tokens]
+    if len(overlong) and settings.on_overlong == "error":
+        raise ValueError(
+            f"max_tokens={settings.max_tokens} is smaller than {_format_ids(overlong)} (longest "
+            f"{int(lengths.max())}); raise max_tokens, truncate them, or pass on_overlong='skip'"
+        )
+    if len(overlong) and len(overlong) == len(ids):
+        raise ValueError(
+            f"every sample is longer than max_tokens={settings.max_tokens} "
+            f"(shortest {int(lengths.min())}); raise max_tokens"
+        )
+    return overlong
+
+
+# NOTE [the orders, as sorts]: each order is a sort of the packable samples by a key.
+# - `dataloader`: the ids as given; `seqlen`: (seqlen, id).
+# - `random`: (r, id), r drawn uniformly below 2**(64 - id bits) for each sample: the ids come out in a
+#   uniformly random order (of N samples, about N^2 / 2^(65 - id bits) pairs draw equal r and keep their id
+#   order).
+# - `bucket`: (w, seqlen, r, id), from one draw per sample below W' x 2**s: its window w (the high part,
+#   uniform over the W' = ceil(N / window size) windows) and tie-breaking bits r (the low s bits, what
+#   64 bits leave beside window, seqlen and id), seqlen descending in odd windows. The windows come one
+#   after another, each ~window size samples (binomial) drawn at random and sorted by length, odd ones
+#   descending, ties in a random order (a set of one window still draws new micro-batches from its ties
+#   every epoch): a micro-batch that spans two windows joins samples of like length.
+# The draws are bounded so that a key fits one 64-bit integer (NOTE [the orders, as packed keys]). The generator
+# of an epoch is seeded with (seed, epoch, `_PLAN_STREAM`): numpy seeds (seed, 0) as it seeds seed alone, so
+# without the third word epoch 0 would draw the very numbers of a `default_rng(seed)` that made the data's lengths
+# (synthetic sets do), and sort by them. A fourth word, the attempt, draws an epoch again (NOTE [every epoch the
+# same length]); attempt 0 seeds as the three words alone.
+_KEY_BITS = 64
+_PLAN_STREAM = 0x76617262  # b"varb": the plans' own stream of a seed
+
+
+def _picking_order(ids: np.ndarray, lengths: np.ndarray, settings: _Settings, rng: np.random.Generator) -> np.ndarray:
+    """``ids`` (of seqlens ``lengths``) in the order in which the packer picks them: see NOTE [the orders, as
+    sorts]."""
+    if settings.order == "dataloader":
+        return ids
+    if settings.order == "seqlen":  # ties by id, whatever the order of `ids` (as DeepSpeed's sort of (len, id))
+        return _sorted_by(ids, [(lengths, _field_bits(lengths))])
+    if settings.order == "random":
+        draw_bits = _KEY_BITS - _field_bits(ids)
+        return _sorted_by(ids, [(rng.integers(0, 2**draw_bits, len(ids), dtype=np.uint64), draw_bits)])
+    return _sorted_by(ids, _bucket_fields(ids, lengths, _bucket_window(lengths, settings), rng))
+
+
+def _bucket_fields(
+    ids: np.ndarray, lengths: np.ndarray, window: int, rng: np.random.Generator
+) -> list[tuple[np.ndarray, int]]:
+    """The fields of the `bucket` keys of ``ids`` (of seqlens ``lengths``) before the id, as ``(values, bits)``:
+    each one's window of ``window`` samples on average; its seqlen, complemented (``2**bits - 1`` less it: it sorts
+    descending) in odd windows; and the bits that break ties."""
+    windows = max(1, math.ceil(len(ids) / window))
+    window_bits = _bits(windows)
+    length_bits = _field_bits(lengths)
+    tie_bits = max(0, _KEY_BITS - window_bits - length_bits - _field_bits(ids))
+    drawn = rng.integers(0, windows << tie_bits, len(ids), dtype=np.uint64)  # the window, then the tie bits
+    length_field = drawn >> np.uint64(tie_bits)  # the window ...
+    length_field &= np.uint64(1)  # ... odd or even ...
+    length_field *= np.uint64(2**length_bits - 1)  # ... as all ones in odd windows, where ...
+    length_field ^= lengths.astype(np.uint64)  # ... flipping every bit complements the seqlen
+    window_of = drawn >> np.uint64(tie_bits)
+    drawn &= np.uint64(2**tie_bits - 1)  # the tie bits
+    return [(window_of, window_bits), (length_field, length_bits), (drawn, tie_bits)]
+
+
+# NOTE [the orders, as packed keys]: fields of fixed widths, each below 2**width, laid side by side in one integer
+# (the first field in the highest bits) compare as integers exactly as their tuples compare: the first field that
+# differs decides, as it outweighs all the bits below it. The id, the last field, makes every key distinct, so one
+# sort of N uint64 keys orders the tuples, and the ids come back from the keys' low bits: nothing is read in a
+# random order. Sorting the fields one after another (`np.lexsort`), then reading the ids in that order, costs
+# several times as much (BENCHMARKS.md); it runs only where the fields need more than 64 bits.
+
+
+def _sorted_by(ids: np.ndarray, fields: list[tuple[np.ndarray, int]]) -> np.ndarray:
+    """``ids`` sorted by the tuples (*fields, id), each field a ``(values, bits)`` pair, a value below 2**bits for
+    each id (NOTE [the orders, as packed keys]). The fields are taken from the list as they are packed, each let go
+    once in the keys (the first one's values written over where they are uint64)."""
+    id_bits = _field_bits(ids)
+    if sum(bits for _, bits in fields) + id_bits > _KEY_BITS:
+        return ids[np.lexsort([ids, *(values for values, _ in reversed(fields))])]
+    keys = fields.pop(0)[0].astype(np.uint64, copy=False)
+    fields.append((ids, id_bits))
+    while fields:
+        values, bits = fields.pop(0)
+        keys <<= np.uint64(bits)
+        keys |= values.astype(np.uint64, copy=False)
+    keys.sort()
+    keys &= np.uint64(2**id_bits - 1)  # the ids
+    return keys.astype(ids.dtype)
+
+
+def _bits(bound: int) -> int:
+    """The bits that hold every integer below ``bound`` (at least one)."""
+    return max(1, (bound - 1).bit_length())
+
+
+def _field_bits(values: np.ndarray) -> int:
+    """The bits of a key's field that holds every one of ``values`` (non-negative integers)."""
+    return _bits(int(values.max()) + 1 if len(values) else 1)
+
+
+# The `bucket` order's window trades real tokens for fresh micro-batches, and the default is chosen for real tokens:
+# padding is compute paid for on every step, where pairs of samples that share a micro-batch again next epoch cost
+# little next to it. A micro-batch (or a pipeline's batch, padded to one S) takes length neighbours in its window
+# and spans ~1 / (blocks per window) of its length quantiles, so the window is counted in blocks
+# (`_Settings.unit_width` micro-batches, B x unit_width samples at the mean length): its fill is then about the same
+# whatever N, max_tokens or mode. A set smaller than the window is sorted whole: the same micro-batches every epoch,
+# as fairseq's `batch_by_size` gives. A smaller `bucket_size` buys fresh ones with padding. No planner escapes the
+# trade: if a sample's B - 1 mates come from the share s of all N samples nearest its length, two that met meet
+# again with probability at least (B - 1) / (s N) (Cauchy-Schwarz: uniform draws are the least), 1 / s times the
+# random share, while s sets the spread of lengths a micro-batch pads. The trade measured: BENCHMARKS.md.
+
+
+def _bucket_window(lengths: np.ndarray, settings: _Settings) -> int:
+    """Samples per sorted window of the `bucket` order over the packable samples, of seqlens ``lengths``."""
+    if settings.bucket_size is not None:
+        return settings.bucket_size
+    samples_per_block = settings.unit_width * settings.max_tokens * len(lengths) / max(int(lengths.sum()), 1)
+    return max(1, math.ceil(_BUCKET_WINDOW_BLOCKS * samples_per_block))
+
+
 # =============================================================================
 # Every epoch the same length
 # =============================================================================
@@ -1168,8 +1224,8 @@ def _plan_arrays(
 # - C. The deterministic orders pack every epoch alike: C = B0. A drawn order's count is a renewal
 #   count (batches fill up with tokens until the epoch's tokens are spent), so it spreads over epochs
 #   by about sqrt(B0) x the coefficient of variation of a batch's tokens, here the interquartile
-#   range / 1.349 over the median, which the small last batch of the leftovers does not move (0.5-2x
-#   the spread measured over 15 epochs of the bench's sets). C = B0 + twice that, at most B0 /
+#   range / 1.349 over the median, which the small last batch of the leftovers does not move (its fit to
+#   the measured spread: BENCHMARKS.md). C = B0 + twice that, at most B0 /
 #   `_MARGIN_SHARE` (1 at least): few epochs pack longer, and the micro-batches added stay a small
 #   share. C is also at most B0 + the batches of epoch 0 that can be cut, so that epoch 0 reaches C.
 # - An epoch that packs B <= C batches gets its C - B batches of most samples, among those that can be
@@ -1295,11 +1351,11 @@ def _reshuffled(plan: Plan, epoch: int) -> Plan:
     resort of NOTE [every epoch the same length]; its drops stay."""
     settings = plan.settings
     order = np.random.default_rng((settings.seed, epoch, _PLAN_STREAM, _REDRAWS)).permutation(plan.num_batches)
-    arrays = (plan.sample_ids, plan.microbatch_sizes(), plan.padded_seqlens, plan.batch_tokens)
+    ids, sizes = _reordered_batches(plan.sample_ids, plan.microbatch_sizes(), order, settings)
     # The padded seqlens stand in for the micro-batches' longest: `_plan_arrays` takes their groups' maxima,
     # which they already are.
-    reorder = _implementation(_reordered_batches, len(plan.sample_ids))
-    fresh = _plan_arrays(*reorder(*arrays, order, settings), settings)
+    padded = plan.padded_seqlens.reshape(-1, settings.effective_batch_size)[order].ravel()
+    fresh = _plan_arrays(ids, sizes, padded, plan.batch_tokens[order], settings)
     fresh["batch_max_seqlens"] = plan.batch_max_seqlens[order]  # a flat row's length is no sample's
     for array in fresh.values():
         array.setflags(write=False)
@@ -1311,22 +1367,19 @@ def _reshuffled(plan: Plan, epoch: int) -> Plan:
 # =============================================================================
 
 
-# NOTE [the tail moves]: a packing leaves over, as `tail`, the last samples of its picking order that fill
-# no batch (fewer than k where min_batch_size is 1). A drawn order is new every epoch, but its end need not
-# be: a set of one `bucket` window (below the default window, a few thousand samples) is sorted by length
-# every epoch, so its longest sample could be left out of every epoch and never train (300 seqlens drawn
-# in 1..199, padded budget, G = 2, one process: in 6 of 24 draws). So in the drawn orders each tail sample
-# in turn trades places with a sample drawn uniformly, from (seed, epoch), among itself and the packed
-# samples whose place it can take within the budget (their `_room`). An epoch's possible tails are then
-# n, the sample left over and the places it can take, and over E epochs a sample is left over about E / n
-# times at most (in the 24 draws above, none in more than 2 of 4 epochs; the padded slots' real share fell
-# 0.06 points at most). The trade keeps all that NOTE [every epoch the same length] made: the micro-batches' sizes, the
-# batches and their order, their number; only who sits where changes. Why not another packing: the order
-# begun at a drawn place, tried first, needs more batches than epoch 0 where that packs tight (padded, one
-# sorted window) and then fits no epoch (6% of the epochs with a tail of 400 small sets kept theirs), and
-# packing without samples drawn to be left over moves every micro-batch after them, which can leave
-# another tail. A plan that drops no tail is left as it is, bit for bit. The `dataloader` and `seqlen`
-# orders promise one order for every epoch, so one tail: `_log_plan` says so, once, with the fixes.
+# NOTE [the tail moves]: a packing leaves over, as `tail`, the last samples of its picking order that fill no batch
+# (fewer than k where min_batch_size is 1). A drawn order is new every epoch, but its end need not be: a set of one
+# `bucket` window (below the default window, a few thousand samples) is sorted by length every epoch, so its longest
+# sample could be left out of every epoch and never train. So in the drawn orders each tail sample in turn trades places
+# with a sample drawn uniformly, from (seed, epoch), among itself and the packed samples whose place it can take within
+# the budget (their `_room`). An epoch's possible tails are then n, the sample left over and the places it can take, and
+# over E epochs a sample is left over about E / n times at most, at the cost of a little padding (both measured:
+# BENCHMARKS.md). The trade keeps all that NOTE [every epoch the same length] made: the micro-batches' sizes, the
+# batches and their order, their number; only who sits where changes. Why not another packing: the order begun at a
+# drawn place, tried first, needs more batches than epoch 0 where that packs tight (padded, one sorted window) and then
+# fits no epoch, and packing without samples drawn to be left over moves every micro-batch after them, which can leave
+# another tail. A plan that drops no tail is left as it is, bit for bit. The `dataloader` and `seqlen` orders promise
+# one order for every epoch, so one tail: `_log_plan` says so, once, with the fixes.
 _TAIL_STREAM = 0x7461696C  # b"tail": the trades' own stream of a seed
 
 
@@ -1354,7 +1407,7 @@ def _traded_tail(plan: Plan, seqlens: np.ndarray) -> Plan:
         first -= first % span  # ... and the first of its padding group
         a, b = offsets[first], offsets[first + span]
         room[a:b] = _room(ids[a:b], sizes[first : first + span], seqlens, settings)
-    longest, tokens = _implementation(_microbatch_stats, len(ids))(seqlens, ids, sizes, settings)
+    longest, tokens = _microbatch_stats(seqlens, ids, sizes, settings)
     fresh = _plan_arrays(ids, sizes, longest, tokens, settings, seqlens)
     dropped = {**plan.dropped, "tail": np.sort(tail)}
     for array in (*fresh.values(), dropped["tail"]):
@@ -1398,11 +1451,11 @@ def _room(ids: np.ndarray, sizes: np.ndarray, seqlens: np.ndarray, settings: _Se
 #    steps is balanced), and batches mix costs at random.
 # 3. Deal the odd steps of a batch in reverse: a rank's sum over the batch (what DDP under `no_sync` waits for)
 #    takes the costliest of every other step only, which halves that idle share.
-# The window is the epoch (windows of 64 batches, further apart in cost, idle up to 2.1% at R = 8, not 0.2%); a
-# pipeline batch's (one shape: `same_size`, `same_length`) is the batch, its step inputs only dealt anew; padded
-# pipeline batches, of one cost, stay as they are. A q 6x too large sorts nearly by tokens, which the budget evened
-# out already (11-29% idle on long-tailed lengths); 6x too small, 3-6%: err low. The shuffle draws from (seed,
-# epoch, `_BALANCE_STREAM`): the packing's draws stay as they were.
+# The window is the epoch (smaller windows, further apart in cost, leave the ranks idle longer); a pipeline batch's (one
+# shape: `same_size`, `same_length`) is the batch, its step inputs only dealt anew; padded pipeline batches, of one
+# cost, stay as they are. A q too large sorts nearly by tokens, which the budget evened out already, and costs more idle
+# time than one as much too small: err low (BENCHMARKS.md). The shuffle draws from (seed, epoch, `_BALANCE_STREAM`): the
+# packing's draws stay as they were.
 _BALANCE_STREAM = 0x62616C61  # b"bala"
 
 
@@ -2856,177 +2909,13 @@ def _weakly(method: Callable) -> Callable:
 ###############################################################################
 
 
-# NOTE [one dispatch]: Part I's steps of a plan, written as loops and sorts a reader can follow, cost
-# ~1 us a sample in Python; an epoch of 1M samples takes seconds, and some steps hold several N-sized
-# temporaries. Each step below computes the same arrays (the same values in the same dtypes) from
-# the same inputs, in a few numpy passes over chunks of `_CHUNK` positions, and says which Part I
-# definition it equals and why. `_implementation` is the one place that chooses: the plain form for
-# epochs of up to `_PLAIN_UP_TO` samples (a few milliseconds: every test-sized plan runs it), the
-# fast form above. `_forms` is the seam of the tests: inside it every step runs in the form it names,
-# the fast ones in chunks of the size it names, so that the two are compared on the same inputs.
-_PLAIN_UP_TO = 4096
-_CHUNK = 2**16  # positions (or samples) per numpy pass: temporaries stay small and in cache
-_FORM = contextvars.ContextVar("varbatch_form", default=None)  # (form, chunk) inside `_forms`, else None
-
-
-def _implementation(plain: Callable, size: int) -> Callable:
-    """The form of Part I's step ``plain`` to run on an epoch of ``size`` samples: ``plain`` itself up to
-    `_PLAIN_UP_TO` samples, else its fast form (`_FAST_FORMS`); the one `_forms` names inside it."""
-    chosen = _FORM.get()
-    if chosen is None:
-        form = "plain" if size <= _PLAIN_UP_TO else "fast"
-    else:
-        form = chosen[0]
-    return plain if form == "plain" else _FAST_FORMS[plain]
-
-
-@contextlib.contextmanager
-def _forms(form: Literal["plain", "fast"], chunk: int = _CHUNK) -> Iterator[None]:
-    """Runs every step of the plans made inside in ``form``, the fast ones over chunks of ``chunk`` positions."""
-    token = _FORM.set((_check_choice("form", form, Literal["plain", "fast"]), _check_int("chunk", chunk, 1)))
-    try:
-        yield
-    finally:
-        _FORM.reset(token)
-
-
-def _chunk() -> int:
-    """Positions per numpy pass: `_CHUNK`, or the size `_forms` names."""
-    chosen = _FORM.get()
-    return _CHUNK if chosen is None else chosen[1]
-
-
-def _chunk_spans(count: int) -> range:
-    """The starts of the `_chunk`-sized pieces of ``range(count)``, which numpy passes take one at a time."""
-    return range(0, count, _chunk())
-
-
-def _chunks(lengths: np.ndarray) -> list[tuple[int, int]]:
-    """``(a, b)`` pairs that cut ``range(len(lengths))`` into runs of about `_chunk` summed ``lengths``."""
-    chunk = _chunk()
-    ends = np.cumsum(lengths)
-    cuts = np.searchsorted(ends, np.arange(chunk, int(ends[-1]) if len(ends) else 0, chunk), side="right")
-    bounds = np.unique(np.concatenate([[0], cuts, [len(lengths)]])).tolist()
-    return list(zip(bounds[:-1], bounds[1:]))
-
-
-# NOTE [the orders, as packed keys]: shuffling N ids swaps them at random places in memory, ~40-100 ns
-# a sample once they outgrow the cache, and reading their seqlens in the shuffled order costs as much
-# again, where numpy sorts N uint64 in ~10 ns a sample. So the random orders pack each sample's sort key
-# of NOTE [the orders, as sorts] into one uint64, its fields from the most significant bits down, sort
-# the keys, and read the ids (and, for `bucket`, the lengths) back from them: nothing is read in a
-# random order. The lemma: fields of fixed widths, each below 2**width, laid side by side compare as
-# integers exactly as the tuple of fields compares (the first field that differs decides, and it
-# outweighs all the bits below it), and the id field makes every key distinct, so an unstable sort of
-# the keys is the tuple sort. The draws are the plain form's (same bounds, same generator calls), and
-# the `bucket` key's length in odd windows is its complement, 2**bits - 1 - length, which orders as
-# -length does. Where window, length and id of `bucket` need more than 64 bits (2**30 samples of
-# lengths up to 2**20, say), the plain form runs instead. `seqlen` sorts lengths below 2**16 as uint16,
-# which numpy sorts by radix in linear time (a stable sort of the ascending ids: (length, id)).
-
-
-def _picking_order_fast(
-    seqlens: np.ndarray, ids: np.ndarray, lengths: np.ndarray, settings: _Settings, rng: np.random.Generator
-) -> tuple[np.ndarray, np.ndarray]:
-    """`_picking_order`, by the packed keys of NOTE [the orders, as packed keys]; the random orders write over
-    ``ids``."""
-    lens_dtype = _index_dtype(settings.max_tokens + 1)
-    if settings.order == "bucket":
-        return _bucket_order_fast(ids, lengths, _bucket_window(lengths, settings), lens_dtype, rng)
-    if settings.order == "seqlen":  # ties by id, whatever the order of `ids` (as DeepSpeed's sort of (len, id))
-        ascending = ids if (ids[1:] > ids[:-1]).all() else np.sort(ids)
-        ids = ascending[_stable_argsort(seqlens[ascending])]
-    elif settings.order == "random":
-        ids = _random_order_fast(ids, rng)
-    return ids, _take(seqlens, ids, lens_dtype)
-
-
-def _random_order_fast(ids: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    """``ids`` in `_random_order`'s order, written over ``ids``: keys (random bits, id) packed and sorted."""
-    id_bits = _id_bits(ids)
-    keys = rng.integers(0, 2 ** (_KEY_BITS - id_bits), len(ids), dtype=np.uint64)
-    chunk = _chunk()
-    for a in _chunk_spans(len(ids)):
-        b = a + chunk
-        keys[a:b] <<= np.uint64(id_bits)
-        keys[a:b] |= ids[a:b].astype(np.uint64)
-    keys.sort()
-    for a in _chunk_spans(len(ids)):
-        b = a + chunk
-        ids[a:b] = keys[a:b] & np.uint64(2**id_bits - 1)
-    return ids
-
-
-def _bucket_order_fast(
-    ids: np.ndarray, lengths: np.ndarray, window: int, lens_dtype: type, rng: np.random.Generator
-) -> tuple[np.ndarray, np.ndarray]:
-    """``ids`` (of seqlens ``lengths``) in `_bucket_order`'s order, written over ``ids``, and their seqlens in that
-    order as ``lens_dtype``: keys (window, length, random bits, id) packed and sorted."""
-    windows = max(1, math.ceil(len(ids) / window))
-    longest = int(lengths.max()) if len(ids) else 0
-    id_bits, length_bits = _id_bits(ids), _bits(longest + 1)
-    needed = _bits(windows) + length_bits + id_bits  # the bits of window, length and id
-    if needed > _KEY_BITS:
-        order = _bucket_order(ids, lengths, window, rng)
-        return ids[order], lengths[order].astype(lens_dtype)
-    spare = _KEY_BITS - needed  # random bits that break ties
-    # One draw per sample: its window (the high part) and its tie-breaking bits (the low `spare` bits).
-    keys = rng.integers(0, windows << spare, len(ids), dtype=np.uint64)
-    chunk = _chunk()
-    for a in _chunk_spans(len(ids)):  # no view of the keys is kept: `del keys` below frees them
-        b = a + chunk
-        ties = keys[a:b] & np.uint64(2**spare - 1)
-        keys[a:b] >>= np.uint64(spare)  # the window
-        field = _length_field(lengths[a:b], keys[a:b], length_bits)
-        keys[a:b] <<= np.uint64(length_bits)
-        keys[a:b] |= field
-        keys[a:b] <<= np.uint64(spare)
-        keys[a:b] |= ties
-        keys[a:b] <<= np.uint64(id_bits)
-        keys[a:b] |= ids[a:b].astype(np.uint64)
-    keys.sort()
-    # While the keys live, the lengths are read into uint16 where they fit (keys, ids and lengths: 14 bytes a
-    # sample), and widened once the keys are gone.
-    lens = np.empty(len(ids), np.uint16 if longest < 2**16 else lens_dtype)
-    for a in _chunk_spans(len(ids)):
-        b = a + chunk
-        ids[a:b] = keys[a:b] & np.uint64(2**id_bits - 1)
-        fields = keys[a:b] >> np.uint64(id_bits + spare)
-        lens[a:b] = _length_field(fields & np.uint64(2**length_bits - 1), fields >> np.uint64(length_bits), length_bits)
-    del keys
-    return ids, lens.astype(lens_dtype, copy=False)
-
-
-def _length_field(lengths: np.ndarray, windows: np.ndarray, bits: int) -> np.ndarray:
-    """The `bucket` key's ``bits``-bit length field of samples in ``windows``: the length, complemented (all its
-    bits flipped: ``2**bits - 1`` less it) in odd windows, which sorts them descending. The complement is its own
-    inverse, so the same call reads the lengths back from the fields."""
-    flip = (windows & np.uint64(1)) * np.uint64(2**bits - 1)
-    return lengths.astype(np.uint64) ^ flip
-
-
-def _stable_argsort(values: np.ndarray) -> np.ndarray:
-    """A stable argsort; lengths below 2**16 take numpy's linear-time radix sort (of uint16)."""
-    if len(values) and values.max() < 2**16:
-        values = values.astype(np.uint16)
-    return np.argsort(values, kind="stable")
-
-
-def _take(values: np.ndarray, indices: np.ndarray, dtype: type, out: np.ndarray | None = None) -> np.ndarray:
-    """``values[indices]`` as ``dtype``, a `_chunk` at a time (no temporary as long as the result), into ``out``
-    where given: ``indices`` itself may be it (each chunk of them is read before it is written), which spares a
-    fresh N-sized array and its first touch (~1 s per 400 MB on a virtual machine that backs memory lazily)."""
-    if out is None:
-        out = np.empty(len(indices), dtype)
-    chunk = _chunk()
-    for a in _chunk_spans(len(indices)):
-        out[a : a + chunk] = values[indices[a : a + chunk]]
-    return out
-
-
-def _select_in_place(values: np.ndarray, indices: np.ndarray) -> np.ndarray:
-    """`_select`, written over ``indices`` where they have the dtype of ``values`` (see `_take`)."""
-    return _take(values, indices, values.dtype, out=indices if indices.dtype == values.dtype else None)
+# One step of a plan has a speed path: the greedy rule, whose Part I loops take a Python step per sample. On epochs
+# of more than `_PLAIN_UP_TO` samples `_microbatches` runs `_pack_rows_fast` instead (NOTE [one dispatch]), which
+# returns what `_pack_rows` returns (and, with one micro-batch to a block, `_greedy_rows`) with a Python step per
+# micro-batch: test_both_forms_of_the_greedy_rule_pack_as_the_sample_by_sample_walk,
+# test_both_forms_pack_interleaved_blocks_as_the_row_by_row_check and test_the_fast_form_plans_as_the_plain_form
+# compare the two, over chunks of any size.
+_CHUNK = 2**16  # positions per numpy pass: temporaries stay small and in cache
 
 
 # NOTE [the greedy rule, vectorized]: `_interleaved_rows` adds a block's rows one at a time, a Python
@@ -3083,7 +2972,7 @@ def _pack_rows_fast(lens: np.ndarray, settings: _Settings) -> tuple[np.ndarray, 
     # positions [first, first + count).
     while start + width <= total:
         first = start
-        count = min(max(_chunk(), reach * width), total - width + 1 - first)
+        count = min(max(_CHUNK, reach * width), total - width + 1 - first)
         most = _interleaved_fits(lens, first, count, reach, settings)
         while start < first + count:
             rows_left = min((total - start) // width, cap)
@@ -3102,13 +2991,12 @@ def _pack_rows_fast(lens: np.ndarray, settings: _Settings) -> tuple[np.ndarray, 
 
 
 def _single_rows(lens: np.ndarray, settings: _Settings) -> tuple[np.ndarray, list[int], int]:
-    """`_pack_rows` with one micro-batch per block: the greedy rule for a chunk of positions at a time, then a walk
-    from micro-batch to micro-batch (NOTE [the greedy rule, vectorized]). A micro-batch's rows are never
-    consecutive-placed with ``width`` 1 (`_consecutive_rows` finds no more rows than the greedy rule)."""
+    """`_greedy_rows` (`_pack_rows` with one micro-batch per block): the greedy rule for a chunk of positions at a
+    time, then a walk from micro-batch to micro-batch (NOTE [the greedy rule, vectorized])."""
     total = len(lens)
     cap = settings.max_batch_size or total
     reach = min(cap, settings.max_tokens // int(lens.min()), total) if total else 1
-    chunk = max(_chunk(), reach)
+    chunk = max(_CHUNK, reach)
     min_batch_size = settings.min_batch_size
     starts = []
     rows = []
@@ -3191,114 +3079,10 @@ def _strided_fitting_rows(values: np.ndarray, count: int, reach: int, width: int
 
 
 def _window_extrema(values: np.ndarray, width: int, extremum: np.ufunc) -> np.ndarray:
-    """``extremum.reduce(values[q : q + width])`` for every ``q`` with ``q + width <= len(values)`` (`_range_extrema`)."""
+    """``extremum.reduce(values[q : q + width])`` for every ``q`` with ``q + width <= len(values)``, by
+    `_range_extrema`."""
     starts = np.arange(len(values) - width + 1)
     return _range_extrema(values, starts, starts + width, extremum)
-
-
-# The positions and the per-batch passes, chunked: each pass below reads a run of about `_chunk`
-# samples at a time, so no temporary is as long as the epoch; the arrays it writes are those of the
-# plain form (the same values in the same dtypes), piece by piece.
-
-
-def _positions_fast(table: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
-    """`_positions`, a run of blocks at a time (`_block_positions`: the same formula over arrays)."""
-    sizes = np.repeat(table[:, 1], width)
-    if width == 1:
-        return _ranges(table[:, 0], table[:, 1]), sizes
-    per_block = table[:, 1] * width
-    positions = np.empty(int(per_block.sum()), _index_dtype(int((table[:, 0] + per_block).max()) if len(table) else 0))
-    done = 0
-    for a, b in _chunks(per_block):
-        part = _block_positions(table[a:b], width)
-        positions[done : done + len(part)] = part
-        done += len(part)
-    return positions, sizes
-
-
-def _block_positions(table: np.ndarray, width: int) -> np.ndarray:
-    """`_positions` of the blocks of ``table`` (int64, as long as their samples)."""
-    starts = table[:, 0]
-    rows = table[:, 1]
-    per_block = rows * width
-    positions = _ranges(starts, per_block).astype(np.int64)  # start + b*n + r
-    first = np.repeat(starts, per_block)
-    n = np.repeat(rows, per_block)
-    local = positions - first
-    interleaved = first + local % n * width + local // n
-    return np.where(np.repeat(table[:, 2], per_block) == 1, positions, interleaved)
-
-
-def _ranges(
-    starts: np.ndarray, lengths: np.ndarray, values: np.ndarray | None = None, out: np.ndarray | None = None
-) -> np.ndarray:
-    """``values[start : start + length]`` for each pair, concatenated (``values`` None: the positions themselves),
-    into ``out`` where given (an array of that length and dtype that holds nothing needed: see `_take`).
-
-    Built a `_chunk` at a time, so that no temporary (int64) is as long as the result.
-    """
-    if values is None:
-        dtype = _index_dtype(int((starts + lengths).max()) if len(starts) else 0)
-    else:
-        dtype = values.dtype
-    if out is None:
-        out = np.empty(int(lengths.sum()), dtype)
-    done = 0
-    for a, b in _chunks(lengths):
-        part = lengths[a:b]
-        count = int(part.sum())
-        positions = np.arange(count) + np.repeat(starts[a:b] - np.cumsum(part) + part, part)
-        out[done : done + count] = positions if values is None else values[positions]
-        done += count
-    return out
-
-
-def _microbatch_stats_fast(
-    lens: np.ndarray, positions: np.ndarray, sizes: np.ndarray, settings: _Settings
-) -> tuple[np.ndarray, np.ndarray]:
-    """`_microbatch_stats`, a run of whole batches (about a `_chunk` of samples) at a time, by ``reduceat``."""
-    k = settings.effective_batch_size
-    offsets = _offsets(sizes)
-    batch_samples = np.diff(offsets[::k])
-    longest = np.zeros(len(sizes), np.int64)
-    tokens = np.zeros(len(batch_samples), np.int64)
-    for a, b in _chunks(batch_samples):  # batches a .. b - 1
-        first = offsets[a * k]
-        part = lens[positions[first : offsets[b * k]]]
-        longest[a * k : b * k] = np.maximum.reduceat(part, offsets[a * k : b * k] - first)
-        tokens[a:b] = np.add.reduceat(part, offsets[a * k : b * k : k] - first, dtype=np.int64)
-    return longest, tokens
-
-
-def _reordered_batches_fast(
-    positions: np.ndarray,
-    sizes: np.ndarray,
-    longest: np.ndarray,
-    tokens: np.ndarray,
-    order: np.ndarray,
-    settings: _Settings,
-    spare: np.ndarray | None = None,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """`_reordered_batches`, the positions gathered by `_ranges` into ``spare`` where it has their dtype and room
-    (see `_take`)."""
-    k = settings.effective_batch_size
-    batch_samples = sizes.reshape(-1, k).sum(axis=1)
-    batch_starts = np.cumsum(batch_samples) - batch_samples
-    fits = spare is not None and spare.dtype == positions.dtype and len(spare) >= len(positions)
-    out = spare[: len(positions)] if fits else None
-    positions = _ranges(batch_starts[order], batch_samples[order], positions, out=out)
-    return positions, sizes.reshape(-1, k)[order].ravel(), longest.reshape(-1, k)[order].ravel(), tokens[order]
-
-
-# Each Part I step with a fast form, and that form (NOTE [one dispatch]).
-_FAST_FORMS = {
-    _picking_order: _picking_order_fast,
-    _pack_rows: _pack_rows_fast,
-    _positions: _positions_fast,
-    _microbatch_stats: _microbatch_stats_fast,
-    _reordered_batches: _reordered_batches_fast,
-    _select: _select_in_place,
-}
 
 
 ###############################################################################
