@@ -42,7 +42,8 @@ the settings and the plan, the orders, the greedy rule, the equal epochs, the LR
 rule, the sampler and the scheduler. Part II holds the one speed path, the greedy
 rule vectorized, which Part I runs on large epochs. Part III is the torch glue
 and its guards (collate, loader, dealing checks); Part IV the trainer adapters
-and the DeepSpeed-compatible functions. The argument checks come first.
+and the DeepSpeed-compatible functions. Generic argument checks come first;
+each setting's own checks sit beside what it sets.
 """
 
 from __future__ import annotations
