@@ -1969,41 +1969,7 @@ def _oracle_plan(
     if order == "seqlen":
         todo = sorted(todo, key=lambda i: (seqlens[i], i))  # ties by id, as DeepSpeed's sort of (len, id)
     cap = max_batch_size or len(todo)
-
-    def fits(mbs):
-        if budget == "sum":
-            return all(sum(seqlens[i] for i in mb) <= max_tokens for mb in mbs)
-        for g in range(0, len(mbs), group):
-            longest = max(seqlens[i] for mb in mbs[g : g + group] for i in mb)
-            if any(len(mb) * longest > max_tokens for mb in mbs[g : g + group]):
-                return False
-        return True
-
-    def layout(pos, n, consecutive):
-        chunk = todo[pos : pos + n * width]
-        return (
-            [chunk[b * n : (b + 1) * n] for b in range(width)]
-            if consecutive
-            else [chunk[b::width] for b in range(width)]
-        )
-
-    units, too_small, pos = [], [], 0
-    while pos + width <= len(todo):
-        rows_left = min(cap, (len(todo) - pos) // width)
-        n = max([n for n in range(1, rows_left + 1) if fits(layout(pos, n, False))], default=0)
-        consecutive = False
-        if n < min_batch_size <= rows_left:
-            fallback = max([r for r in range(min_batch_size, rows_left + 1) if fits(layout(pos, r, True))], default=0)
-            if fallback:
-                n, consecutive = fallback, True
-        if n >= min_batch_size:
-            units.append(layout(pos, n, consecutive))
-            pos += n * width
-        elif n == rows_left:  # stopped by the end of the data
-            break
-        else:  # stopped by the budget short of min_batch_size rows
-            too_small.append(todo[pos])
-            pos += 1
+    units, too_small, pos = _oracle_blocks(todo, seqlens, max_tokens, width, group, budget, min_batch_size, cap)
     tail = todo[pos:]
     per_batch = k // width
     full = len(units) - len(units) % per_batch
@@ -2020,6 +1986,54 @@ def _oracle_plan(
         "filtered": filtered,
     }
     return fixed, leftover, width, dropped
+
+
+def _oracle_fits(mbs, seqlens, max_tokens, budget, group):
+    """Whether the micro-batches ``mbs`` hold the budget; padded: each ``group`` adjacent ones padded to one S."""
+    if budget == "sum":
+        return all(sum(seqlens[i] for i in mb) <= max_tokens for mb in mbs)
+    for g in range(0, len(mbs), group):
+        longest = max(seqlens[i] for mb in mbs[g : g + group] for i in mb)
+        if any(len(mb) * longest > max_tokens for mb in mbs[g : g + group]):
+            return False
+    return True
+
+
+def _oracle_layout(chunk, n, width, consecutive):
+    """``width`` micro-batches of ``n`` samples from ``chunk``: consecutive, or interleaved (every width-th)."""
+    if consecutive:
+        return [chunk[b * n : (b + 1) * n] for b in range(width)]
+    return [chunk[b::width] for b in range(width)]
+
+
+def _oracle_blocks(todo, seqlens, max_tokens, width, group, budget, min_batch_size, cap):
+    """The oracle's walk over ``todo`` in blocks (see `_oracle_plan`): ``(blocks, too_small, pos)``, the blocks
+    packed, the samples dropped as min_batch_size, and where the walk stopped."""
+
+    def block(pos, n, consecutive):
+        return _oracle_layout(todo[pos : pos + n * width], n, width, consecutive)
+
+    def fits(mbs):
+        return _oracle_fits(mbs, seqlens, max_tokens, budget, group)
+
+    units, too_small, pos = [], [], 0
+    while pos + width <= len(todo):
+        rows_left = min(cap, (len(todo) - pos) // width)
+        n = max([n for n in range(1, rows_left + 1) if fits(block(pos, n, False))], default=0)
+        consecutive = False
+        if n < min_batch_size <= rows_left:
+            fallback = max([r for r in range(min_batch_size, rows_left + 1) if fits(block(pos, r, True))], default=0)
+            if fallback:
+                n, consecutive = fallback, True
+        if n >= min_batch_size:
+            units.append(block(pos, n, consecutive))
+            pos += n * width
+        elif n == rows_left:  # stopped by the end of the data
+            break
+        else:  # stopped by the budget short of min_batch_size rows
+            too_small.append(todo[pos])
+            pos += 1
+    return units, too_small, pos
 
 
 def _oracle_case(case):
@@ -3683,6 +3697,23 @@ def _updates_off(sampler, updates, base_lr=_BASE_LR, schedule=None):
 _DECAY = 0.97  # the wrapped schedule of the AMP loops: lr x 0.97**t, so that t, the updates taken, shows
 
 
+def _amp_passes(loader, sampler, epochs, prefetching):
+    """``(epoch, step input)`` of ``epochs`` passes over ``loader``, set_epoch first; ``prefetching``: one stream over
+    the run, read one step input ahead (what a prefetching wrapper does), set_epoch never called."""
+    if prefetching:
+        stream = ((epoch, samples) for epoch in range(epochs) for samples in loader)
+        ahead = next(stream)
+        for item in stream:
+            yield ahead
+            ahead = item
+        yield ahead
+        return
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        for samples in loader:
+            yield epoch, samples
+
+
 def _amp_loop(
     skips,
     *,
@@ -3718,26 +3749,12 @@ def _amp_loop(
         lambda opt, args, kwargs: updates.append((opt.param_groups[0]["lr"], trained[:], state["t"]))
     )
 
-    def epoch_passes():
-        if loop == "prefetching":  # one stream over the run, read one ahead (what a prefetching wrapper does)
-            stream = ((epoch, samples) for epoch in range(epochs) for samples in loader)
-            ahead = next(stream)
-            for item in stream:
-                yield ahead
-                ahead = item
-            yield ahead
-            return
-        for epoch in range(epochs):
-            sampler.set_epoch(epoch)
-            for samples in loader:
-                yield epoch, samples
-
     def loss_of(samples, inf):
         return model(torch.cat(samples) / 200).pow(2).mean() * (math.inf if inf else 1.0) + frozen.sum()
 
     update = 0
     try:
-        for i, (epoch, samples) in enumerate(epoch_passes()):
+        for i, (epoch, samples) in enumerate(_amp_passes(loader, sampler, epochs, loop == "prefetching")):
             trained.extend((epoch, int(sample[0, 0])) for sample in samples)
             if loop == "two optimizer steps":  # SAM's first step, an update of its own, then the real one below
                 loss_of(samples, False).backward()
