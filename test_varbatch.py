@@ -5256,13 +5256,17 @@ def test_a_resume_skip_over_a_loader_that_was_not_prepared_names_the_cause_and_t
 # =============================================================================
 # 9. Bad input: one table per entry point
 # =============================================================================
-# Each row: (what is wrong, the call, the exception type, a piece of the message that names the value).
+# One row per distinct refusal: (what is wrong, the call or a list of calls that meet the same check, the exception
+# type, the name or names the message gives for the fix: the setting to change, or what to pass).
 
 
-def _check_refused(call, error, names):
-    with pytest.raises(error) as info:
-        call()
-    assert names in str(info.value), f"the message does not name {names!r}: {info.value}"
+def _check_refused(calls, error, names):
+    """Each of ``calls`` raises ``error``, its message naming each of ``names``."""
+    for call in calls if isinstance(calls, list) else [calls]:
+        with pytest.raises(error) as info:
+            call()
+        for name in (names,) if isinstance(names, str) else names:
+            assert name in str(info.value), f"the message does not name {name!r}: {info.value}"
 
 
 def _rows(table):
@@ -5270,94 +5274,111 @@ def _rows(table):
 
 
 _BAD_PLAN_BATCHES = [
-    ("seqlens negative", lambda: plan_batches([3, -2, 4], 10), ValueError, "seqlens[1]=-2"),
-    ("seqlens zero", lambda: plan_batches([3, 0], 10), ValueError, "seqlens[1]=0"),
-    ("seqlens fraction", lambda: plan_batches([3, 2.5], 10), ValueError, "seqlens[1]=2.5"),
-    ("seqlens nan", lambda: plan_batches([3.0, float("nan")], 10), ValueError, "seqlens[1]=nan"),
-    ("seqlens 2-D", lambda: plan_batches([[1, 2], [3, 4]], 10), ValueError, "shape (2, 2)"),
-    ("seqlens ragged", lambda: plan_batches([[1, 2], [3]], 10), ValueError, "ragged"),
-    ("seqlens text", lambda: plan_batches(["a", "b"], 10), TypeError, "dtype <U1"),
-    ("seqlens a string", lambda: plan_batches("abc", 10), TypeError, "seqlens='abc'"),
-    ("seqlens a generator", lambda: plan_batches((n for n in [3, 2]), 10), TypeError, "seqlens=<generator"),
-    ("seqlens a set", lambda: plan_batches({3, 2}, 10), TypeError, "seqlens={2, 3} of type set"),
-    ("seqlens bools", lambda: plan_batches([True, False], 10), TypeError, "dtype bool"),
     (
-        "seqlens uint64 above 2**63",
-        lambda: plan_batches(np.array([2**63 + 5, 3], dtype=np.uint64), 10),
+        "seqlens not whole numbers >= 1",
+        [
+            lambda: plan_batches([3, 0], 10),
+            lambda: plan_batches([3, 2.5], 10),
+            lambda: plan_batches([3.0, float("nan")], 10),
+            lambda: plan_batches(np.array([2**63 + 5, 3], dtype=np.uint64), 10),
+        ],
         ValueError,
-        f"seqlens[0]={2**63 + 5}",
+        "seqlens",
     ),
-    ("max_tokens 0", lambda: plan_batches([1, 2, 3], 0), ValueError, "max_tokens=0"),
-    ("max_tokens negative", lambda: plan_batches([1, 2, 3], -5), ValueError, "max_tokens=-5"),
-    ("max_tokens fraction", lambda: plan_batches([1, 2, 3], 2.5), TypeError, "max_tokens=2.5"),
-    ("max_tokens a string", lambda: plan_batches([1, 2, 3], "10"), TypeError, "max_tokens='10'"),
-    ("max_tokens a bool", lambda: plan_batches([1, 2, 3], True), TypeError, "max_tokens=True"),
-    ("max_tokens 2**62", lambda: plan_batches([1, 2, 3], 2**62), ValueError, f"max_tokens={2**62}"),
+    (
+        "seqlens not flat",
+        [lambda: plan_batches([[1, 2], [3, 4]], 10), lambda: plan_batches([[1, 2], [3]], 10)],
+        ValueError,
+        "seqlens",
+    ),
+    (
+        "seqlens not numbers",
+        [lambda: plan_batches(["a", "b"], 10), lambda: plan_batches([True, False], 10)],
+        TypeError,
+        "seqlens",
+    ),
+    (
+        "seqlens not a sequence",
+        [
+            lambda: plan_batches("abc", 10),
+            lambda: plan_batches((n for n in [3, 2]), 10),
+            lambda: plan_batches({3, 2}, 10),
+        ],
+        TypeError,
+        "seqlens",
+    ),
+    (
+        "max_tokens out of range",
+        [lambda: plan_batches([1, 2, 3], 0), lambda: plan_batches([1, 2, 3], 2**62)],
+        ValueError,
+        "max_tokens",
+    ),
+    (
+        "max_tokens not an integer",
+        [
+            lambda: plan_batches([1, 2, 3], 2.5),
+            lambda: plan_batches([1, 2, 3], "10"),
+            lambda: plan_batches([1, 2, 3], True),
+        ],
+        TypeError,
+        "max_tokens",
+    ),
     (
         "effective_batch_size 0",
         lambda: plan_batches([1, 2, 3], 10, effective_batch_size=0),
         ValueError,
-        "effective_batch_size=0",
-    ),
-    (
-        "effective_batch_size negative",
-        lambda: plan_batches([1, 2, 3], 10, effective_batch_size=-1),
-        ValueError,
-        "effective_batch_size=-1",
+        "effective_batch_size",
     ),
     (
         "effective_batch_size not a multiple of the step input",
         lambda: plan_batches([1, 2, 3], 10, effective_batch_size=3, micro_batch_size=2),
         ValueError,
-        "effective_batch_size=3",
+        ("effective_batch_size", "train_batch_size"),
     ),
-    ("min_batch_size a float", lambda: plan_batches([1, 2], 5, min_batch_size=0.0), TypeError, "min_batch_size=0.0"),
-    ("max_batch_size a bool", lambda: plan_batches([1, 2], 5, max_batch_size=False), TypeError, "max_batch_size=False"),
+    ("min_batch_size a float", lambda: plan_batches([1, 2], 5, min_batch_size=0.0), TypeError, "min_batch_size"),
+    ("max_batch_size a bool", lambda: plan_batches([1, 2], 5, max_batch_size=False), TypeError, "max_batch_size"),
     (
         "min_batch_size above max_batch_size",
         lambda: plan_batches([1, 2, 3], 10, min_batch_size=3, max_batch_size=2),
         ValueError,
-        "min_batch_size=3 and max_batch_size=2",
+        ("min_batch_size", "max_batch_size"),
     ),
     (
         "padded same length without same size",
         lambda: plan_batches([1, 2, 3], 10, budget="padded", same_length=True),
         ValueError,
-        "set same_size=True",
+        "same_size=True",
     ),
-    ("same_size not a bool", lambda: plan_batches([1, 2], 5, same_size="yes"), TypeError, "same_size='yes'"),
-    ("seed negative", lambda: plan_batches([1, 2], 5, seed=-1), ValueError, "seed=-1"),
-    ("bucket_size 0", lambda: plan_batches([1, 2], 5, bucket_size=0), ValueError, "bucket_size=0"),
-    ("epoch negative", lambda: plan_batches([1, 2], 5, epoch=-1), ValueError, "epoch=-1"),
-    ("unknown option", lambda: plan_batches([1, 2], 5, bucketsize=3), TypeError, "did you mean 'bucket_size'"),
-    ("sample_ids out of range", lambda: plan_batches([1, 2, 3], 10, sample_ids=[0, 5]), ValueError, "sample_ids[1]=5"),
-    ("sample_ids negative", lambda: plan_batches([1, 2, 3], 10, sample_ids=[-1, 0]), ValueError, "sample_ids[0]=-1"),
-    ("sample_ids twice", lambda: plan_batches([1, 2, 3], 10, sample_ids=[0, 1, 1]), ValueError, "(ids 1)"),
-    ("sample_ids floats", lambda: plan_batches([1, 2, 3], 10, sample_ids=[0.0, 1.0]), TypeError, "float64"),
+    ("same_size not a bool", lambda: plan_batches([1, 2], 5, same_size="yes"), TypeError, "same_size"),
+    ("seed negative", lambda: plan_batches([1, 2], 5, seed=-1), ValueError, "seed"),
+    ("bucket_size 0", lambda: plan_batches([1, 2], 5, bucket_size=0), ValueError, "bucket_size"),
+    ("epoch negative", lambda: plan_batches([1, 2], 5, epoch=-1), ValueError, "epoch"),
+    ("unknown option", lambda: plan_batches([1, 2], 5, bucketsize=3), TypeError, "'bucket_size'"),
+    ("sample_ids out of range", lambda: plan_batches([1, 2, 3], 10, sample_ids=[0, 5]), ValueError, "sample_ids"),
+    ("sample_ids negative", lambda: plan_batches([1, 2, 3], 10, sample_ids=[-1, 0]), ValueError, "sample_ids"),
+    ("sample_ids twice", lambda: plan_batches([1, 2, 3], 10, sample_ids=[0, 1, 1]), ValueError, "sample_ids"),
+    ("sample_ids floats", lambda: plan_batches([1, 2, 3], 10, sample_ids=[0.0, 1.0]), TypeError, "sample_ids"),
     (
-        "sample_ids a generator",
-        lambda: plan_batches([1, 2, 3], 10, sample_ids=(i for i in [0, 1])),
+        "sample_ids not a sequence",
+        [
+            lambda: plan_batches([1, 2, 3], 10, sample_ids=(i for i in [0, 1])),
+            lambda: plan_batches([1, 2, 3], 10, sample_ids={0, 1}),
+        ],
         TypeError,
-        "sample_ids=<generator",
-    ),
-    (
-        "sample_ids a set",
-        lambda: plan_batches([1, 2, 3], 10, sample_ids={0, 1}),
-        TypeError,
-        "sample_ids={0, 1} of type set",
+        "sample_ids",
     ),
     (
         "over budget with on_overlong='error'",
         lambda: plan_batches([2, 6, 3, 7], 5, on_overlong="error"),
         ValueError,
-        "2 samples (ids 1, 3)",
+        ("max_tokens", "on_overlong='skip'"),
     ),
-    ("every sample over budget", lambda: plan_batches([5, 4, 9], 3), ValueError, "max_tokens=3 (shortest 4)"),
+    ("every sample over budget", lambda: plan_batches([5, 4, 9], 3), ValueError, "max_tokens"),
     (
         "too few samples for a batch",
         lambda: plan_batches([1, 1, 1], 10, effective_batch_size=4),
         ValueError,
-        "effective_batch_size=4",
+        ("effective_batch_size", "min_batch_size"),
     ),
 ]
 
@@ -5411,21 +5432,31 @@ def test_unknown_choice_lists_valid_ones_and_suggests_closest(call, value, close
 
 
 _BAD_SCALE_LR = [
-    ("base_batch_size 0", lambda: scale_lr(0, 4), ValueError, "base_batch_size=0"),
-    ("base_batch_size negative", lambda: scale_lr(-2, 4), ValueError, "base_batch_size=-2"),
-    ("base_batch_size nan", lambda: scale_lr(float("nan"), 4), ValueError, "base_batch_size=nan"),
-    ("base_batch_size a string", lambda: scale_lr("2", 4), TypeError, "base_batch_size='2'"),
-    ("batch_size inf", lambda: scale_lr(2, float("inf")), ValueError, "batch_size=inf"),
-    ("batch_size negative", lambda: scale_lr(2, -1), ValueError, "batch_size=-1"),
-    ("base_lr a string", lambda: scale_lr(2, 4, "x"), TypeError, "base_lr='x'"),
-    ("method unknown", lambda: scale_lr(2, 4, method="lineer"), ValueError, "'lineer'"),
-    ("method returns a negative factor", lambda: scale_lr(2, 4, method=lambda r: -r), ValueError, "returned -2"),
-    ("method returns nan", lambda: scale_lr(2, 4, method=lambda r: float("nan")), ValueError, "returned nan"),
+    (
+        "base_batch_size not a number > 0",
+        [lambda: scale_lr(0, 4), lambda: scale_lr(float("nan"), 4)],
+        ValueError,
+        "base_batch_size",
+    ),
+    ("base_batch_size a string", lambda: scale_lr("2", 4), TypeError, "base_batch_size"),
+    (
+        "batch_size not a finite number >= 0",
+        [lambda: scale_lr(2, float("inf")), lambda: scale_lr(2, -1)],
+        ValueError,
+        "batch_size",
+    ),
+    ("base_lr a string", lambda: scale_lr(2, 4, "x"), TypeError, "base_lr"),
+    (
+        "method returns a factor not >= 0",
+        [lambda: scale_lr(2, 4, method=lambda r: -r), lambda: scale_lr(2, 4, method=lambda r: float("nan"))],
+        ValueError,
+        "lr_scaling_method",
+    ),
     (
         "base_batch_size so small that B / B_ref overflows",
         lambda: scale_lr(1e-320, 4),
         ValueError,
-        "B / B_ref is inf: B_ref is too small",
+        ("lr_scaling_reference", "base_batch_size"),
     ),
 ]
 
@@ -5437,18 +5468,18 @@ def test_bad_input_scale_lr(call, error, names):
 
 
 _BAD_LOSS_WEIGHT = [
-    ("num_replicas 0", lambda: micro_batch_loss_weight(2, 10, num_replicas=0), ValueError, "num_replicas=0"),
-    ("num_replicas a float", lambda: micro_batch_loss_weight(2, 10, num_replicas=1.5), TypeError, "num_replicas=1.5"),
+    ("num_replicas 0", lambda: micro_batch_loss_weight(2, 10, num_replicas=0), ValueError, "num_replicas"),
+    ("num_replicas a float", lambda: micro_batch_loss_weight(2, 10, num_replicas=1.5), TypeError, "num_replicas"),
     (
         "gradient_accumulation_steps negative",
         lambda: micro_batch_loss_weight(2, 10, gradient_accumulation_steps=-1),
         ValueError,
-        "gradient_accumulation_steps=-1",
+        "gradient_accumulation_steps",
     ),
-    ("batch_count a string", lambda: micro_batch_loss_weight(2, "12"), TypeError, "batch_count='12'"),
-    ("batch_count 0", lambda: micro_batch_loss_weight(0, 0), ValueError, "batch_count=0"),
-    ("count negative", lambda: micro_batch_loss_weight(-1, 10), ValueError, "count=-1"),
-    ("count above batch_count", lambda: micro_batch_loss_weight(11, 10), ValueError, "count=11"),
+    ("batch_count a string", lambda: micro_batch_loss_weight(2, "12"), TypeError, "batch_count"),
+    ("batch_count 0", lambda: micro_batch_loss_weight(0, 0), ValueError, "batch_count"),
+    ("count negative", lambda: micro_batch_loss_weight(-1, 10), ValueError, "count"),
+    ("count above batch_count", lambda: micro_batch_loss_weight(11, 10), ValueError, ("count", "batch_count")),
 ]
 
 
@@ -5477,70 +5508,70 @@ _BAD_SAMPLER = [
         "micro_batch_size 0",
         lambda: VariableBatchSampler([1, 2, 3, 4], 10, micro_batch_size=0),
         ValueError,
-        "micro_batch_size=0",
+        "micro_batch_size",
     ),
     (
         "gradient_accumulation_steps a float",
         lambda: VariableBatchSampler([1, 2, 3, 4], 10, gradient_accumulation_steps=1.5),
         TypeError,
-        "gradient_accumulation_steps=1.5",
+        "gradient_accumulation_steps",
     ),
-    ("num_replicas 0", lambda: VariableBatchSampler([1, 2, 3, 4], 10, num_replicas=0), ValueError, "num_replicas=0"),
+    ("num_replicas 0", lambda: VariableBatchSampler([1, 2, 3, 4], 10, num_replicas=0), ValueError, "num_replicas"),
     (
         "rank out of range",
         lambda: VariableBatchSampler([1, 2, 3, 4], 10, num_replicas=2, rank=2),
         ValueError,
-        "rank=2 with num_replicas=2",
+        ("rank", "num_replicas"),
     ),
-    ("rank negative", lambda: VariableBatchSampler([1, 2, 3, 4], 10, rank=-1), ValueError, "rank=-1"),
-    ("seed negative", lambda: VariableBatchSampler([1, 2, 3, 4], 10, seed=-1), ValueError, "seed=-1"),
-    (
-        "unknown option",
-        lambda: VariableBatchSampler([1, 2, 3, 4], 10, ordre="random"),
-        TypeError,
-        "did you mean 'order'",
-    ),
+    ("rank negative", lambda: VariableBatchSampler([1, 2, 3, 4], 10, rank=-1), ValueError, "rank"),
+    ("seed negative", lambda: VariableBatchSampler([1, 2, 3, 4], 10, seed=-1), ValueError, "seed"),
+    ("unknown option", lambda: VariableBatchSampler([1, 2, 3, 4], 10, ordre="random"), TypeError, "'order'"),
     (
         "too few samples for a batch",
         lambda: VariableBatchSampler([1, 1, 1], 10, gradient_accumulation_steps=4),
         ValueError,
-        "effective_batch_size=4",
+        ("effective_batch_size", "min_batch_size"),
     ),
     (
         "effective_batch_size given",
         lambda: VariableBatchSampler([1, 2, 3, 4], 8, effective_batch_size=4),
         TypeError,
-        "effective_batch_size=4, which it computes as micro_batch_size x gradient_accumulation_steps x num_replicas",
+        ("micro_batch_size", "gradient_accumulation_steps", "num_replicas"),
     ),
-    ("set_epoch negative", lambda: VariableBatchSampler([1, 2], 10).set_epoch(-1), ValueError, "epoch=-1"),
-    ("horizon of 0 epochs", lambda: VariableBatchSampler([1, 2], 10).horizon(0, "tokens"), ValueError, "epochs=0"),
-    ("horizon of -1 epochs", lambda: VariableBatchSampler([1, 2], 10).horizon(-1, "tokens"), ValueError, "epochs=-1"),
-    ("horizon in steps", lambda: VariableBatchSampler([1, 2], 10).horizon(3, "steps"), ValueError, "len(sampler)"),
-    ("horizon unit unknown", lambda: VariableBatchSampler([1, 2], 10).horizon(1, "tokns"), ValueError, "unit='tokns'"),
+    ("set_epoch negative", lambda: VariableBatchSampler([1, 2], 10).set_epoch(-1), ValueError, "epoch"),
+    ("horizon of 0 epochs", lambda: VariableBatchSampler([1, 2], 10).horizon(0, "tokens"), ValueError, "epochs"),
+    (
+        "horizon in steps",
+        lambda: VariableBatchSampler([1, 2], 10).horizon(3, "steps"),
+        ValueError,
+        ("tokens", "samples"),
+    ),
     (
         "horizon in tokens over given micro-batches",
         lambda: _given_microbatches_loader().variable_batch_sampler.horizon(2, "tokens"),
         ValueError,
-        "horizon(unit='tokens')",
+        "make_dataloader",
     ),
     (
-        "state_dict steps_done negative",
-        lambda: VariableBatchSampler([1, 2], 10).state_dict(steps_done=-1),
+        "state_dict steps_done outside the epoch",
+        [
+            lambda: VariableBatchSampler([1, 2], 10).state_dict(steps_done=-1),
+            lambda: VariableBatchSampler([1, 2], 10).state_dict(steps_done=2),
+        ],
         ValueError,
-        "steps_done=-1",
+        "steps_done",
     ),
     (
-        "state_dict steps_done past the epoch's end",
-        lambda: VariableBatchSampler([1, 2], 10).state_dict(steps_done=2),
-        ValueError,
-        "steps_done=2",
+        "load_state_dict not a dict",
+        lambda: VariableBatchSampler([1, 2], 10).load_state_dict("state"),
+        TypeError,
+        "dict",
     ),
-    ("load_state_dict not a dict", lambda: VariableBatchSampler([1, 2], 10).load_state_dict("state"), TypeError, "str"),
     (
         "load_state_dict past the epoch's end",
         lambda: VariableBatchSampler([1, 2, 3, 4], 10).load_state_dict(_resumed_state(steps_done=999)),
         ValueError,
-        "steps_done=999",
+        "steps_done",
     ),
 ]
 
@@ -5563,31 +5594,23 @@ _BAD_MAKE_DATALOADER = [
         "another sampler",
         lambda: make_dataloader([1, 2], torch.utils.data.BatchSampler(range(2), 1, False)),
         TypeError,
-        "BatchSampler",
+        "VariableBatchSampler",
     ),
     (
-        "a batch size",
-        lambda: make_dataloader([torch.ones(2)] * 3, VariableBatchSampler([2, 2, 2], 4), batch_size=2),
+        "what the sampler decides",
+        [
+            lambda: make_dataloader([torch.ones(2)] * 3, VariableBatchSampler([2, 2, 2], 4), batch_size=2),
+            lambda: make_dataloader([torch.ones(2)] * 3, VariableBatchSampler([2, 2, 2], 4), shuffle=True),
+            lambda: make_dataloader([torch.ones(2)] * 3, VariableBatchSampler([2, 2, 2], 4), in_order=False),
+        ],
         TypeError,
-        "batch_size",
-    ),
-    (
-        "shuffle",
-        lambda: make_dataloader([torch.ones(2)] * 3, VariableBatchSampler([2, 2, 2], 4), shuffle=True),
-        TypeError,
-        "shuffle",
-    ),
-    (
-        "in_order False (step inputs out of the plan's order)",
-        lambda: make_dataloader([torch.ones(2)] * 3, VariableBatchSampler([2, 2, 2], 4), in_order=False),
-        TypeError,
-        "['in_order']",
+        "VariableBatchSampler",
     ),
     (
         "seqlens of another dataset size",
         lambda: make_dataloader([torch.ones(2)] * 4, VariableBatchSampler([2, 2, 2], 4)),
         ValueError,
-        "dataset has 4 samples but the sampler was given 3 seqlens",
+        "seqlen",
     ),
     (
         "same length without sample_padding_fn",
@@ -5596,49 +5619,49 @@ _BAD_MAKE_DATALOADER = [
             VariableBatchSampler([3, 4, 5, 2], 10, same_size=True, same_length=True),
         ),
         ValueError,
-        "sample_padding_fn is None",
+        "sample_padding_fn=varbatch.pad_sample",
     ),
     (
         "sample_padding_fn that does not pad",
         lambda: _loader_of([3, 5, 2, 4], lambda s, n: s, same_size=True, same_length=True),
         ValueError,
-        "sample of length 5, but returned length",
+        "sample_padding_fn",
     ),
     (
         "collate_fn not callable",
         lambda: make_dataloader([torch.ones(2)] * 3, VariableBatchSampler([2, 2, 2], 4), collate_fn=3),
         TypeError,
-        "collate_fn=3",
+        "collate_fn",
     ),
     (
         "sample_padding_fn not callable",
         lambda: make_dataloader([torch.ones(2)] * 3, VariableBatchSampler([2, 2, 2], 4), sample_padding_fn=3),
         TypeError,
-        "sample_padding_fn=3",
+        "sample_padding_fn",
     ),
     (
         "batch_count no unit",
         lambda: make_dataloader([torch.ones(2)] * 3, VariableBatchSampler([2, 2, 2], 4), batch_count="token"),
         ValueError,
-        "batch_count='token' (did you mean 'tokens'?)",
+        ("batch_count", "'tokens'"),
     ),
     (
         "batch_count a count per sample of another size",
         lambda: make_dataloader([torch.ones(2)] * 3, VariableBatchSampler([2, 2, 2], 4), batch_count=[1, 1]),
         ValueError,
-        "one count per sample (3), but got 2 counts",
+        "batch_count",
     ),
     (
         "batch_count a negative count",
         lambda: make_dataloader([torch.ones(2)] * 3, VariableBatchSampler([2, 2, 2], 4), batch_count=[1, -1, 1]),
         ValueError,
-        "batch_count[1]=-1",
+        "batch_count",
     ),
     (
         "batch_count a number",
         lambda: make_dataloader([torch.ones(2)] * 3, VariableBatchSampler([2, 2, 2], 4), batch_count=12),
         TypeError,
-        "batch_count=12",
+        "batch_count",
     ),
     (
         "batch_count in tokens over given micro-batches (no seqlens)",
@@ -5648,7 +5671,7 @@ _BAD_MAKE_DATALOADER = [
             batch_count="label_tokens",
         ),
         ValueError,
-        "batch_count='label_tokens' counts tokens",
+        ("batch_count", "make_dataloader"),
     ),
 ]
 
@@ -5660,68 +5683,52 @@ def test_bad_input_make_dataloader(call, error, names):
 
 
 _BAD_PADDING = [
-    ("pad_sample shorter than the sample", lambda: pad_sample(torch.ones(3), 2), ValueError, "seqlen 3 to length=2"),
-    ("pad_sample a scalar field named", lambda: pad_sample({"a": 3}, 4, fields=["a"]), ValueError, "field 'a'"),
-    ("pad_sample an unknown sample type", lambda: pad_sample(object(), 3), (TypeError, ValueError), "object"),
-    ("pad_sample a number", lambda: pad_sample(5, 3), (TypeError, ValueError), "int"),
-    ("pad_sample length negative", lambda: pad_sample([1], -1), ValueError, "length=-1"),
-    ("pad_sample length a string", lambda: pad_sample([1], "3"), TypeError, "length='3'"),
-    ("pad_sample a list of strings", lambda: pad_sample(["a", "b"], 4), ValueError, "no field to pad in a list sample"),
+    ("pad_sample shorter than the sample", lambda: pad_sample(torch.ones(3), 2), ValueError, "seqlens"),
     (
-        "pad_sample a tuple of strings",
-        lambda: pad_sample(("a", "b"), 4),
+        "pad_sample a field with no sequence dimension",
+        [lambda: pad_sample({"a": 3}, 4, fields=["a"]), lambda: pad_sample(object(), 3), lambda: pad_sample(5, 3)],
         ValueError,
-        "no field to pad in a tuple sample",
+        ("fields", "sample_padding_fn"),
     ),
+    ("pad_sample length negative", lambda: pad_sample([1], -1), ValueError, "length"),
+    ("pad_sample length a string", lambda: pad_sample([1], "3"), TypeError, "length"),
     (
-        "pad_sample a dict of scalars",
-        lambda: pad_sample({"label": 1, "id": 2}, 4),
+        "pad_sample no field to pad",
+        [
+            lambda: pad_sample(["a", "b"], 4),
+            lambda: pad_sample(("a", "b"), 4),
+            lambda: pad_sample({"label": 1, "id": 2}, 4),
+            lambda: pad_sample({"input_ids": [1, 2]}, 4, fields=["ids"]),
+        ],
         ValueError,
-        "no field to pad in a dict sample",
+        ("fields", "sample_padding_fn"),
     ),
+    ("PaddedCollate no samples", lambda: PaddedCollate()([]), ValueError, "samples"),
+    ("PaddedCollate no sequence field", lambda: PaddedCollate()([{"a": 1}, {"a": 2}]), ValueError, "seqlens"),
     (
-        "pad_sample fields naming no key",
-        lambda: pad_sample({"input_ids": [1, 2]}, 4, fields=["ids"]),
+        "PaddedCollate samples of other fields",
+        [
+            lambda: PaddedCollate()([{"input_ids": [1, 2], "labels": [3, 4]}, {"input_ids": [5]}]),
+            lambda: PaddedCollate()([{"input_ids": [1, 2]}, {"labels": [4], "input_ids": [3]}]),
+            lambda: PaddedCollate()([([1, 2],), ([3], [4])]),
+        ],
         ValueError,
-        "(fields=['ids'])",
-    ),
-    ("PaddedCollate no samples", lambda: PaddedCollate()([]), ValueError, "empty"),
-    (
-        "PaddedCollate no sequence field",
-        lambda: PaddedCollate()([{"a": 1}, {"a": 2}]),
-        ValueError,
-        "no field with a sequence dimension",
-    ),
-    (
-        "PaddedCollate a sample missing a key",
-        lambda: PaddedCollate()([{"input_ids": [1, 2], "labels": [3, 4]}, {"input_ids": [5]}]),
-        ValueError,
-        "sample 0 has fields ['input_ids', 'labels'] and sample 1 has ['input_ids']",
-    ),
-    (
-        "PaddedCollate a sample with an extra key",
-        lambda: PaddedCollate()([{"input_ids": [1, 2]}, {"labels": [4], "input_ids": [3]}]),
-        ValueError,
-        "sample 0 has fields ['input_ids'] and sample 1 has ['labels', 'input_ids']",
-    ),
-    (
-        "PaddedCollate tuples of different lengths",
-        lambda: PaddedCollate()([([1, 2],), ([3], [4])]),
-        ValueError,
-        "sample 0 has fields [0] and sample 1 has [0, 1]",
+        "fields",
     ),
     (
         "PaddedCollate seqlens of another count",
         lambda: PaddedCollate()([torch.ones(2), torch.ones(1)], seqlens=[2]),
         ValueError,
-        "1 seqlens for 2 samples",
+        "seqlens",
     ),
-    ("seqlens_from_padded a 1-D tensor", lambda: seqlens_from_padded(torch.tensor([1, 2])), ValueError, "shape (2,)"),
     (
-        "seqlens_from_padded uncollated samples",
-        lambda: seqlens_from_padded([torch.tensor([5, 6]), torch.tensor([7])]),
+        "seqlens_from_padded not a collated batch",
+        [
+            lambda: seqlens_from_padded(torch.tensor([1, 2])),
+            lambda: seqlens_from_padded([torch.tensor([5, 6]), torch.tensor([7])]),
+        ],
         ValueError,
-        "collate the samples first",
+        "PaddedCollate",
     ),
 ]
 
@@ -5737,102 +5744,79 @@ _BAD_SCHEDULER = [
         "ReduceLROnPlateau",
         lambda: VariableBatchSizeLR(torch.optim.lr_scheduler.ReduceLROnPlateau(_optimizer()), 2, [2, 2]),
         TypeError,
-        "ReduceLROnPlateau",
+        "LambdaLR",
     ),
     ("not an optimizer", lambda: VariableBatchSizeLR(5, 2, [2, 2]), TypeError, "Optimizer"),
     (
         "lr_scaling_method unknown",
         lambda: VariableBatchSizeLR(_optimizer(), 2, [2, 2], lr_scaling_method="sqr"),
         ValueError,
-        "'sqr' (did you mean 'sqrt'?)",
+        "'sqrt'",
     ),
     (
-        "tokens unit without a sampler",
-        lambda: VariableBatchSizeLR(_optimizer(), 2, [2, 2], lr_scaling_unit="tokens"),
+        "a count of tokens without a sampler",
+        [
+            lambda: VariableBatchSizeLR(_optimizer(), 2, [2, 2], lr_scaling_unit="tokens"),
+            lambda: VariableBatchSizeLR(_optimizer(), 2, [2, 2], clock="tokens"),
+            lambda: VariableBatchSizeLR(_optimizer(), None, [2, 2]),
+        ],
         ValueError,
-        "lr_scaling_unit='tokens'",
+        "VariableBatchSampler",
     ),
     (
-        "token clock without a sampler",
-        lambda: VariableBatchSizeLR(_optimizer(), 2, [2, 2], clock="tokens"),
+        "a count of tokens over given micro-batches",
+        [
+            lambda: VariableBatchSizeLR(_optimizer(), 2, _given_microbatches_loader(), lr_scaling_unit="tokens"),
+            lambda: VariableBatchSizeLR(_optimizer(), "mean", _given_microbatches_loader(), clock="tokens"),
+        ],
         ValueError,
-        "clock='tokens'",
+        "make_dataloader",
     ),
-    (
-        "tokens unit over given micro-batches",
-        lambda: VariableBatchSizeLR(_optimizer(), 2, _given_microbatches_loader(), lr_scaling_unit="tokens"),
-        ValueError,
-        "lr_scaling_unit='tokens'",
-    ),
-    (
-        "token clock over given micro-batches",
-        lambda: VariableBatchSizeLR(_optimizer(), "mean", _given_microbatches_loader(), clock="tokens"),
-        ValueError,
-        "clock='tokens'",
-    ),
-    (
-        "default reference without a sampler",
-        lambda: VariableBatchSizeLR(_optimizer(), None, [2, 2]),
-        ValueError,
-        "base_batch_size=None",
-    ),
-    ("base_batch_size 0", lambda: VariableBatchSizeLR(_optimizer(), 0, [2, 2]), ValueError, "base_batch_size=0"),
+    ("base_batch_size 0", lambda: VariableBatchSizeLR(_optimizer(), 0, [2, 2]), ValueError, "base_batch_size"),
     (
         "base_batch_size a string",
         lambda: VariableBatchSizeLR(_optimizer(), "avg", [2, 2]),
         TypeError,
-        "base_batch_size='avg'",
+        "base_batch_size",
     ),
     (
         "base_batch_size so small that B / B_ref overflows (the LR was inf)",
         lambda: VariableBatchSizeLR(_optimizer(), 1e-320, [2, 2]),
         ValueError,
-        "B / B_ref is inf: B_ref is too small",
+        ("lr_scaling_reference", "base_batch_size"),
     ),
-    ("batch_sizes empty", lambda: VariableBatchSizeLR(_optimizer(), 2, []), ValueError, "batch_sizes=[]"),
-    ("batch_sizes zero", lambda: VariableBatchSizeLR(_optimizer(), 2, [2, 0]), ValueError, "batch_sizes[1]=0"),
-    (
-        "clock unknown",
-        lambda: VariableBatchSizeLR(_optimizer(), 2, _sampler(), clock="tokns"),
-        ValueError,
-        "clock='tokns'",
-    ),
+    ("batch_sizes empty", lambda: VariableBatchSizeLR(_optimizer(), 2, []), ValueError, "batch_sizes"),
+    ("batch_sizes zero", lambda: VariableBatchSizeLR(_optimizer(), 2, [2, 0]), ValueError, "batch_sizes"),
     (
         "clock_step 0",
         lambda: VariableBatchSizeLR(_optimizer(), 2, _sampler(), clock="tokens", clock_step=0),
         ValueError,
-        "clock_step=0",
-    ),
-    (
-        "clock_step negative",
-        lambda: VariableBatchSizeLR(_optimizer(), 2, _sampler(), clock="tokens", clock_step=-1),
-        ValueError,
-        "clock_step=-1",
+        "clock_step",
     ),
     (
         "clock_step with the steps clock (it was ignored)",
         lambda: VariableBatchSizeLR(_optimizer(), 2, [2, 2], clock="steps", clock_step=4),
         ValueError,
-        "clock_step=4",
+        ("clock", "clock_step"),
     ),
     (
         "last_epoch without initial_lr (torch's KeyError)",
         lambda: VariableBatchSizeLR(_optimizer(), 2, [2, 2], last_epoch=3),
         ValueError,
-        "last_epoch=3",
+        ("last_epoch", "load_state_dict"),
     ),
-    ("step with an epoch", lambda: VariableBatchSizeLR(_optimizer(), 2, [2, 2]).step(5), ValueError, "epoch=5"),
+    ("step with an epoch", lambda: VariableBatchSizeLR(_optimizer(), 2, [2, 2]).step(5), ValueError, "step()"),
     (
         "a VariableBatchSizeLR wrapped again (the factor applied twice)",
         lambda: VariableBatchSizeLR(VariableBatchSizeLR(_optimizer(), 2, [2, 4]), 2, [2, 4]),
         TypeError,
-        "VariableBatchSizeLR already",
+        "VariableBatchSizeLR",
     ),
     (
         "no scheduler nor optimizer",
         lambda: varbatch.lr_scheduler_for_variable_batch_size(2, [2], None, None),
         TypeError,
-        "lr_scheduler_or_optimizer is None",
+        "optimizer",
     ),
 ]
 
@@ -5848,14 +5832,13 @@ _BAD_HF_ADAPTER = [
         "not an HF Trainer",
         lambda: varbatch.hf_trainer_lr_scheduler(object(), _optimizer(), 2, [2, 2]),
         TypeError,
-        "but got object",
+        "create_scheduler",
     ),
     (
         "the Trainer's accumulation is not the sampler's",
         lambda: varbatch.hf_trainer_lr_scheduler(_fake_trainer(1), _optimizer(), "mean", _sampler()),
         ValueError,
-        "gradient_accumulation_steps=1 step inputs per update, but the sampler's batch is gradient_accumulation_"
-        "steps=2",
+        "gradient_accumulation_steps",
     ),
 ]
 
@@ -5875,7 +5858,7 @@ _BAD_DEEPSPEED_FUNCTIONS = [
             [torch.ones(1)] * 3, [(0, [0]), (0, [1]), (1, [2])], [1, 1]
         ),
         ValueError,
-        "microbatch_ids",
+        ("microbatch_ids", "batch_by_seqlens"),
     ),
     (
         "dataloader_for_variable_batch_size: rank out of range",
@@ -5883,7 +5866,7 @@ _BAD_DEEPSPEED_FUNCTIONS = [
             [torch.ones(1)] * 2, [(0, [0]), (1, [1])], [1, 1], dataloader_rank=2, dataloader_num_replicas=1
         ),
         ValueError,
-        "dataloader_rank=2",
+        "dataloader_rank",
     ),
     (
         "dataloader_for_variable_batch_size: same length without sample_padding_fn",
@@ -5891,13 +5874,13 @@ _BAD_DEEPSPEED_FUNCTIONS = [
             [torch.ones(3)], [(0, [0])], [3], required_microbatches_of_same_seqlen=True
         ),
         ValueError,
-        "sample_padding_fn is None",
+        "sample_padding_fn",
     ),
     (
         "get_dataloader...: seqlens of another dataset size",
         lambda: varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size([torch.ones(2)] * 4, [2, 2, 2], 4, 1),
         ValueError,
-        "dataset has 4 samples",
+        "seqlen",
     ),
     (
         "get_dataloader...: rank out of range",
@@ -5905,7 +5888,7 @@ _BAD_DEEPSPEED_FUNCTIONS = [
             [torch.ones(2)] * 3, [2, 2, 2], 4, 1, dataloader_rank=1
         ),
         ValueError,
-        "dataloader_rank=1",
+        "dataloader_rank",
     ),
     (
         "get_dataloader...: batch geometry",
@@ -5913,7 +5896,7 @@ _BAD_DEEPSPEED_FUNCTIONS = [
             [torch.ones(2)] * 3, [2, 2, 2], 4, 3, dataloader_num_replicas=2
         ),
         ValueError,
-        "effective_batch_size=3",
+        ("effective_batch_size", "train_batch_size"),
     ),
     (
         "get_dataloader...: unknown option",
@@ -5921,7 +5904,7 @@ _BAD_DEEPSPEED_FUNCTIONS = [
             [torch.ones(2)] * 3, [2, 2, 2], 4, 1, budgett="padded"
         ),
         TypeError,
-        "did you mean 'budget'",
+        "'budget'",
     ),
     (
         "get_dataloader...: lr_clock_step 0",
@@ -5936,7 +5919,7 @@ _BAD_DEEPSPEED_FUNCTIONS = [
             lr_clock_step=0,
         ),
         ValueError,
-        "clock_step=0",
+        "clock_step",
     ),
     (
         "get_dataloader...: filter ids out of range",
@@ -5944,24 +5927,21 @@ _BAD_DEEPSPEED_FUNCTIONS = [
             [torch.ones(2)] * 3, [2, 2, 2], 4, 1, dataset_filter_ids=[0, 5]
         ),
         ValueError,
-        "[1]=5",
+        "sample_ids",
     ),
-    ("batch_by_seqlens: bad seqlens", lambda: varbatch.batch_by_seqlens([3, 0], 10), ValueError, "seqlens[1]=0"),
+    ("batch_by_seqlens: bad seqlens", lambda: varbatch.batch_by_seqlens([3, 0], 10), ValueError, "seqlens"),
     (
-        "lr_scheduler_for_variable_batch_size: tokens unit over given micro-batches",
-        lambda: varbatch.lr_scheduler_for_variable_batch_size(
-            2, _given_microbatches_loader(), None, _optimizer(), lr_scaling_unit="tokens"
-        ),
+        "lr_scheduler_for_variable_batch_size: a count of tokens over given micro-batches",
+        [
+            lambda: varbatch.lr_scheduler_for_variable_batch_size(
+                2, _given_microbatches_loader(), None, _optimizer(), lr_scaling_unit="tokens"
+            ),
+            lambda: varbatch.lr_scheduler_for_variable_batch_size(
+                2, _given_microbatches_loader(), None, _optimizer(), clock="tokens"
+            ),
+        ],
         ValueError,
-        "lr_scaling_unit='tokens'",
-    ),
-    (
-        "lr_scheduler_for_variable_batch_size: token clock over given micro-batches",
-        lambda: varbatch.lr_scheduler_for_variable_batch_size(
-            2, _given_microbatches_loader(), None, _optimizer(), clock="tokens"
-        ),
-        ValueError,
-        "clock='tokens'",
+        "make_dataloader",
     ),
 ]
 
@@ -5997,20 +5977,20 @@ _BAD_CONFIGS = [
         "enabled a string",
         _section_config({"enabled": "true", "max_tokens": 16}),
         ValueError,
-        f"{_SECTION}.enabled is 'true', not true (a JSON boolean)",
+        f"{_SECTION}.enabled",
     ),
     ("max_tokens missing", _section_config({"enabled": True}), ValueError, f"{_SECTION}.max_tokens"),
     (
         "unknown key",
         _section_config({"enabled": True, "max_token": 16}),
         ValueError,
-        "'max_token' in data_efficiency.data_sampling.dynamic_batching; did you mean 'max_tokens'?",
+        (f"{_SECTION}", "'max_tokens'"),
     ),
     (
         "unknown key near the old spelling",
         _section_config({"enabled": True, "max_tokens": 16, "sentence_picking_ordre": "seqlen"}),
         ValueError,
-        "did you mean 'sentence_picking_order'?",
+        "'sentence_picking_order'",
     ),
     (
         "both spellings, two orders",
@@ -6024,67 +6004,67 @@ _BAD_CONFIGS = [
         "budget unknown",
         _section_config({"enabled": True, "max_tokens": 16, "budget": "pad"}),
         ValueError,
-        f"in {_SECTION}: budget should be",
+        (f"{_SECTION}", "budget"),
     ),
     (
         "max_tokens a string",
         _section_config({"enabled": True, "max_tokens": "16"}),
         TypeError,
-        f"in {_SECTION}: max_tokens should be an integer",
+        (f"{_SECTION}", "max_tokens"),
     ),
     (
         "lr_clock unknown",
         _section_config({"enabled": True, "max_tokens": 16, "lr_clock": "tokns"}),
         ValueError,
-        "lr_clock='tokns'",
+        "lr_clock",
     ),
     (
         "lr_clock_step 0",
         _section_config({"enabled": True, "max_tokens": 16, "lr_clock_step": 0}),
         ValueError,
-        "lr_clock_step=0",
+        "lr_clock_step",
     ),
     (
         "lr_clock_step with the steps clock (it was ignored)",
         _section_config({"enabled": True, "max_tokens": 16, "lr_clock_step": 4}),
         ValueError,
-        "lr_clock_step=4",
+        ("lr_clock", "lr_clock_step"),
     ),
     (
         "lr_scaling_reference negative",
         _section_config({"enabled": True, "max_tokens": 16, "lr_scaling_reference": -1}),
         ValueError,
-        "lr_scaling_reference=-1",
+        "lr_scaling_reference",
     ),
     (
         "lr_scaling_reference so small that B / B_ref overflows",
         _section_config({"enabled": True, "max_tokens": 16, "lr_scaling_reference": 1e-320}),
         ValueError,
-        "B / B_ref is inf: B_ref is too small",
+        "lr_scaling_reference",
     ),
     (
         "metrics_path a number",
         _section_config({"enabled": True, "max_tokens": 16, "metrics_path": 5}),
         TypeError,
-        "metrics_path=5",
+        "metrics_path",
     ),
     (
         "verbose not a bool",
         _section_config({"enabled": True, "max_tokens": 16, "verbose": "yes"}),
         TypeError,
-        "verbose='yes'",
+        "verbose",
     ),
     (
         "num_workers negative",
         _section_config({"enabled": True, "max_tokens": 16, "num_workers": -1}),
         ValueError,
-        "num_workers=-1",
+        "num_workers",
     ),
     (
         "on_overlong error with a sample over budget",
         _section_config({"enabled": True, "max_tokens": 7, "on_overlong": "error"}),
         ValueError,
-        "(ids 7)",
+        ("max_tokens", "on_overlong"),
     ),
 ]
 
@@ -6123,7 +6103,7 @@ _BAD_GLUE = [
             [torch.ones(2)], object(), dataset_seqlens=[2]
         ),
         TypeError,
-        "expected a DeepSpeed engine",
+        "deepspeed.initialize",
     ),
     (
         "batch sizes that do not multiply",
@@ -6131,15 +6111,19 @@ _BAD_GLUE = [
             [torch.ones(2)] * 4, _Engine(_glue_config(), gradient_accumulation_steps=3), dataset_seqlens=[2] * 4
         ),
         ValueError,
-        "train_batch_size=2 should be train_micro_batch_size_per_gpu x gradient_accumulation_steps x "
-        "data-parallel size = 1 x 3 x 1",
+        "train_batch_size",
     ),
-    ("no source of seqlens", lambda: _glue(_glue_config(), [torch.ones(2)] * 4), ValueError, "batch_seqlens_fn"),
+    (
+        "no source of seqlens",
+        lambda: _glue(_glue_config(), [torch.ones(2)] * 4),
+        ValueError,
+        ("dataset_seqlens", "batch_seqlens_fn"),
+    ),
     (
         "batch_seqlens_fn returns another count",
         lambda: _glue(_glue_config(), [torch.ones(2)] * 4, batch_seqlens_fn=lambda batch: [2]),
         ValueError,
-        "returned 1 lengths for a batch of 4 samples",
+        "batch_seqlens_fn",
     ),
 ]
 
