@@ -7523,33 +7523,87 @@ def _check_ok(result):
     )
 
 
-def _two_processes(script, tmp_path, timeout=180):
-    """Runs ``script RANK PORT`` as two gloo ranks; returns each one's (exit code, stdout, stderr)."""
-    path = tmp_path / "script.py"
-    path.write_text(script)
-    port = str(_free_port())
-    env = dict(os.environ, PYTHONPATH=_ROOT)
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(path), str(r), port],
-            cwd=tmp_path,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
+# The 2-rank scripts of the tests below run in one pair of gloo processes, one script after another (torch
+# imported once per rank): each as a program of its own (``sys.argv`` its rank and its own port), its output and
+# exit code (SystemExit's, or 1 with the traceback) kept apart, a process group it left open ended after it, and
+# the folder's files listed (the scripts share the folder: a script run twice finds what the first run left).
+_TWO_RANK_RUNNER = """
+import contextlib, io, json, os, runpy, sys, traceback
+import torch.distributed as dist
+rank, ports, names = int(sys.argv[1]), sys.argv[2].split(","), sys.argv[3:]
+for name, port in zip(names, ports):
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    sys.argv = [name + ".py", str(rank), port]
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            runpy.run_path(name + ".py", run_name="__main__")
+        except SystemExit as done:
+            code = done.code if isinstance(done.code, int) else int(done.code is not None)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    files = sorted(os.path.relpath(os.path.join(d, f)) for d, _, fs in os.walk(".") for f in fs)
+    with open(f"{name}.{rank}.json", "w") as file:
+        json.dump({"code": code, "out": out.getvalue(), "err": err.getvalue(), "files": files}, file)
+"""
+
+
+def _two_rank_scripts():
+    """The scripts `two_rank_job` runs, by name, in the order it runs them."""
+    mismatched = {
+        case.replace(" ", "_"): _MISMATCHED_RANKS_SCRIPT.format(case=case) for case, _ in _MISMATCHED_RANKS_CASES
+    }
+    return {
+        "two_ranks": _TWO_RANK_SCRIPT,
+        "ranks_disagree": _RANKS_DISAGREE_SCRIPT,
+        **mismatched,
+        "per_rank_cache_first": _PER_RANK_CACHE_SCRIPT,  # leaves rank 0 a cache
+        "per_rank_cache": _PER_RANK_CACHE_SCRIPT,
+    }
+
+
+@pytest.fixture(scope="module")
+def two_rank_job(tmp_path_factory):
+    """``two_rank_job(name)``: each rank's (exit code, stdout, stderr, the folder's files after it) of the script
+    ``name`` of `_two_rank_scripts`, all run in one pair of processes (see `_TWO_RANK_RUNNER`)."""
+    folder = tmp_path_factory.mktemp("two_ranks")
+    scripts = _two_rank_scripts()
+    for name, source in scripts.items():
+        (folder / f"{name}.py").write_text(source)
+    ports = set()
+    while len(ports) < len(scripts):
+        ports.add(_free_port())
+    command = [sys.executable, "-c", _TWO_RANK_RUNNER, "", ",".join(map(str, ports)), *scripts]
+    procs = []
+    for rank in range(2):
+        command[3] = str(rank)
+        procs.append(
+            subprocess.Popen(
+                command,
+                cwd=folder,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=dict(os.environ, PYTHONPATH=_ROOT),
+            )
         )
-        for r in range(2)
-    ]
-    outs = []
     try:
-        for proc in procs:
-            out, err = proc.communicate(timeout=timeout)
-            outs.append((proc.returncode, out, err))
+        ends = [proc.communicate(timeout=420) for proc in procs]
     except subprocess.TimeoutExpired:
         for proc in procs:
             proc.kill()
         pytest.fail("the ranks hung")
-    return outs
+
+    def run(name):
+        paths = [folder / f"{name}.{rank}.json" for rank in range(2)]
+        assert all(path.exists() for path in paths), (
+            f"the ranks ended before {name}: {[end[1][-2000:] for end in ends]}"
+        )
+        return [tuple(json.loads(path.read_text()).values()) for path in paths]
+
+    return run
 
 
 _TWO_RANK_SCRIPT = """
@@ -7579,10 +7633,10 @@ dist.destroy_process_group()
 
 
 @pytest.mark.slow
-def test_two_ranks_take_equal_steps_on_an_uneven_dataset(tmp_path):
+def test_two_ranks_take_equal_steps_on_an_uneven_dataset(two_rank_job):
     """2 real gloo ranks, 101 samples: equal steps, the plan trained once together, and a plan broadcast intact."""
     outs = []
-    for code, out, err in _two_processes(_TWO_RANK_SCRIPT, tmp_path):
+    for code, out, err, _ in two_rank_job("two_ranks"):
         assert code == 0, err[-2000:]
         outs.append(json.loads(out.strip().splitlines()[-1]))
     assert outs[0]["steps"] == outs[1]["steps"] > 0
@@ -7630,9 +7684,9 @@ except RuntimeError as error:
 
 
 @pytest.mark.slow
-def test_deepspeed_glue_fails_on_every_rank_when_the_ranks_plan_differently(tmp_path):
+def test_deepspeed_glue_fails_on_every_rank_when_the_ranks_plan_differently(two_rank_job):
     """Ranks with different seqlens get a clear error at the start, on every rank, instead of a hang."""
-    for code, out, err in _two_processes(_RANKS_DISAGREE_SCRIPT, tmp_path, timeout=120):
+    for code, out, err, _ in two_rank_job("ranks_disagree"):
         assert code == 3, f"{out}\n{err}"
         assert "planned a different epoch than rank 0" in out
         assert "give every rank the same dataset" in out
@@ -7665,21 +7719,21 @@ torch.distributed.destroy_process_group()
 """
 
 
+_MISMATCHED_RANKS_CASES = [
+    ("different seqlens", ["rank 1 planned a different epoch than rank 0", "give every rank the same dataset"]),
+    ("one rank twice", ["the processes deal to ranks [0, 0]", "pass every process its own data-parallel rank"]),
+    (
+        "made before init_process_group",
+        ["made before torch.distributed was initialized", "the job now has 2", "make it after init_process_group"],
+    ),
+]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "case, names",
-    [
-        ("different seqlens", ["rank 1 planned a different epoch than rank 0", "give every rank the same dataset"]),
-        ("one rank twice", ["the processes deal to ranks [0, 0]", "pass every process its own data-parallel rank"]),
-        (
-            "made before init_process_group",
-            ["made before torch.distributed was initialized", "the job now has 2", "make it after init_process_group"],
-        ),
-    ],
-)
-def test_processes_that_deal_one_plan_differently_fail_at_once_on_every_rank(tmp_path, case, names):
+@pytest.mark.parametrize("case, names", _MISMATCHED_RANKS_CASES)
+def test_processes_that_deal_one_plan_differently_fail_at_once_on_every_rank(two_rank_job, case, names):
     """2 gloo processes that planned apart, deal to one rank twice or made the sampler too early: RuntimeError on both."""
-    for code, out, err in _two_processes(_MISMATCHED_RANKS_SCRIPT.format(case=case), tmp_path, timeout=60):
+    for code, out, err, _ in two_rank_job(case.replace(" ", "_")):
         assert code == 3, f"exit code {code}\n{out}\n{err[-2000:]}"
         for name in names:
             assert name in out, f"{name!r} not in {out!r}"
@@ -7716,17 +7770,18 @@ torch.distributed.destroy_process_group()
 
 
 @pytest.mark.slow
-def test_a_seqlen_cache_only_some_ranks_have_makes_every_rank_compute(tmp_path):
+def test_a_seqlen_cache_only_some_ranks_have_makes_every_rank_compute(two_rank_job):
     """Per-rank metrics_path folders (node-local disks), a cache in rank 0's only: both ranks compute the seqlens and
     plan alike (rank 0 read its cache while rank 1 computed: mismatched collectives, "too many values to unpack")."""
-    for code, out, err in _two_processes(_PER_RANK_CACHE_SCRIPT, tmp_path, timeout=120):  # leaves rank 0 a cache
+    first = two_rank_job("per_rank_cache_first")  # leaves rank 0 a cache
+    for code, out, err, _ in first:
         assert code == 0, f"{out}\n{err[-2000:]}"
-    cache = "varbatch_seqlens.npy"
-    assert (tmp_path / "metrics0" / cache).exists() and not (tmp_path / "metrics1" / cache).exists(), (
+    cache, files = "varbatch_seqlens.npy", first[0][3]  # the folder after rank 0's run
+    assert f"metrics0/{cache}" in files and f"metrics1/{cache}" not in files, (
         "rank 0's folder has no cache, or rank 1's has one: the test could not fail"
     )
     outs = []
-    for code, out, err in _two_processes(_PER_RANK_CACHE_SCRIPT, tmp_path, timeout=120):
+    for code, out, err, _ in two_rank_job("per_rank_cache"):
         assert code == 0, f"exit code {code}\n{out}\n{err[-2000:]}"
         outs.append(json.loads(out.strip().splitlines()[-1]))
     for rank, out in enumerate(outs):
@@ -7945,18 +8000,17 @@ def test_example_trains_the_plan_and_the_loss_goes_down(launched, path):
 
 
 # The example's padding-free mode, one process (DDP) and the README's launch (pipeline), at a small size:
-# its flat rows against the same per-token model and plan on padded step inputs (`--per-token`).
-_FLAT_RUN = ["--num-samples", "300", "--epochs", "3"]
+# its flat rows against the same per-token model and plan on padded step inputs (`--per-token`). The one-process
+# flat run serves both tests (through `launched`, each command once).
+_FLAT_RUN = "--num-samples 300 --epochs 3"
 
 
 @pytest.mark.slow
-def test_example_padding_free_trains_as_its_per_token_model_padded():
+def test_example_padding_free_trains_as_its_per_token_model_padded(launched):
     """DDP path, one process: `--padding-free` trains every step as `--per-token` does on padded step inputs of the
     same plan (the same samples, tokens and LRs; each step's loss within 1e-5, relatively, of the printed 6
     digits), with no padding in its rows."""
-    flat, padded = [
-        _run([sys.executable, "example.py", flag, *_FLAT_RUN]) for flag in ("--padding-free", "--per-token")
-    ]
+    flat, padded = [launched(f"python example.py {flag} {_FLAT_RUN}") for flag in ("--padding-free", "--per-token")]
     for result in (flat, padded):
         _check_ok(result)
     flat_steps, padded_steps = _steps(flat.stdout), _steps(padded.stdout)
@@ -7969,12 +8023,12 @@ def test_example_padding_free_trains_as_its_per_token_model_padded():
 
 
 @pytest.mark.slow
-def test_example_padding_free_pipeline_rows_share_their_batchs_length():
+def test_example_padding_free_pipeline_rows_share_their_batchs_length(launched):
     """Pipeline path (2 stages): the step inputs of a batch are rows of one length, the batch's longest row, whose
     padding segment neither attention nor loss sees: the first step's loss is the DDP flat run's."""
-    result = _launch("example.py", ["--pipeline-num-stages", "2", "--padding-free", *_FLAT_RUN])
+    result = launched(f"{_EXAMPLE_LAUNCH} --pipeline-num-stages 2 --padding-free {_FLAT_RUN}")
     _check_ok(result)
-    one = _run([sys.executable, "example.py", "--padding-free", *_FLAT_RUN, "--max-steps", "1"])
+    one = launched(f"python example.py --padding-free {_FLAT_RUN}")  # the one-process run of the test above
     _check_ok(one)
     steps = _steps(result.stdout)
     assert len(steps) > 10 and all(s["B"] == [1] * len(s["B"]) and len(set(s["S"])) == 1 for s in steps)
@@ -7984,24 +8038,29 @@ def test_example_padding_free_pipeline_rows_share_their_batchs_length():
     assert math.isclose(steps[0]["loss"], first["loss"], rel_tol=1e-5, abs_tol=2e-6)
 
 
-# Stopped and resumed runs of the example, each against the uninterrupted run of its path (DDP: the README's run
-# above, on ds_config.json): (path, flags, the step it stops at, its checkpoint folder). A stop of None is batch 2
-# of epoch 1. "ddp" is the README's two commands as it writes them; "ddp, 2 loader workers" runs ds_config.json
-# with data_sampling.num_workers 2, so that its loader reads ahead (the example once skipped the last batches of
-# every epoch then, and a checkpoint must count the step inputs trained, not those read): stopped and resumed, it
-# must train every step of the uninterrupted run (which trains the plan, above), with the same LRs and losses.
+# Stopped and resumed runs of the example, each against the uninterrupted run of its path (the runs above, on
+# ds_config.json): (path, flags, the step it stops at, its checkpoint folder). A stop of None is batch 2 of epoch 1.
+# "ddp" is the README's two commands as it writes them; "pipeline, 2 loader workers" runs ds_config.json with
+# data_sampling.num_workers 2, so that its loader reads ahead (the example once skipped the last batches of every
+# epoch then, and a checkpoint must count the step inputs trained, not those read): stopped and resumed, each must
+# train every step of the uninterrupted run (which trains the plan, above), with the same LRs and losses. One pair
+# of launches checks both the pipeline's resume and the read-ahead's.
 _STOPS = {
     "ddp": ("ddp", [], 33, "ckpt"),
-    "ddp, 2 loader workers": ("ddp", ["--config", "ds_config_workers.json"], None, "ckpt-workers"),
-    "pipeline": ("pipeline", _PATHS["pipeline"], None, "ckpt-pipeline"),
+    "pipeline, 2 loader workers": (
+        "pipeline",
+        [*_PATHS["pipeline"], "--config", "ds_config_workers.json"],
+        None,
+        "ckpt-pipeline-workers",
+    ),
 }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(_STOPS))
 def test_example_stop_and_resume_reproduces_the_uninterrupted_run(launched, case):
-    """Stopped mid-epoch and resumed (DDP as the README does it; DDP with a loader that reads ahead; pipeline), the
-    run trains the same batches with the same LRs and losses."""
+    """Stopped mid-epoch and resumed (DDP as the README does it; pipeline with a loader that reads ahead), the run
+    trains the same batches with the same LRs and losses."""
     path, flags, stop, checkpoint = _STOPS[case]
     full = launched(_example_command(*_PATHS[path]))
     _check_ok(full)
@@ -8323,16 +8382,18 @@ def _readme_steps():
     return steps
 
 
-def test_readme_test_command_is_what_ci_runs():
-    """The README's test command is the one .ci/run runs, and both README commands come first."""
-    readme = _README.read_text()
-    first_block = re.search(r"^```bash\n(.*?)^```", readme, re.S | re.M).group(1).splitlines()
-    assert first_block == [
-        "pip install -r requirements.txt && deepspeed --num_gpus 2 example.py --pipeline-num-stages 2",
-        f"pip install -r requirements.txt && {_README_TEST_COMMAND}",
+def test_ci_runs_the_readmes_test_command():
+    """Every README command that runs the whole suite (``python -m pytest`` with no ``-m`` selection) is a line of
+    .ci/run: CI runs what the README tells its readers to run."""
+    suite = [
+        text
+        for kind, text, _ in _readme_steps()
+        if kind == "command" and text.startswith("python -m pytest ") and "-m" not in text.split()[3:]
     ]
-    ci = _README.with_name(".ci").joinpath("run").read_text()
-    assert re.search(rf"^{re.escape(_README_TEST_COMMAND)}$", ci, re.M), "CI does not run the README's command"
+    assert suite, "the README shows no command that runs the whole suite"
+    ci = Path(_ROOT, ".ci", "run").read_text().splitlines()
+    missing = [command for command in suite if command not in ci]
+    assert not missing, f"CI does not run the README's test command: {missing}"
 
 
 @pytest.mark.slow
