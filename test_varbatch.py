@@ -8010,7 +8010,11 @@ def test_example_padding_free_trains_as_its_per_token_model_padded(launched):
     """DDP path, one process: `--padding-free` trains every step as `--per-token` does on padded step inputs of the
     same plan (the same samples, tokens and LRs; each step's loss within 1e-5, relatively, of the printed 6
     digits), with no padding in its rows."""
-    flat, padded = [launched(f"python example.py {flag} {_FLAT_RUN}") for flag in ("--padding-free", "--per-token")]
+    import concurrent.futures
+
+    commands = [f"python example.py {flag} {_FLAT_RUN}" for flag in ("--padding-free", "--per-token")]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # two 1-process runs side by side, on 2 cores
+        flat, padded = pool.map(launched, commands)
     for result in (flat, padded):
         _check_ok(result)
     flat_steps, padded_steps = _steps(flat.stdout), _steps(padded.stdout)
