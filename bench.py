@@ -436,9 +436,10 @@ def _ds_target_n(quick: bool) -> int:
     return DS_QUICK_SIZES[-1] if quick else DS_TARGET_N
 
 
-def bench_speed(quick: bool, ds_cap: float, results: dict) -> str:
-    """DeepSpeed vs varbatch at small N, then varbatch alone up to 10M (default mode)."""
-    out = ["## 1. Planner speed and growth", ""]
+def _speed_vs_deepspeed(quick: bool, ds_cap: float, results: dict) -> str:
+    """1a: DeepSpeed's batch_by_seqlens and varbatch's plan_batches side by side in the default mode, up to
+    DeepSpeed's largest N; the ratios, and DeepSpeed's points for the growth fit, go to ``results``."""
+    out = []
     ds_sizes = DS_QUICK_SIZES if quick else DS_SIZES
     vb_repeats = 1 if quick else 7
     lengths = uniform_seqlens(max(ds_sizes))
@@ -494,6 +495,13 @@ def bench_speed(quick: bool, ds_cap: float, results: dict) -> str:
     if isinstance(ds, str):
         out += ["", f"DeepSpeed column empty: {ds}."]
     results["ds_points"] = ds_points
+    return "\n".join(out)
+
+
+def bench_speed(quick: bool, ds_cap: float, results: dict) -> str:
+    """DeepSpeed vs varbatch at small N, then varbatch alone up to 10M (default mode)."""
+    out = ["## 1. Planner speed and growth", "", _speed_vs_deepspeed(quick, ds_cap, results)]
+    ds_points = results["ds_points"]
 
     # varbatch alone, far beyond what DeepSpeed can do.
     sizes = (
@@ -704,10 +712,9 @@ def _epoch_table(quick: bool, results: dict) -> str:
     return "\n".join(out)
 
 
-def bench_modes(quick: bool, ds_cap: float, results: dict) -> str:
-    """Every mode: DeepSpeed vs varbatch at N=2000 (500 in --quick, where DeepSpeed has the mode), then
-    varbatch alone at 1M and 10M (10k in --quick) with the growth between them, then
-    (1e) one epoch of the sampler against a plain BatchSampler epoch in every mode."""
+def _modes_vs_deepspeed(quick: bool, ds_cap: float, results: dict) -> str:
+    """1c: DeepSpeed and varbatch side by side in every mode DeepSpeed has (sum budget); the ratios go to
+    ``results``."""
     n_ds = _ds_target_n(quick)
     vb_repeats = 1 if quick else 7
     out = [f"### 1c. DeepSpeed vs varbatch at N={n_ds:,}, every mode DeepSpeed has (sum budget)", ""]
@@ -778,6 +785,14 @@ def bench_modes(quick: bool, ds_cap: float, results: dict) -> str:
     )
     if isinstance(ds, str):
         out += ["", f"DeepSpeed column empty: {ds}."]
+    return "\n".join(out)
+
+
+def bench_modes(quick: bool, ds_cap: float, results: dict) -> str:
+    """Every mode: DeepSpeed vs varbatch at N=2000 (500 in --quick, where DeepSpeed has the mode), then
+    varbatch alone at 1M and 10M (10k in --quick) with the growth between them, then
+    (1e) one epoch of the sampler against a plain BatchSampler epoch in every mode."""
+    out = [_modes_vs_deepspeed(quick, ds_cap, results)]
 
     # Every mode at 1M; at 10M only the bucket order (the costliest: a shuffle, a
     # sort per window and a shuffle of the batches) of every k x shape x budget,
@@ -2451,7 +2466,7 @@ def _lr_range(plan: varbatch.Plan) -> str:
 def _balance_rows(quick: bool, results: dict) -> list[list]:
     n = BALANCE_QUICK_N if quick else BALANCE_N
     ranks_list = BALANCE_RANKS[:1] if quick else BALANCE_RANKS
-    rows, worst = [], results.setdefault("balance_worst", {})
+    rows, worst, cut = [], results.setdefault("balance_worst", {}), results.setdefault("balance_cut", {})
     for name, seqlens in (("long-tailed", balance_long_tailed(n)), ("uniform", balance_uniform(n))):
         for form, order, ranks, steps in itertools.product(
             ("padded", "flat"), ("random", "bucket"), ranks_list, BALANCE_STEPS
@@ -2461,9 +2476,11 @@ def _balance_rows(quick: bool, results: dict) -> list[list]:
             row = [name, form, order, ranks, steps, plan.num_batches]
             for q in BALANCE_Q:
                 balanced = _balance_plan(seqlens, form, order, ranks, steps, q)
-                after = _plan_idle(balanced, seqlens, q)
-                row += [_fmt_idle(_plan_idle(plan, seqlens, q)), f"**{_fmt_idle(after)}**"]
+                before, after = _plan_idle(plan, seqlens, q), _plan_idle(balanced, seqlens, q)
+                row += [_fmt_idle(before), f"**{_fmt_idle(after)}**"]
                 worst[ranks] = max(worst.get(ranks, 0.0), after[0])
+                if name == "long-tailed":  # how much balancing cuts the wait: before over after, per reduction
+                    cut[ranks] = min(cut.get(ranks, math.inf), before[0] / max(after[0], 1e-12))
             rows.append([*row, _lr_range(plan), _lr_range(balanced)])
     return rows
 
@@ -2733,6 +2750,14 @@ def _balance_targets(results: dict) -> list[list]:
                     _check(worst <= bound),
                 ]
             )
+    for ranks, ratio in results.get("balance_cut", {}).items():
+        rows.append(
+            [
+                f"balancing cuts the long-tailed set's idle share per reduction >= 5x at R = {ranks} (7)",
+                f"{ratio:.1f}x at least",
+                _check(ratio >= 5),
+            ]
+        )
     if "balance_plan_ratio" in results:
         ratio = results["balance_plan_ratio"]
         rows.append(["balancing adds <= 1.5x to the plan time at 1M (7)", f"{ratio:.2f}x", _check(ratio <= 1.5)])
@@ -2895,7 +2920,8 @@ def _peer_targets(results: dict) -> list[list]:
     ]
 
 
-def targets_table(results: dict, quick: bool) -> str:
+def _speed_targets(results: dict, quick: bool) -> list[list]:
+    """1's rows: the speed-up over DeepSpeed, the growth exponents, the time of every mode at 1M and 10M."""
     rows = []
     n_ds = _ds_target_n(quick)
     ratio, bound = results.get("speed_ratio", {}).get(n_ds, (None, ""))
@@ -2932,6 +2958,12 @@ def targets_table(results: dict, quick: bool) -> str:
             if over:
                 detail += f"; {len(over)} of {len(timed)} modes over ({_modes_over(over)})"
             rows.append([f"{_fmt_n(n)} sequences in <= {limit:g} s ({which})", detail, _check(not over)])
+    return rows
+
+
+def _padding_targets(results: dict) -> list[list]:
+    """2's and 1e's rows: the padding of the bucket order, the equal epochs' extra micro-batches and time."""
+    rows = []
     padding = results.get("padding", {})
     for mode, floor in (("DDP", 0.95), ("pipeline", 0.90)):
         stats = padding.get(("varbatch", "bucket", "padded", mode))
@@ -2964,6 +2996,12 @@ def targets_table(results: dict, quick: bool) -> str:
                     _check(max(timed) <= 1.5),
                 ]
             )
+    return rows
+
+
+def targets_table(results: dict, quick: bool) -> str:
+    """Every target beside its measurement: "yes", "**NO**", or "n/a" where the run did not measure it."""
+    rows = _speed_targets(results, quick) + _padding_targets(results)
     training = results.get("training")
     if training:
         rows.append(
@@ -2999,7 +3037,8 @@ def targets_table(results: dict, quick: bool) -> str:
     return f"## Targets{note}\n\n" + _table(["target", "measured", "met"], rows)
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The command line, a help= on every flag."""
     parser = argparse.ArgumentParser(
         description="Benchmark varbatch against DeepSpeed's planner (markdown tables on stdout, progress on stderr)."
     )
@@ -3025,6 +3064,32 @@ def main(argv=None) -> int:
         default=None,
         help="seconds after which a DeepSpeed call is stopped (default 30, 10 with --quick)",
     )
+    return parser
+
+
+def _run_sections(sections: list[str], quick: bool, ds_cap: float, results: dict) -> None:
+    """Runs and prints the sections asked for, in the order of SECTIONS; DeepSpeed's worker ends after the last
+    section that uses it."""
+    with_deepspeed = {"speed": bench_speed, "modes": bench_modes, "padding": bench_padding}
+    alone = {
+        "epochs": bench_epochs,
+        "training": bench_training,
+        "memory": bench_memory,
+        "datapath": bench_datapath,
+        "peers": bench_peers,
+        "balance": bench_balance,
+    }
+    for name, bench in with_deepspeed.items():
+        if name in sections:
+            print(bench(quick, ds_cap, results) + "\n", flush=True)
+    _DEEPSPEED.close()  # the last section that uses it: its memory is free again for training and memory
+    for name, bench in alone.items():
+        if name in sections:
+            print(bench(quick, results) + "\n", flush=True)
+
+
+def main(argv=None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     unknown = sorted(set(sections) - set(SECTIONS))
@@ -3040,25 +3105,7 @@ def main(argv=None) -> int:
     results: dict = {}
     print(f"# varbatch benchmark{' (--quick)' if args.quick else ''}\n")
     print(machine_description() + "\n", flush=True)
-    if "speed" in sections:
-        print(bench_speed(args.quick, ds_cap, results) + "\n", flush=True)
-    if "modes" in sections:
-        print(bench_modes(args.quick, ds_cap, results) + "\n", flush=True)
-    if "padding" in sections:
-        print(bench_padding(args.quick, ds_cap, results) + "\n", flush=True)
-    _DEEPSPEED.close()  # the last section that uses it: its memory is free again for training and memory
-    if "epochs" in sections:
-        print(bench_epochs(args.quick, results) + "\n", flush=True)
-    if "training" in sections:
-        print(bench_training(args.quick, results) + "\n", flush=True)
-    if "memory" in sections:
-        print(bench_memory(args.quick, results) + "\n", flush=True)
-    if "datapath" in sections:
-        print(bench_datapath(args.quick, results) + "\n", flush=True)
-    if "peers" in sections:
-        print(bench_peers(args.quick, results) + "\n", flush=True)
-    if "balance" in sections:
-        print(bench_balance(args.quick, results) + "\n", flush=True)
+    _run_sections(sections, args.quick, ds_cap, results)
     print(targets_table(results, args.quick) + "\n")
     if args.plot:
         write_plot(args.plot, results, ds_cap)

@@ -177,12 +177,10 @@ def init_distributed(args):
     deepspeed.init_distributed(timeout=timeout)
 
 
-def main(args):
+def build_engine(args, pipeline):
+    """1. The data, the model and the engine (DDP, or two pipeline stages: attention | feed-forward)."""
     import deepspeed
 
-    init_distributed(args)
-    pipeline = args.pipeline_num_stages > 0
-    # 1. The data, the model and the engine (DDP, or two pipeline stages: attention | feed-forward).
     with open(args.config) as f:
         config = json.load(f)
     section = config["data_efficiency"]["data_sampling"]["dynamic_batching"]
@@ -203,8 +201,12 @@ def main(args):
         else nn.Sequential(*layers)
     )
     engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    return dataset, engine, optimizer
 
-    # 2. varbatch's loader and LR scheduler (as engine.lr_scheduler), sized exactly: every epoch has len(sampler).
+
+def build_loader(args, dataset, engine, optimizer):
+    """2. varbatch's loader and LR scheduler (as engine.lr_scheduler), sized exactly: every epoch has len(sampler)."""
+
     def schedule(sampler):
         steps = len(sampler) // sampler.gradient_accumulation_steps * args.epochs
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: warmup_cosine(t, steps))
@@ -218,15 +220,95 @@ def main(args):
         dataset_seqlens=dataset.seqlens.tolist() if args.padding_free else None,  # flat: no padded batch to measure
         lr_scheduler_fn=schedule,
     )
-    sampler, gas, ranks = dataloader.variable_batch_sampler, engine.gradient_accumulation_steps(), engine.dp_world_size
+    return dataloader, lr_scheduler
 
-    # 3. Resume: DeepSpeed restores the model, optimizer and LR scheduler; the sampler its position.
+
+def resume(args, engine, sampler):
+    """3. DeepSpeed restores the model, optimizer and LR scheduler; the sampler its position."""
+    path, client_state = engine.load_checkpoint(args.checkpoint_dir)
+    if path is None:
+        raise FileNotFoundError(f"--resume: no checkpoint in --checkpoint-dir {args.checkpoint_dir}")
+    sampler.load_state_dict(client_state["varbatch_sampler"])
+    print0(f"resumed from {path} at step {engine.global_steps}; the sampler goes on in epoch {sampler.epoch}")
+
+
+def train_batch(engine, step_inputs, pipeline, shape, parts):
+    """4. Trains one batch, this rank's step inputs; returns the loss and the activation shape the stages now hold.
+
+    The loss is the batch's under a pipeline, this rank's part of it under DDP: each step input's over ``parts``, the
+    step inputs of the batch on all ranks.
+    """
+    if pipeline:  # 4a. one call trains the batch; the stages exchange activations of one shape
+        first = tuple(step_inputs[0][0][0].shape[:2])
+        if first != shape:
+            engine.reset_activation_shape()
+        return engine.train_batch(data_iter=iter(step_inputs)).item(), first
+    loss = 0.0  # 4b. forward and backward per step input; the engine steps at the batch boundary
+    for inputs, labels in step_inputs:
+        inputs, labels = [[t.to(engine.device) for t in part] for part in (inputs, labels)]
+        step_loss = token_loss(engine(inputs), labels)
+        engine.backward(step_loss)
+        engine.step()
+        loss += step_loss.item() / parts
+    return loss, shape
+
+
+def batch_totals(engine, step_inputs, shapes, loss, ranks):
+    """The batch's real tokens, padded slots and loss (as `train_batch` gave it), summed over the data-parallel
+    ranks."""
+    totals = torch.tensor(
+        [sum(int(labels[1].sum()) for _, labels in step_inputs), sum(n * s for n, s in shapes), loss],
+        dtype=torch.float64,
+        device=engine.device,
+    )
+    if ranks > 1:  # the whole batch: every data-parallel rank
+        torch.distributed.all_reduce(totals, group=engine.data_parallel_group)
+    return int(totals[0]), totals[1].item(), totals[2].item()
+
+
+class Tally:
+    """What the run has trained, for the progress lines (about ten a run) and the summary."""
+
+    def __init__(self, first_step, total_steps):
+        self.first_step, self.total_steps = first_step, total_steps
+        self.every = max(1, (total_steps - first_step) // 10)
+        self.started = time.perf_counter()
+        self.dropped = collections.Counter()
+        self.samples = 0
+        self.tokens = 0
+        self.slots = 0.0
+
+    def add(self, samples, tokens, slots, step):
+        """Counts a batch trained, and prints a progress line at every tenth of the run."""
+        self.samples += samples
+        self.tokens += tokens
+        self.slots += slots
+        if (step - self.first_step) % self.every == 0:
+            elapsed = time.perf_counter() - self.started
+            eta = elapsed / (step - self.first_step) * (self.total_steps - step)
+            print0(
+                f"progress | step {step}/{self.total_steps} | tokens/s {self.tokens / elapsed:.0f} | ETA {eta:.1f} s"
+            )
+
+    def summary(self, epochs_done, step):
+        """The summary line: epochs, steps, samples, drops, padding, wall time and throughput since the start."""
+        wall = time.perf_counter() - self.started
+        return (
+            f"summary | epochs {epochs_done:.3g} | steps {step} | samples trained {self.samples} | dropped "
+            f"{' '.join(f'{r}={n}' for r, n in self.dropped.items())} | padding "
+            f"{100 * (1 - self.tokens / max(self.slots, 1)):.1f}% | wall {wall:.1f} s | "
+            f"tokens/s {self.tokens / max(wall, 1e-9):.0f}"
+        )
+
+
+def main(args):
+    init_distributed(args)
+    pipeline = args.pipeline_num_stages > 0
+    dataset, engine, optimizer = build_engine(args, pipeline)
+    dataloader, lr_scheduler = build_loader(args, dataset, engine, optimizer)
+    sampler, gas, ranks = dataloader.variable_batch_sampler, engine.gradient_accumulation_steps(), engine.dp_world_size
     if args.resume:
-        path, client_state = engine.load_checkpoint(args.checkpoint_dir)
-        if path is None:
-            raise FileNotFoundError(f"--resume: no checkpoint in --checkpoint-dir {args.checkpoint_dir}")
-        sampler.load_state_dict(client_state["varbatch_sampler"])
-        print0(f"resumed from {path} at step {engine.global_steps}; the sampler goes on in epoch {sampler.epoch}")
+        resume(args, engine, sampler)
     total_steps = min(len(sampler) // gas * args.epochs, args.max_steps or 10**9)
     print0(
         f"{total_steps} optimizer steps of {sampler.effective_batch_size} micro-batches: "
@@ -235,73 +317,38 @@ def main(args):
     )
 
     # 4. Train. Each batch is `gas` step inputs per rank, weighted to the batch's token mean.
-    dropped, samples, tokens_trained, shape, slots = collections.Counter(), 0, 0, None, 0
+    tally, shape = Tally(engine.global_steps, total_steps), None
     trained, epochs_done = sampler.steps_done, sampler.epoch  # step inputs of the epoch trained, epochs done
-    first, every, started = engine.global_steps, max(1, (total_steps - engine.global_steps) // 10), time.perf_counter()
     for epoch in range(sampler.epoch, args.epochs):
         if engine.global_steps >= total_steps:
             break
         sampler.set_epoch(epoch)
         plan, b0, batches = sampler.plan, sampler.steps_done // gas, iter(dataloader)  # b0 first: workers read ahead
-        dropped.update({reason: len(ids) for reason, ids in plan.dropped.items()})
+        tally.dropped.update({reason: len(ids) for reason, ids in plan.dropped.items()})
         for b in range(b0, plan.num_batches):
             step_inputs = weigh([next(batches) for _ in range(gas)], int(plan.batch_tokens[b]), ranks, gas)
             shapes, lr = [tuple(inputs[0].shape[:2]) for inputs, _ in step_inputs], lr_scheduler.get_last_lr()[0]
-            if pipeline:  # 4a. one call trains the batch; the stages exchange activations of one shape
-                if shapes[0] != shape:
-                    engine.reset_activation_shape()
-                    shape = shapes[0]
-                loss = engine.train_batch(data_iter=iter(step_inputs)).item()
-            else:  # 4b. forward and backward per step input; the engine steps at the batch boundary
-                loss = 0.0
-                for inputs, labels in step_inputs:
-                    inputs, labels = [[t.to(engine.device) for t in part] for part in (inputs, labels)]
-                    step_loss = token_loss(engine(inputs), labels)
-                    engine.backward(step_loss)
-                    engine.step()
-                    loss += step_loss.item() / (ranks * gas)
-            totals = torch.tensor(
-                [sum(int(labels[1].sum()) for _, labels in step_inputs), sum(n * s for n, s in shapes), loss],
-                dtype=torch.float64,
-                device=engine.device,
-            )
-            if ranks > 1:  # the whole batch: every data-parallel rank
-                torch.distributed.all_reduce(totals, group=engine.data_parallel_group)
-            tokens, loss = int(totals[0]), loss if pipeline else totals[2].item()
-            samples, tokens_trained, slots = (
-                samples + int(plan.batch_sizes[b]),
-                tokens_trained + tokens,
-                slots + totals[1],
-            )
+            loss, shape = train_batch(engine, step_inputs, pipeline, shape, ranks * gas)
+            tokens, slots, total_loss = batch_totals(engine, step_inputs, shapes, loss, ranks)
+            loss = loss if pipeline else total_loss
             trained, epochs_done = (b + 1) * gas, epoch + (b + 1) / plan.num_batches  # step inputs of the epoch
             print0(
                 f"step {engine.global_steps:4d} | epoch {epoch} | B {','.join(str(n) for n, _ in shapes)} | "
                 f"S {','.join(str(s) for _, s in shapes)} | tokens {tokens} | padding "
-                f"{100 * (1 - tokens / totals[1].item()):.1f}% | lr {lr:.6e} | loss {loss:.6f}"
+                f"{100 * (1 - tokens / slots):.1f}% | lr {lr:.6e} | loss {loss:.6f}"
             )
-            if (engine.global_steps - first) % every == 0:
-                elapsed = time.perf_counter() - started
-                eta = elapsed / (engine.global_steps - first) * (total_steps - engine.global_steps)
-                print0(
-                    f"progress | step {engine.global_steps}/{total_steps} | tokens/s {tokens_trained / elapsed:.0f} "
-                    f"| ETA {eta:.1f} s"
-                )
+            tally.add(int(plan.batch_sizes[b]), tokens, slots, engine.global_steps)
             if engine.global_steps >= total_steps:
                 break
 
     # 5. Save the engine and the sampler's position (the step inputs trained: a loader may read ahead).
-    wall = time.perf_counter() - started
+    summary = tally.summary(epochs_done, engine.global_steps)  # the wall time of the training alone
     if args.checkpoint_dir:
         engine.save_checkpoint(
             args.checkpoint_dir, client_state={"varbatch_sampler": sampler.state_dict(steps_done=trained)}
         )
         print0(f"saved checkpoint at step {engine.global_steps} in {args.checkpoint_dir}")
-    print0(
-        f"summary | epochs {epochs_done:.3g} | steps {engine.global_steps} | samples trained {samples} | dropped "
-        f"{' '.join(f'{r}={n}' for r, n in dropped.items())} | padding {100 * (1 - tokens_trained / max(slots, 1)):.1f}% "
-        f"| wall {wall:.1f} s | "
-        f"tokens/s {tokens_trained / max(wall, 1e-9):.0f}"
-    )
+    print0(summary)
     torch.distributed.destroy_process_group()
 
 

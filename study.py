@@ -1361,7 +1361,38 @@ def defaults_table(results: dict) -> str:
     )
 
 
-def main(argv=None) -> int:
+def _method(setup: Setup, threads: int, clock: str, with_deepspeed: bool) -> str:
+    """The paragraph that says how the study measures: the model, the loss, the optimizer, the clock, the arms."""
+    return (
+        f"Model: byte-level causal LM, {setup.layers} pre-norm transformer block{'s' if setup.layers > 1 else ''}, "
+        f"E={setup.dim}, "
+        f"{setup.heads} heads, feed-forward 4E, context {setup.max_seqlen}, vocabulary {VOCAB}; per-sample "
+        f"B x 1 x S x S attention masks, so padded slots cost compute. Loss: next-token cross-entropy, mean over "
+        f"the real tokens of the batch. AdamW (betas {BETAS}, weight decay {WEIGHT_DECAY}), constant LR scaled "
+        f"per batch by the arm's rule, gradients clipped to norm {CLIP_NORM}; one micro-batch per optimizer step "
+        f"(no accumulation) but in (f) and (g). Time: {CLOCK_WORDS[clock]} of the training steps only (fetching and "
+        f"collating the batch, forward, backward, clipping, optimizer and LR scheduler steps), {threads} torch "
+        f"thread{'s' if threads > 1 else ''}; planning and validation are outside the clock. The arms of one seed "
+        f"run interleaved: the arm with the least training time steps next, so whatever else the machine runs "
+        f"hits all arms alike. Every arm of a seed starts "
+        f"from the same weights. Varbatch arms: `VariableBatchSampler(budget='padded', order='bucket')`, "
+        f"`make_dataloader`, `VariableBatchSizeLR` stepped after every optimizer step; (e): "
+        f"`VariableBatchSampler(padding_free=True, order='random')` and `FlatCollate`'s rows, attention sample by "
+        f"sample (a varlen kernel's work); (f), (g): `VariableBatchSampler(budget='padded', order='bucket', "
+        f"num_replicas={setup.simulated_ranks})` with a budget of L_max = {setup.max_seqlen} slots per rank, its "
+        f"plan's batches iterated by the dealing rule (`plan_for_epoch`), each batch's {setup.simulated_ranks} "
+        f"step inputs accumulated in plan order as the sum of the ranks' gradients, (g) with "
+        f"`balance_ranks=True, quadratic_tokens={setup.quadratic_tokens}` (6 x E, the README's rule of thumb); (d): "
+        f"DeepSpeed's "
+        f"`batch_by_seqlens`, `dataloader_for_variable_batch_size` and `lr_scheduler_for_variable_batch_size` "
+        f"with the arguments `get_dataloader_and_lr_scheduler_for_variable_batch_size` passes by default"
+        + ("" if with_deepspeed else " (not run: DeepSpeed is not installed or --no-deepspeed)")
+        + "."
+    )
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The command line, a help= on every flag."""
     parser = argparse.ArgumentParser(
         description="Time to reach a fixed-batch baseline's loss, per batching and LR "
         "rule (markdown tables on stdout, progress on stderr)."
@@ -1416,8 +1447,11 @@ def main(argv=None) -> int:
     parser.add_argument("--no-plot", action="store_true", help="do not write the figure")
     parser.add_argument("--json", default=None, metavar="FILE", help="also write the raw numbers to FILE")
     parser.add_argument("--no-deepspeed", action="store_true", help="leave out arm (d), DeepSpeed's module")
-    args = parser.parse_args(argv)
+    return parser
 
+
+def _setup(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[list[str], Setup]:
+    """The data sets and the setup the flags ask for; a bad flag ends the command with its usage line."""
     names = [s.strip() for s in args.datasets.split(",") if s.strip()]
     unknown = sorted(set(names) - set(DATASETS))
     if unknown or not names:
@@ -1439,12 +1473,19 @@ def main(argv=None) -> int:
         setup = dataclasses.replace(setup, lr_grid=grid)
     if args.budget_seconds is not None:
         setup = dataclasses.replace(setup, budget_seconds=dict.fromkeys(DATASETS, args.budget_seconds))
+    if args.threads < 1:
+        parser.error(f"--threads should be at least 1, but got {args.threads}")
+    return names, setup
+
+
+def main(argv=None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    names, setup = _setup(parser, args)
     plot = None if args.no_plot else (args.plot or (None if args.quick else os.path.join(_HERE, "study.png")))
     have_matplotlib = importlib.util.find_spec("matplotlib") is not None
     if args.plot and not args.no_plot and not have_matplotlib:
         parser.error("--plot needs matplotlib, which is not installed: pip install matplotlib")
-    if args.threads < 1:
-        parser.error(f"--threads should be at least 1, but got {args.threads}")
     threads = args.threads
     torch.set_num_threads(threads)
     clock = CLOCKS[args.clock]
@@ -1452,33 +1493,7 @@ def main(argv=None) -> int:
 
     print(f"# varbatch study: time to reach a fixed-batch baseline's loss{' (--quick)' if args.quick else ''}\n")
     print(machine_description(threads) + "\n")
-    print(
-        f"Model: byte-level causal LM, {setup.layers} pre-norm transformer block{'s' if setup.layers > 1 else ''}, "
-        f"E={setup.dim}, "
-        f"{setup.heads} heads, feed-forward 4E, context {setup.max_seqlen}, vocabulary {VOCAB}; per-sample "
-        f"B x 1 x S x S attention masks, so padded slots cost compute. Loss: next-token cross-entropy, mean over "
-        f"the real tokens of the batch. AdamW (betas {BETAS}, weight decay {WEIGHT_DECAY}), constant LR scaled "
-        f"per batch by the arm's rule, gradients clipped to norm {CLIP_NORM}; one micro-batch per optimizer step "
-        f"(no accumulation) but in (f) and (g). Time: {CLOCK_WORDS[args.clock]} of the training steps only (fetching and "
-        f"collating the batch, forward, backward, clipping, optimizer and LR scheduler steps), {threads} torch "
-        f"thread{'s' if threads > 1 else ''}; planning and validation are outside the clock. The arms of one seed "
-        f"run interleaved: the arm with the least training time steps next, so whatever else the machine runs "
-        f"hits all arms alike. Every arm of a seed starts "
-        f"from the same weights. Varbatch arms: `VariableBatchSampler(budget='padded', order='bucket')`, "
-        f"`make_dataloader`, `VariableBatchSizeLR` stepped after every optimizer step; (e): "
-        f"`VariableBatchSampler(padding_free=True, order='random')` and `FlatCollate`'s rows, attention sample by "
-        f"sample (a varlen kernel's work); (f), (g): `VariableBatchSampler(budget='padded', order='bucket', "
-        f"num_replicas={setup.simulated_ranks})` with a budget of L_max = {setup.max_seqlen} slots per rank, its "
-        f"plan's batches iterated by the dealing rule (`plan_for_epoch`), each batch's {setup.simulated_ranks} "
-        f"step inputs accumulated in plan order as the sum of the ranks' gradients, (g) with "
-        f"`balance_ranks=True, quadratic_tokens={setup.quadratic_tokens}` (6 x E, the README's rule of thumb); (d): "
-        f"DeepSpeed's "
-        f"`batch_by_seqlens`, `dataloader_for_variable_batch_size` and `lr_scheduler_for_variable_batch_size` "
-        f"with the arguments `get_dataloader_and_lr_scheduler_for_variable_batch_size` passes by default"
-        + ("" if ds is not None else " (not run: DeepSpeed is not installed or --no-deepspeed)")
-        + ".\n",
-        flush=True,
-    )
+    print(_method(setup, threads, args.clock, ds is not None) + "\n", flush=True)
 
     seeds = list(range(setup.seeds))
     study = dict(setup=dataclasses.asdict(setup), threads=threads, clock=args.clock, datasets={})

@@ -210,114 +210,6 @@ def test_public_api_is_the_eighteen_names():
     assert sorted(own) == sorted(PUBLIC_NAMES), sorted(set(own) - PUBLIC_NAMES)
 
 
-# -- the style rules the formatter does not enforce (STYLE.md, point 12) --------------------------
-
-_MAX_FUNCTION_LINES = 60
-
-
-def _style_offences(source: str, filename: str = "varbatch.py") -> list[str]:
-    """``"FILE:LINE: what"`` for each place in ``source`` that breaks a style rule the formatter leaves open.
-
-    The rules: no conditional expression inside a conditional expression's test, value or alternative
-    (at any depth: parentheses do not make it another expression); no ``property(lambda ...)``; no tuple
-    (or list) assignment target of more than two names unless the right side is one call's result; no
-    function or method with more than 60 lines of code in its body. A body's lines are those its
-    statements span as the file lays them out, less blank lines, comment-only lines and the docstring's
-    lines; a nested function's body lines count for the nested function only (its ``def`` line and
-    decorators for the enclosing one), so that every line counts once, for its innermost function.
-    """
-    functions = (ast.FunctionDef, ast.AsyncFunctionDef)
-    lines = source.splitlines()
-
-    def code_lines(function):
-        body = function.body
-        spanned = {number for statement in body for number in range(statement.lineno, statement.end_lineno + 1)}
-        first = body[0]
-        if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
-            spanned -= set(range(first.lineno, first.end_lineno + 1))
-        for inner in ast.walk(function):
-            if inner is not function and isinstance(inner, functions):
-                spanned -= set(range(inner.body[0].lineno, inner.end_lineno + 1))
-        return [number for number in spanned if lines[number - 1].strip() and lines[number - 1].strip()[0] != "#"]
-
-    def names_in(target):
-        if isinstance(target, (ast.Tuple, ast.List)):
-            return sum(names_in(element) for element in target.elts)
-        return 1
-
-    def offence(node, owner):
-        """What ``node`` breaks (``owner``: the definition it is, or is in), or None."""
-        if isinstance(node, functions) and len(code_lines(node)) > _MAX_FUNCTION_LINES:
-            return f"{owner} has {len(code_lines(node))} lines of code (at most {_MAX_FUNCTION_LINES})"
-        if isinstance(node, ast.IfExp):
-            parts = (node.test, node.body, node.orelse)
-            if any(isinstance(inner, ast.IfExp) for part in parts for inner in ast.walk(part)):
-                return f"a conditional expression nested in another, in {owner}"
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "property":
-            getters = node.args[:1] + [keyword.value for keyword in node.keywords if keyword.arg == "fget"]
-            if any(isinstance(getter, ast.Lambda) for getter in getters):
-                return f"property(lambda ...) in {owner}; use @property"
-        if isinstance(node, ast.Assign) and not isinstance(node.value, ast.Call):
-            packed = [names_in(target) for target in node.targets if isinstance(target, (ast.Tuple, ast.List))]
-            if packed and max(packed) > 2:
-                return f"a tuple assignment of {max(packed)} names, not from one call's result, in {owner}"
-        return None
-
-    offences = []
-
-    def visit(node, owner):
-        for child in ast.iter_child_nodes(node):
-            name = owner
-            if isinstance(child, (*functions, ast.ClassDef)):
-                name = child.name if owner == "the module" else f"{owner}.{child.name}"
-            problem = offence(child, name)
-            if problem:
-                offences.append(f"{filename}:{child.lineno}: {problem}")
-            visit(child, name)
-
-    visit(ast.parse(source, filename), "the module")
-    return offences
-
-
-def test_style_check_finds_each_defect():
-    """The style check flags a snippet with each defect once, and passes their corrected forms: it can fail."""
-
-    def statements(count, indent):
-        return "".join(f"{' ' * indent}x{number} = {number}\n" for number in range(count))
-
-    docstring = '    """A docstring,\n\n    not counted."""\n'
-    bad = (
-        f"def long():\n{docstring}{statements(_MAX_FUNCTION_LINES + 1, 4)}"
-        "def picks(a, b):\n    return 1 if a else (2 if b else 3)\n"
-        "class Shape:\n    area = property(lambda self: 0)\n"
-        "first, second, third = 1, 2, 3\n"
-    )
-    found = _style_offences(bad, "bad.py")
-    assert len(found) == 4, found
-    assert found[0] == f"bad.py:1: long has {_MAX_FUNCTION_LINES + 1} lines of code (at most 60)", found
-    assert "conditional expression nested in another, in picks" in found[1], found
-    assert "property(lambda ...) in Shape" in found[2], found
-    assert "tuple assignment of 3 names" in found[3], found
-    # At the limit: 59 lines and the nested function's def line; the nested body counts for itself.
-    good = (
-        f"def short():\n{docstring}{statements(_MAX_FUNCTION_LINES - 1, 4)}\n    # a comment\n\n"
-        f"    def inner():\n{statements(_MAX_FUNCTION_LINES, 8)}"
-        "def picks(a):\n    return 1 if a else 2\n"
-        "class Shape:\n    @property\n    def area(self):\n        return 0\n"
-        "first, second = 1, 2\n"
-        "one, two, three = range(3)\n"
-    )
-    assert _style_offences(good, "good.py") == []
-
-
-def test_varbatch_follows_the_style_rules():
-    """varbatch.py breaks none of the style rules the formatter does not enforce (see _style_offences)."""
-    with open(os.path.join(_ROOT, "varbatch.py"), encoding="utf-8") as file:
-        offences = _style_offences(file.read())
-    if offences:
-        pytest.fail(f"{len(offences)} places break the style rules:\n" + "\n".join(offences), pytrace=False)
-
-
 def _evaluated_at_import(node):
     """The expressions of a module-level statement that Python evaluates when it runs: a function's decorators and
     defaults (not its body or annotations, which `from __future__ import annotations` leaves unevaluated), a class's
@@ -1204,34 +1096,14 @@ def test_a_null_config_seed_is_read_as_an_absent_one(data_efficiency_seed, expec
     assert planned(seed=0) != expected.microbatches(), "seed 0 plans as the expected seed: the case shows nothing"
 
 
-# The default window of the `bucket` order, chosen for real tokens (issue 26): a small set sorted whole, >= 99% of
-# the padded slots real tokens from 100k long-tailed samples, and fresh micro-batches still at 1M.
+# The default window of the `bucket` order: a function of (seed, epoch) that sorts a small set whole. Its real tokens
+# (>= 99% from 100k long-tailed samples) and fresh micro-batches (at 1M) are bench.py's targets (2d).
 
 
 def _long_tailed(num_samples: int, seed: int) -> np.ndarray:
     """bench.py's long-tailed lengths: lognormal(5.5, 0.9) rounded and clipped to 8..4096."""
     raw = np.round(np.random.default_rng(seed).lognormal(5.5, 0.9, num_samples))
     return np.clip(raw, 8, 4096).astype(np.int64)
-
-
-def _microbatch_of(plan: varbatch.Plan, num_samples: int) -> np.ndarray:
-    """Per sample, the index of its micro-batch in ``plan`` (-1 where the plan left it out)."""
-    of = np.full(num_samples, -1, dtype=np.int64)
-    of[plan.sample_ids] = np.repeat(np.arange(plan.num_microbatches), plan.microbatch_sizes())
-    return of
-
-
-def _meet_again_share(first: varbatch.Plan, second: varbatch.Plan, num_samples: int) -> float:
-    """Of the sample pairs that share a micro-batch in ``first``, the share that share one in ``second`` (over the
-    samples in both): a group of n samples sharing a micro-batch in both holds C(n, 2) of them."""
-    in_first, in_second = _microbatch_of(first, num_samples), _microbatch_of(second, num_samples)
-    both = (in_first >= 0) & (in_second >= 0)
-
-    def pairs(counts: np.ndarray) -> int:
-        return int((counts * (counts - 1) // 2).sum())
-
-    together = in_first[both] * (int(in_second.max()) + 1) + in_second[both]
-    return pairs(np.unique(together, return_counts=True)[1]) / pairs(np.bincount(in_first[both]))
 
 
 @settings(max_examples=30)
@@ -1270,37 +1142,8 @@ def test_default_bucket_window_sorts_a_small_set_whole():
         plan = plan_batches(seqlens, 16384, epoch=1, **options)
         whole = plan_batches(seqlens, 16384, epoch=1, bucket_size=len(seqlens), **options)
         assert plan.microbatches() == whole.microbatches(), f"pipeline={pipeline}: not one sorted window"
-    efficiency = plan_batches(seqlens, 16384, budget="padded", order="bucket").totals()["efficiency"]
-    assert efficiency >= 0.95, efficiency
-    thirds = plan_batches(seqlens, 16384, budget="padded", order="bucket", bucket_size=667).totals()["efficiency"]
-    assert thirds < efficiency - 0.03, "the case shows nothing: windows of a third pad as little"
-
-
-@pytest.mark.parametrize("budget", ["sum", "padded"])
-@pytest.mark.parametrize("pipeline", [False, True], ids=["DDP", "pipeline"])
-def test_default_bucket_window_fills_99_percent_at_100k(budget, pipeline):
-    """On 100k long-tailed lengths (k = 8) the default window fills >= 99% of the padded B x S slots with real tokens
-    (a pipeline's micro-batches padded to their batch's longest)."""
-    seqlens = _long_tailed(100_000, seed=1)
-    options = dict(effective_batch_size=8, budget=budget, order="bucket", same_size=pipeline, same_length=pipeline)
-    efficiency = plan_batches(seqlens, 16384, **options).totals()["efficiency"]
-    assert efficiency >= 0.99, efficiency
-    if not pipeline and budget == "padded":
-        blocks_64 = math.ceil(64 * 16384 * len(seqlens) / seqlens.sum())  # the window until issue 26
-        smaller = plan_batches(seqlens, 16384, bucket_size=blocks_64, **options).totals()["efficiency"]
-        assert smaller < 0.98, "the case shows nothing: a window of 64 blocks fills as much"
-
-
-def test_default_bucket_window_draws_fresh_micro_batches_at_1m():
-    """On 1M long-tailed lengths (DDP, padded budget) at most 5% of the pairs of samples that share a micro-batch
-    share one again next epoch (one sorted window: ~10%), with >= 99% real tokens."""
-    seqlens = _long_tailed(1_000_000, seed=2)
-    plans = [
-        plan_batches(seqlens, 16384, effective_batch_size=8, budget="padded", order="bucket", epoch=e) for e in (0, 1)
-    ]
-    again = _meet_again_share(*plans, len(seqlens))
-    assert 0 < again <= 0.05, again
-    assert plans[0].totals()["efficiency"] >= 0.99, plans[0].totals()["efficiency"]
+        thirds = plan_batches(seqlens, 16384, epoch=1, bucket_size=667, **options)
+        assert thirds.microbatches() != whole.microbatches(), "the case shows nothing: windows of a third plan alike"
 
 
 # =============================================================================
@@ -2223,41 +2066,7 @@ def _oracle_plan(
     if order == "seqlen":
         todo = sorted(todo, key=lambda i: (seqlens[i], i))  # ties by id, as DeepSpeed's sort of (len, id)
     cap = max_batch_size or len(todo)
-
-    def fits(mbs):
-        if budget == "sum":
-            return all(sum(seqlens[i] for i in mb) <= max_tokens for mb in mbs)
-        for g in range(0, len(mbs), group):
-            longest = max(seqlens[i] for mb in mbs[g : g + group] for i in mb)
-            if any(len(mb) * longest > max_tokens for mb in mbs[g : g + group]):
-                return False
-        return True
-
-    def layout(pos, n, consecutive):
-        chunk = todo[pos : pos + n * width]
-        return (
-            [chunk[b * n : (b + 1) * n] for b in range(width)]
-            if consecutive
-            else [chunk[b::width] for b in range(width)]
-        )
-
-    units, too_small, pos = [], [], 0
-    while pos + width <= len(todo):
-        rows_left = min(cap, (len(todo) - pos) // width)
-        n = max([n for n in range(1, rows_left + 1) if fits(layout(pos, n, False))], default=0)
-        consecutive = False
-        if n < min_batch_size <= rows_left:
-            fallback = max([r for r in range(min_batch_size, rows_left + 1) if fits(layout(pos, r, True))], default=0)
-            if fallback:
-                n, consecutive = fallback, True
-        if n >= min_batch_size:
-            units.append(layout(pos, n, consecutive))
-            pos += n * width
-        elif n == rows_left:  # stopped by the end of the data
-            break
-        else:  # stopped by the budget short of min_batch_size rows
-            too_small.append(todo[pos])
-            pos += 1
+    units, too_small, pos = _oracle_blocks(todo, seqlens, max_tokens, width, group, budget, min_batch_size, cap)
     tail = todo[pos:]
     per_batch = k // width
     full = len(units) - len(units) % per_batch
@@ -2274,6 +2083,54 @@ def _oracle_plan(
         "filtered": filtered,
     }
     return fixed, leftover, width, dropped
+
+
+def _oracle_fits(mbs, seqlens, max_tokens, budget, group):
+    """Whether the micro-batches ``mbs`` hold the budget; padded: each ``group`` adjacent ones padded to one S."""
+    if budget == "sum":
+        return all(sum(seqlens[i] for i in mb) <= max_tokens for mb in mbs)
+    for g in range(0, len(mbs), group):
+        longest = max(seqlens[i] for mb in mbs[g : g + group] for i in mb)
+        if any(len(mb) * longest > max_tokens for mb in mbs[g : g + group]):
+            return False
+    return True
+
+
+def _oracle_layout(chunk, n, width, consecutive):
+    """``width`` micro-batches of ``n`` samples from ``chunk``: consecutive, or interleaved (every width-th)."""
+    if consecutive:
+        return [chunk[b * n : (b + 1) * n] for b in range(width)]
+    return [chunk[b::width] for b in range(width)]
+
+
+def _oracle_blocks(todo, seqlens, max_tokens, width, group, budget, min_batch_size, cap):
+    """The oracle's walk over ``todo`` in blocks (see `_oracle_plan`): ``(blocks, too_small, pos)``, the blocks
+    packed, the samples dropped as min_batch_size, and where the walk stopped."""
+
+    def block(pos, n, consecutive):
+        return _oracle_layout(todo[pos : pos + n * width], n, width, consecutive)
+
+    def fits(mbs):
+        return _oracle_fits(mbs, seqlens, max_tokens, budget, group)
+
+    units, too_small, pos = [], [], 0
+    while pos + width <= len(todo):
+        rows_left = min(cap, (len(todo) - pos) // width)
+        n = max([n for n in range(1, rows_left + 1) if fits(block(pos, n, False))], default=0)
+        consecutive = False
+        if n < min_batch_size <= rows_left:
+            fallback = max([r for r in range(min_batch_size, rows_left + 1) if fits(block(pos, r, True))], default=0)
+            if fallback:
+                n, consecutive = fallback, True
+        if n >= min_batch_size:
+            units.append(block(pos, n, consecutive))
+            pos += n * width
+        elif n == rows_left:  # stopped by the end of the data
+            break
+        else:  # stopped by the budget short of min_batch_size rows
+            too_small.append(todo[pos])
+            pos += 1
+    return units, too_small, pos
 
 
 def _oracle_case(case):
@@ -3937,6 +3794,23 @@ def _updates_off(sampler, updates, base_lr=_BASE_LR, schedule=None):
 _DECAY = 0.97  # the wrapped schedule of the AMP loops: lr x 0.97**t, so that t, the updates taken, shows
 
 
+def _amp_passes(loader, sampler, epochs, prefetching):
+    """``(epoch, step input)`` of ``epochs`` passes over ``loader``, set_epoch first; ``prefetching``: one stream over
+    the run, read one step input ahead (what a prefetching wrapper does), set_epoch never called."""
+    if prefetching:
+        stream = ((epoch, samples) for epoch in range(epochs) for samples in loader)
+        ahead = next(stream)
+        for item in stream:
+            yield ahead
+            ahead = item
+        yield ahead
+        return
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        for samples in loader:
+            yield epoch, samples
+
+
 def _amp_loop(
     skips,
     *,
@@ -3972,26 +3846,12 @@ def _amp_loop(
         lambda opt, args, kwargs: updates.append((opt.param_groups[0]["lr"], trained[:], state["t"]))
     )
 
-    def epoch_passes():
-        if loop == "prefetching":  # one stream over the run, read one ahead (what a prefetching wrapper does)
-            stream = ((epoch, samples) for epoch in range(epochs) for samples in loader)
-            ahead = next(stream)
-            for item in stream:
-                yield ahead
-                ahead = item
-            yield ahead
-            return
-        for epoch in range(epochs):
-            sampler.set_epoch(epoch)
-            for samples in loader:
-                yield epoch, samples
-
     def loss_of(samples, inf):
         return model(torch.cat(samples) / 200).pow(2).mean() * (math.inf if inf else 1.0) + frozen.sum()
 
     update = 0
     try:
-        for i, (epoch, samples) in enumerate(epoch_passes()):
+        for i, (epoch, samples) in enumerate(_amp_passes(loader, sampler, epochs, loop == "prefetching")):
             trained.extend((epoch, int(sample[0, 0])) for sample in samples)
             if loop == "two optimizer steps":  # SAM's first step, an update of its own, then the real one below
                 loss_of(samples, False).backward()
@@ -5500,13 +5360,17 @@ def test_a_resume_skip_over_a_loader_that_was_not_prepared_names_the_cause_and_t
 # =============================================================================
 # 9. Bad input: one table per entry point
 # =============================================================================
-# Each row: (what is wrong, the call, the exception type, a piece of the message that names the value).
+# One row per distinct refusal: (what is wrong, the call or a list of calls that meet the same check, the exception
+# type, the name or names the message gives for the fix: the setting to change, or what to pass).
 
 
-def _check_refused(call, error, names):
-    with pytest.raises(error) as info:
-        call()
-    assert names in str(info.value), f"the message does not name {names!r}: {info.value}"
+def _check_refused(calls, error, names):
+    """Each of ``calls`` raises ``error``, its message naming each of ``names``."""
+    for call in calls if isinstance(calls, list) else [calls]:
+        with pytest.raises(error) as info:
+            call()
+        for name in (names,) if isinstance(names, str) else names:
+            assert name in str(info.value), f"the message does not name {name!r}: {info.value}"
 
 
 def _rows(table):
@@ -5514,94 +5378,111 @@ def _rows(table):
 
 
 _BAD_PLAN_BATCHES = [
-    ("seqlens negative", lambda: plan_batches([3, -2, 4], 10), ValueError, "seqlens[1]=-2"),
-    ("seqlens zero", lambda: plan_batches([3, 0], 10), ValueError, "seqlens[1]=0"),
-    ("seqlens fraction", lambda: plan_batches([3, 2.5], 10), ValueError, "seqlens[1]=2.5"),
-    ("seqlens nan", lambda: plan_batches([3.0, float("nan")], 10), ValueError, "seqlens[1]=nan"),
-    ("seqlens 2-D", lambda: plan_batches([[1, 2], [3, 4]], 10), ValueError, "shape (2, 2)"),
-    ("seqlens ragged", lambda: plan_batches([[1, 2], [3]], 10), ValueError, "ragged"),
-    ("seqlens text", lambda: plan_batches(["a", "b"], 10), TypeError, "dtype <U1"),
-    ("seqlens a string", lambda: plan_batches("abc", 10), TypeError, "seqlens='abc'"),
-    ("seqlens a generator", lambda: plan_batches((n for n in [3, 2]), 10), TypeError, "seqlens=<generator"),
-    ("seqlens a set", lambda: plan_batches({3, 2}, 10), TypeError, "seqlens={2, 3} of type set"),
-    ("seqlens bools", lambda: plan_batches([True, False], 10), TypeError, "dtype bool"),
     (
-        "seqlens uint64 above 2**63",
-        lambda: plan_batches(np.array([2**63 + 5, 3], dtype=np.uint64), 10),
+        "seqlens not whole numbers >= 1",
+        [
+            lambda: plan_batches([3, 0], 10),
+            lambda: plan_batches([3, 2.5], 10),
+            lambda: plan_batches([3.0, float("nan")], 10),
+            lambda: plan_batches(np.array([2**63 + 5, 3], dtype=np.uint64), 10),
+        ],
         ValueError,
-        f"seqlens[0]={2**63 + 5}",
+        "seqlens",
     ),
-    ("max_tokens 0", lambda: plan_batches([1, 2, 3], 0), ValueError, "max_tokens=0"),
-    ("max_tokens negative", lambda: plan_batches([1, 2, 3], -5), ValueError, "max_tokens=-5"),
-    ("max_tokens fraction", lambda: plan_batches([1, 2, 3], 2.5), TypeError, "max_tokens=2.5"),
-    ("max_tokens a string", lambda: plan_batches([1, 2, 3], "10"), TypeError, "max_tokens='10'"),
-    ("max_tokens a bool", lambda: plan_batches([1, 2, 3], True), TypeError, "max_tokens=True"),
-    ("max_tokens 2**62", lambda: plan_batches([1, 2, 3], 2**62), ValueError, f"max_tokens={2**62}"),
+    (
+        "seqlens not flat",
+        [lambda: plan_batches([[1, 2], [3, 4]], 10), lambda: plan_batches([[1, 2], [3]], 10)],
+        ValueError,
+        "seqlens",
+    ),
+    (
+        "seqlens not numbers",
+        [lambda: plan_batches(["a", "b"], 10), lambda: plan_batches([True, False], 10)],
+        TypeError,
+        "seqlens",
+    ),
+    (
+        "seqlens not a sequence",
+        [
+            lambda: plan_batches("abc", 10),
+            lambda: plan_batches((n for n in [3, 2]), 10),
+            lambda: plan_batches({3, 2}, 10),
+        ],
+        TypeError,
+        "seqlens",
+    ),
+    (
+        "max_tokens out of range",
+        [lambda: plan_batches([1, 2, 3], 0), lambda: plan_batches([1, 2, 3], 2**62)],
+        ValueError,
+        "max_tokens",
+    ),
+    (
+        "max_tokens not an integer",
+        [
+            lambda: plan_batches([1, 2, 3], 2.5),
+            lambda: plan_batches([1, 2, 3], "10"),
+            lambda: plan_batches([1, 2, 3], True),
+        ],
+        TypeError,
+        "max_tokens",
+    ),
     (
         "effective_batch_size 0",
         lambda: plan_batches([1, 2, 3], 10, effective_batch_size=0),
         ValueError,
-        "effective_batch_size=0",
-    ),
-    (
-        "effective_batch_size negative",
-        lambda: plan_batches([1, 2, 3], 10, effective_batch_size=-1),
-        ValueError,
-        "effective_batch_size=-1",
+        "effective_batch_size",
     ),
     (
         "effective_batch_size not a multiple of the step input",
         lambda: plan_batches([1, 2, 3], 10, effective_batch_size=3, micro_batch_size=2),
         ValueError,
-        "effective_batch_size=3",
+        ("effective_batch_size", "train_batch_size"),
     ),
-    ("min_batch_size a float", lambda: plan_batches([1, 2], 5, min_batch_size=0.0), TypeError, "min_batch_size=0.0"),
-    ("max_batch_size a bool", lambda: plan_batches([1, 2], 5, max_batch_size=False), TypeError, "max_batch_size=False"),
+    ("min_batch_size a float", lambda: plan_batches([1, 2], 5, min_batch_size=0.0), TypeError, "min_batch_size"),
+    ("max_batch_size a bool", lambda: plan_batches([1, 2], 5, max_batch_size=False), TypeError, "max_batch_size"),
     (
         "min_batch_size above max_batch_size",
         lambda: plan_batches([1, 2, 3], 10, min_batch_size=3, max_batch_size=2),
         ValueError,
-        "min_batch_size=3 and max_batch_size=2",
+        ("min_batch_size", "max_batch_size"),
     ),
     (
         "padded same length without same size",
         lambda: plan_batches([1, 2, 3], 10, budget="padded", same_length=True),
         ValueError,
-        "set same_size=True",
+        "same_size=True",
     ),
-    ("same_size not a bool", lambda: plan_batches([1, 2], 5, same_size="yes"), TypeError, "same_size='yes'"),
-    ("seed negative", lambda: plan_batches([1, 2], 5, seed=-1), ValueError, "seed=-1"),
-    ("bucket_size 0", lambda: plan_batches([1, 2], 5, bucket_size=0), ValueError, "bucket_size=0"),
-    ("epoch negative", lambda: plan_batches([1, 2], 5, epoch=-1), ValueError, "epoch=-1"),
-    ("unknown option", lambda: plan_batches([1, 2], 5, bucketsize=3), TypeError, "did you mean 'bucket_size'"),
-    ("sample_ids out of range", lambda: plan_batches([1, 2, 3], 10, sample_ids=[0, 5]), ValueError, "sample_ids[1]=5"),
-    ("sample_ids negative", lambda: plan_batches([1, 2, 3], 10, sample_ids=[-1, 0]), ValueError, "sample_ids[0]=-1"),
-    ("sample_ids twice", lambda: plan_batches([1, 2, 3], 10, sample_ids=[0, 1, 1]), ValueError, "(ids 1)"),
-    ("sample_ids floats", lambda: plan_batches([1, 2, 3], 10, sample_ids=[0.0, 1.0]), TypeError, "float64"),
+    ("same_size not a bool", lambda: plan_batches([1, 2], 5, same_size="yes"), TypeError, "same_size"),
+    ("seed negative", lambda: plan_batches([1, 2], 5, seed=-1), ValueError, "seed"),
+    ("bucket_size 0", lambda: plan_batches([1, 2], 5, bucket_size=0), ValueError, "bucket_size"),
+    ("epoch negative", lambda: plan_batches([1, 2], 5, epoch=-1), ValueError, "epoch"),
+    ("unknown option", lambda: plan_batches([1, 2], 5, bucketsize=3), TypeError, "'bucket_size'"),
+    ("sample_ids out of range", lambda: plan_batches([1, 2, 3], 10, sample_ids=[0, 5]), ValueError, "sample_ids"),
+    ("sample_ids negative", lambda: plan_batches([1, 2, 3], 10, sample_ids=[-1, 0]), ValueError, "sample_ids"),
+    ("sample_ids twice", lambda: plan_batches([1, 2, 3], 10, sample_ids=[0, 1, 1]), ValueError, "sample_ids"),
+    ("sample_ids floats", lambda: plan_batches([1, 2, 3], 10, sample_ids=[0.0, 1.0]), TypeError, "sample_ids"),
     (
-        "sample_ids a generator",
-        lambda: plan_batches([1, 2, 3], 10, sample_ids=(i for i in [0, 1])),
+        "sample_ids not a sequence",
+        [
+            lambda: plan_batches([1, 2, 3], 10, sample_ids=(i for i in [0, 1])),
+            lambda: plan_batches([1, 2, 3], 10, sample_ids={0, 1}),
+        ],
         TypeError,
-        "sample_ids=<generator",
-    ),
-    (
-        "sample_ids a set",
-        lambda: plan_batches([1, 2, 3], 10, sample_ids={0, 1}),
-        TypeError,
-        "sample_ids={0, 1} of type set",
+        "sample_ids",
     ),
     (
         "over budget with on_overlong='error'",
         lambda: plan_batches([2, 6, 3, 7], 5, on_overlong="error"),
         ValueError,
-        "2 samples (ids 1, 3)",
+        ("max_tokens", "on_overlong='skip'"),
     ),
-    ("every sample over budget", lambda: plan_batches([5, 4, 9], 3), ValueError, "max_tokens=3 (shortest 4)"),
+    ("every sample over budget", lambda: plan_batches([5, 4, 9], 3), ValueError, "max_tokens"),
     (
         "too few samples for a batch",
         lambda: plan_batches([1, 1, 1], 10, effective_batch_size=4),
         ValueError,
-        "effective_batch_size=4",
+        ("effective_batch_size", "min_batch_size"),
     ),
 ]
 
@@ -5655,21 +5536,31 @@ def test_unknown_choice_lists_valid_ones_and_suggests_closest(call, value, close
 
 
 _BAD_SCALE_LR = [
-    ("base_batch_size 0", lambda: scale_lr(0, 4), ValueError, "base_batch_size=0"),
-    ("base_batch_size negative", lambda: scale_lr(-2, 4), ValueError, "base_batch_size=-2"),
-    ("base_batch_size nan", lambda: scale_lr(float("nan"), 4), ValueError, "base_batch_size=nan"),
-    ("base_batch_size a string", lambda: scale_lr("2", 4), TypeError, "base_batch_size='2'"),
-    ("batch_size inf", lambda: scale_lr(2, float("inf")), ValueError, "batch_size=inf"),
-    ("batch_size negative", lambda: scale_lr(2, -1), ValueError, "batch_size=-1"),
-    ("base_lr a string", lambda: scale_lr(2, 4, "x"), TypeError, "base_lr='x'"),
-    ("method unknown", lambda: scale_lr(2, 4, method="lineer"), ValueError, "'lineer'"),
-    ("method returns a negative factor", lambda: scale_lr(2, 4, method=lambda r: -r), ValueError, "returned -2"),
-    ("method returns nan", lambda: scale_lr(2, 4, method=lambda r: float("nan")), ValueError, "returned nan"),
+    (
+        "base_batch_size not a number > 0",
+        [lambda: scale_lr(0, 4), lambda: scale_lr(float("nan"), 4)],
+        ValueError,
+        "base_batch_size",
+    ),
+    ("base_batch_size a string", lambda: scale_lr("2", 4), TypeError, "base_batch_size"),
+    (
+        "batch_size not a finite number >= 0",
+        [lambda: scale_lr(2, float("inf")), lambda: scale_lr(2, -1)],
+        ValueError,
+        "batch_size",
+    ),
+    ("base_lr a string", lambda: scale_lr(2, 4, "x"), TypeError, "base_lr"),
+    (
+        "method returns a factor not >= 0",
+        [lambda: scale_lr(2, 4, method=lambda r: -r), lambda: scale_lr(2, 4, method=lambda r: float("nan"))],
+        ValueError,
+        "lr_scaling_method",
+    ),
     (
         "base_batch_size so small that B / B_ref overflows",
         lambda: scale_lr(1e-320, 4),
         ValueError,
-        "B / B_ref is inf: B_ref is too small",
+        ("lr_scaling_reference", "base_batch_size"),
     ),
 ]
 
@@ -5681,18 +5572,18 @@ def test_bad_input_scale_lr(call, error, names):
 
 
 _BAD_LOSS_WEIGHT = [
-    ("num_replicas 0", lambda: micro_batch_loss_weight(2, 10, num_replicas=0), ValueError, "num_replicas=0"),
-    ("num_replicas a float", lambda: micro_batch_loss_weight(2, 10, num_replicas=1.5), TypeError, "num_replicas=1.5"),
+    ("num_replicas 0", lambda: micro_batch_loss_weight(2, 10, num_replicas=0), ValueError, "num_replicas"),
+    ("num_replicas a float", lambda: micro_batch_loss_weight(2, 10, num_replicas=1.5), TypeError, "num_replicas"),
     (
         "gradient_accumulation_steps negative",
         lambda: micro_batch_loss_weight(2, 10, gradient_accumulation_steps=-1),
         ValueError,
-        "gradient_accumulation_steps=-1",
+        "gradient_accumulation_steps",
     ),
-    ("batch_count a string", lambda: micro_batch_loss_weight(2, "12"), TypeError, "batch_count='12'"),
-    ("batch_count 0", lambda: micro_batch_loss_weight(0, 0), ValueError, "batch_count=0"),
-    ("count negative", lambda: micro_batch_loss_weight(-1, 10), ValueError, "count=-1"),
-    ("count above batch_count", lambda: micro_batch_loss_weight(11, 10), ValueError, "count=11"),
+    ("batch_count a string", lambda: micro_batch_loss_weight(2, "12"), TypeError, "batch_count"),
+    ("batch_count 0", lambda: micro_batch_loss_weight(0, 0), ValueError, "batch_count"),
+    ("count negative", lambda: micro_batch_loss_weight(-1, 10), ValueError, "count"),
+    ("count above batch_count", lambda: micro_batch_loss_weight(11, 10), ValueError, ("count", "batch_count")),
 ]
 
 
@@ -5721,70 +5612,70 @@ _BAD_SAMPLER = [
         "micro_batch_size 0",
         lambda: VariableBatchSampler([1, 2, 3, 4], 10, micro_batch_size=0),
         ValueError,
-        "micro_batch_size=0",
+        "micro_batch_size",
     ),
     (
         "gradient_accumulation_steps a float",
         lambda: VariableBatchSampler([1, 2, 3, 4], 10, gradient_accumulation_steps=1.5),
         TypeError,
-        "gradient_accumulation_steps=1.5",
+        "gradient_accumulation_steps",
     ),
-    ("num_replicas 0", lambda: VariableBatchSampler([1, 2, 3, 4], 10, num_replicas=0), ValueError, "num_replicas=0"),
+    ("num_replicas 0", lambda: VariableBatchSampler([1, 2, 3, 4], 10, num_replicas=0), ValueError, "num_replicas"),
     (
         "rank out of range",
         lambda: VariableBatchSampler([1, 2, 3, 4], 10, num_replicas=2, rank=2),
         ValueError,
-        "rank=2 with num_replicas=2",
+        ("rank", "num_replicas"),
     ),
-    ("rank negative", lambda: VariableBatchSampler([1, 2, 3, 4], 10, rank=-1), ValueError, "rank=-1"),
-    ("seed negative", lambda: VariableBatchSampler([1, 2, 3, 4], 10, seed=-1), ValueError, "seed=-1"),
-    (
-        "unknown option",
-        lambda: VariableBatchSampler([1, 2, 3, 4], 10, ordre="random"),
-        TypeError,
-        "did you mean 'order'",
-    ),
+    ("rank negative", lambda: VariableBatchSampler([1, 2, 3, 4], 10, rank=-1), ValueError, "rank"),
+    ("seed negative", lambda: VariableBatchSampler([1, 2, 3, 4], 10, seed=-1), ValueError, "seed"),
+    ("unknown option", lambda: VariableBatchSampler([1, 2, 3, 4], 10, ordre="random"), TypeError, "'order'"),
     (
         "too few samples for a batch",
         lambda: VariableBatchSampler([1, 1, 1], 10, gradient_accumulation_steps=4),
         ValueError,
-        "effective_batch_size=4",
+        ("effective_batch_size", "min_batch_size"),
     ),
     (
         "effective_batch_size given",
         lambda: VariableBatchSampler([1, 2, 3, 4], 8, effective_batch_size=4),
         TypeError,
-        "effective_batch_size=4, which it computes as micro_batch_size x gradient_accumulation_steps x num_replicas",
+        ("micro_batch_size", "gradient_accumulation_steps", "num_replicas"),
     ),
-    ("set_epoch negative", lambda: VariableBatchSampler([1, 2], 10).set_epoch(-1), ValueError, "epoch=-1"),
-    ("horizon of 0 epochs", lambda: VariableBatchSampler([1, 2], 10).horizon(0, "tokens"), ValueError, "epochs=0"),
-    ("horizon of -1 epochs", lambda: VariableBatchSampler([1, 2], 10).horizon(-1, "tokens"), ValueError, "epochs=-1"),
-    ("horizon in steps", lambda: VariableBatchSampler([1, 2], 10).horizon(3, "steps"), ValueError, "len(sampler)"),
-    ("horizon unit unknown", lambda: VariableBatchSampler([1, 2], 10).horizon(1, "tokns"), ValueError, "unit='tokns'"),
+    ("set_epoch negative", lambda: VariableBatchSampler([1, 2], 10).set_epoch(-1), ValueError, "epoch"),
+    ("horizon of 0 epochs", lambda: VariableBatchSampler([1, 2], 10).horizon(0, "tokens"), ValueError, "epochs"),
+    (
+        "horizon in steps",
+        lambda: VariableBatchSampler([1, 2], 10).horizon(3, "steps"),
+        ValueError,
+        ("tokens", "samples"),
+    ),
     (
         "horizon in tokens over given micro-batches",
         lambda: _given_microbatches_loader().variable_batch_sampler.horizon(2, "tokens"),
         ValueError,
-        "horizon(unit='tokens')",
+        "make_dataloader",
     ),
     (
-        "state_dict steps_done negative",
-        lambda: VariableBatchSampler([1, 2], 10).state_dict(steps_done=-1),
+        "state_dict steps_done outside the epoch",
+        [
+            lambda: VariableBatchSampler([1, 2], 10).state_dict(steps_done=-1),
+            lambda: VariableBatchSampler([1, 2], 10).state_dict(steps_done=2),
+        ],
         ValueError,
-        "steps_done=-1",
+        "steps_done",
     ),
     (
-        "state_dict steps_done past the epoch's end",
-        lambda: VariableBatchSampler([1, 2], 10).state_dict(steps_done=2),
-        ValueError,
-        "steps_done=2",
+        "load_state_dict not a dict",
+        lambda: VariableBatchSampler([1, 2], 10).load_state_dict("state"),
+        TypeError,
+        "dict",
     ),
-    ("load_state_dict not a dict", lambda: VariableBatchSampler([1, 2], 10).load_state_dict("state"), TypeError, "str"),
     (
         "load_state_dict past the epoch's end",
         lambda: VariableBatchSampler([1, 2, 3, 4], 10).load_state_dict(_resumed_state(steps_done=999)),
         ValueError,
-        "steps_done=999",
+        "steps_done",
     ),
 ]
 
@@ -5807,31 +5698,23 @@ _BAD_MAKE_DATALOADER = [
         "another sampler",
         lambda: make_dataloader([1, 2], torch.utils.data.BatchSampler(range(2), 1, False)),
         TypeError,
-        "BatchSampler",
+        "VariableBatchSampler",
     ),
     (
-        "a batch size",
-        lambda: make_dataloader([torch.ones(2)] * 3, VariableBatchSampler([2, 2, 2], 4), batch_size=2),
+        "what the sampler decides",
+        [
+            lambda: make_dataloader([torch.ones(2)] * 3, VariableBatchSampler([2, 2, 2], 4), batch_size=2),
+            lambda: make_dataloader([torch.ones(2)] * 3, VariableBatchSampler([2, 2, 2], 4), shuffle=True),
+            lambda: make_dataloader([torch.ones(2)] * 3, VariableBatchSampler([2, 2, 2], 4), in_order=False),
+        ],
         TypeError,
-        "batch_size",
-    ),
-    (
-        "shuffle",
-        lambda: make_dataloader([torch.ones(2)] * 3, VariableBatchSampler([2, 2, 2], 4), shuffle=True),
-        TypeError,
-        "shuffle",
-    ),
-    (
-        "in_order False (step inputs out of the plan's order)",
-        lambda: make_dataloader([torch.ones(2)] * 3, VariableBatchSampler([2, 2, 2], 4), in_order=False),
-        TypeError,
-        "['in_order']",
+        "VariableBatchSampler",
     ),
     (
         "seqlens of another dataset size",
         lambda: make_dataloader([torch.ones(2)] * 4, VariableBatchSampler([2, 2, 2], 4)),
         ValueError,
-        "dataset has 4 samples but the sampler was given 3 seqlens",
+        "seqlen",
     ),
     (
         "same length without sample_padding_fn",
@@ -5840,49 +5723,49 @@ _BAD_MAKE_DATALOADER = [
             VariableBatchSampler([3, 4, 5, 2], 10, same_size=True, same_length=True),
         ),
         ValueError,
-        "sample_padding_fn is None",
+        "sample_padding_fn=varbatch.pad_sample",
     ),
     (
         "sample_padding_fn that does not pad",
         lambda: _loader_of([3, 5, 2, 4], lambda s, n: s, same_size=True, same_length=True),
         ValueError,
-        "sample of length 5, but returned length",
+        "sample_padding_fn",
     ),
     (
         "collate_fn not callable",
         lambda: make_dataloader([torch.ones(2)] * 3, VariableBatchSampler([2, 2, 2], 4), collate_fn=3),
         TypeError,
-        "collate_fn=3",
+        "collate_fn",
     ),
     (
         "sample_padding_fn not callable",
         lambda: make_dataloader([torch.ones(2)] * 3, VariableBatchSampler([2, 2, 2], 4), sample_padding_fn=3),
         TypeError,
-        "sample_padding_fn=3",
+        "sample_padding_fn",
     ),
     (
         "batch_count no unit",
         lambda: make_dataloader([torch.ones(2)] * 3, VariableBatchSampler([2, 2, 2], 4), batch_count="token"),
         ValueError,
-        "batch_count='token' (did you mean 'tokens'?)",
+        ("batch_count", "'tokens'"),
     ),
     (
         "batch_count a count per sample of another size",
         lambda: make_dataloader([torch.ones(2)] * 3, VariableBatchSampler([2, 2, 2], 4), batch_count=[1, 1]),
         ValueError,
-        "one count per sample (3), but got 2 counts",
+        "batch_count",
     ),
     (
         "batch_count a negative count",
         lambda: make_dataloader([torch.ones(2)] * 3, VariableBatchSampler([2, 2, 2], 4), batch_count=[1, -1, 1]),
         ValueError,
-        "batch_count[1]=-1",
+        "batch_count",
     ),
     (
         "batch_count a number",
         lambda: make_dataloader([torch.ones(2)] * 3, VariableBatchSampler([2, 2, 2], 4), batch_count=12),
         TypeError,
-        "batch_count=12",
+        "batch_count",
     ),
     (
         "batch_count in tokens over given micro-batches (no seqlens)",
@@ -5892,7 +5775,7 @@ _BAD_MAKE_DATALOADER = [
             batch_count="label_tokens",
         ),
         ValueError,
-        "batch_count='label_tokens' counts tokens",
+        ("batch_count", "make_dataloader"),
     ),
 ]
 
@@ -5904,68 +5787,52 @@ def test_bad_input_make_dataloader(call, error, names):
 
 
 _BAD_PADDING = [
-    ("pad_sample shorter than the sample", lambda: pad_sample(torch.ones(3), 2), ValueError, "seqlen 3 to length=2"),
-    ("pad_sample a scalar field named", lambda: pad_sample({"a": 3}, 4, fields=["a"]), ValueError, "field 'a'"),
-    ("pad_sample an unknown sample type", lambda: pad_sample(object(), 3), (TypeError, ValueError), "object"),
-    ("pad_sample a number", lambda: pad_sample(5, 3), (TypeError, ValueError), "int"),
-    ("pad_sample length negative", lambda: pad_sample([1], -1), ValueError, "length=-1"),
-    ("pad_sample length a string", lambda: pad_sample([1], "3"), TypeError, "length='3'"),
-    ("pad_sample a list of strings", lambda: pad_sample(["a", "b"], 4), ValueError, "no field to pad in a list sample"),
+    ("pad_sample shorter than the sample", lambda: pad_sample(torch.ones(3), 2), ValueError, "seqlens"),
     (
-        "pad_sample a tuple of strings",
-        lambda: pad_sample(("a", "b"), 4),
+        "pad_sample a field with no sequence dimension",
+        [lambda: pad_sample({"a": 3}, 4, fields=["a"]), lambda: pad_sample(object(), 3), lambda: pad_sample(5, 3)],
         ValueError,
-        "no field to pad in a tuple sample",
+        ("fields", "sample_padding_fn"),
     ),
+    ("pad_sample length negative", lambda: pad_sample([1], -1), ValueError, "length"),
+    ("pad_sample length a string", lambda: pad_sample([1], "3"), TypeError, "length"),
     (
-        "pad_sample a dict of scalars",
-        lambda: pad_sample({"label": 1, "id": 2}, 4),
+        "pad_sample no field to pad",
+        [
+            lambda: pad_sample(["a", "b"], 4),
+            lambda: pad_sample(("a", "b"), 4),
+            lambda: pad_sample({"label": 1, "id": 2}, 4),
+            lambda: pad_sample({"input_ids": [1, 2]}, 4, fields=["ids"]),
+        ],
         ValueError,
-        "no field to pad in a dict sample",
+        ("fields", "sample_padding_fn"),
     ),
+    ("PaddedCollate no samples", lambda: PaddedCollate()([]), ValueError, "samples"),
+    ("PaddedCollate no sequence field", lambda: PaddedCollate()([{"a": 1}, {"a": 2}]), ValueError, "seqlens"),
     (
-        "pad_sample fields naming no key",
-        lambda: pad_sample({"input_ids": [1, 2]}, 4, fields=["ids"]),
+        "PaddedCollate samples of other fields",
+        [
+            lambda: PaddedCollate()([{"input_ids": [1, 2], "labels": [3, 4]}, {"input_ids": [5]}]),
+            lambda: PaddedCollate()([{"input_ids": [1, 2]}, {"labels": [4], "input_ids": [3]}]),
+            lambda: PaddedCollate()([([1, 2],), ([3], [4])]),
+        ],
         ValueError,
-        "(fields=['ids'])",
-    ),
-    ("PaddedCollate no samples", lambda: PaddedCollate()([]), ValueError, "empty"),
-    (
-        "PaddedCollate no sequence field",
-        lambda: PaddedCollate()([{"a": 1}, {"a": 2}]),
-        ValueError,
-        "no field with a sequence dimension",
-    ),
-    (
-        "PaddedCollate a sample missing a key",
-        lambda: PaddedCollate()([{"input_ids": [1, 2], "labels": [3, 4]}, {"input_ids": [5]}]),
-        ValueError,
-        "sample 0 has fields ['input_ids', 'labels'] and sample 1 has ['input_ids']",
-    ),
-    (
-        "PaddedCollate a sample with an extra key",
-        lambda: PaddedCollate()([{"input_ids": [1, 2]}, {"labels": [4], "input_ids": [3]}]),
-        ValueError,
-        "sample 0 has fields ['input_ids'] and sample 1 has ['labels', 'input_ids']",
-    ),
-    (
-        "PaddedCollate tuples of different lengths",
-        lambda: PaddedCollate()([([1, 2],), ([3], [4])]),
-        ValueError,
-        "sample 0 has fields [0] and sample 1 has [0, 1]",
+        "fields",
     ),
     (
         "PaddedCollate seqlens of another count",
         lambda: PaddedCollate()([torch.ones(2), torch.ones(1)], seqlens=[2]),
         ValueError,
-        "1 seqlens for 2 samples",
+        "seqlens",
     ),
-    ("seqlens_from_padded a 1-D tensor", lambda: seqlens_from_padded(torch.tensor([1, 2])), ValueError, "shape (2,)"),
     (
-        "seqlens_from_padded uncollated samples",
-        lambda: seqlens_from_padded([torch.tensor([5, 6]), torch.tensor([7])]),
+        "seqlens_from_padded not a collated batch",
+        [
+            lambda: seqlens_from_padded(torch.tensor([1, 2])),
+            lambda: seqlens_from_padded([torch.tensor([5, 6]), torch.tensor([7])]),
+        ],
         ValueError,
-        "collate the samples first",
+        "PaddedCollate",
     ),
 ]
 
@@ -5981,102 +5848,79 @@ _BAD_SCHEDULER = [
         "ReduceLROnPlateau",
         lambda: VariableBatchSizeLR(torch.optim.lr_scheduler.ReduceLROnPlateau(_optimizer()), 2, [2, 2]),
         TypeError,
-        "ReduceLROnPlateau",
+        "LambdaLR",
     ),
     ("not an optimizer", lambda: VariableBatchSizeLR(5, 2, [2, 2]), TypeError, "Optimizer"),
     (
         "lr_scaling_method unknown",
         lambda: VariableBatchSizeLR(_optimizer(), 2, [2, 2], lr_scaling_method="sqr"),
         ValueError,
-        "'sqr' (did you mean 'sqrt'?)",
+        "'sqrt'",
     ),
     (
-        "tokens unit without a sampler",
-        lambda: VariableBatchSizeLR(_optimizer(), 2, [2, 2], lr_scaling_unit="tokens"),
+        "a count of tokens without a sampler",
+        [
+            lambda: VariableBatchSizeLR(_optimizer(), 2, [2, 2], lr_scaling_unit="tokens"),
+            lambda: VariableBatchSizeLR(_optimizer(), 2, [2, 2], clock="tokens"),
+            lambda: VariableBatchSizeLR(_optimizer(), None, [2, 2]),
+        ],
         ValueError,
-        "lr_scaling_unit='tokens'",
+        "VariableBatchSampler",
     ),
     (
-        "token clock without a sampler",
-        lambda: VariableBatchSizeLR(_optimizer(), 2, [2, 2], clock="tokens"),
+        "a count of tokens over given micro-batches",
+        [
+            lambda: VariableBatchSizeLR(_optimizer(), 2, _given_microbatches_loader(), lr_scaling_unit="tokens"),
+            lambda: VariableBatchSizeLR(_optimizer(), "mean", _given_microbatches_loader(), clock="tokens"),
+        ],
         ValueError,
-        "clock='tokens'",
+        "make_dataloader",
     ),
-    (
-        "tokens unit over given micro-batches",
-        lambda: VariableBatchSizeLR(_optimizer(), 2, _given_microbatches_loader(), lr_scaling_unit="tokens"),
-        ValueError,
-        "lr_scaling_unit='tokens'",
-    ),
-    (
-        "token clock over given micro-batches",
-        lambda: VariableBatchSizeLR(_optimizer(), "mean", _given_microbatches_loader(), clock="tokens"),
-        ValueError,
-        "clock='tokens'",
-    ),
-    (
-        "default reference without a sampler",
-        lambda: VariableBatchSizeLR(_optimizer(), None, [2, 2]),
-        ValueError,
-        "base_batch_size=None",
-    ),
-    ("base_batch_size 0", lambda: VariableBatchSizeLR(_optimizer(), 0, [2, 2]), ValueError, "base_batch_size=0"),
+    ("base_batch_size 0", lambda: VariableBatchSizeLR(_optimizer(), 0, [2, 2]), ValueError, "base_batch_size"),
     (
         "base_batch_size a string",
         lambda: VariableBatchSizeLR(_optimizer(), "avg", [2, 2]),
         TypeError,
-        "base_batch_size='avg'",
+        "base_batch_size",
     ),
     (
         "base_batch_size so small that B / B_ref overflows (the LR was inf)",
         lambda: VariableBatchSizeLR(_optimizer(), 1e-320, [2, 2]),
         ValueError,
-        "B / B_ref is inf: B_ref is too small",
+        ("lr_scaling_reference", "base_batch_size"),
     ),
-    ("batch_sizes empty", lambda: VariableBatchSizeLR(_optimizer(), 2, []), ValueError, "batch_sizes=[]"),
-    ("batch_sizes zero", lambda: VariableBatchSizeLR(_optimizer(), 2, [2, 0]), ValueError, "batch_sizes[1]=0"),
-    (
-        "clock unknown",
-        lambda: VariableBatchSizeLR(_optimizer(), 2, _sampler(), clock="tokns"),
-        ValueError,
-        "clock='tokns'",
-    ),
+    ("batch_sizes empty", lambda: VariableBatchSizeLR(_optimizer(), 2, []), ValueError, "batch_sizes"),
+    ("batch_sizes zero", lambda: VariableBatchSizeLR(_optimizer(), 2, [2, 0]), ValueError, "batch_sizes"),
     (
         "clock_step 0",
         lambda: VariableBatchSizeLR(_optimizer(), 2, _sampler(), clock="tokens", clock_step=0),
         ValueError,
-        "clock_step=0",
-    ),
-    (
-        "clock_step negative",
-        lambda: VariableBatchSizeLR(_optimizer(), 2, _sampler(), clock="tokens", clock_step=-1),
-        ValueError,
-        "clock_step=-1",
+        "clock_step",
     ),
     (
         "clock_step with the steps clock (it was ignored)",
         lambda: VariableBatchSizeLR(_optimizer(), 2, [2, 2], clock="steps", clock_step=4),
         ValueError,
-        "clock_step=4",
+        ("clock", "clock_step"),
     ),
     (
         "last_epoch without initial_lr (torch's KeyError)",
         lambda: VariableBatchSizeLR(_optimizer(), 2, [2, 2], last_epoch=3),
         ValueError,
-        "last_epoch=3",
+        ("last_epoch", "load_state_dict"),
     ),
-    ("step with an epoch", lambda: VariableBatchSizeLR(_optimizer(), 2, [2, 2]).step(5), ValueError, "epoch=5"),
+    ("step with an epoch", lambda: VariableBatchSizeLR(_optimizer(), 2, [2, 2]).step(5), ValueError, "step()"),
     (
         "a VariableBatchSizeLR wrapped again (the factor applied twice)",
         lambda: VariableBatchSizeLR(VariableBatchSizeLR(_optimizer(), 2, [2, 4]), 2, [2, 4]),
         TypeError,
-        "VariableBatchSizeLR already",
+        "VariableBatchSizeLR",
     ),
     (
         "no scheduler nor optimizer",
         lambda: varbatch.lr_scheduler_for_variable_batch_size(2, [2], None, None),
         TypeError,
-        "lr_scheduler_or_optimizer is None",
+        "optimizer",
     ),
 ]
 
@@ -6092,14 +5936,13 @@ _BAD_HF_ADAPTER = [
         "not an HF Trainer",
         lambda: varbatch.hf_trainer_lr_scheduler(object(), _optimizer(), 2, [2, 2]),
         TypeError,
-        "but got object",
+        "create_scheduler",
     ),
     (
         "the Trainer's accumulation is not the sampler's",
         lambda: varbatch.hf_trainer_lr_scheduler(_fake_trainer(1), _optimizer(), "mean", _sampler()),
         ValueError,
-        "gradient_accumulation_steps=1 step inputs per update, but the sampler's batch is gradient_accumulation_"
-        "steps=2",
+        "gradient_accumulation_steps",
     ),
 ]
 
@@ -6119,7 +5962,7 @@ _BAD_DEEPSPEED_FUNCTIONS = [
             [torch.ones(1)] * 3, [(0, [0]), (0, [1]), (1, [2])], [1, 1]
         ),
         ValueError,
-        "microbatch_ids",
+        ("microbatch_ids", "batch_by_seqlens"),
     ),
     (
         "dataloader_for_variable_batch_size: rank out of range",
@@ -6127,7 +5970,7 @@ _BAD_DEEPSPEED_FUNCTIONS = [
             [torch.ones(1)] * 2, [(0, [0]), (1, [1])], [1, 1], dataloader_rank=2, dataloader_num_replicas=1
         ),
         ValueError,
-        "dataloader_rank=2",
+        "dataloader_rank",
     ),
     (
         "dataloader_for_variable_batch_size: same length without sample_padding_fn",
@@ -6135,13 +5978,13 @@ _BAD_DEEPSPEED_FUNCTIONS = [
             [torch.ones(3)], [(0, [0])], [3], required_microbatches_of_same_seqlen=True
         ),
         ValueError,
-        "sample_padding_fn is None",
+        "sample_padding_fn",
     ),
     (
         "get_dataloader...: seqlens of another dataset size",
         lambda: varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size([torch.ones(2)] * 4, [2, 2, 2], 4, 1),
         ValueError,
-        "dataset has 4 samples",
+        "seqlen",
     ),
     (
         "get_dataloader...: rank out of range",
@@ -6149,7 +5992,7 @@ _BAD_DEEPSPEED_FUNCTIONS = [
             [torch.ones(2)] * 3, [2, 2, 2], 4, 1, dataloader_rank=1
         ),
         ValueError,
-        "dataloader_rank=1",
+        "dataloader_rank",
     ),
     (
         "get_dataloader...: batch geometry",
@@ -6157,7 +6000,7 @@ _BAD_DEEPSPEED_FUNCTIONS = [
             [torch.ones(2)] * 3, [2, 2, 2], 4, 3, dataloader_num_replicas=2
         ),
         ValueError,
-        "effective_batch_size=3",
+        ("effective_batch_size", "train_batch_size"),
     ),
     (
         "get_dataloader...: unknown option",
@@ -6165,7 +6008,7 @@ _BAD_DEEPSPEED_FUNCTIONS = [
             [torch.ones(2)] * 3, [2, 2, 2], 4, 1, budgett="padded"
         ),
         TypeError,
-        "did you mean 'budget'",
+        "'budget'",
     ),
     (
         "get_dataloader...: lr_clock_step 0",
@@ -6180,7 +6023,7 @@ _BAD_DEEPSPEED_FUNCTIONS = [
             lr_clock_step=0,
         ),
         ValueError,
-        "clock_step=0",
+        "clock_step",
     ),
     (
         "get_dataloader...: filter ids out of range",
@@ -6188,24 +6031,21 @@ _BAD_DEEPSPEED_FUNCTIONS = [
             [torch.ones(2)] * 3, [2, 2, 2], 4, 1, dataset_filter_ids=[0, 5]
         ),
         ValueError,
-        "[1]=5",
+        "sample_ids",
     ),
-    ("batch_by_seqlens: bad seqlens", lambda: varbatch.batch_by_seqlens([3, 0], 10), ValueError, "seqlens[1]=0"),
+    ("batch_by_seqlens: bad seqlens", lambda: varbatch.batch_by_seqlens([3, 0], 10), ValueError, "seqlens"),
     (
-        "lr_scheduler_for_variable_batch_size: tokens unit over given micro-batches",
-        lambda: varbatch.lr_scheduler_for_variable_batch_size(
-            2, _given_microbatches_loader(), None, _optimizer(), lr_scaling_unit="tokens"
-        ),
+        "lr_scheduler_for_variable_batch_size: a count of tokens over given micro-batches",
+        [
+            lambda: varbatch.lr_scheduler_for_variable_batch_size(
+                2, _given_microbatches_loader(), None, _optimizer(), lr_scaling_unit="tokens"
+            ),
+            lambda: varbatch.lr_scheduler_for_variable_batch_size(
+                2, _given_microbatches_loader(), None, _optimizer(), clock="tokens"
+            ),
+        ],
         ValueError,
-        "lr_scaling_unit='tokens'",
-    ),
-    (
-        "lr_scheduler_for_variable_batch_size: token clock over given micro-batches",
-        lambda: varbatch.lr_scheduler_for_variable_batch_size(
-            2, _given_microbatches_loader(), None, _optimizer(), clock="tokens"
-        ),
-        ValueError,
-        "clock='tokens'",
+        "make_dataloader",
     ),
 ]
 
@@ -6241,20 +6081,20 @@ _BAD_CONFIGS = [
         "enabled a string",
         _section_config({"enabled": "true", "max_tokens": 16}),
         ValueError,
-        f"{_SECTION}.enabled is 'true', not true (a JSON boolean)",
+        f"{_SECTION}.enabled",
     ),
     ("max_tokens missing", _section_config({"enabled": True}), ValueError, f"{_SECTION}.max_tokens"),
     (
         "unknown key",
         _section_config({"enabled": True, "max_token": 16}),
         ValueError,
-        "'max_token' in data_efficiency.data_sampling.dynamic_batching; did you mean 'max_tokens'?",
+        (f"{_SECTION}", "'max_tokens'"),
     ),
     (
         "unknown key near the old spelling",
         _section_config({"enabled": True, "max_tokens": 16, "sentence_picking_ordre": "seqlen"}),
         ValueError,
-        "did you mean 'sentence_picking_order'?",
+        "'sentence_picking_order'",
     ),
     (
         "both spellings, two orders",
@@ -6268,67 +6108,67 @@ _BAD_CONFIGS = [
         "budget unknown",
         _section_config({"enabled": True, "max_tokens": 16, "budget": "pad"}),
         ValueError,
-        f"in {_SECTION}: budget should be",
+        (f"{_SECTION}", "budget"),
     ),
     (
         "max_tokens a string",
         _section_config({"enabled": True, "max_tokens": "16"}),
         TypeError,
-        f"in {_SECTION}: max_tokens should be an integer",
+        (f"{_SECTION}", "max_tokens"),
     ),
     (
         "lr_clock unknown",
         _section_config({"enabled": True, "max_tokens": 16, "lr_clock": "tokns"}),
         ValueError,
-        "lr_clock='tokns'",
+        "lr_clock",
     ),
     (
         "lr_clock_step 0",
         _section_config({"enabled": True, "max_tokens": 16, "lr_clock_step": 0}),
         ValueError,
-        "lr_clock_step=0",
+        "lr_clock_step",
     ),
     (
         "lr_clock_step with the steps clock (it was ignored)",
         _section_config({"enabled": True, "max_tokens": 16, "lr_clock_step": 4}),
         ValueError,
-        "lr_clock_step=4",
+        ("lr_clock", "lr_clock_step"),
     ),
     (
         "lr_scaling_reference negative",
         _section_config({"enabled": True, "max_tokens": 16, "lr_scaling_reference": -1}),
         ValueError,
-        "lr_scaling_reference=-1",
+        "lr_scaling_reference",
     ),
     (
         "lr_scaling_reference so small that B / B_ref overflows",
         _section_config({"enabled": True, "max_tokens": 16, "lr_scaling_reference": 1e-320}),
         ValueError,
-        "B / B_ref is inf: B_ref is too small",
+        "lr_scaling_reference",
     ),
     (
         "metrics_path a number",
         _section_config({"enabled": True, "max_tokens": 16, "metrics_path": 5}),
         TypeError,
-        "metrics_path=5",
+        "metrics_path",
     ),
     (
         "verbose not a bool",
         _section_config({"enabled": True, "max_tokens": 16, "verbose": "yes"}),
         TypeError,
-        "verbose='yes'",
+        "verbose",
     ),
     (
         "num_workers negative",
         _section_config({"enabled": True, "max_tokens": 16, "num_workers": -1}),
         ValueError,
-        "num_workers=-1",
+        "num_workers",
     ),
     (
         "on_overlong error with a sample over budget",
         _section_config({"enabled": True, "max_tokens": 7, "on_overlong": "error"}),
         ValueError,
-        "(ids 7)",
+        ("max_tokens", "on_overlong"),
     ),
 ]
 
@@ -6367,7 +6207,7 @@ _BAD_GLUE = [
             [torch.ones(2)], object(), dataset_seqlens=[2]
         ),
         TypeError,
-        "expected a DeepSpeed engine",
+        "deepspeed.initialize",
     ),
     (
         "batch sizes that do not multiply",
@@ -6375,15 +6215,19 @@ _BAD_GLUE = [
             [torch.ones(2)] * 4, _Engine(_glue_config(), gradient_accumulation_steps=3), dataset_seqlens=[2] * 4
         ),
         ValueError,
-        "train_batch_size=2 should be train_micro_batch_size_per_gpu x gradient_accumulation_steps x "
-        "data-parallel size = 1 x 3 x 1",
+        "train_batch_size",
     ),
-    ("no source of seqlens", lambda: _glue(_glue_config(), [torch.ones(2)] * 4), ValueError, "batch_seqlens_fn"),
+    (
+        "no source of seqlens",
+        lambda: _glue(_glue_config(), [torch.ones(2)] * 4),
+        ValueError,
+        ("dataset_seqlens", "batch_seqlens_fn"),
+    ),
     (
         "batch_seqlens_fn returns another count",
         lambda: _glue(_glue_config(), [torch.ones(2)] * 4, batch_seqlens_fn=lambda batch: [2]),
         ValueError,
-        "returned 1 lengths for a batch of 4 samples",
+        "batch_seqlens_fn",
     ),
 ]
 
@@ -6836,13 +6680,6 @@ def _costs(plan, seqlens, quadratic_tokens):
     return np.array(costs)
 
 
-def _idle(costs, num_replicas, gradient_accumulation_steps):
-    """``(per reduction, per batch)``: 1 - mean / max of what the ranks bring to each reduction, averaged."""
-    steps = costs.reshape(-1, num_replicas)
-    sums = costs.reshape(-1, gradient_accumulation_steps, num_replicas).sum(axis=1)
-    return float((1 - steps.mean(axis=1) / steps.max(axis=1)).mean()), float((1 - sums.mean(1) / sums.max(1)).mean())
-
-
 @settings(max_examples=60, deadline=None)
 @given(balance_cases())
 def test_balanced_plans_hold_the_packed_step_inputs(case):
@@ -6912,27 +6749,6 @@ def _issue_lengths(num_samples, seed=0):
     """Issue 30's long-tailed set: lognormal lengths, mean about 760, 6 to 8,000 tokens."""
     rng = np.random.default_rng(seed)
     return np.clip(np.round(rng.lognormal(6.15, 1.0, num_samples)), 6, 8_000).astype(np.int64)
-
-
-@pytest.mark.parametrize("padding_free", [False, True], ids=["padded", "flat"])
-@pytest.mark.parametrize("order", ["random", "bucket"])
-def test_balanced_ranks_wait_at_most_1_percent_at_8_ranks_and_3_at_64(order, padding_free):
-    """The issue's targets on 120,000 long-tailed lengths, max_tokens 16,384, q 5,000 and 30,000, G 1 and 4, per
-    reduction; unbalanced, the ranks wait 2.5% and more of every reduction (the bucket order at 8 ranks: 2.9-3.3%),
-    at least 5 times as long."""
-    seqlens = _issue_lengths(120_000)
-    for ranks, steps, quadratic_tokens in itertools.product((8, 64), (1, 4), (5_000, 30_000)):
-        options = dict(effective_batch_size=ranks * steps, num_replicas=ranks, order=order, seed=0, epoch=1)
-        options.update(budget="sum" if padding_free else "padded", padding_free=padding_free)
-        plan = plan_batches(seqlens, 16_384, **options)
-        balanced = plan_batches(seqlens, 16_384, balance_ranks=True, quadratic_tokens=quadratic_tokens, **options)
-        costs = varbatch._step_input_costs(balanced, seqlens)
-        before = varbatch._step_input_costs(_priced(plan, quadratic_tokens), seqlens)
-        assert np.array_equal(np.sort(costs), np.sort(before))  # the same step inputs
-        per_reduction = _idle(costs, ranks, steps)[0]
-        assert per_reduction <= (0.01 if ranks == 8 else 0.03), (ranks, steps, quadratic_tokens, per_reduction)
-        unbalanced = _idle(before, ranks, steps)[0]
-        assert unbalanced >= 0.025 and unbalanced >= 5 * per_reduction, (ranks, steps, quadratic_tokens, unbalanced)
 
 
 def test_step_input_costs_by_form():
@@ -7803,33 +7619,87 @@ def _check_ok(result):
     )
 
 
-def _two_processes(script, tmp_path, timeout=180):
-    """Runs ``script RANK PORT`` as two gloo ranks; returns each one's (exit code, stdout, stderr)."""
-    path = tmp_path / "script.py"
-    path.write_text(script)
-    port = str(_free_port())
-    env = dict(os.environ, PYTHONPATH=_ROOT)
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(path), str(r), port],
-            cwd=tmp_path,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
+# The 2-rank scripts of the tests below run in one pair of gloo processes, one script after another (torch
+# imported once per rank): each as a program of its own (``sys.argv`` its rank and its own port), its output and
+# exit code (SystemExit's, or 1 with the traceback) kept apart, a process group it left open ended after it, and
+# the folder's files listed (the scripts share the folder: a script run twice finds what the first run left).
+_TWO_RANK_RUNNER = """
+import contextlib, io, json, os, runpy, sys, traceback
+import torch.distributed as dist
+rank, ports, names = int(sys.argv[1]), sys.argv[2].split(","), sys.argv[3:]
+for name, port in zip(names, ports):
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    sys.argv = [name + ".py", str(rank), port]
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            runpy.run_path(name + ".py", run_name="__main__")
+        except SystemExit as done:
+            code = done.code if isinstance(done.code, int) else int(done.code is not None)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    files = sorted(os.path.relpath(os.path.join(d, f)) for d, _, fs in os.walk(".") for f in fs)
+    with open(f"{name}.{rank}.json", "w") as file:
+        json.dump({"code": code, "out": out.getvalue(), "err": err.getvalue(), "files": files}, file)
+"""
+
+
+def _two_rank_scripts():
+    """The scripts `two_rank_job` runs, by name, in the order it runs them."""
+    mismatched = {
+        case.replace(" ", "_"): _MISMATCHED_RANKS_SCRIPT.format(case=case) for case, _ in _MISMATCHED_RANKS_CASES
+    }
+    return {
+        "two_ranks": _TWO_RANK_SCRIPT,
+        "ranks_disagree": _RANKS_DISAGREE_SCRIPT,
+        **mismatched,
+        "per_rank_cache_first": _PER_RANK_CACHE_SCRIPT,  # leaves rank 0 a cache
+        "per_rank_cache": _PER_RANK_CACHE_SCRIPT,
+    }
+
+
+@pytest.fixture(scope="module")
+def two_rank_job(tmp_path_factory):
+    """``two_rank_job(name)``: each rank's (exit code, stdout, stderr, the folder's files after it) of the script
+    ``name`` of `_two_rank_scripts`, all run in one pair of processes (see `_TWO_RANK_RUNNER`)."""
+    folder = tmp_path_factory.mktemp("two_ranks")
+    scripts = _two_rank_scripts()
+    for name, source in scripts.items():
+        (folder / f"{name}.py").write_text(source)
+    ports = set()
+    while len(ports) < len(scripts):
+        ports.add(_free_port())
+    command = [sys.executable, "-c", _TWO_RANK_RUNNER, "", ",".join(map(str, ports)), *scripts]
+    procs = []
+    for rank in range(2):
+        command[3] = str(rank)
+        procs.append(
+            subprocess.Popen(
+                command,
+                cwd=folder,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=dict(os.environ, PYTHONPATH=_ROOT),
+            )
         )
-        for r in range(2)
-    ]
-    outs = []
     try:
-        for proc in procs:
-            out, err = proc.communicate(timeout=timeout)
-            outs.append((proc.returncode, out, err))
+        ends = [proc.communicate(timeout=420) for proc in procs]
     except subprocess.TimeoutExpired:
         for proc in procs:
             proc.kill()
         pytest.fail("the ranks hung")
-    return outs
+
+    def run(name):
+        paths = [folder / f"{name}.{rank}.json" for rank in range(2)]
+        assert all(path.exists() for path in paths), (
+            f"the ranks ended before {name}: {[end[1][-2000:] for end in ends]}"
+        )
+        return [tuple(json.loads(path.read_text()).values()) for path in paths]
+
+    return run
 
 
 _TWO_RANK_SCRIPT = """
@@ -7859,10 +7729,10 @@ dist.destroy_process_group()
 
 
 @pytest.mark.slow
-def test_two_ranks_take_equal_steps_on_an_uneven_dataset(tmp_path):
+def test_two_ranks_take_equal_steps_on_an_uneven_dataset(two_rank_job):
     """2 real gloo ranks, 101 samples: equal steps, the plan trained once together, and a plan broadcast intact."""
     outs = []
-    for code, out, err in _two_processes(_TWO_RANK_SCRIPT, tmp_path):
+    for code, out, err, _ in two_rank_job("two_ranks"):
         assert code == 0, err[-2000:]
         outs.append(json.loads(out.strip().splitlines()[-1]))
     assert outs[0]["steps"] == outs[1]["steps"] > 0
@@ -7910,9 +7780,9 @@ except RuntimeError as error:
 
 
 @pytest.mark.slow
-def test_deepspeed_glue_fails_on_every_rank_when_the_ranks_plan_differently(tmp_path):
+def test_deepspeed_glue_fails_on_every_rank_when_the_ranks_plan_differently(two_rank_job):
     """Ranks with different seqlens get a clear error at the start, on every rank, instead of a hang."""
-    for code, out, err in _two_processes(_RANKS_DISAGREE_SCRIPT, tmp_path, timeout=120):
+    for code, out, err, _ in two_rank_job("ranks_disagree"):
         assert code == 3, f"{out}\n{err}"
         assert "planned a different epoch than rank 0" in out
         assert "give every rank the same dataset" in out
@@ -7945,21 +7815,21 @@ torch.distributed.destroy_process_group()
 """
 
 
+_MISMATCHED_RANKS_CASES = [
+    ("different seqlens", ["rank 1 planned a different epoch than rank 0", "give every rank the same dataset"]),
+    ("one rank twice", ["the processes deal to ranks [0, 0]", "pass every process its own data-parallel rank"]),
+    (
+        "made before init_process_group",
+        ["made before torch.distributed was initialized", "the job now has 2", "make it after init_process_group"],
+    ),
+]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "case, names",
-    [
-        ("different seqlens", ["rank 1 planned a different epoch than rank 0", "give every rank the same dataset"]),
-        ("one rank twice", ["the processes deal to ranks [0, 0]", "pass every process its own data-parallel rank"]),
-        (
-            "made before init_process_group",
-            ["made before torch.distributed was initialized", "the job now has 2", "make it after init_process_group"],
-        ),
-    ],
-)
-def test_processes_that_deal_one_plan_differently_fail_at_once_on_every_rank(tmp_path, case, names):
+@pytest.mark.parametrize("case, names", _MISMATCHED_RANKS_CASES)
+def test_processes_that_deal_one_plan_differently_fail_at_once_on_every_rank(two_rank_job, case, names):
     """2 gloo processes that planned apart, deal to one rank twice or made the sampler too early: RuntimeError on both."""
-    for code, out, err in _two_processes(_MISMATCHED_RANKS_SCRIPT.format(case=case), tmp_path, timeout=60):
+    for code, out, err, _ in two_rank_job(case.replace(" ", "_")):
         assert code == 3, f"exit code {code}\n{out}\n{err[-2000:]}"
         for name in names:
             assert name in out, f"{name!r} not in {out!r}"
@@ -7996,17 +7866,18 @@ torch.distributed.destroy_process_group()
 
 
 @pytest.mark.slow
-def test_a_seqlen_cache_only_some_ranks_have_makes_every_rank_compute(tmp_path):
+def test_a_seqlen_cache_only_some_ranks_have_makes_every_rank_compute(two_rank_job):
     """Per-rank metrics_path folders (node-local disks), a cache in rank 0's only: both ranks compute the seqlens and
     plan alike (rank 0 read its cache while rank 1 computed: mismatched collectives, "too many values to unpack")."""
-    for code, out, err in _two_processes(_PER_RANK_CACHE_SCRIPT, tmp_path, timeout=120):  # leaves rank 0 a cache
+    first = two_rank_job("per_rank_cache_first")  # leaves rank 0 a cache
+    for code, out, err, _ in first:
         assert code == 0, f"{out}\n{err[-2000:]}"
-    cache = "varbatch_seqlens.npy"
-    assert (tmp_path / "metrics0" / cache).exists() and not (tmp_path / "metrics1" / cache).exists(), (
+    cache, files = "varbatch_seqlens.npy", first[0][3]  # the folder after rank 0's run
+    assert f"metrics0/{cache}" in files and f"metrics1/{cache}" not in files, (
         "rank 0's folder has no cache, or rank 1's has one: the test could not fail"
     )
     outs = []
-    for code, out, err in _two_processes(_PER_RANK_CACHE_SCRIPT, tmp_path, timeout=120):
+    for code, out, err, _ in two_rank_job("per_rank_cache"):
         assert code == 0, f"exit code {code}\n{out}\n{err[-2000:]}"
         outs.append(json.loads(out.strip().splitlines()[-1]))
     for rank, out in enumerate(outs):
@@ -8225,18 +8096,21 @@ def test_example_trains_the_plan_and_the_loss_goes_down(launched, path):
 
 
 # The example's padding-free mode, one process (DDP) and the README's launch (pipeline), at a small size:
-# its flat rows against the same per-token model and plan on padded step inputs (`--per-token`).
-_FLAT_RUN = ["--num-samples", "300", "--epochs", "3"]
+# its flat rows against the same per-token model and plan on padded step inputs (`--per-token`). The one-process
+# flat run serves both tests (through `launched`, each command once).
+_FLAT_RUN = "--num-samples 300 --epochs 3"
 
 
 @pytest.mark.slow
-def test_example_padding_free_trains_as_its_per_token_model_padded():
+def test_example_padding_free_trains_as_its_per_token_model_padded(launched):
     """DDP path, one process: `--padding-free` trains every step as `--per-token` does on padded step inputs of the
     same plan (the same samples, tokens and LRs; each step's loss within 1e-5, relatively, of the printed 6
     digits), with no padding in its rows."""
-    flat, padded = [
-        _run([sys.executable, "example.py", flag, *_FLAT_RUN]) for flag in ("--padding-free", "--per-token")
-    ]
+    import concurrent.futures
+
+    commands = [f"python example.py {flag} {_FLAT_RUN}" for flag in ("--padding-free", "--per-token")]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # two 1-process runs side by side, on 2 cores
+        flat, padded = pool.map(launched, commands)
     for result in (flat, padded):
         _check_ok(result)
     flat_steps, padded_steps = _steps(flat.stdout), _steps(padded.stdout)
@@ -8249,12 +8123,12 @@ def test_example_padding_free_trains_as_its_per_token_model_padded():
 
 
 @pytest.mark.slow
-def test_example_padding_free_pipeline_rows_share_their_batchs_length():
+def test_example_padding_free_pipeline_rows_share_their_batchs_length(launched):
     """Pipeline path (2 stages): the step inputs of a batch are rows of one length, the batch's longest row, whose
     padding segment neither attention nor loss sees: the first step's loss is the DDP flat run's."""
-    result = _launch("example.py", ["--pipeline-num-stages", "2", "--padding-free", *_FLAT_RUN])
+    result = launched(f"{_EXAMPLE_LAUNCH} --pipeline-num-stages 2 --padding-free {_FLAT_RUN}")
     _check_ok(result)
-    one = _run([sys.executable, "example.py", "--padding-free", *_FLAT_RUN, "--max-steps", "1"])
+    one = launched(f"python example.py --padding-free {_FLAT_RUN}")  # the one-process run of the test above
     _check_ok(one)
     steps = _steps(result.stdout)
     assert len(steps) > 10 and all(s["B"] == [1] * len(s["B"]) and len(set(s["S"])) == 1 for s in steps)
@@ -8264,24 +8138,29 @@ def test_example_padding_free_pipeline_rows_share_their_batchs_length():
     assert math.isclose(steps[0]["loss"], first["loss"], rel_tol=1e-5, abs_tol=2e-6)
 
 
-# Stopped and resumed runs of the example, each against the uninterrupted run of its path (DDP: the README's run
-# above, on ds_config.json): (path, flags, the step it stops at, its checkpoint folder). A stop of None is batch 2
-# of epoch 1. "ddp" is the README's two commands as it writes them; "ddp, 2 loader workers" runs ds_config.json
-# with data_sampling.num_workers 2, so that its loader reads ahead (the example once skipped the last batches of
-# every epoch then, and a checkpoint must count the step inputs trained, not those read): stopped and resumed, it
-# must train every step of the uninterrupted run (which trains the plan, above), with the same LRs and losses.
+# Stopped and resumed runs of the example, each against the uninterrupted run of its path (the runs above, on
+# ds_config.json): (path, flags, the step it stops at, its checkpoint folder). A stop of None is batch 2 of epoch 1.
+# "ddp" is the README's two commands as it writes them; "pipeline, 2 loader workers" runs ds_config.json with
+# data_sampling.num_workers 2, so that its loader reads ahead (the example once skipped the last batches of every
+# epoch then, and a checkpoint must count the step inputs trained, not those read): stopped and resumed, each must
+# train every step of the uninterrupted run (which trains the plan, above), with the same LRs and losses. One pair
+# of launches checks both the pipeline's resume and the read-ahead's.
 _STOPS = {
     "ddp": ("ddp", [], 33, "ckpt"),
-    "ddp, 2 loader workers": ("ddp", ["--config", "ds_config_workers.json"], None, "ckpt-workers"),
-    "pipeline": ("pipeline", _PATHS["pipeline"], None, "ckpt-pipeline"),
+    "pipeline, 2 loader workers": (
+        "pipeline",
+        [*_PATHS["pipeline"], "--config", "ds_config_workers.json"],
+        None,
+        "ckpt-pipeline-workers",
+    ),
 }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(_STOPS))
 def test_example_stop_and_resume_reproduces_the_uninterrupted_run(launched, case):
-    """Stopped mid-epoch and resumed (DDP as the README does it; DDP with a loader that reads ahead; pipeline), the
-    run trains the same batches with the same LRs and losses."""
+    """Stopped mid-epoch and resumed (DDP as the README does it; pipeline with a loader that reads ahead), the run
+    trains the same batches with the same LRs and losses."""
     path, flags, stop, checkpoint = _STOPS[case]
     full = launched(_example_command(*_PATHS[path]))
     _check_ok(full)
@@ -8603,16 +8482,18 @@ def _readme_steps():
     return steps
 
 
-def test_readme_test_command_is_what_ci_runs():
-    """The README's test command is the one .ci/run runs, and both README commands come first."""
-    readme = _README.read_text()
-    first_block = re.search(r"^```bash\n(.*?)^```", readme, re.S | re.M).group(1).splitlines()
-    assert first_block == [
-        "pip install -r requirements.txt && deepspeed --num_gpus 2 example.py --pipeline-num-stages 2",
-        f"pip install -r requirements.txt && {_README_TEST_COMMAND}",
+def test_ci_runs_the_readmes_test_command():
+    """Every README command that runs the whole suite (``python -m pytest`` with no ``-m`` selection) is a line of
+    .ci/run: CI runs what the README tells its readers to run."""
+    suite = [
+        text
+        for kind, text, _ in _readme_steps()
+        if kind == "command" and text.startswith("python -m pytest ") and "-m" not in text.split()[3:]
     ]
-    ci = _README.with_name(".ci").joinpath("run").read_text()
-    assert re.search(rf"^{re.escape(_README_TEST_COMMAND)}$", ci, re.M), "CI does not run the README's command"
+    assert suite, "the README shows no command that runs the whole suite"
+    ci = Path(_ROOT, ".ci", "run").read_text().splitlines()
+    missing = [command for command in suite if command not in ci]
+    assert not missing, f"CI does not run the README's test command: {missing}"
 
 
 @pytest.mark.slow
