@@ -1794,6 +1794,20 @@ def _batches_of(plan):
     return [tuple(map(tuple, mbs[b * k : (b + 1) * k])) for b in range(plan.num_batches)]
 
 
+def _planner_of(case):
+    """``(settings, ids, seqlens, planner, epoch 0's plan)`` of a drawn case; the case is skipped where epoch 0 has
+    no batch (every sample over max_tokens, or too few)."""
+    settings, ids = _settings_of(case)
+    seqlens = np.asarray(case["seqlens"])
+    planner = varbatch._Planner(seqlens, settings, ids)
+    try:
+        reference = planner.reference
+    except ValueError:  # every sample over max_tokens
+        reference = None
+    assume(reference is not None and reference.num_batches > 0)
+    return settings, ids, seqlens, planner, reference
+
+
 @given(case=plan_cases(orders=ORDERS), order=st.permutations(range(6)))
 @example(case=_case(_lengths(60, 1, 20, seed=2), 30, effective_batch_size=2, order="random"), order=list(range(6)))
 @example(
@@ -1816,14 +1830,7 @@ def test_every_epoch_has_epoch_0s_batches_and_holds_every_budget(case, order):
     the first packing drawn again that fits, or epoch 0's batches reshuffled, then its tail traded (NOTE [the tail
     moves]); the deterministic orders' packing itself. Planned in any order of epochs, each plan is the same, and
     plan_batches(epoch=e) is that plan."""
-    settings, ids = _settings_of(case)
-    seqlens = np.asarray(case["seqlens"])
-    planner = varbatch._Planner(seqlens, settings, ids)
-    try:
-        reference = planner.reference
-    except ValueError:  # every sample over max_tokens
-        reference = None
-    assume(reference is not None and reference.num_batches > 0)
+    settings, ids, seqlens, planner, reference = _planner_of(case)
     count = reference.num_batches
     plans = {e: planner(e) for e in range(6)}
     shuffled = varbatch._Planner(seqlens, settings, ids)
@@ -1971,14 +1978,7 @@ def test_no_sample_is_left_over_more_often_than_its_possible_tails_allow(case, t
     case = {**case, "effective_batch_size": 2, "num_replicas": 2 if m == 1 and two_ranks else 1, "min_batch_size": 1}
     if one_window:  # the default window holds every sample of a set this small
         case["bucket_size"] = None
-    settings, ids = _settings_of(case)
-    seqlens = np.asarray(case["seqlens"])
-    planner = varbatch._Planner(seqlens, settings, ids)
-    try:
-        reference = planner.reference
-    except ValueError:  # every sample over max_tokens
-        reference = None
-    assume(reference is not None and reference.num_batches > 0)
+    settings, ids, seqlens, planner, reference = _planner_of(case)
     epochs = 40
     chances = np.zeros(len(seqlens))  # per sample, the sum over epochs of its chance to be left over
     left_over = np.zeros(len(seqlens), np.int64)

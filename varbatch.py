@@ -3417,17 +3417,14 @@ class FlatCollate:
             raise ValueError("FlatCollate got an empty list of samples")
         if isinstance(samples[0], Mapping) and "input_ids" in samples[0]:
             return self._hf_row(samples, seqlens, separator_id)
+        return self._fields_row(samples, seqlens)
+
+    def _fields_row(self, samples: list, seqlens: Any) -> Any:
+        """PaddedCollate's structure (a tuple, or a dict of the samples' fields) as ``1 x T`` rows, and the flat
+        attention's ``cu_seqlens``, ``max_seqlen`` and ``position_ids``."""
         columns = _columns(samples, "FlatCollate")
         tensors = [[_as_tensor(value) for value in values] for _, values in columns]
-        lengths = None
-        for (key, _), column in zip(columns, tensors):
-            if any(t is None or t.dim() == 0 for t in column):
-                continue
-            if lengths is not None and [len(t) for t in column] != lengths:
-                raise ValueError(f"FlatCollate got samples whose field {key!r} has other seqlens than their first")
-            lengths = [len(t) for t in column]
-        if lengths is None:
-            raise ValueError("FlatCollate found no field with a sequence dimension; give each sample a tensor field")
+        lengths = _sequence_lengths(columns, tensors)
         pad = self._padding(lengths, seqlens)
         out = []
         for (key, values), column in zip(columns, tensors):
@@ -3524,6 +3521,20 @@ def _check_return_tensors(return_tensors: Any) -> str:
             f"{return_tensors!r}; pass return_tensors='pt' or leave it out"
         )
     return return_tensors
+
+
+def _sequence_lengths(columns: list, tensors: list) -> list[int]:
+    """The samples' lengths: those of every field with a sequence dimension, which must agree."""
+    lengths = None
+    for (key, _), column in zip(columns, tensors):
+        if any(t is None or t.dim() == 0 for t in column):
+            continue
+        if lengths is not None and [len(t) for t in column] != lengths:
+            raise ValueError(f"FlatCollate got samples whose field {key!r} has other seqlens than their first")
+        lengths = [len(t) for t in column]
+    if lengths is None:
+        raise ValueError("FlatCollate found no field with a sequence dimension; give each sample a tensor field")
+    return lengths
 
 
 def _token_ids(sample: Mapping, key: str) -> torch.Tensor:
