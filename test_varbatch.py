@@ -653,14 +653,6 @@ def test_a_collate_that_adds_tokens_the_seqlens_count_trains_every_step_input(ca
         assert largest > 64 and (largest <= 2 * 64 or case == "the sum budget")
 
 
-def test_readme_says_the_seqlens_count_what_the_collate_adds():
-    """The README's step 1 and its padded budget name the condition of the bound (issue 18, item 6)."""
-    readme = Path(_ROOT, "README.md").read_text(encoding="utf-8")
-    step_1 = readme[readme.index("For your own data, step 1") :].split("\n\n")[0]
-    assert "[len(ids) + 1 for ids in tokenized]" in step_1 and "count every token your `collate_fn` adds" in step_1
-    assert "bounds every tensor a forward pass sees (seqlens that count what the collate adds)" in readme
-
-
 # -- the plain and the fast forms (NOTE [one dispatch]) -------------------------------------------------------------
 
 
@@ -4625,14 +4617,6 @@ def test_hf_trainer_num_items_in_batch_alone_gives_the_batch_token_mean(tmp_path
     assert model.loss_type == "ForCausalLM"
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=vocab))
     assert gpt2.loss_type is None
-
-
-def test_readme_says_when_to_weight_the_loss_and_when_the_trainer_does():
-    """The README's loss weighting passage names HF Trainer's num_items_in_batch and its loss_type condition."""
-    readme = Path(_ROOT, "README.md").read_text(encoding="utf-8")
-    passage = readme[readme.index("**Loss weighting.**") :].split("\n\n")[0]
-    for words in ("num_items_in_batch", "*ForCausalLM", "loss_type", "GPT2LMHeadModel", "compute_loss"):
-        assert words in passage, f"the README's loss weighting passage does not name {words}"
 
 
 # =============================================================================
