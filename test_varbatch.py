@@ -4154,6 +4154,25 @@ def test_queries_and_side_passes_between_updates_change_nothing(actions, gas, ep
 
 
 @pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
+def test_a_peek_or_a_break_moves_nothing_a_state_saves(workers):
+    """A peek (next(iter(loader))) before training, or a pass left by a break, moves neither steps_done nor what
+    state_dict() saves: the next pass starts the epoch, and a state saved then resumes it whole."""
+    sampler = VariableBatchSampler(_LOOP_SEQLENS, 64, gradient_accumulation_steps=3, num_replicas=1, seed=5)
+    loader = make_dataloader(_id_dataset(_LOOP_SEQLENS), sampler, num_workers=workers)
+    sampler.set_epoch(0)
+    next(iter(loader))
+    assert (sampler.epoch, sampler.steps_done) == (0, 0)
+    assert (sampler.state_dict()["epoch"], sampler.state_dict()["steps_done"]) == (0, 0)
+    for i, _ in enumerate(loader):
+        if i == 4:
+            break
+    assert sampler.state_dict()["steps_done"] == 0 and sampler.steps_done == 0
+    restored = VariableBatchSampler(_LOOP_SEQLENS, 64, gradient_accumulation_steps=3, num_replicas=1, seed=5)
+    restored.load_state_dict(sampler.state_dict())
+    assert list(restored) == list(sampler.plan_for_epoch(0).microbatches()) == list(sampler)
+
+
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
 def test_the_scheduler_stepped_before_the_optimizer_is_refused_at_the_first_update(workers):
     """scheduler.step() before optimizer.step() over make_dataloader's loader, workers reading ahead or not: refused at
     the first update, before the optimizer moves, naming the order."""
@@ -4890,15 +4909,16 @@ def test_a_run_restored_mid_epoch_trains_the_restored_batch_or_is_refused(restor
         return sampler, loader, param, optimizer, VariableBatchSizeLR(optimizer, "mean", sampler)
 
     stopped, loader, _, stopped_optimizer, stopped_scheduler = make()
-    for epoch in range(3):  # two epochs and 5 batches of epoch 2
+    for epoch in range(3):  # two epochs and 5 batches of epoch 2, saved inside the pass (a pass left moves nothing)
         stopped.set_epoch(epoch)
         for i, _ in enumerate(loader):
             if i % 2 == 1:
                 stopped_optimizer.step()
                 stopped_scheduler.step()
             if (epoch, i) == (2, 9):
+                state = {"sampler": stopped.state_dict(), "scheduler": stopped_scheduler.state_dict()}
                 break
-    state = json.loads(json.dumps({"sampler": stopped.state_dict(), "scheduler": stopped_scheduler.state_dict()}))
+    state = json.loads(json.dumps(state))
     sampler, loader, param, optimizer, scheduler = make()
     if restore != "sampler only":
         scheduler.load_state_dict(state["scheduler"])

@@ -1737,6 +1737,7 @@ class VariableBatchSampler(Sampler[list[int]]):
         # The passes (NOTE [training and side passes]).
         self._selected = 0  # the epoch the next pass iterates: set_epoch's, or the next once one was handed out
         self._advanced = False  # `_selected` moved on by a pass handed out to its end, not set by the loop
+        self._set_by_loop = False  # the loop selected the epoch with set_epoch (NOTE [training and side passes])
         self._restored: tuple[int, int] | None = None  # (epoch, steps_done) of load_state_dict, until a pass starts
         self._training: _Pass | None = None  # the last training pass
         self._passes = 0  # passes started (their numbers)
@@ -1770,10 +1771,8 @@ class VariableBatchSampler(Sampler[list[int]]):
     @property
     def epoch(self) -> int:
         """The epoch of the open training pass, else the epoch the next pass iterates."""
-        training = self._training
-        if training is not None and training.is_open and not self._is_stale(training):
-            return training.epoch
-        return self._selected
+        training = self._open_training()
+        return self._selected if training is None else training.epoch
 
     @property
     def steps_done(self) -> int:
@@ -1795,6 +1794,7 @@ class VariableBatchSampler(Sampler[list[int]]):
         """
         self._selected = _check_int("epoch", epoch)
         self._advanced = False
+        self._set_by_loop = True
 
     def __len__(self) -> int:
         """Step inputs per epoch on this rank: the same on every rank and in every epoch."""
@@ -1843,6 +1843,7 @@ class VariableBatchSampler(Sampler[list[int]]):
                     if not self._hand_out(current, t + 1):
                         return
                     yield ids[a:b]
+            current.ran_out = True
         finally:
             self._close(current)
 
@@ -1864,16 +1865,17 @@ class VariableBatchSampler(Sampler[list[int]]):
         _check_world(self)
         self._passes += 1
         epoch = self._selected
-        training = self._training
-        open_now = training is not None and training.is_open and not self._is_stale(training)
-        if open_now and (training.epoch == epoch or self._advanced):  # (advanced: handed out, the loop reads it)
+        training = self._open_training()
+        if training is not None:
             return _Pass(self._passes, training.epoch, 0, self._restores, training=False)
         start = 0
         if self._restored is not None and self._restored[0] == epoch:
             start = self._restored[1]
         self._restored = None
         self._training = _Pass(self._passes, epoch, start, self._restores, training=True, count=count)
-        if start == len(self):  # the empty rest of an epoch saved at its end: handed out at once
+        self._training.explicit = self._set_by_loop
+        if start == len(self):  # the empty rest of an epoch saved at its end: handed out, and run out, at once
+            self._training.ran_out = True
             self._finish(self._training)
         return self._training
 
@@ -1894,6 +1896,14 @@ class VariableBatchSampler(Sampler[list[int]]):
             return False
         self._start_pass(count)
         return True
+
+    def _open_training(self) -> _Pass | None:
+        """The training pass, while it is open and the loop has not selected another epoch since (a pass handed
+        out to its end moved the selection on by itself: the loop may still read it)."""
+        training = self._training
+        if training is None or self._is_stale(training) or not training.is_open:
+            return None
+        return training if training.epoch == self._selected or self._advanced else None
 
     def _hand_out(self, current: _Pass, steps_done: int) -> bool:
         """Moves the pass ``current`` on to its ``steps_done``-th step input; a training pass moves the position.
@@ -1917,6 +1927,7 @@ class VariableBatchSampler(Sampler[list[int]]):
         if self._selected == current.epoch:
             self._selected = current.epoch + 1
             self._advanced = True
+            self._set_by_loop = False
 
     def _close(self, current: _Pass) -> None:
         """Marks a pass whose iterator ended or was closed (a ``break``, a dropped iterator) before its end."""
@@ -1947,9 +1958,9 @@ class VariableBatchSampler(Sampler[list[int]]):
         if self._restored is not None:
             return self._restored
         training = self._training
-        if training is not None:
+        if training is not None and training.state != "closed":  # a closed pass (a peek, a break) moved nothing
             handed_out = training.state == "handed out" and self._selected == training.epoch + 1
-            if training.epoch == self._selected or handed_out or training.is_open:
+            if training.epoch == self._selected or handed_out or self._open_training() is training:
                 return training.epoch, training.steps_done
         return self._selected, 0
 
@@ -1986,6 +1997,7 @@ class VariableBatchSampler(Sampler[list[int]]):
         self._restored = (epoch, steps)
         self._selected = epoch
         self._advanced = False
+        self._set_by_loop = False
         self._training = None
         self._handed_in_full |= set(range(epoch))  # by the run that saved it
 
@@ -2038,18 +2050,23 @@ class _Pass:
     count: Any = None  # a loader's `_LoopCount` (Part III)
     steps_done: int = -1
     state: str = "open"
+    explicit: bool = False  # the loop selected its epoch with set_epoch
+    ran_out: bool = False  # its iterator was asked for a step input past the epoch's end
 
     def __post_init__(self):
         self.steps_done = self.start
 
     @property
     def is_open(self) -> bool:
-        """Neither closed nor given to the loop in full. Handed out to its end is given in full, but for a pass of
-        make_dataloader's loader whose iterator the loop still reads (its workers read to the end first)."""
-        if self.state == "handed out" and self.count is not None:
-            yielded = self.count.yielded()
-            return yielded is not None and self.start + yielded < self.steps_done
-        return self.state == "open"
+        """Whether the loop may still be inside the pass: not closed, and not ended. A pass handed out to its end
+        is still open while the loop reads what the loader's workers read ahead, and, where the loop set its epoch,
+        until its iterator ended (a side pass in the loop's last step input of the epoch is one)."""
+        if self.state != "handed out":
+            return self.state == "open"
+        reading = None if self.count is None else self.count.reading(self)
+        if reading is not None:
+            return reading
+        return self.explicit and not self.ran_out
 
 
 def _world(group: Any = None) -> tuple[int, int]:
@@ -3937,6 +3954,7 @@ def _step_input_keys(
     current = sampler._start_pass(count)
     try:
         yield from _pass_keys(sampler, current, every_rank, batch_count)
+        current.ran_out = True
     finally:
         sampler._close(current)
 
@@ -4022,6 +4040,7 @@ class _StepInputKeys(DistributedSampler):
         self.workers_read_ahead = workers_read_ahead
         self.read_ahead = read_ahead
         self.restored_at_load = None  # the sampler state a stateful loader restored at its load_state_dict
+        self.rest_ran_at_load = False  # and whether its epoch's empty rest ran then (saved after the loop ended)
 
     def __iter__(self):
         return _KeyIterator(self)
@@ -4040,9 +4059,13 @@ class _StepInputKeys(DistributedSampler):
         sampler = self.variable_batch_sampler
         if state_dict is not self.restored_at_load:
             return sampler.load_state_dict(state_dict)
-        # torchdata's repeat of the restore `_RestoresAtOnce` made: again, for an iterator it made before (the empty
-        # rest ran there: NOTE [the empty rest at once]), keeping an epoch the loop selected since
+        # torchdata's repeat of the restore `_RestoresAtOnce` made: none where the empty rest of an epoch saved after
+        # the loop ended ran then (the next epoch stands: NOTE [the empty rest at once]); else again, keeping an
+        # epoch the loop selected since
         self.restored_at_load = None
+        if self.rest_ran_at_load:
+            self.rest_ran_at_load = False
+            return None
         selected = None if sampler._advanced else sampler._selected
         sampler.load_state_dict(state_dict)
         if selected is not None and selected != sampler._selected:
@@ -4057,11 +4080,9 @@ class _KeyIterator:
     def __init__(self, keys: _StepInputKeys):
         self.batched = keys.batched
         self.count = _LoopCount(keys)
-        sampler = keys.variable_batch_sampler
-        if sampler._run_empty_rest(self.count):  # see NOTE [the empty rest at once]
-            self._keys = iter(())
-        else:
-            self._keys = _step_input_keys(sampler, keys.every_rank, self.count, keys.batch_count)
+        # (lazy, unlike the sampler's own iterator: torch's worker iterator makes two and drops the first unread;
+        # torchdata's restore after its loop ended is met in `_RestoresAtOnce`)
+        self._keys = _step_input_keys(keys.variable_batch_sampler, keys.every_rank, self.count, keys.batch_count)
 
     def __iter__(self):
         return self
@@ -4085,6 +4106,22 @@ class _LoopCount:
     def follow(self, iterator: Any, again: int = 0) -> None:
         """Counts from now what ``iterator`` yields, and the ``again`` step inputs of the pass it yielded before."""
         self._iterator = (weakref.ref(iterator), iterator._num_yielded - again)
+
+    def reading(self, current: Any) -> bool | None:
+        """Whether the loop may still read the pass ``current``, handed out to its end, through torch's iterator:
+        no once that iterator is gone; yes while it has yielded less than the pass; with workers (not persistent),
+        while it has not ended (torch shuts its workers down as it raises StopIteration). None where unknown."""
+        if self._iterator is None:
+            return None
+        iterator = self._iterator[0]()
+        if iterator is None:
+            return False
+        yielded = self.yielded()
+        if yielded is not None and current.start + yielded < current.steps_done:
+            return True
+        if getattr(iterator, "_num_workers", 0) and not getattr(iterator, "_persistent_workers", True):
+            return current.explicit and not getattr(iterator, "_shutdown", True)
+        return None
 
     def yielded(self) -> int | None:
         """Step inputs the loader's iterator gave the loop since the pass started; None where unknown, and once the
@@ -4120,10 +4157,9 @@ class _RestoresAtOnce:
             return
         sampler = self.variable_batch_sampler
         sampler.load_state_dict(node)
-        if state_dict.get("_iterator_finished"):
-            sampler._run_empty_rest()
-        else:
-            self.__dict__["_local"].restored_at_load = node
+        keys = self.__dict__["_local"]
+        keys.restored_at_load = node
+        keys.rest_ran_at_load = bool(state_dict.get("_iterator_finished")) and sampler._run_empty_rest()
 
 
 class _LoadStepInput:
