@@ -4173,6 +4173,38 @@ def test_a_peek_or_a_break_moves_nothing_a_state_saves(workers):
 
 
 @pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
+def test_a_side_pass_and_a_checkpoint_at_an_epochs_last_step_input_resume_exactly(workers):
+    """The README loop's pattern at an epoch's last step input: a train-set pass over the training loader, then a
+    checkpoint (sampler.state_dict(steps_done=t + 1)): the side pass moves nothing (the state is the epoch's end),
+    and a run resumed from it, setting each epoch from sampler.epoch, trains the uninterrupted run's step inputs."""
+
+    def build():
+        sampler = VariableBatchSampler(_LOOP_SEQLENS, 64, gradient_accumulation_steps=2, num_replicas=1, seed=5)
+        return sampler, make_dataloader(_id_dataset(_LOOP_SEQLENS), sampler, num_workers=workers)
+
+    def run(sampler, loader, stop_after_epoch=None):
+        trained, state = [], None
+        for epoch in range(sampler.epoch, 3):
+            sampler.set_epoch(epoch)
+            for t, samples in enumerate(loader, start=sampler.steps_done):
+                trained.append((epoch, sorted(int(sample[0]) - 1 for sample in samples)))
+                if t + 1 == len(sampler):  # the epoch's last step input: a side pass, then a checkpoint
+                    assert sum(len(step_input) for step_input in loader) == sum(sampler.plan.batch_sizes)
+                    state = sampler.state_dict(steps_done=t + 1)
+            if epoch == stop_after_epoch:
+                return trained, state
+        return trained, state
+
+    full, _ = run(*build())
+    head, state = run(*build(), stop_after_epoch=0)
+    assert (state["epoch"], state["steps_done"]) == (0, len(build()[0]))
+    sampler, loader = build()
+    sampler.load_state_dict(state)
+    rest, _ = run(sampler, loader)
+    assert head + rest == full
+
+
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
 def test_the_scheduler_stepped_before_the_optimizer_is_refused_at_the_first_update(workers):
     """scheduler.step() before optimizer.step() over make_dataloader's loader, workers reading ahead or not: refused at
     the first update, before the optimizer moves, naming the order."""
