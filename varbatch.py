@@ -1761,7 +1761,7 @@ class VariableBatchSampler(Sampler[list[int]]):
         state = dict(self.__dict__)
         if self._training is not None:
             state["_training"] = copy.copy(self._training)
-            state["_training"].count = None
+            state["_training"].count = state["_training"].iterator = None
         return state
 
     def _batches_per_epoch(self) -> int:
@@ -1828,13 +1828,17 @@ class VariableBatchSampler(Sampler[list[int]]):
         after its last one the sampler is at the next epoch, also when the iterator is not exhausted (trainers stop
         at len()). A pass started while the epoch's training pass is open is a side pass (NOTE [training and side
         passes])."""
-        if self._run_empty_rest():
+        if not self._set_by_loop and self._run_empty_rest():  # (a loop that set the epoch reads the rest itself)
             return iter(())
-        return self._hand_out_pass()
+        itself: list = []  # the generator's weak reference to itself, which its pass keeps
+        iterator = self._hand_out_pass(itself)
+        itself.append(weakref.ref(iterator))
+        return iterator
 
-    def _hand_out_pass(self) -> Iterator[list[int]]:
+    def _hand_out_pass(self, itself: list) -> Iterator[list[int]]:
         """The pass `__iter__` makes: started at its first step input, closed when its iterator ends or is dropped."""
         current = self._start_pass()
+        current.iterator = itself[0]
         rank, ranks = self.rank, self.num_replicas
         try:
             for steps, ids, bounds in self._runs(current.epoch, current.start):
@@ -1843,7 +1847,6 @@ class VariableBatchSampler(Sampler[list[int]]):
                     if not self._hand_out(current, t + 1):
                         return
                     yield ids[a:b]
-            current.ran_out = True
         finally:
             self._close(current)
 
@@ -1874,8 +1877,7 @@ class VariableBatchSampler(Sampler[list[int]]):
         self._restored = None
         self._training = _Pass(self._passes, epoch, start, self._restores, training=True, count=count)
         self._training.explicit = self._set_by_loop
-        if start == len(self):  # the empty rest of an epoch saved at its end: handed out, and run out, at once
-            self._training.ran_out = True
+        if start == len(self):  # the empty rest of an epoch saved at its end: handed out at once
             self._finish(self._training)
         return self._training
 
@@ -2040,6 +2042,8 @@ class _Pass:
         steps_done: step inputs of this rank of the epoch handed out, ``start <= steps_done <= len(sampler)``.
         state: "open", "handed out" (all of the epoch's: set at the last one, whatever the loop does next), or
             "closed" (its iterator ended first).
+        explicit, iterator: whether the loop set its epoch, and a weak reference to the iterator the loop reads it
+            through: a pass handed out to its end stays open while that iterator lives (`is_open`).
     """
 
     number: int
@@ -2051,7 +2055,7 @@ class _Pass:
     steps_done: int = -1
     state: str = "open"
     explicit: bool = False  # the loop selected its epoch with set_epoch
-    ran_out: bool = False  # its iterator was asked for a step input past the epoch's end
+    iterator: Any = None  # a weak reference to the iterator the loop reads it through (alive: it may still read)
 
     def __post_init__(self):
         self.steps_done = self.start
@@ -2066,7 +2070,7 @@ class _Pass:
         reading = None if self.count is None else self.count.reading(self)
         if reading is not None:
             return reading
-        return self.explicit and not self.ran_out
+        return self.explicit and self.iterator is not None and self.iterator() is not None
 
 
 def _world(group: Any = None) -> tuple[int, int]:
@@ -3953,8 +3957,8 @@ def _step_input_keys(
     """
     current = sampler._start_pass(count)
     try:
+        current.iterator = count.keys
         yield from _pass_keys(sampler, current, every_rank, batch_count)
-        current.ran_out = True
     finally:
         sampler._close(current)
 
@@ -4080,6 +4084,7 @@ class _KeyIterator:
     def __init__(self, keys: _StepInputKeys):
         self.batched = keys.batched
         self.count = _LoopCount(keys)
+        self.count.keys = weakref.ref(self)  # (weak: nothing may hold the keys' generator back from closing)
         # (lazy, unlike the sampler's own iterator: torch's worker iterator makes two and drops the first unread;
         # torchdata's restore after its loop ended is met in `_RestoresAtOnce`)
         self._keys = _step_input_keys(keys.variable_batch_sampler, keys.every_rank, self.count, keys.batch_count)
@@ -4102,6 +4107,7 @@ class _LoopCount:
         self.workers_read_ahead = keys.workers_read_ahead
         self.read_ahead = keys.read_ahead
         self._iterator = None  # a weak reference to torch's iterator, and its count of yields when the pass started
+        self.keys = None  # a weak reference to the `_KeyIterator` of the pass
 
     def follow(self, iterator: Any, again: int = 0) -> None:
         """Counts from now what ``iterator`` yields, and the ``again`` step inputs of the pass it yielded before."""
