@@ -1890,7 +1890,10 @@ class VariableBatchSampler(Sampler[list[int]]):
     # one (StatefulDataLoader.__iter__, torchdata/stateful_dataloader/
     # stateful_dataloader.py), which its own samplers start at the next epoch
     # (their restore fast-forwards at once). Here the dropped iterator has run
-    # the empty rest, so the fresh one starts the next epoch as well.
+    # the empty rest, so the fresh one starts the next epoch as well. A loop that
+    # set the epoch after the restore reads the rest itself, at its pass's first
+    # step input: torch's worker iterator makes two iterators of the sampler and
+    # drops the first unread (torch/utils/data/dataloader.py, its `_reset`).
     def _run_empty_rest(self, count: Any = None) -> bool:
         """Runs the next pass now if it is the empty rest of an epoch restored at its end (NOTE [the empty rest at
         once]); ``count``: a loader's pass's `_LoopCount`. Returns whether it did."""
@@ -4044,7 +4047,6 @@ class _StepInputKeys(DistributedSampler):
         self.workers_read_ahead = workers_read_ahead
         self.read_ahead = read_ahead
         self.restored_at_load = None  # the sampler state a stateful loader restored at its load_state_dict
-        self.rest_ran_at_load = False  # and whether its epoch's empty rest ran then (saved after the loop ended)
 
     def __iter__(self):
         return _KeyIterator(self)
@@ -4063,13 +4065,9 @@ class _StepInputKeys(DistributedSampler):
         sampler = self.variable_batch_sampler
         if state_dict is not self.restored_at_load:
             return sampler.load_state_dict(state_dict)
-        # torchdata's repeat of the restore `_RestoresAtOnce` made: none where the empty rest of an epoch saved after
-        # the loop ended ran then (the next epoch stands: NOTE [the empty rest at once]); else again, keeping an
-        # epoch the loop selected since
+        # torchdata's repeat of the restore `_RestoresAtOnce` made: again, for an iterator it made before (the empty
+        # rest ran there: NOTE [the empty rest at once]), keeping an epoch the loop selected since
         self.restored_at_load = None
-        if self.rest_ran_at_load:
-            self.rest_ran_at_load = False
-            return None
         selected = None if sampler._advanced else sampler._selected
         sampler.load_state_dict(state_dict)
         if selected is not None and selected != sampler._selected:
@@ -4085,9 +4083,13 @@ class _KeyIterator:
         self.batched = keys.batched
         self.count = _LoopCount(keys)
         self.count.keys = weakref.ref(self)  # (weak: nothing may hold the keys' generator back from closing)
-        # (lazy, unlike the sampler's own iterator: torch's worker iterator makes two and drops the first unread;
-        # torchdata's restore after its loop ended is met in `_RestoresAtOnce`)
-        self._keys = _step_input_keys(keys.variable_batch_sampler, keys.every_rank, self.count, keys.batch_count)
+        sampler = keys.variable_batch_sampler
+        # see NOTE [the empty rest at once]; a loop that set the epoch after the restore reads the rest itself (torch's
+        # worker iterator makes two key iterators and drops the first unread)
+        if not sampler._set_by_loop and sampler._run_empty_rest(self.count):
+            self._keys = iter(())
+        else:
+            self._keys = _step_input_keys(sampler, keys.every_rank, self.count, keys.batch_count)
 
     def __iter__(self):
         return self
@@ -4163,9 +4165,10 @@ class _RestoresAtOnce:
             return
         sampler = self.variable_batch_sampler
         sampler.load_state_dict(node)
-        keys = self.__dict__["_local"]
-        keys.restored_at_load = node
-        keys.rest_ran_at_load = bool(state_dict.get("_iterator_finished")) and sampler._run_empty_rest()
+        if state_dict.get("_iterator_finished"):
+            sampler._run_empty_rest()
+        else:
+            self.__dict__["_local"].restored_at_load = node
 
 
 class _LoadStepInput:
