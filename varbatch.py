@@ -3841,7 +3841,7 @@ class _Loader(DataLoader):
         a second pass while one is open would take the training pass's place.
         """
         sampler = self.__dict__.get("variable_batch_sampler")  # (absent in a loader rebuilt as its own class)
-        training = None if sampler is None else sampler._training
+        training = None if sampler is None else sampler._open_training()
         open_here = training is not None and training.is_open and training.count is not None
         if self.persistent_workers and open_here and training.count.source is self.__dict__.get("_local"):
             raise RuntimeError(
@@ -4127,7 +4127,9 @@ class _LoopCount:
         yielded = self.yielded()
         if yielded is not None and current.start + yielded < current.steps_done:
             return True
-        if getattr(iterator, "_num_workers", 0) and not getattr(iterator, "_persistent_workers", True):
+        if getattr(iterator, "_persistent_workers", False):  # torch keeps it for the next pass: given in full, done
+            return False
+        if getattr(iterator, "_num_workers", 0):
             return current.explicit and not getattr(iterator, "_shutdown", True)
         return None
 
