@@ -1736,8 +1736,9 @@ class VariableBatchSampler(Sampler[list[int]]):
         self._alone = False
         # The passes (NOTE [training and side passes]).
         self._selected = 0  # the epoch the next pass iterates: set_epoch's, or the next once one was handed out
-        self._advanced = False  # `_selected` moved on by a pass handed out to its end, not set by the loop
-        self._set_by_loop = False  # the loop selected the epoch with set_epoch (NOTE [training and side passes])
+        # how `_selected` was chosen: "loop" (set_epoch), "advance" (a training pass handed out its epoch's end), or
+        # "default" (made, or restored): see NOTE [training and side passes]
+        self._selected_by = "default"
         self._restored: tuple[int, int] | None = None  # (epoch, steps_done) of load_state_dict, until a pass starts
         self._training: _Pass | None = None  # the last training pass
         self._passes = 0  # passes started (their numbers)
@@ -1793,8 +1794,7 @@ class VariableBatchSampler(Sampler[list[int]]):
         at their plans) loses nothing; a pass of another epoch drops it.
         """
         self._selected = _check_int("epoch", epoch)
-        self._advanced = False
-        self._set_by_loop = True
+        self._selected_by = "loop"
 
     def __len__(self) -> int:
         """Step inputs per epoch on this rank: the same on every rank and in every epoch."""
@@ -1828,7 +1828,7 @@ class VariableBatchSampler(Sampler[list[int]]):
         after its last one the sampler is at the next epoch, also when the iterator is not exhausted (trainers stop
         at len()). A pass started while the epoch's training pass is open is a side pass (NOTE [training and side
         passes])."""
-        if not self._set_by_loop and self._run_empty_rest():  # (a loop that set the epoch reads the rest itself)
+        if self._run_empty_rest():
             return iter(())
         itself: list = []  # the generator's weak reference to itself, which its pass keeps
         iterator = self._hand_out_pass(itself)
@@ -1837,8 +1837,7 @@ class VariableBatchSampler(Sampler[list[int]]):
 
     def _hand_out_pass(self, itself: list) -> Iterator[list[int]]:
         """The pass `__iter__` makes: started at its first step input, closed when its iterator ends or is dropped."""
-        current = self._start_pass()
-        current.iterator = itself[0]
+        current = self._start_pass(iterator=itself[0])
         rank, ranks = self.rank, self.num_replicas
         try:
             for steps, ids, bounds in self._runs(current.epoch, current.start):
@@ -1862,21 +1861,24 @@ class VariableBatchSampler(Sampler[list[int]]):
     # trains. `set_epoch` only selects the next pass's epoch, as torch's
     # DistributedSampler's does. A restored position waits for the first pass of
     # its epoch (torchdata's convention); a pass of another epoch drops it.
-    def _start_pass(self, count: Any = None) -> _Pass:
+    def _start_pass(self, count: Any = None, iterator: Any = None) -> _Pass:
         """Starts a pass over the selected epoch: a side pass while its training pass is open, else its training
-        pass, from a position restored for that epoch or its start. ``count``: a loader's pass's `_LoopCount`."""
+        pass, from a position restored for that epoch or its start. ``count``: a loader's pass's `_LoopCount`;
+        ``iterator``: a weak reference to the iterator the loop reads the pass through."""
         _check_world(self)
         self._passes += 1
         epoch = self._selected
         training = self._open_training()
         if training is not None:
-            return _Pass(self._passes, training.epoch, 0, self._restores, training=False)
+            return _Pass(self._passes, training.epoch, 0, self._restores, training=False, iterator=iterator)
         start = 0
         if self._restored is not None and self._restored[0] == epoch:
             start = self._restored[1]
         self._restored = None
-        self._training = _Pass(self._passes, epoch, start, self._restores, training=True, count=count)
-        self._training.explicit = self._set_by_loop
+        explicit = self._selected_by == "loop"
+        self._training = _Pass(
+            self._passes, epoch, start, self._restores, training=True, count=count, explicit=explicit, iterator=iterator
+        )
         if start == len(self):  # the empty rest of an epoch saved at its end: handed out at once
             self._finish(self._training)
         return self._training
@@ -1895,9 +1897,10 @@ class VariableBatchSampler(Sampler[list[int]]):
     # step input: torch's worker iterator makes two iterators of the sampler and
     # drops the first unread (torch/utils/data/dataloader.py, its `_reset`).
     def _run_empty_rest(self, count: Any = None) -> bool:
-        """Runs the next pass now if it is the empty rest of an epoch restored at its end (NOTE [the empty rest at
-        once]); ``count``: a loader's pass's `_LoopCount`. Returns whether it did."""
-        if self._restored is None or self._restored != (self._selected, len(self)):
+        """Runs the next pass now if it is the empty rest of an epoch restored at its end and the loop has not set
+        the epoch since (NOTE [the empty rest at once]); ``count``: a loader's pass's `_LoopCount`. Returns whether
+        it did."""
+        if self._restored != (self._selected, len(self)) or self._selected_by == "loop":
             return False
         self._start_pass(count)
         return True
@@ -1908,7 +1911,7 @@ class VariableBatchSampler(Sampler[list[int]]):
         training = self._training
         if training is None or self._is_stale(training) or not training.is_open:
             return None
-        return training if training.epoch == self._selected or self._advanced else None
+        return training if training.epoch == self._selected or self._selected_by == "advance" else None
 
     def _hand_out(self, current: _Pass, steps_done: int) -> bool:
         """Moves the pass ``current`` on to its ``steps_done``-th step input; a training pass moves the position.
@@ -1931,8 +1934,7 @@ class VariableBatchSampler(Sampler[list[int]]):
         self._handed_in_full.add(current.epoch)
         if self._selected == current.epoch:
             self._selected = current.epoch + 1
-            self._advanced = True
-            self._set_by_loop = False
+            self._selected_by = "advance"
 
     def _close(self, current: _Pass) -> None:
         """Marks a pass whose iterator ended or was closed (a ``break``, a dropped iterator) before its end."""
@@ -1965,7 +1967,7 @@ class VariableBatchSampler(Sampler[list[int]]):
         training = self._training
         if training is not None and training.state != "closed":  # a closed pass (a peek, a break) moved nothing
             handed_out = training.state == "handed out" and self._selected == training.epoch + 1
-            if training.epoch == self._selected or handed_out or self._open_training() is training:
+            if training.epoch == self._selected or handed_out:
                 return training.epoch, training.steps_done
         return self._selected, 0
 
@@ -2001,8 +2003,7 @@ class VariableBatchSampler(Sampler[list[int]]):
         self._restores += 1  # an iterator started before goes stale
         self._restored = (epoch, steps)
         self._selected = epoch
-        self._advanced = False
-        self._set_by_loop = False
+        self._selected_by = "default"
         self._training = None
         self._handed_in_full |= set(range(epoch))  # by the run that saved it
 
@@ -2512,7 +2513,7 @@ class VariableBatchSizeLR(LRScheduler):
     def _after_update(self, *hook_args) -> None:
         self._updates_since_step += 1
         seen = self._loop_got()
-        self._got_at_update = None if seen is None else seen[0]
+        self._got_at_update = None if seen is None else seen.got
 
     def _before_forward(self, *hook_args) -> None:
         """A forward pre-hook an adapter installs (the DeepSpeed glue's): b brought up to date before the forward."""
@@ -2586,18 +2587,19 @@ class VariableBatchSizeLR(LRScheduler):
         if seen is None:
             return
         gas = self._sampler.gradient_accumulation_steps
-        new_data = self._got_at_update is not None and seen[0] > self._got_at_update
+        needed = (self._batches + 1) * gas  # this rank's step inputs of the batches up to the one updated
+        new_data = self._got_at_update is not None and seen.got > self._got_at_update
         if self._updates_since_step and new_data and not self._engine_steps:
             raise RuntimeError(
                 "the optimizer updates on new step inputs, but VariableBatchSizeLR.step() was not called after the "
                 "update before: call scheduler.step() once per batch, after its update (step(skipped=True) after an "
                 "update AMP skipped), not once per epoch or every other update"
             )
-        self._check_behind(seen, (self._batches + 1) * gas)
-        if (self._batches + 1) * gas > seen.got:
+        self._check_behind(seen, needed)
+        if needed > seen.got:
             raise RuntimeError(
                 f"the optimizer updates batch {self._batches}, whose {gas} step input(s) on this rank the loop has not "
-                f"got yet (it got {seen[0]} since the run began, {(self._batches + 1) * gas} needed): scheduler.step() "
+                f"got yet (it got {seen.got} since the run began, {needed} needed): scheduler.step() "
                 f"ran before optimizer.step() (call it after the update); or the loop updates after fewer step inputs "
                 f"than gradient_accumulation_steps={gas} ({_SAME_ACCUMULATION}); or the scheduler is stepped more than "
                 f"once per update (HF Accelerate: keep it out of accelerator.prepare(), and under "
@@ -3842,7 +3844,7 @@ class _Loader(DataLoader):
         """
         sampler = self.__dict__.get("variable_batch_sampler")  # (absent in a loader rebuilt as its own class)
         training = None if sampler is None else sampler._open_training()
-        open_here = training is not None and training.is_open and training.count is not None
+        open_here = training is not None and training.count is not None
         if self.persistent_workers and open_here and training.count.source is self.__dict__.get("_local"):
             raise RuntimeError(
                 "a second pass over this loader while its training pass is open: with persistent_workers=True "
@@ -3958,9 +3960,8 @@ def _step_input_keys(
     them to, and where the pass dealt it, by which `_LoadStepInput` checks the
     dealing; with ``batch_count``, its batch's count (see `_batch_counts`). ``count`` is the pass's `_LoopCount`.
     """
-    current = sampler._start_pass(count)
+    current = sampler._start_pass(count, count.keys)
     try:
-        current.iterator = count.keys
         yield from _pass_keys(sampler, current, every_rank, batch_count)
     finally:
         sampler._close(current)
@@ -4068,7 +4069,7 @@ class _StepInputKeys(DistributedSampler):
         # torchdata's repeat of the restore `_RestoresAtOnce` made: again, for an iterator it made before (the empty
         # rest ran there: NOTE [the empty rest at once]), keeping an epoch the loop selected since
         self.restored_at_load = None
-        selected = None if sampler._advanced else sampler._selected
+        selected = None if sampler._selected_by == "advance" else sampler._selected
         sampler.load_state_dict(state_dict)
         if selected is not None and selected != sampler._selected:
             sampler.set_epoch(selected)
@@ -4084,9 +4085,7 @@ class _KeyIterator:
         self.count = _LoopCount(keys)
         self.count.keys = weakref.ref(self)  # (weak: nothing may hold the keys' generator back from closing)
         sampler = keys.variable_batch_sampler
-        # see NOTE [the empty rest at once]; a loop that set the epoch after the restore reads the rest itself (torch's
-        # worker iterator makes two key iterators and drops the first unread)
-        if not sampler._set_by_loop and sampler._run_empty_rest(self.count):
+        if sampler._run_empty_rest(self.count):  # see NOTE [the empty rest at once]
             self._keys = iter(())
         else:
             self._keys = _step_input_keys(sampler, keys.every_rank, self.count, keys.batch_count)
