@@ -1839,11 +1839,12 @@ class VariableBatchSampler(Sampler[list[int]]):
         """The pass `__iter__` makes: started at its first step input, closed when its iterator ends or is dropped."""
         current = self._start_pass(iterator=itself[0])
         rank, ranks = self.rank, self.num_replicas
+        total = len(self)  # read once: a step input costs less than len()
         try:
             for steps, ids, bounds in self._runs(current.epoch, current.start):
                 ids = ids.tolist()
                 for t, a, b in zip(steps, bounds[rank::ranks], bounds[rank + 1 :: ranks]):
-                    if not self._hand_out(current, t + 1):
+                    if not self._hand_out(current, t + 1, total):
                         return
                     yield ids[a:b]
         finally:
@@ -1913,8 +1914,9 @@ class VariableBatchSampler(Sampler[list[int]]):
             return None
         return training if training.epoch == self._selected or self._selected_by == "advance" else None
 
-    def _hand_out(self, current: _Pass, steps_done: int) -> bool:
-        """Moves the pass ``current`` on to its ``steps_done``-th step input; a training pass moves the position.
+    def _hand_out(self, current: _Pass, steps_done: int, total: int) -> bool:
+        """Moves the pass ``current`` on to its ``steps_done``-th step input of the epoch's ``total`` (len(self),
+        which the caller reads once per pass); a training pass moves the position.
 
         Returns False, moving nothing, once a `load_state_dict` came after the pass started: it is stale and stops.
         """
@@ -1923,7 +1925,7 @@ class VariableBatchSampler(Sampler[list[int]]):
         current.steps_done = steps_done
         if current.training:
             self._hand_outs += 1
-            if steps_done == len(self):
+            if steps_done == total:
                 self._finish(current)
         return True
 
@@ -3977,6 +3979,7 @@ def _pass_keys(
     rank = sampler.rank
     counts = None if batch_count is None else _batch_counts(plan, batch_count)
     per_batch = ranks * sampler.gradient_accumulation_steps  # step inputs g of a batch, of every rank
+    total = len(sampler)  # read once: a key costs less than len()
     for steps, ids, bounds in sampler._runs(epoch, start):
         first = steps.start * ranks  # the run's first step input g, of any rank
         lens = None if sampler.seqlens is None else sampler.seqlens[ids].tolist()
@@ -3985,7 +3988,7 @@ def _pass_keys(
         for t in steps:
             dealt = range(t * ranks, (t + 1) * ranks) if every_rank else (t * ranks + rank,)
             for g in dealt:
-                if g % ranks == rank and not sampler._hand_out(current, t + 1):  # this rank's t-th
+                if g % ranks == rank and not sampler._hand_out(current, t + 1, total):  # this rank's t-th
                     return
                 a, b = bounds[g - first], bounds[g - first + 1]
                 yield _StepInputKey(
