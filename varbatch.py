@@ -1307,25 +1307,11 @@ def _lengthened(plan: Plan, seqlens: np.ndarray, batches: int) -> Plan | None:
         microbatches = [plan.microbatch(j) for j in range(b * k, b * k + k)]
         blocks = [microbatches[u : u + width] for u in range(0, k, width)]
         halves += [mb for block in _resplit(blocks, 2 * len(blocks), settings.min_batch_size) for mb in block]
-    ids = np.concatenate(halves)
-    sizes = np.array([len(mb) for mb in halves], np.int64)
-    cut = _plan_arrays(ids, sizes, *_microbatch_stats(seqlens, ids, sizes, settings), settings, seqlens)
-    starts = (plan.microbatch_offsets[::k], cut["microbatch_offsets"][::k])  # where each batch's samples start
-    microbatch_sizes = plan.microbatch_sizes().reshape(-1, k)
-    microbatch_sizes = _spliced(microbatch_sizes, np.diff(cut["microbatch_offsets"]).reshape(-1, k), fullest)
-    padded = _spliced(plan.padded_seqlens.reshape(-1, k), cut["padded_seqlens"].reshape(-1, k), fullest)
-    fresh = {
-        "sample_ids": _spliced(plan.sample_ids, cut["sample_ids"], fullest, starts),
-        "microbatch_offsets": _offsets(microbatch_sizes.ravel()),
-        "padded_seqlens": padded.ravel(),
-        **{
-            name: _spliced(getattr(plan, name), cut[name], fullest)
-            for name in ("batch_sizes", "batch_tokens", "batch_max_seqlens")
-        },
-    }
-    for array in fresh.values():
-        array.setflags(write=False)
-    return dataclasses.replace(plan, **fresh)
+    halves_sizes = np.array([len(mb) for mb in halves], np.int64)
+    starts = (plan.microbatch_offsets[::k], _offsets(halves_sizes)[::k])  # where each batch's samples start
+    ids = _spliced(plan.sample_ids, np.concatenate(halves), fullest, starts)
+    sizes = _spliced(plan.microbatch_sizes().reshape(-1, k), halves_sizes.reshape(-1, k), fullest)
+    return _rebuilt(plan, ids, sizes.ravel(), seqlens)
 
 
 def _cuttable(plan: Plan) -> np.ndarray:
@@ -1361,6 +1347,16 @@ def _reshuffled(plan: Plan, epoch: int) -> Plan:
     for array in fresh.values():
         array.setflags(write=False)
     return dataclasses.replace(plan, **fresh, epoch=epoch)
+
+
+def _rebuilt(plan: Plan, ids: np.ndarray, sizes: np.ndarray, seqlens: np.ndarray, **changes: Any) -> Plan:
+    """``plan`` (of the ``seqlens``) made anew of the micro-batches of ``sizes`` samples of ``ids``, k to a batch,
+    read-only as every plan, with ``changes`` to its other fields: each array follows from the micro-batches."""
+    settings = plan.settings
+    fresh = _plan_arrays(ids, sizes, *_microbatch_stats(seqlens, ids, sizes, settings), settings, seqlens)
+    for array in fresh.values():
+        array.setflags(write=False)
+    return dataclasses.replace(plan, **fresh, **changes)
 
 
 # =============================================================================
@@ -1408,12 +1404,9 @@ def _traded_tail(plan: Plan, seqlens: np.ndarray) -> Plan:
         first -= first % span  # ... and the first of its padding group
         a, b = offsets[first], offsets[first + span]
         room[a:b] = _room(ids[a:b], sizes[first : first + span], seqlens, settings)
-    longest, tokens = _microbatch_stats(seqlens, ids, sizes, settings)
-    fresh = _plan_arrays(ids, sizes, longest, tokens, settings, seqlens)
-    dropped = {**plan.dropped, "tail": np.sort(tail)}
-    for array in (*fresh.values(), dropped["tail"]):
-        array.setflags(write=False)
-    return dataclasses.replace(plan, **fresh, dropped=dropped)
+    tail.sort()
+    tail.setflags(write=False)
+    return _rebuilt(plan, ids, sizes, seqlens, dropped={**plan.dropped, "tail": tail})
 
 
 def _room(ids: np.ndarray, sizes: np.ndarray, seqlens: np.ndarray, settings: _Settings) -> np.ndarray:
@@ -1509,21 +1502,13 @@ def _balanced_order(costs: np.ndarray, settings: _Settings, window: int, rng: np
 def _regrouped(plan: Plan, seqlens: np.ndarray, order: np.ndarray) -> Plan:
     """``plan`` with its step inputs in ``order`` (indices of step inputs), its arrays made anew from the
     ``seqlens``: the same micro-batches, each at its new place."""
-    settings = plan.settings
-    m, k = settings.micro_batch_size, settings.effective_batch_size
+    m = plan.settings.micro_batch_size
     microbatches = (order.reshape(-1, 1) * m + np.arange(m)).ravel()  # the micro-batches in their new order
     sizes = plan.microbatch_sizes()[microbatches]
     offsets = _offsets(sizes)
     # A sample's old place: its micro-batch's old start, plus its place in the micro-batch.
     old_places = np.repeat(plan.microbatch_offsets[microbatches] - offsets[:-1], sizes) + np.arange(offsets[-1])
-    ids = plan.sample_ids[old_places]
-    lengths = seqlens[ids]
-    longest = np.maximum.reduceat(lengths, offsets[:-1]).astype(np.int64)
-    tokens = np.add.reduceat(lengths, offsets[:-1:k], dtype=np.int64)
-    fresh = _plan_arrays(ids, sizes, longest, tokens, settings, seqlens)
-    for array in fresh.values():
-        array.setflags(write=False)
-    return dataclasses.replace(plan, **fresh)
+    return _rebuilt(plan, plan.sample_ids[old_places], sizes, seqlens)
 
 
 # =============================================================================
