@@ -292,10 +292,10 @@ def _check_state(owner: Any, state_dict: Any, expected: set) -> None:
 # =============================================================================
 
 
-def _declared(check: str, fix: str = "", **bounds: Any) -> dict:
-    """A `_Settings` field's declaration (its metadata): the check of its kind (`_checked_option`), its bounds or
-    choices, and the fix its message names."""
-    return {"check": check, "fix": fix, **bounds}
+def _option(check: str, default: Any = dataclasses.MISSING, fix: str = "", **bounds: Any) -> Any:
+    """A `_Settings` field: its ``default`` and, as its metadata, the check of its kind (`_checked_option`), its
+    bounds or choices, and the fix its message names."""
+    return dataclasses.field(default=default, metadata={"check": check, "fix": fix, **bounds})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -308,38 +308,22 @@ class _Settings:
     checks them all in one loop, then the rules that relate two of them.
     """
 
-    max_tokens: int = dataclasses.field(
-        metadata=_declared("count", maximum=_MAX_TOKENS_LIMIT, fix="it is the token budget of one micro-batch")
-    )
-    effective_batch_size: int = dataclasses.field(
-        default=1, metadata=_declared("count", fix="it is train_batch_size, micro-batches per optimizer step")
-    )
-    micro_batch_size: int = dataclasses.field(
-        default=1, metadata=_declared("count", fix="it is train_micro_batch_size_per_gpu")
-    )
-    num_replicas: int = dataclasses.field(default=1, metadata=_declared("count", fix="the data-parallel size"))
-    budget: _Budget = dataclasses.field(default="sum", metadata=_declared("choice", choices=_Budget))
-    order: _Order = dataclasses.field(
-        default="dataloader", metadata=_declared("choice", choices=_Order, name="sequence_picking_order")
-    )
-    min_batch_size: int | None = dataclasses.field(
-        default=1, metadata=_declared("bound", unbounded=1, fix="or None for no bound")
-    )
-    max_batch_size: int | None = dataclasses.field(
-        default=None, metadata=_declared("bound", unbounded=None, fix="or None for no bound")
-    )
-    same_size: bool = dataclasses.field(default=False, metadata=_declared("flag"))
-    same_length: bool = dataclasses.field(default=False, metadata=_declared("flag"))
-    seed: int | None = dataclasses.field(
-        default=None, metadata=_declared("seed", fix="or None for varbatch's fixed default seed")
-    )
-    bucket_size: int | None = dataclasses.field(
-        default=None, metadata=_declared("count or None", fix="or None for the default window")
-    )
-    on_overlong: _OnOverlong = dataclasses.field(default="skip", metadata=_declared("choice", choices=_OnOverlong))
-    padding_free: bool = dataclasses.field(default=False, metadata=_declared("flag"))
-    balance_ranks: bool = dataclasses.field(default=False, metadata=_declared("flag"))
-    quadratic_tokens: float | None = dataclasses.field(default=None, metadata=_declared("real or None"))
+    max_tokens: int = _option("count", maximum=_MAX_TOKENS_LIMIT, fix="it is the token budget of one micro-batch")
+    effective_batch_size: int = _option("count", 1, fix="it is train_batch_size, micro-batches per optimizer step")
+    micro_batch_size: int = _option("count", 1, fix="it is train_micro_batch_size_per_gpu")
+    num_replicas: int = _option("count", 1, fix="the data-parallel size")
+    budget: str = _option("choice", "sum", choices=_Budget)
+    order: str = _option("choice", "dataloader", choices=_Order, name="sequence_picking_order")
+    min_batch_size: int | None = _option("bound", 1, unbounded=1, fix="or None for no bound")
+    max_batch_size: int | None = _option("bound", None, unbounded=None, fix="or None for no bound")
+    same_size: bool = _option("flag", False)
+    same_length: bool = _option("flag", False)
+    seed: int | None = _option("seed", None, fix="or None for varbatch's fixed default seed")
+    bucket_size: int | None = _option("count or None", None, fix="or None for the default window")
+    on_overlong: str = _option("choice", "skip", choices=_OnOverlong)
+    padding_free: bool = _option("flag", False)
+    balance_ranks: bool = _option("flag", False)
+    quadratic_tokens: float | None = _option("real or None", None)
 
     def __post_init__(self):
         _check_settings(self)
