@@ -672,10 +672,10 @@ def plan_batches(
     settings = _Settings.of(max_tokens=max_tokens, effective_batch_size=effective_batch_size, **options)
     ids = None if sample_ids is None else _as_sample_ids(sample_ids, len(lengths))
     epoch = _check_int("epoch", epoch)
-    reference = _reference_plan(lengths, settings, ids)
-    if reference.num_batches == 0:
-        raise ValueError(_empty_plan_message(reference))
-    return _balanced(_equal_plan(lengths, settings, ids, epoch, reference), lengths)
+    planner = _Planner(lengths, settings, ids)
+    if planner.reference.num_batches == 0:
+        raise ValueError(_empty_plan_message(planner.reference))
+    return planner(epoch)
 
 
 def _pack(
@@ -1228,15 +1228,29 @@ def _bucket_window(lengths: np.ndarray, settings: _Settings) -> int:
 # on every rank and in any order of epochs. Epoch 0's plan is its packing with its cuts: unchanged
 # where C = B0, as in every plan of a deterministic order or of given micro-batches.
 _DRAWN_ORDERS = ("random", "bucket")
-
-
 _MARGIN_SPREADS = 2
-
-
 _MARGIN_SHARE = 400  # C - B0 <= B0 / 400: at most 0.25% more micro-batches than epoch 0 packs
-
-
 _REDRAWS = 8  # the packings drawn for an epoch before the last resort
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Planner:
+    """epoch -> `Plan` of one dataset and settings, or always one ``fixed`` plan (DeepSpeed's micro-batch lists)."""
+
+    seqlens: np.ndarray | None
+    settings: _Settings
+    sample_ids: np.ndarray | None = None
+    fixed: Plan | None = None
+
+    @functools.cached_property
+    def reference(self) -> Plan:
+        """Epoch 0's plan, computed once: every epoch has its number of batches (the fixed plan: the plan)."""
+        return self.fixed if self.fixed is not None else _reference_plan(self.seqlens, self.settings, self.sample_ids)
+
+    def __call__(self, epoch: int) -> Plan:
+        if self.fixed is not None:
+            return self.fixed
+        return _balanced(_equal_plan(self.seqlens, self.settings, self.sample_ids, epoch, self.reference), self.seqlens)
 
 
 def _reference_plan(seqlens: np.ndarray, settings: _Settings, sample_ids: np.ndarray | None) -> Plan:
@@ -1778,7 +1792,14 @@ class VariableBatchSampler(Sampler[list[int]]):
             >>> VariableBatchSampler([3, 5, 2, 6, 4, 1], max_tokens=8).horizon(4, "tokens")
             84
         """
-        epochs, unit = _check_horizon(self, epochs, unit)
+        epochs, unit = _check_int("epochs", epochs, minimum=1), _check_choice("unit", unit, _Clock)
+        if unit == "steps":  # every epoch has len(sampler) // G of them: no plan is needed
+            raise ValueError(
+                f"horizon(unit='steps') is len(sampler) // gradient_accumulation_steps x epochs, the same in "
+                f"every epoch: {len(self) // self.gradient_accumulation_steps} x {epochs}; count tokens or samples"
+            )
+        if unit == "tokens":
+            _check_tokens_known(self, "horizon(unit='tokens')")
 
         def amount(plan, skip):
             return int(plan._amounts(unit)[skip:].sum())
@@ -1979,26 +2000,6 @@ class VariableBatchSampler(Sampler[list[int]]):
         self._handed_in_full |= set(range(epoch))  # by the run that saved it
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class _Planner:
-    """epoch -> `Plan` of one dataset and settings, or always one ``fixed`` plan (DeepSpeed's micro-batch lists)."""
-
-    seqlens: np.ndarray | None
-    settings: _Settings
-    sample_ids: np.ndarray | None = None
-    fixed: Plan | None = None
-
-    @functools.cached_property
-    def reference(self) -> Plan:
-        """Epoch 0's plan, computed once: every epoch has its number of batches (the fixed plan: the plan)."""
-        return self.fixed if self.fixed is not None else _reference_plan(self.seqlens, self.settings, self.sample_ids)
-
-    def __call__(self, epoch: int) -> Plan:
-        if self.fixed is not None:
-            return self.fixed
-        return _balanced(_equal_plan(self.seqlens, self.settings, self.sample_ids, epoch, self.reference), self.seqlens)
-
-
 _KEY_RUN = 256  # step inputs (of every rank) whose ids `VariableBatchSampler._runs` reads as one list
 
 
@@ -2121,20 +2122,6 @@ def _check_tokens_known(sampler: VariableBatchSampler, what: str) -> None:
             f"batch_size) has no seqlens; count sequences, or plan with get_dataloader_and_lr_"
             f"scheduler_for_variable_batch_size or make_dataloader, which have them"
         )
-
-
-def _check_horizon(sampler: VariableBatchSampler, epochs: Any, unit: Any) -> tuple[int, str]:
-    """``epochs`` and ``unit`` of `VariableBatchSampler.horizon`, checked: ``unit`` counts tokens (of plans that
-    have them) or samples, never steps (every epoch has ``len(sampler) // G`` of them)."""
-    epochs, unit = _check_int("epochs", epochs, minimum=1), _check_choice("unit", unit, _Clock)
-    if unit == "steps":
-        raise ValueError(
-            f"horizon(unit='steps') is len(sampler) // gradient_accumulation_steps x epochs, the same in "
-            f"every epoch: {len(sampler) // sampler.gradient_accumulation_steps} x {epochs}; count tokens or samples"
-        )
-    if unit == "tokens":
-        _check_tokens_known(sampler, "horizon(unit='tokens')")
-    return epochs, unit
 
 
 def _empty_plan_message(plan: Plan) -> str:
@@ -2665,23 +2652,17 @@ class VariableBatchSizeLR(LRScheduler):
 
         A state saved by another version of varbatch is refused (`_check_state`).
         """
-        _check_scheduler_state(self, state_dict)
+        _check_state(self, state_dict, {*self._STATE, "settings", "base_lr_scheduler"})
+        other_kind = (state_dict["base_lr_scheduler"] is None) != (self._base is None)
+        if other_kind or len(state_dict["_unscaled"]) != len(self._groups):
+            raise ValueError("the state wraps another kind of schedule or optimizer; resume with the same ones")
+        _check_int("_batches", state_dict["_batches"], minimum=0, fix="pass a dict made by state_dict()")
         if self._base is not None:
             self._base.load_state_dict(copy.deepcopy(state_dict["base_lr_scheduler"]))
         super().load_state_dict({key: copy.deepcopy(state_dict[key]) for key in self._STATE})
         self._start_checks()  # checked again from the step inputs handed out after the restore
         self._updates_since_step = 0
         self._write()
-
-
-def _check_scheduler_state(scheduler: VariableBatchSizeLR, state_dict: Any) -> None:
-    """Raises unless ``state_dict`` is a `VariableBatchSizeLR` state of this version, ``scheduler``'s settings and
-    kind."""
-    _check_state(scheduler, state_dict, {*scheduler._STATE, "settings", "base_lr_scheduler"})
-    other_kind = (state_dict["base_lr_scheduler"] is None) != (scheduler._base is None)
-    if other_kind or len(state_dict["_unscaled"]) != len(scheduler._groups):
-        raise ValueError("the state wraps another kind of schedule or optimizer; resume with the same ones")
-    _check_int("_batches", state_dict["_batches"], minimum=0, fix="pass a dict made by state_dict()")
 
 
 def _schedule_to_wrap(lr_scheduler: Any) -> tuple[Any, Optimizer, bool]:
