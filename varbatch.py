@@ -684,11 +684,6 @@ def _pack(
     """The packing of one epoch as its orders draw it (without a batch when the samples cannot fill one: then all
     are in its drops); ``attempt`` n > 0 draws the epoch's n-th other order (see NOTE [every epoch the same length]).
 
-    The steps: the packable samples in picking order (`_picked`); the micro-batches of whole batches by the greedy
-    rule (`_microbatches`); in the `bucket` order, the batches shuffled (`_reordered_batches`); the ids at their
-    positions (indices into ``picked``); each micro-batch's longest seqlen and each batch's tokens
-    (`_microbatch_stats`).
-
     Raises:
         ValueError: from `_overlong`.
     """
@@ -1692,8 +1687,7 @@ class VariableBatchSampler(Sampler[list[int]]):
             **options,
         )
         ids = None if sample_ids is None else _as_sample_ids(sample_ids, len(lengths))
-        self._setup(_Planner(lengths, settings, ids), rank, verbose)
-        self._alone = alone
+        self._setup(_Planner(lengths, settings, ids), rank, verbose, alone)
 
     @classmethod
     def _of(cls, planner: _Planner, rank: int, verbose: bool = False) -> VariableBatchSampler:
@@ -1702,7 +1696,7 @@ class VariableBatchSampler(Sampler[list[int]]):
         sampler._setup(planner, rank, verbose)
         return sampler
 
-    def _setup(self, planner: _Planner, rank: int, verbose: bool) -> None:
+    def _setup(self, planner: _Planner, rank: int, verbose: bool, alone: bool = False) -> None:
         settings = planner.settings
         self._planner = planner
         self.settings = settings
@@ -1716,7 +1710,7 @@ class VariableBatchSampler(Sampler[list[int]]):
         self.same_length = settings.same_length
         self._plans: dict[int, Plan] = {}
         self._logged: set[int] = set()  # the epochs whose plan was logged
-        self._alone = False
+        self._alone = alone  # dealt to 1 rank by default: torch.distributed was not up (see `_start_pass`)
         # The passes (NOTE [training and side passes]).
         self._selected = 0  # the epoch the next pass iterates: set_epoch's, or the next once one was handed out
         # how `_selected` was chosen: "loop" (set_epoch), "advance" (a training pass handed out its epoch's end), or
@@ -1856,7 +1850,12 @@ class VariableBatchSampler(Sampler[list[int]]):
         """Starts a pass over the selected epoch: a side pass while its training pass is open, else its training
         pass, from a position restored for that epoch or its start. ``count``: a loader's pass's `_LoopCount`;
         ``iterator``: a weak reference to the iterator the loop reads the pass through."""
-        _check_world(self)
+        if self._alone and _world()[1] > 1:
+            raise RuntimeError(
+                f"this VariableBatchSampler was made before torch.distributed was initialized, so it "
+                f"deals to 1 rank, but the job now has {_world()[1]}: every rank would train every "
+                f"sample; make it after init_process_group, or pass num_replicas and rank"
+            )
         self._passes += 1
         epoch = self._selected
         training = self._open_training()
@@ -2086,7 +2085,7 @@ def _log_plan(plan: Plan, verbose: bool) -> None:
 
 def _sampler_world(num_replicas: Any, rank: Any, options: dict) -> tuple[int, int, bool]:
     """A sampler's ``num_replicas`` and ``rank`` (torch.distributed's where None), checked, and whether it deals to
-    1 rank by default (torch.distributed not, or not yet, up: see `_check_world`); ``options`` may not hold
+    1 rank by default (torch.distributed not, or not yet, up: see `_start_pass`); ``options`` may not hold
     ``effective_batch_size``, which the sampler computes."""
     if "effective_batch_size" in options:
         raise TypeError(
@@ -2102,16 +2101,6 @@ def _sampler_world(num_replicas: Any, rank: Any, options: dict) -> tuple[int, in
             f"rank should be in [0, num_replicas - 1], but got rank={rank} with num_replicas={num_replicas}"
         )
     return num_replicas, rank, alone
-
-
-def _check_world(sampler: VariableBatchSampler) -> None:
-    """Raises when torch.distributed came up with more ranks after a sampler that deals to 1 was made."""
-    if sampler._alone and _world()[1] > 1:
-        raise RuntimeError(
-            f"this VariableBatchSampler was made before torch.distributed was initialized, so it "
-            f"deals to 1 rank, but the job now has {_world()[1]}: every rank would train every "
-            f"sample; make it after init_process_group, or pass num_replicas and rank"
-        )
 
 
 def _check_tokens_known(sampler: VariableBatchSampler, what: str) -> None:
@@ -2239,14 +2228,13 @@ class VariableBatchSizeLR(LRScheduler):
         self.base_batch_size = _check_reference(base_batch_size, "base_batch_size")
         self.clock, self.clock_step = _check_clock(clock, clock_step)
         self.verbose = bool(verbose)
-        _check_last_epoch(last_epoch, optimizer)
-        self._listed = _listed_batch_sizes(
-            batch_sizes,
-            self._sampler,
-            lr_scaling_unit=self.lr_scaling_unit,
-            clock=self.clock,
-            base_batch_size=self.base_batch_size,
-        )
+        resumed = _check_int("last_epoch", last_epoch, minimum=-1) != -1
+        if resumed and any("initial_lr" not in group for group in optimizer.param_groups):
+            raise ValueError(
+                f"last_epoch={last_epoch} resumes a schedule whose param groups hold 'initial_lr', but "
+                f"these do not; make it with last_epoch=-1 and resume with load_state_dict()"
+            )
+        self._listed = _listed_batch_sizes(batch_sizes, self)
         self._batches = 0  # b, the position (see NOTE [the contract])
         self._seen = 0  # what the clock counted: tokens or samples of the updates taken
         self._skipped, self._skipped_seen = None, 0  # an engine's count of skipped steps (_follow_skipped_steps)
@@ -2300,6 +2288,11 @@ class VariableBatchSizeLR(LRScheduler):
             index,
         )
 
+    def _factor(self) -> float:
+        """``s(B_b / B_ref)`` of batch b, as it stands (queries bring b up to date first)."""
+        epoch, batch = self._where()
+        return float(self._factors(epoch, batch)[0][0])
+
     def _rank_zero(self) -> bool:
         return _on_rank_zero(self._sampler.rank if self._sampler is not None else 0)
 
@@ -2314,8 +2307,7 @@ class VariableBatchSizeLR(LRScheduler):
     def lr_factor(self) -> float:
         """``s(B_b / B_ref)`` of the batch trained now."""
         self._catch_up()
-        epoch, batch = self._where()
-        return float(self._factors(epoch, batch)[0][0])
+        return self._factor()
 
     @property
     def steps_in_epoch(self) -> int:
@@ -2328,8 +2320,7 @@ class VariableBatchSizeLR(LRScheduler):
         return super().get_last_lr()
 
     def get_lr(self):
-        epoch, batch = self._where()
-        factor = float(self._factors(epoch, batch)[0][0])
+        factor = self._factor()
         return [lr * factor for lr in self._unscaled]
 
     def _write(self) -> None:
@@ -2715,22 +2706,12 @@ def _find_sampler(obj: Any, depth: int = 0) -> VariableBatchSampler | None:
     return None
 
 
-def _check_last_epoch(last_epoch: Any, optimizer: Optimizer) -> None:
-    """Raises unless ``last_epoch`` is -1, or resumes a schedule the optimizer's param groups remember."""
-    if _check_int("last_epoch", last_epoch, minimum=-1) == -1:
-        return
-    if any("initial_lr" not in group for group in optimizer.param_groups):
-        raise ValueError(
-            f"last_epoch={last_epoch} resumes a schedule whose param groups hold 'initial_lr', but "
-            f"these do not; make it with last_epoch=-1 and resume with load_state_dict()"
-        )
-
-
-def _listed_batch_sizes(batch_sizes: Any, sampler: VariableBatchSampler | None, **options: Any) -> np.ndarray | None:
-    """A `VariableBatchSizeLR`'s listed batch sizes (None with a sampler); raises on ``options`` that need the plans."""
+def _listed_batch_sizes(batch_sizes: Any, scheduler: VariableBatchSizeLR) -> np.ndarray | None:
+    """``scheduler``'s listed batch sizes (None with a sampler); raises on its options that need the plans."""
+    sampler = scheduler._sampler
     if sampler is not None:
         for name in ("lr_scaling_unit", "clock"):
-            if options[name] == "tokens":
+            if getattr(scheduler, name) == "tokens":
                 _check_tokens_known(sampler, f"{name}='tokens'")
         return None
     if isinstance(batch_sizes, (str, bytes)) or not hasattr(batch_sizes, "__len__") or not len(batch_sizes):
@@ -2740,13 +2721,13 @@ def _listed_batch_sizes(batch_sizes: Any, sampler: VariableBatchSampler | None, 
         )
     listed = _as_counts(batch_sizes, "batch_sizes", fix="pass the size of every batch")
     for name, needs_plans in (
-        ("lr_scaling_unit", options["lr_scaling_unit"] != "sequences"),
-        ("clock", options["clock"] != "steps"),
-        ("base_batch_size", options["base_batch_size"] is None),
+        ("lr_scaling_unit", scheduler.lr_scaling_unit != "sequences"),
+        ("clock", scheduler.clock != "steps"),
+        ("base_batch_size", scheduler.base_batch_size is None),
     ):
         if needs_plans:
             raise ValueError(
-                f"{name}={options[name]!r} needs the plans (their tokens and train_batch_size); pass the "
+                f"{name}={getattr(scheduler, name)!r} needs the plans (their tokens and train_batch_size); pass the "
                 f"VariableBatchSampler as batch_sizes, not a list"
             )
     return listed
