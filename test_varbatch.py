@@ -5396,172 +5396,101 @@ def test_a_resume_skip_over_a_loader_that_was_not_prepared_names_the_cause_and_t
 # =============================================================================
 # 9. Bad input: one table per entry point
 # =============================================================================
-# One row per distinct refusal: (what is wrong, the call or a list of calls that meet the same check, the exception
-# type, the name or names the message gives for the fix: the setting to change, or what to pass).
+# One row per distinct refusal: a check, or another path to it; each row's call raises the exception type it names,
+# with a message that names the fix (the setting to change, or what to pass).
 
 
-def _check_refused(calls, error, names):
-    """Each of ``calls`` raises ``error``, its message naming each of ``names``."""
-    for call in calls if isinstance(calls, list) else [calls]:
-        with pytest.raises(error) as info:
-            call()
-        for name in (names,) if isinstance(names, str) else names:
-            assert name in str(info.value), f"the message does not name {name!r}: {info.value}"
+def _refusal(case, error, names, call, /, *args, **kwargs):
+    """A table row: ``call(*args, **kwargs)`` raises ``error``, its message naming each of ``names``, the words of
+    a string."""
+    return pytest.param(functools.partial(call, *args, **kwargs), error, names, id=case)
 
 
-def _rows(table):
-    return pytest.mark.parametrize("call, error, names", [row[1:] for row in table], ids=[row[0] for row in table])
+def _check_refused(call, error, names):
+    """``call()`` raises ``error``, its message naming each word of ``names``."""
+    with pytest.raises(error) as info:
+        call()
+    for name in names.split():
+        assert name in str(info.value), f"the message does not name {name!r}: {info.value}"
+
+
+def _bad_plan(case, error, names, seqlens=(1, 2, 3), max_tokens=10, **options):
+    """A row of plan_batches' table: ``plan_batches(seqlens, max_tokens, **options)`` is refused."""
+    return _refusal(case, error, names, plan_batches, seqlens, max_tokens, **options)
 
 
 _BAD_PLAN_BATCHES = [
-    (
-        "seqlens not whole numbers >= 1",
-        [
-            lambda: plan_batches([3, 0], 10),
-            lambda: plan_batches([3, 2.5], 10),
-            lambda: plan_batches([3.0, float("nan")], 10),
-            lambda: plan_batches(np.array([2**63 + 5, 3], dtype=np.uint64), 10),
-        ],
-        ValueError,
-        "seqlens",
+    # seqlens: each path to the one check of a sequence of whole numbers
+    _bad_plan("seqlens 0", ValueError, "seqlens", [3, 0]),
+    _bad_plan("seqlens a fraction", ValueError, "seqlens", [3, 2.5]),
+    _bad_plan("seqlens beyond int64", ValueError, "seqlens", np.array([2**63 + 5, 3], np.uint64)),
+    _bad_plan("seqlens two-dimensional", ValueError, "seqlens", [[1, 2], [3, 4]]),
+    _bad_plan("seqlens ragged", ValueError, "seqlens", [[1, 2], [3]]),
+    _bad_plan("seqlens not numbers", TypeError, "seqlens", ["a", "b"]),
+    _bad_plan("seqlens a string", TypeError, "seqlens", "abc"),
+    _bad_plan("seqlens a generator", TypeError, "seqlens", (n for n in [3, 2])),
+    # each kind of setting (the fields of a kind share one check), then the rules that relate two settings
+    _bad_plan("max_tokens 0", ValueError, "max_tokens", max_tokens=0),
+    _bad_plan("max_tokens over its limit", ValueError, "max_tokens", max_tokens=2**62),
+    _bad_plan("max_tokens a fraction", TypeError, "max_tokens", max_tokens=2.5),
+    _bad_plan("max_tokens a bool", TypeError, "max_tokens", max_tokens=True),
+    _bad_plan("min_batch_size 0.0", TypeError, "min_batch_size", min_batch_size=0.0),
+    _bad_plan("max_batch_size False", TypeError, "max_batch_size", max_batch_size=False),
+    _bad_plan("same_size not a bool", TypeError, "same_size", same_size="yes"),
+    _bad_plan("seed negative", ValueError, "seed", seed=-1),
+    _bad_plan("bucket_size 0", ValueError, "bucket_size", bucket_size=0),
+    _bad_plan("quadratic_tokens 0", ValueError, "quadratic_tokens", quadratic_tokens=0),
+    _bad_plan("unknown option", TypeError, "'bucket_size'", bucketsize=3),
+    _bad_plan("batch of part step inputs", ValueError, "train_batch_size", effective_batch_size=3, micro_batch_size=2),
+    _bad_plan("min above max", ValueError, "min_batch_size max_batch_size", min_batch_size=3, max_batch_size=2),
+    _bad_plan("padded same_length alone", ValueError, "same_size=True", budget="padded", same_length=True),
+    _bad_plan("padding-free padded", ValueError, "budget='sum'", budget="padded", padding_free=True),
+    _bad_plan("balanced without q", ValueError, "quadratic_tokens=q", order="random", balance_ranks=True),
+    _bad_plan(
+        "balanced in order", ValueError, "sequence_picking_order='random'", balance_ranks=True, quadratic_tokens=9
     ),
-    (
-        "seqlens not flat",
-        [lambda: plan_batches([[1, 2], [3, 4]], 10), lambda: plan_batches([[1, 2], [3]], 10)],
-        ValueError,
-        "seqlens",
-    ),
-    (
-        "seqlens not numbers",
-        [lambda: plan_batches(["a", "b"], 10), lambda: plan_batches([True, False], 10)],
-        TypeError,
-        "seqlens",
-    ),
-    (
-        "seqlens not a sequence",
-        [
-            lambda: plan_batches("abc", 10),
-            lambda: plan_batches((n for n in [3, 2]), 10),
-            lambda: plan_batches({3, 2}, 10),
-        ],
-        TypeError,
-        "seqlens",
-    ),
-    (
-        "max_tokens out of range",
-        [lambda: plan_batches([1, 2, 3], 0), lambda: plan_batches([1, 2, 3], 2**62)],
-        ValueError,
-        "max_tokens",
-    ),
-    (
-        "max_tokens not an integer",
-        [
-            lambda: plan_batches([1, 2, 3], 2.5),
-            lambda: plan_batches([1, 2, 3], "10"),
-            lambda: plan_batches([1, 2, 3], True),
-        ],
-        TypeError,
-        "max_tokens",
-    ),
-    (
-        "effective_batch_size 0",
-        lambda: plan_batches([1, 2, 3], 10, effective_batch_size=0),
-        ValueError,
-        "effective_batch_size",
-    ),
-    (
-        "effective_batch_size not a multiple of the step input",
-        lambda: plan_batches([1, 2, 3], 10, effective_batch_size=3, micro_batch_size=2),
-        ValueError,
-        ("effective_batch_size", "train_batch_size"),
-    ),
-    ("min_batch_size a float", lambda: plan_batches([1, 2], 5, min_batch_size=0.0), TypeError, "min_batch_size"),
-    ("max_batch_size a bool", lambda: plan_batches([1, 2], 5, max_batch_size=False), TypeError, "max_batch_size"),
-    (
-        "min_batch_size above max_batch_size",
-        lambda: plan_batches([1, 2, 3], 10, min_batch_size=3, max_batch_size=2),
-        ValueError,
-        ("min_batch_size", "max_batch_size"),
-    ),
-    (
-        "padded same length without same size",
-        lambda: plan_batches([1, 2, 3], 10, budget="padded", same_length=True),
-        ValueError,
-        "same_size=True",
-    ),
-    ("same_size not a bool", lambda: plan_batches([1, 2], 5, same_size="yes"), TypeError, "same_size"),
-    ("seed negative", lambda: plan_batches([1, 2], 5, seed=-1), ValueError, "seed"),
-    ("bucket_size 0", lambda: plan_batches([1, 2], 5, bucket_size=0), ValueError, "bucket_size"),
-    ("epoch negative", lambda: plan_batches([1, 2], 5, epoch=-1), ValueError, "epoch"),
-    ("unknown option", lambda: plan_batches([1, 2], 5, bucketsize=3), TypeError, "'bucket_size'"),
-    ("sample_ids out of range", lambda: plan_batches([1, 2, 3], 10, sample_ids=[0, 5]), ValueError, "sample_ids"),
-    ("sample_ids negative", lambda: plan_batches([1, 2, 3], 10, sample_ids=[-1, 0]), ValueError, "sample_ids"),
-    ("sample_ids twice", lambda: plan_batches([1, 2, 3], 10, sample_ids=[0, 1, 1]), ValueError, "sample_ids"),
-    ("sample_ids floats", lambda: plan_batches([1, 2, 3], 10, sample_ids=[0.0, 1.0]), TypeError, "sample_ids"),
-    (
-        "sample_ids not a sequence",
-        [
-            lambda: plan_batches([1, 2, 3], 10, sample_ids=(i for i in [0, 1])),
-            lambda: plan_batches([1, 2, 3], 10, sample_ids={0, 1}),
-        ],
-        TypeError,
-        "sample_ids",
-    ),
-    (
-        "over budget with on_overlong='error'",
-        lambda: plan_batches([2, 6, 3, 7], 5, on_overlong="error"),
-        ValueError,
-        ("max_tokens", "on_overlong='skip'"),
-    ),
-    ("every sample over budget", lambda: plan_batches([5, 4, 9], 3), ValueError, "max_tokens"),
-    (
-        "too few samples for a batch",
-        lambda: plan_batches([1, 1, 1], 10, effective_batch_size=4),
-        ValueError,
-        ("effective_batch_size", "min_batch_size"),
-    ),
+    # the epoch, the subset, and lengths the settings cannot plan
+    _bad_plan("epoch negative", ValueError, "epoch", epoch=-1),
+    _bad_plan("sample_ids out of range", ValueError, "sample_ids", sample_ids=[0, 5]),
+    _bad_plan("sample_ids negative", ValueError, "sample_ids", sample_ids=[-1, 0]),
+    _bad_plan("sample_ids twice", ValueError, "sample_ids", sample_ids=[0, 1, 1]),
+    _bad_plan("sample_ids floats", TypeError, "sample_ids", sample_ids=[0.0, 1.0]),
+    _bad_plan("sample_ids a set", TypeError, "sample_ids", sample_ids={0, 1}),
+    _bad_plan("overlong", ValueError, "max_tokens on_overlong='skip'", [2, 6, 3, 7], 5, on_overlong="error"),
+    _bad_plan("every sample over budget", ValueError, "max_tokens", [5, 4, 9], 3),
+    _bad_plan("too few samples", ValueError, "effective_batch_size min_batch_size", [1, 1, 1], effective_batch_size=4),
 ]
 
 
-@_rows(_BAD_PLAN_BATCHES)
+@pytest.mark.parametrize("call, error, names", _BAD_PLAN_BATCHES)
 def test_bad_input_plan_batches(call, error, names):
-    """plan_batches refuses bad input with a TypeError/ValueError naming the value."""
+    """plan_batches refuses bad input with a TypeError/ValueError naming the value and its fix."""
     _check_refused(call, error, names)
 
 
-@pytest.mark.parametrize(
-    "call, value, closest, valid",
-    [
-        (lambda v: plan_batches([1, 2, 3], 10, order=v), "randm", "random", ORDERS),
-        (lambda v: plan_batches([1, 2, 3], 10, order=v), "seqlens", "seqlen", ORDERS),
-        (lambda v: plan_batches([1, 2, 3], 10, budget=v), "pad", "padded", BUDGETS),
-        (lambda v: plan_batches([1, 2, 3], 10, on_overlong=v), "eror", "error", ("skip", "error")),
-        (lambda v: scale_lr(2, 4, method=v), "lineer", "linear", LR_METHODS),
-        (
-            lambda v: VariableBatchSizeLR(_optimizer(), 2, _sampler(), lr_scaling_unit=v),
-            "token",
-            "tokens",
-            ("sequences", "tokens"),
-        ),
-        (
-            lambda v: VariableBatchSizeLR(_optimizer(), 2, _sampler(), clock=v),
-            "tokns",
-            "tokens",
-            ("steps", "tokens", "samples"),
-        ),
-        (lambda v: _sampler().horizon(2, v), "sample", "samples", ("steps", "tokens", "samples")),
-    ],
-    ids=[
-        "order randm",
-        "order seqlens",
-        "budget",
-        "on_overlong",
-        "lr_scaling_method",
-        "lr_scaling_unit",
-        "clock",
-        "horizon unit",
-    ],
-)
+_CLOCKS = ("steps", "tokens", "samples")
+# Each check of a choice: (a call with the choice, a near miss, its closest choice, every choice).
+_UNKNOWN_CHOICES = {
+    "order": (lambda v: plan_batches([1, 2, 3], 10, order=v), "randm", "random", ORDERS),
+    "lr_scaling_method": (lambda v: scale_lr(2, 4, method=v), "lineer", "linear", LR_METHODS),
+    "lr_scaling_unit": (
+        lambda v: VariableBatchSizeLR(_optimizer(), 2, [2, 2], lr_scaling_unit=v),
+        "token",
+        "tokens",
+        ("sequences", "tokens"),
+    ),
+    "clock": (lambda v: VariableBatchSizeLR(_optimizer(), 2, [2, 2], clock=v), "tokns", "tokens", _CLOCKS),
+    "horizon unit": (lambda v: _sampler().horizon(2, v), "sample", "samples", _CLOCKS),
+    "batch_count": (
+        lambda v: make_dataloader([torch.ones(2)] * 3, VariableBatchSampler([2, 2, 2], 4), batch_count=v),
+        "token",
+        "tokens",
+        ("sequences", "tokens", "label_tokens"),
+    ),
+}
+
+
+@pytest.mark.parametrize("call, value, closest, valid", _UNKNOWN_CHOICES.values(), ids=_UNKNOWN_CHOICES)
 def test_unknown_choice_lists_valid_ones_and_suggests_closest(call, value, closest, valid):
     """An unknown choice names the value, lists the valid ones and suggests the closest."""
     with pytest.raises(ValueError) as info:
@@ -5572,66 +5501,42 @@ def test_unknown_choice_lists_valid_ones_and_suggests_closest(call, value, close
 
 
 _BAD_SCALE_LR = [
-    (
-        "base_batch_size not a number > 0",
-        [lambda: scale_lr(0, 4), lambda: scale_lr(float("nan"), 4)],
-        ValueError,
-        "base_batch_size",
-    ),
-    ("base_batch_size a string", lambda: scale_lr("2", 4), TypeError, "base_batch_size"),
-    (
-        "batch_size not a finite number >= 0",
-        [lambda: scale_lr(2, float("inf")), lambda: scale_lr(2, -1)],
-        ValueError,
-        "batch_size",
-    ),
-    ("base_lr a string", lambda: scale_lr(2, 4, "x"), TypeError, "base_lr"),
-    (
-        "method returns a factor not >= 0",
-        [lambda: scale_lr(2, 4, method=lambda r: -r), lambda: scale_lr(2, 4, method=lambda r: float("nan"))],
-        ValueError,
-        "lr_scaling_method",
-    ),
-    (
-        "base_batch_size so small that B / B_ref overflows",
-        lambda: scale_lr(1e-320, 4),
-        ValueError,
-        ("lr_scaling_reference", "base_batch_size"),
-    ),
+    _refusal("base_batch_size 0", ValueError, "base_batch_size", scale_lr, 0, 4),
+    _refusal("base_batch_size a string", TypeError, "base_batch_size", scale_lr, "2", 4),
+    _refusal("batch_size negative", ValueError, "batch_size", scale_lr, 2, -1),
+    _refusal("base_lr a string", TypeError, "base_lr", scale_lr, 2, 4, "x"),
+    _refusal("method returns a negative factor", ValueError, "lr_scaling_method", scale_lr, 2, 4, method=lambda r: -r),
+    _refusal("B / B_ref overflows", ValueError, "lr_scaling_reference base_batch_size", scale_lr, 1e-320, 4),
 ]
 
 
-@_rows(_BAD_SCALE_LR)
+@pytest.mark.parametrize("call, error, names", _BAD_SCALE_LR)
 def test_bad_input_scale_lr(call, error, names):
-    """scale_lr refuses bad input with a TypeError/ValueError naming the value (issue 9, item 15)."""
+    """scale_lr refuses bad input with a TypeError/ValueError naming the value."""
     _check_refused(call, error, names)
 
 
 _BAD_LOSS_WEIGHT = [
-    ("num_replicas 0", lambda: micro_batch_loss_weight(2, 10, num_replicas=0), ValueError, "num_replicas"),
-    ("num_replicas a float", lambda: micro_batch_loss_weight(2, 10, num_replicas=1.5), TypeError, "num_replicas"),
-    (
+    _refusal("num_replicas a fraction", TypeError, "num_replicas", micro_batch_loss_weight, 2, 10, num_replicas=1.5),
+    _refusal(
         "gradient_accumulation_steps negative",
-        lambda: micro_batch_loss_weight(2, 10, gradient_accumulation_steps=-1),
         ValueError,
         "gradient_accumulation_steps",
+        micro_batch_loss_weight,
+        2,
+        10,
+        gradient_accumulation_steps=-1,
     ),
-    ("batch_count a string", lambda: micro_batch_loss_weight(2, "12"), TypeError, "batch_count"),
-    ("batch_count 0", lambda: micro_batch_loss_weight(0, 0), ValueError, "batch_count"),
-    ("count negative", lambda: micro_batch_loss_weight(-1, 10), ValueError, "count"),
-    ("count above batch_count", lambda: micro_batch_loss_weight(11, 10), ValueError, ("count", "batch_count")),
+    _refusal("batch_count 0", ValueError, "batch_count", micro_batch_loss_weight, 0, 0),
+    _refusal("count negative", ValueError, "count", micro_batch_loss_weight, -1, 10),
+    _refusal("count above batch_count", ValueError, "count batch_count", micro_batch_loss_weight, 11, 10),
 ]
 
 
-@_rows(_BAD_LOSS_WEIGHT)
+@pytest.mark.parametrize("call, error, names", _BAD_LOSS_WEIGHT)
 def test_bad_input_micro_batch_loss_weight(call, error, names):
-    """micro_batch_loss_weight refuses bad input with a TypeError/ValueError naming the value (issue 9, item 15)."""
+    """micro_batch_loss_weight refuses bad input with a TypeError/ValueError naming the value."""
     _check_refused(call, error, names)
-
-
-def _resumed_state(**changes):
-    state = VariableBatchSampler([1, 2, 3, 4], 10).state_dict()
-    return dict(state, **changes)
 
 
 def _given_microbatches_loader():
@@ -5643,347 +5548,257 @@ def _given_microbatches_loader():
     return loader
 
 
+def _load_state_saved_with(option):
+    """A sampler with ``option`` off loads the state of one with it on."""
+    options = dict(num_replicas=1, rank=0, order="random", quadratic_tokens=9)
+    state = VariableBatchSampler([3, 5, 2, 6, 4, 1], 8, **{option: True}, **options).state_dict()
+    VariableBatchSampler([3, 5, 2, 6, 4, 1], 8, **options).load_state_dict(state)
+
+
+def _four_samples(**options):
+    """A sampler of four samples, seqlens 1 to 4, max_tokens 10."""
+    return VariableBatchSampler([1, 2, 3, 4], 10, **options)
+
+
 _BAD_SAMPLER = [
-    (
-        "micro_batch_size 0",
-        lambda: VariableBatchSampler([1, 2, 3, 4], 10, micro_batch_size=0),
-        ValueError,
-        "micro_batch_size",
+    _refusal("micro_batch_size 0", ValueError, "micro_batch_size", _four_samples, micro_batch_size=0),
+    _refusal(
+        "accumulation 1.5", TypeError, "gradient_accumulation_steps", _four_samples, gradient_accumulation_steps=1.5
     ),
-    (
-        "gradient_accumulation_steps a float",
-        lambda: VariableBatchSampler([1, 2, 3, 4], 10, gradient_accumulation_steps=1.5),
-        TypeError,
-        "gradient_accumulation_steps",
-    ),
-    ("num_replicas 0", lambda: VariableBatchSampler([1, 2, 3, 4], 10, num_replicas=0), ValueError, "num_replicas"),
-    (
-        "rank out of range",
-        lambda: VariableBatchSampler([1, 2, 3, 4], 10, num_replicas=2, rank=2),
-        ValueError,
-        ("rank", "num_replicas"),
-    ),
-    ("rank negative", lambda: VariableBatchSampler([1, 2, 3, 4], 10, rank=-1), ValueError, "rank"),
-    ("seed negative", lambda: VariableBatchSampler([1, 2, 3, 4], 10, seed=-1), ValueError, "seed"),
-    ("unknown option", lambda: VariableBatchSampler([1, 2, 3, 4], 10, ordre="random"), TypeError, "'order'"),
-    (
-        "too few samples for a batch",
-        lambda: VariableBatchSampler([1, 1, 1], 10, gradient_accumulation_steps=4),
-        ValueError,
-        ("effective_batch_size", "min_batch_size"),
-    ),
-    (
+    _refusal("num_replicas 0", ValueError, "num_replicas", _four_samples, num_replicas=0),
+    _refusal("rank negative", ValueError, "rank", _four_samples, rank=-1),
+    _refusal("rank out of range", ValueError, "rank num_replicas", _four_samples, num_replicas=2, rank=2),
+    _refusal(
         "effective_batch_size given",
-        lambda: VariableBatchSampler([1, 2, 3, 4], 8, effective_batch_size=4),
         TypeError,
-        ("micro_batch_size", "gradient_accumulation_steps", "num_replicas"),
+        "micro_batch_size gradient_accumulation_steps num_replicas",
+        _four_samples,
+        effective_batch_size=4,
     ),
-    ("set_epoch negative", lambda: VariableBatchSampler([1, 2], 10).set_epoch(-1), ValueError, "epoch"),
-    ("horizon of 0 epochs", lambda: VariableBatchSampler([1, 2], 10).horizon(0, "tokens"), ValueError, "epochs"),
-    (
-        "horizon in steps",
-        lambda: VariableBatchSampler([1, 2], 10).horizon(3, "steps"),
-        ValueError,
-        ("tokens", "samples"),
-    ),
-    (
+    _refusal("too few samples", ValueError, "min_batch_size", VariableBatchSampler, [1, 1, 1], 10, micro_batch_size=4),
+    _refusal("set_epoch negative", ValueError, "epoch", lambda: _four_samples().set_epoch(-1)),
+    _refusal("horizon of 0 epochs", ValueError, "epochs", lambda: _four_samples().horizon(0, "tokens")),
+    _refusal("horizon in steps", ValueError, "tokens samples", lambda: _four_samples().horizon(3, "steps")),
+    _refusal(
         "horizon in tokens over given micro-batches",
-        lambda: _given_microbatches_loader().variable_batch_sampler.horizon(2, "tokens"),
         ValueError,
         "make_dataloader",
+        lambda: _given_microbatches_loader().variable_batch_sampler.horizon(2, "tokens"),
     ),
-    (
-        "state_dict steps_done outside the epoch",
-        [
-            lambda: VariableBatchSampler([1, 2], 10).state_dict(steps_done=-1),
-            lambda: VariableBatchSampler([1, 2], 10).state_dict(steps_done=2),
-        ],
-        ValueError,
-        "steps_done",
-    ),
-    (
-        "load_state_dict not a dict",
-        lambda: VariableBatchSampler([1, 2], 10).load_state_dict("state"),
-        TypeError,
-        "dict",
-    ),
-    (
+    _refusal("state_dict at step -1", ValueError, "steps_done", lambda: _four_samples().state_dict(steps_done=-1)),
+    _refusal("load_state_dict not a dict", TypeError, "dict", lambda: _four_samples().load_state_dict("state")),
+    _refusal(
         "load_state_dict past the epoch's end",
-        lambda: VariableBatchSampler([1, 2, 3, 4], 10).load_state_dict(_resumed_state(steps_done=999)),
         ValueError,
         "steps_done",
+        lambda: _four_samples().load_state_dict(dict(_four_samples().state_dict(), steps_done=999)),
     ),
+    # the settings that change a plan's form are part of a state's settings
+    _refusal("a padding-free state", ValueError, "padding_free=True", _load_state_saved_with, "padding_free"),
+    _refusal("a balanced state", ValueError, "balance_ranks=True", _load_state_saved_with, "balance_ranks"),
 ]
 
 
-@_rows(_BAD_SAMPLER)
+@pytest.mark.parametrize("call, error, names", _BAD_SAMPLER)
 def test_bad_input_VariableBatchSampler(call, error, names):
     """VariableBatchSampler and its methods refuse bad input with a TypeError/ValueError naming the value."""
     _check_refused(call, error, names)
 
 
-def _loader_of(seqlens, padding, **options):
-    loader = make_dataloader(
-        [torch.ones(n) for n in seqlens], VariableBatchSampler(seqlens, 20, **options), sample_padding_fn=padding
-    )
-    return list(loader)
+def _same_length_loader(sample_padding_fn):
+    """The step inputs of a same-size, same-length loader over four samples, padded by ``sample_padding_fn``."""
+    sampler = VariableBatchSampler([3, 5, 2, 4], 20, same_size=True, same_length=True)
+    return list(make_dataloader([torch.ones(n) for n in [3, 5, 2, 4]], sampler, sample_padding_fn=sample_padding_fn))
+
+
+def _three_samples_loader(**options):
+    """make_dataloader over three samples of seqlen 2, max_tokens 4."""
+    return make_dataloader([torch.ones(2)] * 3, VariableBatchSampler([2, 2, 2], 4), **options)
 
 
 _BAD_MAKE_DATALOADER = [
-    (
+    _refusal(
         "another sampler",
-        lambda: make_dataloader([1, 2], torch.utils.data.BatchSampler(range(2), 1, False)),
         TypeError,
         "VariableBatchSampler",
+        make_dataloader,
+        [1, 2],
+        torch.utils.data.BatchSampler([0, 1], 1, False),
     ),
-    (
-        "what the sampler decides",
-        [
-            lambda: make_dataloader([torch.ones(2)] * 3, VariableBatchSampler([2, 2, 2], 4), batch_size=2),
-            lambda: make_dataloader([torch.ones(2)] * 3, VariableBatchSampler([2, 2, 2], 4), shuffle=True),
-            lambda: make_dataloader([torch.ones(2)] * 3, VariableBatchSampler([2, 2, 2], 4), in_order=False),
-        ],
-        TypeError,
-        "VariableBatchSampler",
+    _refusal("what the sampler decides", TypeError, "VariableBatchSampler", _three_samples_loader, batch_size=2),
+    _refusal("out of the plan's order", TypeError, "VariableBatchSampler", _three_samples_loader, in_order=False),
+    _refusal("collate_fn not callable", TypeError, "collate_fn", _three_samples_loader, collate_fn=3),
+    _refusal("batch_count of another size", ValueError, "batch_count", _three_samples_loader, batch_count=[1, 1]),
+    _refusal(
+        "seqlens of another size", ValueError, "seqlen", make_dataloader, [[2]] * 4, VariableBatchSampler([2, 2, 2], 4)
     ),
-    (
-        "seqlens of another dataset size",
-        lambda: make_dataloader([torch.ones(2)] * 4, VariableBatchSampler([2, 2, 2], 4)),
-        ValueError,
-        "seqlen",
+    _refusal("same length, no padding", ValueError, "sample_padding_fn=varbatch.pad_sample", _same_length_loader, None),
+    _refusal(
+        "padding that does not pad", ValueError, "sample_padding_fn", _same_length_loader, lambda sample, n: sample
     ),
-    (
-        "same length without sample_padding_fn",
-        lambda: make_dataloader(
-            [torch.ones(n) for n in (3, 4, 5, 2)],
-            VariableBatchSampler([3, 4, 5, 2], 10, same_size=True, same_length=True),
-        ),
-        ValueError,
-        "sample_padding_fn=varbatch.pad_sample",
-    ),
-    (
-        "sample_padding_fn that does not pad",
-        lambda: _loader_of([3, 5, 2, 4], lambda s, n: s, same_size=True, same_length=True),
-        ValueError,
-        "sample_padding_fn",
-    ),
-    (
-        "collate_fn not callable",
-        lambda: make_dataloader([torch.ones(2)] * 3, VariableBatchSampler([2, 2, 2], 4), collate_fn=3),
-        TypeError,
-        "collate_fn",
-    ),
-    (
-        "sample_padding_fn not callable",
-        lambda: make_dataloader([torch.ones(2)] * 3, VariableBatchSampler([2, 2, 2], 4), sample_padding_fn=3),
-        TypeError,
-        "sample_padding_fn",
-    ),
-    (
-        "batch_count no unit",
-        lambda: make_dataloader([torch.ones(2)] * 3, VariableBatchSampler([2, 2, 2], 4), batch_count="token"),
-        ValueError,
-        ("batch_count", "'tokens'"),
-    ),
-    (
-        "batch_count a count per sample of another size",
-        lambda: make_dataloader([torch.ones(2)] * 3, VariableBatchSampler([2, 2, 2], 4), batch_count=[1, 1]),
-        ValueError,
-        "batch_count",
-    ),
-    (
-        "batch_count a negative count",
-        lambda: make_dataloader([torch.ones(2)] * 3, VariableBatchSampler([2, 2, 2], 4), batch_count=[1, -1, 1]),
-        ValueError,
-        "batch_count",
-    ),
-    (
-        "batch_count a number",
-        lambda: make_dataloader([torch.ones(2)] * 3, VariableBatchSampler([2, 2, 2], 4), batch_count=12),
-        TypeError,
-        "batch_count",
-    ),
-    (
+    _refusal(
         "batch_count in tokens over given micro-batches (no seqlens)",
-        lambda: make_dataloader(
-            [torch.ones(n) for n in _GLUE_SEQLENS],
-            _given_microbatches_loader().variable_batch_sampler,
-            batch_count="label_tokens",
-        ),
         ValueError,
-        ("batch_count", "make_dataloader"),
+        "batch_count make_dataloader",
+        lambda: make_dataloader(
+            _GLUE_SEQLENS, _given_microbatches_loader().variable_batch_sampler, batch_count="tokens"
+        ),
+    ),
+    _refusal(
+        "a padding-free pipeline's collate that does not pad its rows",
+        ValueError,
+        "varbatch.FlatCollate",
+        lambda: list(
+            make_dataloader(
+                [torch.ones(n) for n in [3, 5, 2, 4]],
+                VariableBatchSampler(
+                    [3, 5, 2, 4], 8, padding_free=True, same_length=True, gradient_accumulation_steps=2
+                ),
+                collate_fn=lambda samples: torch.cat(samples)[None],
+            )
+        ),
     ),
 ]
 
 
-@_rows(_BAD_MAKE_DATALOADER)
+@pytest.mark.parametrize("call, error, names", _BAD_MAKE_DATALOADER)
 def test_bad_input_make_dataloader(call, error, names):
     """make_dataloader refuses bad input, before the first batch where it can, naming the value."""
     _check_refused(call, error, names)
 
 
 _BAD_PADDING = [
-    ("pad_sample shorter than the sample", lambda: pad_sample(torch.ones(3), 2), ValueError, "seqlens"),
-    (
-        "pad_sample a field with no sequence dimension",
-        [lambda: pad_sample({"a": 3}, 4, fields=["a"]), lambda: pad_sample(object(), 3), lambda: pad_sample(5, 3)],
-        ValueError,
-        ("fields", "sample_padding_fn"),
+    _refusal("pad_sample shorter than the sample", ValueError, "seqlens", pad_sample, torch.ones(3), 2),
+    _refusal("pad_sample length negative", ValueError, "length", pad_sample, [1], -1),
+    _refusal("a field of no sequence", ValueError, "fields sample_padding_fn", pad_sample, {"a": 3}, 4, fields=["a"]),
+    _refusal("no sequence field", ValueError, "fields sample_padding_fn", pad_sample, {"label": 1, "id": 2}, 4),
+    _refusal(
+        "fields none of the sample's", ValueError, "fields sample_padding_fn", pad_sample, {"ids": [1]}, 4, fields=["x"]
     ),
-    ("pad_sample length negative", lambda: pad_sample([1], -1), ValueError, "length"),
-    ("pad_sample length a string", lambda: pad_sample([1], "3"), TypeError, "length"),
-    (
-        "pad_sample no field to pad",
-        [
-            lambda: pad_sample(["a", "b"], 4),
-            lambda: pad_sample(("a", "b"), 4),
-            lambda: pad_sample({"label": 1, "id": 2}, 4),
-            lambda: pad_sample({"input_ids": [1, 2]}, 4, fields=["ids"]),
-        ],
-        ValueError,
-        ("fields", "sample_padding_fn"),
+    _refusal("PaddedCollate no samples", ValueError, "samples", PaddedCollate(), []),
+    _refusal("PaddedCollate no sequence field", ValueError, "seqlens", PaddedCollate(), [{"a": 1}, {"a": 2}]),
+    _refusal(
+        "PaddedCollate dicts of other keys", ValueError, "fields", PaddedCollate(), [{"x": [1], "y": [3]}, {"x": [5]}]
     ),
-    ("PaddedCollate no samples", lambda: PaddedCollate()([]), ValueError, "samples"),
-    ("PaddedCollate no sequence field", lambda: PaddedCollate()([{"a": 1}, {"a": 2}]), ValueError, "seqlens"),
-    (
-        "PaddedCollate samples of other fields",
-        [
-            lambda: PaddedCollate()([{"input_ids": [1, 2], "labels": [3, 4]}, {"input_ids": [5]}]),
-            lambda: PaddedCollate()([{"input_ids": [1, 2]}, {"labels": [4], "input_ids": [3]}]),
-            lambda: PaddedCollate()([([1, 2],), ([3], [4])]),
-        ],
-        ValueError,
-        "fields",
+    _refusal("PaddedCollate tuples of other lengths", ValueError, "fields", PaddedCollate(), [([1, 2],), ([3], [4])]),
+    _refusal(
+        "PaddedCollate seqlens of another count", ValueError, "seqlens", PaddedCollate(), [[1, 2], [1]], seqlens=[2]
     ),
-    (
-        "PaddedCollate seqlens of another count",
-        lambda: PaddedCollate()([torch.ones(2), torch.ones(1)], seqlens=[2]),
-        ValueError,
-        "seqlens",
-    ),
-    (
-        "seqlens_from_padded not a collated batch",
-        [
-            lambda: seqlens_from_padded(torch.tensor([1, 2])),
-            lambda: seqlens_from_padded([torch.tensor([5, 6]), torch.tensor([7])]),
-        ],
-        ValueError,
-        "PaddedCollate",
-    ),
+    _refusal("seqlens_from_padded not a batch", ValueError, "PaddedCollate", seqlens_from_padded, torch.tensor([1, 2])),
 ]
 
 
-@_rows(_BAD_PADDING)
+@pytest.mark.parametrize("call, error, names", _BAD_PADDING)
 def test_bad_input_padding_and_collate(call, error, names):
     """pad_sample, PaddedCollate and seqlens_from_padded refuse what they cannot handle, naming it."""
     _check_refused(call, error, names)
 
 
+def _scheduler(*args, **options):
+    """VariableBatchSizeLR over a fresh optimizer."""
+    return VariableBatchSizeLR(_optimizer(), *args, **options)
+
+
 _BAD_SCHEDULER = [
-    (
+    _refusal(
         "ReduceLROnPlateau",
-        lambda: VariableBatchSizeLR(torch.optim.lr_scheduler.ReduceLROnPlateau(_optimizer()), 2, [2, 2]),
         TypeError,
         "LambdaLR",
+        lambda: VariableBatchSizeLR(torch.optim.lr_scheduler.ReduceLROnPlateau(_optimizer()), 2, [2, 2]),
     ),
-    ("not an optimizer", lambda: VariableBatchSizeLR(5, 2, [2, 2]), TypeError, "Optimizer"),
-    (
-        "lr_scaling_method unknown",
-        lambda: VariableBatchSizeLR(_optimizer(), 2, [2, 2], lr_scaling_method="sqr"),
-        ValueError,
-        "'sqrt'",
-    ),
-    (
-        "a count of tokens without a sampler",
-        [
-            lambda: VariableBatchSizeLR(_optimizer(), 2, [2, 2], lr_scaling_unit="tokens"),
-            lambda: VariableBatchSizeLR(_optimizer(), 2, [2, 2], clock="tokens"),
-            lambda: VariableBatchSizeLR(_optimizer(), None, [2, 2]),
-        ],
-        ValueError,
-        "VariableBatchSampler",
-    ),
-    (
-        "a count of tokens over given micro-batches",
-        [
-            lambda: VariableBatchSizeLR(_optimizer(), 2, _given_microbatches_loader(), lr_scaling_unit="tokens"),
-            lambda: VariableBatchSizeLR(_optimizer(), "mean", _given_microbatches_loader(), clock="tokens"),
-        ],
-        ValueError,
-        "make_dataloader",
-    ),
-    ("base_batch_size 0", lambda: VariableBatchSizeLR(_optimizer(), 0, [2, 2]), ValueError, "base_batch_size"),
-    (
-        "base_batch_size a string",
-        lambda: VariableBatchSizeLR(_optimizer(), "avg", [2, 2]),
-        TypeError,
-        "base_batch_size",
-    ),
-    (
-        "base_batch_size so small that B / B_ref overflows (the LR was inf)",
-        lambda: VariableBatchSizeLR(_optimizer(), 1e-320, [2, 2]),
-        ValueError,
-        ("lr_scaling_reference", "base_batch_size"),
-    ),
-    ("batch_sizes empty", lambda: VariableBatchSizeLR(_optimizer(), 2, []), ValueError, "batch_sizes"),
-    ("batch_sizes zero", lambda: VariableBatchSizeLR(_optimizer(), 2, [2, 0]), ValueError, "batch_sizes"),
-    (
-        "clock_step 0",
-        lambda: VariableBatchSizeLR(_optimizer(), 2, _sampler(), clock="tokens", clock_step=0),
-        ValueError,
-        "clock_step",
-    ),
-    (
-        "clock_step with the steps clock (it was ignored)",
-        lambda: VariableBatchSizeLR(_optimizer(), 2, [2, 2], clock="steps", clock_step=4),
-        ValueError,
-        ("clock", "clock_step"),
-    ),
-    (
-        "last_epoch without initial_lr (torch's KeyError)",
-        lambda: VariableBatchSizeLR(_optimizer(), 2, [2, 2], last_epoch=3),
-        ValueError,
-        ("last_epoch", "load_state_dict"),
-    ),
-    ("step with an epoch", lambda: VariableBatchSizeLR(_optimizer(), 2, [2, 2]).step(5), ValueError, "step()"),
-    (
+    _refusal("not an optimizer", TypeError, "Optimizer", VariableBatchSizeLR, 5, 2, [2, 2]),
+    _refusal(
         "a VariableBatchSizeLR wrapped again (the factor applied twice)",
-        lambda: VariableBatchSizeLR(VariableBatchSizeLR(_optimizer(), 2, [2, 4]), 2, [2, 4]),
         TypeError,
         "VariableBatchSizeLR",
+        lambda: VariableBatchSizeLR(_scheduler(2, [2, 4]), 2, [2, 4]),
     ),
-    (
-        "no scheduler nor optimizer",
-        lambda: varbatch.lr_scheduler_for_variable_batch_size(2, [2], None, None),
+    _refusal(
+        "lr_scaling_unit tokens without a sampler",
+        ValueError,
+        "VariableBatchSampler",
+        _scheduler,
+        2,
+        [2, 2],
+        lr_scaling_unit="tokens",
+    ),
+    _refusal(
+        "clock tokens without a sampler", ValueError, "VariableBatchSampler", _scheduler, 2, [2, 2], clock="tokens"
+    ),
+    _refusal("default B_ref without a sampler", ValueError, "VariableBatchSampler", _scheduler, None, [2, 2]),
+    _refusal(
+        "a count of tokens over given micro-batches",
+        ValueError,
+        "make_dataloader",
+        lambda: _scheduler(2, _given_microbatches_loader(), lr_scaling_unit="tokens"),
+    ),
+    _refusal("base_batch_size a string not 'mean'", TypeError, "base_batch_size", _scheduler, "avg", [2, 2]),
+    _refusal(
+        "base_batch_size so small that B / B_ref overflows (the LR was inf)",
+        ValueError,
+        "lr_scaling_reference base_batch_size",
+        _scheduler,
+        1e-320,
+        [2, 2],
+    ),
+    _refusal("batch_sizes empty", ValueError, "batch_sizes", _scheduler, 2, []),
+    _refusal("batch_sizes zero", ValueError, "batch_sizes", _scheduler, 2, [2, 0]),
+    _refusal("clock_step 0", ValueError, "clock_step", lambda: _scheduler(2, _sampler(), clock="tokens", clock_step=0)),
+    _refusal(
+        "clock_step with the steps clock (it was ignored)",
+        ValueError,
+        "clock clock_step",
+        _scheduler,
+        2,
+        [2, 2],
+        clock="steps",
+        clock_step=4,
+    ),
+    _refusal(
+        "last_epoch without initial_lr (torch's KeyError)",
+        ValueError,
+        "last_epoch load_state_dict",
+        _scheduler,
+        2,
+        [2, 2],
+        last_epoch=3,
+    ),
+    _refusal("step with an epoch", ValueError, "step()", lambda: _scheduler(2, [2, 2]).step(5)),
+    _refusal(
+        "lr_scheduler_for_variable_batch_size: no scheduler nor optimizer",
         TypeError,
         "optimizer",
+        varbatch.lr_scheduler_for_variable_batch_size,
+        2,
+        [2],
+        None,
+        None,
     ),
 ]
 
 
-@_rows(_BAD_SCHEDULER)
+@pytest.mark.parametrize("call, error, names", _BAD_SCHEDULER)
 def test_bad_input_VariableBatchSizeLR(call, error, names):
-    """VariableBatchSizeLR refuses what it cannot scale (ReduceLROnPlateau: item 4) and bad values, naming them."""
+    """VariableBatchSizeLR refuses what it cannot scale (ReduceLROnPlateau) and bad values, naming them."""
     _check_refused(call, error, names)
 
 
-_BAD_HF_ADAPTER = [
-    (
-        "not an HF Trainer",
-        lambda: varbatch.hf_trainer_lr_scheduler(object(), _optimizer(), 2, [2, 2]),
-        TypeError,
-        "create_scheduler",
-    ),
-    (
-        "the Trainer's accumulation is not the sampler's",
-        lambda: varbatch.hf_trainer_lr_scheduler(_fake_trainer(1), _optimizer(), "mean", _sampler()),
-        ValueError,
-        "gradient_accumulation_steps",
-    ),
-]
+def _hf_adapter(trainer, *args):
+    return varbatch.hf_trainer_lr_scheduler(trainer, _optimizer(), *args)
 
 
-@_rows(_BAD_HF_ADAPTER)
+@pytest.mark.parametrize(
+    "call, error, names",
+    [
+        _refusal("not an HF Trainer", TypeError, "create_scheduler", lambda: _hf_adapter(object(), 2, [2, 2])),
+        _refusal(
+            "the Trainer's accumulation is not the sampler's",
+            ValueError,
+            "gradient_accumulation_steps",
+            lambda: _hf_adapter(_fake_trainer(1), "mean", _sampler()),
+        ),
+    ],
+)
 def test_bad_input_hf_trainer_lr_scheduler(call, error, names):
     """hf_trainer_lr_scheduler refuses what is not an HF Trainer, and a Trainer that accumulates another number of
     step inputs than the sampler, before training, naming them."""
@@ -5992,101 +5807,52 @@ def test_bad_input_hf_trainer_lr_scheduler(call, error, names):
 
 
 _BAD_DEEPSPEED_FUNCTIONS = [
-    (
+    _refusal(
         "dataloader_for_variable_batch_size: unequal batches",
-        lambda: varbatch.dataloader_for_variable_batch_size(
-            [torch.ones(1)] * 3, [(0, [0]), (0, [1]), (1, [2])], [1, 1]
-        ),
         ValueError,
-        ("microbatch_ids", "batch_by_seqlens"),
+        "microbatch_ids batch_by_seqlens",
+        varbatch.dataloader_for_variable_batch_size,
+        [torch.ones(1)] * 3,
+        [(0, [0]), (0, [1]), (1, [2])],
+        [1, 1],
     ),
-    (
+    _refusal(
         "dataloader_for_variable_batch_size: rank out of range",
-        lambda: varbatch.dataloader_for_variable_batch_size(
-            [torch.ones(1)] * 2, [(0, [0]), (1, [1])], [1, 1], dataloader_rank=2, dataloader_num_replicas=1
-        ),
         ValueError,
         "dataloader_rank",
+        varbatch.dataloader_for_variable_batch_size,
+        [torch.ones(1)] * 2,
+        [(0, [0]), (1, [1])],
+        [1, 1],
+        dataloader_rank=2,
+        dataloader_num_replicas=1,
     ),
-    (
-        "dataloader_for_variable_batch_size: same length without sample_padding_fn",
-        lambda: varbatch.dataloader_for_variable_batch_size(
-            [torch.ones(3)], [(0, [0])], [3], required_microbatches_of_same_seqlen=True
-        ),
-        ValueError,
-        "sample_padding_fn",
-    ),
-    (
-        "get_dataloader...: seqlens of another dataset size",
-        lambda: varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size([torch.ones(2)] * 4, [2, 2, 2], 4, 1),
-        ValueError,
-        "seqlen",
-    ),
-    (
+    _refusal(
         "get_dataloader...: rank out of range",
-        lambda: varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size(
-            [torch.ones(2)] * 3, [2, 2, 2], 4, 1, dataloader_rank=1
-        ),
         ValueError,
         "dataloader_rank",
+        varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size,
+        [torch.ones(2)] * 3,
+        [2, 2, 2],
+        4,
+        1,
+        dataloader_rank=1,
     ),
-    (
+    _refusal(
         "get_dataloader...: batch geometry",
-        lambda: varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size(
-            [torch.ones(2)] * 3, [2, 2, 2], 4, 3, dataloader_num_replicas=2
-        ),
         ValueError,
-        ("effective_batch_size", "train_batch_size"),
-    ),
-    (
-        "get_dataloader...: unknown option",
-        lambda: varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size(
-            [torch.ones(2)] * 3, [2, 2, 2], 4, 1, budgett="padded"
-        ),
-        TypeError,
-        "'budget'",
-    ),
-    (
-        "get_dataloader...: lr_clock_step 0",
-        lambda: varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size(
-            [torch.ones(2)] * 3,
-            [2, 2, 2],
-            4,
-            1,
-            lr_scheduler_or_optimizer=_optimizer(),
-            lr_scaling_reference=2,
-            lr_clock="tokens",
-            lr_clock_step=0,
-        ),
-        ValueError,
-        "clock_step",
-    ),
-    (
-        "get_dataloader...: filter ids out of range",
-        lambda: varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size(
-            [torch.ones(2)] * 3, [2, 2, 2], 4, 1, dataset_filter_ids=[0, 5]
-        ),
-        ValueError,
-        "sample_ids",
-    ),
-    ("batch_by_seqlens: bad seqlens", lambda: varbatch.batch_by_seqlens([3, 0], 10), ValueError, "seqlens"),
-    (
-        "lr_scheduler_for_variable_batch_size: a count of tokens over given micro-batches",
-        [
-            lambda: varbatch.lr_scheduler_for_variable_batch_size(
-                2, _given_microbatches_loader(), None, _optimizer(), lr_scaling_unit="tokens"
-            ),
-            lambda: varbatch.lr_scheduler_for_variable_batch_size(
-                2, _given_microbatches_loader(), None, _optimizer(), clock="tokens"
-            ),
-        ],
-        ValueError,
-        "make_dataloader",
+        "effective_batch_size train_batch_size",
+        varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size,
+        [torch.ones(2)] * 3,
+        [2, 2, 2],
+        4,
+        3,
+        dataloader_num_replicas=2,
     ),
 ]
 
 
-@_rows(_BAD_DEEPSPEED_FUNCTIONS)
+@pytest.mark.parametrize("call, error, names", _BAD_DEEPSPEED_FUNCTIONS)
 def test_bad_input_deepspeed_compatible_functions(call, error, names):
     """DeepSpeed's function names refuse bad input with a TypeError/ValueError naming the value."""
     _check_refused(call, error, names)
@@ -6100,182 +5866,118 @@ def _section_config(section):
     }
 
 
+def _glue_over(config):
+    """The DeepSpeed glue over ``config``, with the seqlens of its dataset given."""
+    return _glue(config, dataset_seqlens=_GLUE_SEQLENS)
+
+
 _SECTION = "data_efficiency.data_sampling.dynamic_batching"
-_BAD_CONFIGS = [
-    # malformed sections (issue 9, item 11): a ValueError naming the key path, no AttributeError
-    ("data_efficiency a list", {"train_batch_size": 2, "data_efficiency": [1]}, ValueError, "data_efficiency"),
-    (
+_BAD_GLUE = [
+    # a malformed section: a ValueError naming the key path, no AttributeError
+    _refusal(
         "data_sampling a number",
-        {"train_batch_size": 2, "data_efficiency": {"data_sampling": 5}},
         ValueError,
         "data_efficiency.data_sampling",
+        _glue_over,
+        {"train_batch_size": 2, "data_efficiency": {"data_sampling": 5}},
     ),
-    ("dynamic_batching a number", _section_config(5), ValueError, _SECTION),
-    ("no dynamic_batching section", {"train_batch_size": 2, "data_efficiency": {}}, ValueError, "dynamic_batching"),
-    ("enabled false", _section_config({"enabled": False, "max_tokens": 16}), ValueError, f"{_SECTION}.enabled"),
-    (
-        "enabled a string",
-        _section_config({"enabled": "true", "max_tokens": 16}),
-        ValueError,
-        f"{_SECTION}.enabled",
+    _refusal("dynamic_batching a number", ValueError, _SECTION, _glue_over, _section_config(5)),
+    _refusal("no section", ValueError, "dynamic_batching", _glue_over, {"train_batch_size": 2, "data_efficiency": {}}),
+    _refusal("enabled a string", ValueError, f"{_SECTION}.enabled", _glue_over, _glue_config(enabled="true")),
+    _refusal(
+        "max_tokens missing", ValueError, f"{_SECTION}.max_tokens", _glue_over, _section_config({"enabled": True})
     ),
-    ("max_tokens missing", _section_config({"enabled": True}), ValueError, f"{_SECTION}.max_tokens"),
-    (
+    _refusal(
         "unknown key",
+        ValueError,
+        f"{_SECTION} 'max_tokens'",
+        _glue_over,
         _section_config({"enabled": True, "max_token": 16}),
-        ValueError,
-        (f"{_SECTION}", "'max_tokens'"),
     ),
-    (
-        "unknown key near the old spelling",
-        _section_config({"enabled": True, "max_tokens": 16, "sentence_picking_ordre": "seqlen"}),
-        ValueError,
-        "'sentence_picking_order'",
-    ),
-    (
+    _refusal(
         "both spellings, two orders",
-        _section_config(
-            {"enabled": True, "max_tokens": 16, "sequence_picking_order": "seqlen", "sentence_picking_order": "random"}
-        ),
         ValueError,
         "sentence_picking_order",
+        _glue_over,
+        _glue_config(sequence_picking_order="seqlen", sentence_picking_order="random"),
     ),
-    (
-        "budget unknown",
-        _section_config({"enabled": True, "max_tokens": 16, "budget": "pad"}),
-        ValueError,
-        (f"{_SECTION}", "budget"),
-    ),
-    (
-        "max_tokens a string",
-        _section_config({"enabled": True, "max_tokens": "16"}),
-        TypeError,
-        (f"{_SECTION}", "max_tokens"),
-    ),
-    (
-        "lr_clock unknown",
-        _section_config({"enabled": True, "max_tokens": 16, "lr_clock": "tokns"}),
-        ValueError,
-        "lr_clock",
-    ),
-    (
-        "lr_clock_step 0",
-        _section_config({"enabled": True, "max_tokens": 16, "lr_clock_step": 0}),
-        ValueError,
-        "lr_clock_step",
-    ),
-    (
-        "lr_clock_step with the steps clock (it was ignored)",
-        _section_config({"enabled": True, "max_tokens": 16, "lr_clock_step": 4}),
-        ValueError,
-        ("lr_clock", "lr_clock_step"),
-    ),
-    (
+    # a bad value, named at its key path
+    _refusal("budget unknown", ValueError, f"{_SECTION} budget", _glue_over, _glue_config(budget="pad")),
+    _refusal(
         "lr_scaling_reference negative",
-        _section_config({"enabled": True, "max_tokens": 16, "lr_scaling_reference": -1}),
         ValueError,
         "lr_scaling_reference",
+        _glue_over,
+        _glue_config(lr_scaling_reference=-1),
     ),
-    (
-        "lr_scaling_reference so small that B / B_ref overflows",
-        _section_config({"enabled": True, "max_tokens": 16, "lr_scaling_reference": 1e-320}),
+    _refusal(
+        "lr_clock_step with the steps clock (it was ignored)",
         ValueError,
-        "lr_scaling_reference",
+        "lr_clock lr_clock_step",
+        _glue_over,
+        _glue_config(lr_clock_step=4),
     ),
-    (
-        "metrics_path a number",
-        _section_config({"enabled": True, "max_tokens": 16, "metrics_path": 5}),
-        TypeError,
-        "metrics_path",
-    ),
-    (
-        "verbose not a bool",
-        _section_config({"enabled": True, "max_tokens": 16, "verbose": "yes"}),
-        TypeError,
-        "verbose",
-    ),
-    (
-        "num_workers negative",
-        _section_config({"enabled": True, "max_tokens": 16, "num_workers": -1}),
-        ValueError,
-        "num_workers",
-    ),
-    (
+    _refusal("metrics_path a number", TypeError, "metrics_path", _glue_over, _glue_config(metrics_path=5)),
+    _refusal("verbose not a bool", TypeError, "verbose", _glue_over, _glue_config(verbose="yes")),
+    _refusal("num_workers negative", ValueError, "num_workers", _glue_over, _glue_config(num_workers=-1)),
+    _refusal(
         "on_overlong error with a sample over budget",
-        _section_config({"enabled": True, "max_tokens": 7, "on_overlong": "error"}),
         ValueError,
-        ("max_tokens", "on_overlong"),
+        "max_tokens on_overlong",
+        _glue_over,
+        _glue_config(max_tokens=7, on_overlong="error"),
+    ),
+    # the engine, its batch sizes and the seqlens
+    _refusal(
+        "not an engine",
+        TypeError,
+        "deepspeed.initialize",
+        varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed,
+        [torch.ones(2)],
+        object(),
+        dataset_seqlens=[2],
+    ),
+    _refusal(
+        "batch sizes that do not multiply",
+        ValueError,
+        "train_batch_size",
+        lambda: varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
+            [torch.ones(2)] * 4, _Engine(_glue_config(), gradient_accumulation_steps=3), dataset_seqlens=[2] * 4
+        ),
+    ),
+    _refusal("no source of seqlens", ValueError, "dataset_seqlens batch_seqlens_fn", _glue, _glue_config()),
+    _refusal(
+        "batch_seqlens_fn returns another count",
+        ValueError,
+        "batch_seqlens_fn",
+        _glue,
+        _glue_config(),
+        batch_seqlens_fn=lambda batch: [2],
     ),
 ]
 
 
-@pytest.mark.parametrize(
-    "config, error, names", [row[1:] for row in _BAD_CONFIGS], ids=[row[0] for row in _BAD_CONFIGS]
-)
-def test_bad_input_deepspeed_glue_config(config, error, names):
-    """The DeepSpeed glue refuses a bad dynamic_batching section before any data is read, naming the key path."""
-    engine = _Engine(config, optimizer=_optimizer())
-    _check_refused(
-        lambda: varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
-            [torch.ones(n) for n in _GLUE_SEQLENS], engine, dataset_seqlens=_GLUE_SEQLENS
-        ),
-        error,
-        names,
-    )
+@pytest.mark.parametrize("call, error, names", _BAD_GLUE)
+def test_bad_input_deepspeed_glue(call, error, names):
+    """The DeepSpeed glue refuses a bad dynamic_batching section before any data is read, naming the key path, and a
+    wrong engine, batch sizes or seqlens source, naming what to fix."""
+    _check_refused(call, error, names)
 
 
 @pytest.mark.parametrize("key, value", [("num_workers", -1), ("pin_memory", "yes")])
 def test_bad_input_deepspeed_glue_config_in_data_sampling_is_placed_there(key, value):
     """A bad data_sampling key the section falls back to is named at its own path, not dynamic_batching's."""
-    config = _section_config({"enabled": True, "max_tokens": 16})
+    config = _glue_config()
     config["data_efficiency"]["data_sampling"][key] = value
     with pytest.raises((TypeError, ValueError)) as info:
-        _glue(config, dataset_seqlens=_GLUE_SEQLENS)
+        _glue_over(config)
     message = str(info.value)
     assert f"{key}={value!r}" in message and "data_efficiency.data_sampling" in message, message
     assert "dynamic_batching" not in message, f"the message blames the dynamic_batching section: {message}"
 
 
-_BAD_GLUE = [
-    (
-        "not an engine",
-        lambda: varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
-            [torch.ones(2)], object(), dataset_seqlens=[2]
-        ),
-        TypeError,
-        "deepspeed.initialize",
-    ),
-    (
-        "batch sizes that do not multiply",
-        lambda: varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
-            [torch.ones(2)] * 4, _Engine(_glue_config(), gradient_accumulation_steps=3), dataset_seqlens=[2] * 4
-        ),
-        ValueError,
-        "train_batch_size",
-    ),
-    (
-        "no source of seqlens",
-        lambda: _glue(_glue_config(), [torch.ones(2)] * 4),
-        ValueError,
-        ("dataset_seqlens", "batch_seqlens_fn"),
-    ),
-    (
-        "batch_seqlens_fn returns another count",
-        lambda: _glue(_glue_config(), [torch.ones(2)] * 4, batch_seqlens_fn=lambda batch: [2]),
-        ValueError,
-        "batch_seqlens_fn",
-    ),
-]
-
-
-@_rows(_BAD_GLUE)
-def test_bad_input_deepspeed_glue(call, error, names):
-    """The DeepSpeed glue refuses a wrong engine, batch sizes or seqlens source, naming what to fix."""
-    _check_refused(call, error, names)
-
-
 def test_values_once_mangled_are_handled():
-    """Inputs the audit found mangled are handled: bfloat16, uint64, huge lengths, list and tuple samples (item 15)."""
+    """Inputs the audit found mangled are handled: bfloat16, uint64, huge lengths, list and tuple samples."""
     ints = plan_batches([3, 4, 5, 2], 8).microbatches()
     assert plan_batches(torch.tensor([3, 4, 5, 2], dtype=torch.bfloat16), 8).microbatches() == ints
     assert plan_batches(np.array([3, 4, 5, 2], dtype=np.uint64), 8).microbatches() == ints
