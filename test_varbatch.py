@@ -5991,9 +5991,10 @@ def test_values_once_mangled_are_handled():
 # =============================================================================
 # 9a. Padding-free step inputs: one flat row per step input (DESIGN.md, item 11)
 # =============================================================================
-# HF-style rows against transformers' DataCollatorWithFlattening, other rows against PaddedCollate; training on
-# flat rows against padded batches (a tiny config-built Llama, sdpa and eager; a plain block-diagonal sdpa mask);
-# the plans, the loader's rows and pipeline rows; the check's refusals. transformers is imported inside the tests.
+# Rows of other samples against PaddedCollate (HF-style rows against transformers' DataCollatorWithFlattening:
+# test_conformance.py); training on flat rows against padded batches (a tiny config-built Llama, sdpa and eager; a
+# plain block-diagonal sdpa mask); the plans, the loader's rows and pipeline rows; the refusals. transformers is
+# imported inside the tests.
 
 
 def _tiny_llama(attn_implementation="sdpa", use_cache=False):
@@ -6033,46 +6034,6 @@ def _gradient_difference(model, loss, reference):
         each.backward()
         grads.append([p.grad.clone() for p in model.parameters()])
     return max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(*grads))
-
-
-@st.composite
-def hf_step_inputs(draw):
-    """HF-style samples (all with labels or none; lists, tensors or arrays; some with a mask) and HF's options."""
-    container = draw(st.sampled_from([list, torch.tensor, np.array]))
-    with_labels = draw(st.booleans())
-    samples = []
-    for length in draw(st.lists(st.integers(1, 8), min_size=1, max_size=5)):
-        sample = {"input_ids": container(draw(st.lists(st.integers(0, 999), min_size=length, max_size=length)))}
-        if with_labels:
-            sample["labels"] = container(draw(st.lists(st.integers(-100, 999), min_size=length, max_size=length)))
-        if draw(st.booleans()):
-            sample["attention_mask"] = container([1] * length)
-        samples.append(sample)
-    options = {
-        "return_position_ids": draw(st.booleans()),
-        "separator_id": draw(st.integers(-200, 200)),
-        "return_flash_attn_kwargs": draw(st.booleans()),
-        "return_seq_idx": draw(st.booleans()),
-        "position_ids_start": draw(st.integers(0, 3)),
-    }
-    return samples, options
-
-
-@given(case=hf_step_inputs())
-@settings(max_examples=60)
-# every sample one token: every position a start, every label a separator
-@example(case=([{"input_ids": [7], "labels": [3]}, {"input_ids": [8], "labels": [4]}], {"return_seq_idx": True}))
-def test_flat_collate_gives_what_data_collator_with_flattening_gives(case):
-    """HF-style samples: every key in HF's order, with HF's dtype, shape and values (ints stay Python ints)."""
-    samples, options = case
-    expected = pytest.importorskip("transformers").DataCollatorWithFlattening(**options)(samples)
-    batch = varbatch.FlatCollate(**options)(samples)
-    assert list(batch) == list(expected)
-    for key, value in expected.items():
-        if isinstance(value, torch.Tensor):
-            assert batch[key].dtype == value.dtype and torch.equal(batch[key], value), key
-        else:
-            assert type(batch[key]) is int and batch[key] == value, key
 
 
 @given(
@@ -6177,16 +6138,6 @@ def test_padding_free_pipeline_rows_share_their_batchs_length():
     assert totals["padded_tokens"] == sum(row["input_ids"].shape[1] for row in rows) > totals["real_tokens"]
 
 
-def test_padding_free_pipeline_refuses_a_collate_that_makes_rows_of_another_length():
-    """A pipeline's rows must share their batch's length; a collate that does not pad them is named."""
-    sampler = VariableBatchSampler(
-        [3, 5, 2, 4], 8, gradient_accumulation_steps=2, padding_free=True, same_length=True, num_replicas=1, rank=0
-    )
-    loader = make_dataloader([torch.ones(n) for n in [3, 5, 2, 4]], sampler, collate_fn=lambda s: torch.cat(s)[None])
-    with pytest.raises(ValueError, match=r"rows of their batch's longest, 1 x 8: collate with varbatch.FlatCollate"):
-        list(loader)
-
-
 @pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
 def test_hf_llama_trains_a_flat_row_as_the_padded_batch(attn_implementation):
     """use_cache=False: each sample's logits (max |diff| <= 1e-4), the token-mean loss (1e-5), the gradients (1e-4)."""
@@ -6287,30 +6238,27 @@ def test_check_padding_free_refuses_samples_that_attend_to_each_other(use_cache,
     assert set(seen) == {(False, False)} and model.training and model.model.training and not model.lm_head.training
 
 
-@pytest.mark.parametrize(
-    ("call", "error", "message"),
-    [
-        (lambda: varbatch.FlatCollate()([]), ValueError, "empty list of samples"),
-        (lambda: varbatch.FlatCollate()([torch.ones(2), torch.ones(4)], [2, 3]), ValueError, r"seqlens \[2, 4\] for"),
-        (lambda: varbatch.FlatCollate()([{"input_ids": [1]}, {"input_ids": [2], "labels": [2]}]), ValueError, r"\[1\]"),
-        (lambda: varbatch.FlatCollate()([{"input_ids": [1, 2], "labels": [1]}]), ValueError, "one label per token"),
-        (lambda: varbatch.FlatCollate()([{"input_ids": "text"}]), ValueError, "input_ids of one id per token"),
-        (lambda: varbatch.FlatCollate()([torch.ones(0)]), ValueError, "sample 0 of the step input is empty"),
-        (lambda: varbatch.FlatCollate()([(torch.ones(2), torch.ones(3))]), ValueError, "field 1 has other seqlens"),
-        (lambda: varbatch.FlatCollate()([(1, "text")]), ValueError, "no field with a sequence dimension"),
-        (lambda: varbatch.FlatCollate(return_seq_idx=1), TypeError, "return_seq_idx should be a bool"),
-        (lambda: varbatch.FlatCollate(position_ids_start=-1), ValueError, "position_ids_start=-1"),
-        (lambda: varbatch.check_padding_free(torch.nn.Identity(), [torch.ones(2)]), ValueError, "at least 2 samples"),
-        (lambda: varbatch.check_padding_free(lambda b: b[0] / 0, [torch.ones(2), torch.ones(1)]), ValueError, "nan"),
-        (lambda: varbatch.check_padding_free(lambda b: "x", [torch.ones(2), torch.ones(1)]), TypeError, "'x'"),
-        (lambda: varbatch.check_padding_free(lambda b: b[0].sum(1), [torch.ones(2), torch.ones(1)]), ValueError, "1 "),
-        (lambda: plan_batches([3, 4], 8, budget="padded", padding_free=True), ValueError, "budget='sum'"),
-        (lambda: plan_batches([3, 4], 8, padding_free=1), TypeError, "padding_free=1"),
-    ],
-)
-def test_padding_free_refuses_bad_input(call, error, message):
-    with pytest.raises(error, match=message):
-        call()
+_TWO_SAMPLES = [torch.ones(2), torch.ones(1)]
+# FlatCollate's refusals of HF-style samples that HF's collator takes are test_conformance.py's.
+_BAD_PADDING_FREE = [
+    _refusal("no samples", ValueError, "samples", varbatch.FlatCollate(), []),
+    _refusal("longer than planned", ValueError, "seqlens", varbatch.FlatCollate(), [torch.ones(4)], [3]),
+    _refusal("input_ids a string", ValueError, "input_ids", varbatch.FlatCollate(), [{"input_ids": "text"}]),
+    _refusal("a field of other seqlens", ValueError, "field", varbatch.FlatCollate(), [(torch.ones(2), torch.ones(3))]),
+    _refusal("no sequence field", ValueError, "tensor", varbatch.FlatCollate(), [(1, "text")]),
+    _refusal("return_seq_idx not a bool", TypeError, "return_seq_idx", varbatch.FlatCollate, return_seq_idx=1),
+    _refusal("position_ids_start -1", ValueError, "position_ids_start", varbatch.FlatCollate, position_ids_start=-1),
+    _refusal("one sample to check", ValueError, "2 samples", varbatch.check_padding_free, torch.nn.Identity(), [[1]]),
+    _refusal("outputs nan", ValueError, "nan", varbatch.check_padding_free, lambda batch: batch[0] / 0, _TWO_SAMPLES),
+    _refusal("outputs not tensors", TypeError, "'x'", varbatch.check_padding_free, lambda batch: "x", _TWO_SAMPLES),
+    _refusal("not per token", ValueError, "output", varbatch.check_padding_free, lambda b: b[0].sum(1), _TWO_SAMPLES),
+]
+
+
+@pytest.mark.parametrize("call, error, names", _BAD_PADDING_FREE)
+def test_bad_input_flat_collate_and_check_padding_free(call, error, names):
+    """FlatCollate and check_padding_free refuse what they cannot flatten or check, naming it."""
+    _check_refused(call, error, names)
 
 
 def test_check_padding_free_refuses_what_cannot_run_whole_on_one_rank():
@@ -6338,14 +6286,6 @@ def test_padding_free_from_the_config_section_and_the_pipeline_glue():
     assert rows[0::2] == rows[1::2] and len(set(rows)) > 1
     with pytest.raises(ValueError, match=rf"in {_SECTION}: padding_free=True with budget='padded'"):
         varbatch._read_config(_glue_config(padding_free=True, budget="padded"))
-
-
-def test_a_padding_free_state_is_refused_by_a_sampler_without_the_setting():
-    """A padding-free sampler's state is refused by a sampler with padding_free off, naming the setting."""
-    sampler = VariableBatchSampler([3, 5, 2, 6, 4, 1], 8, num_replicas=1, rank=0)
-    flat = VariableBatchSampler([3, 5, 2, 6, 4, 1], 8, num_replicas=1, rank=0, padding_free=True).state_dict()
-    with pytest.raises(ValueError, match="cannot load a sampler state saved with padding_free=True"):
-        sampler.load_state_dict(flat)
 
 
 # =============================================================================
@@ -6421,7 +6361,8 @@ def _costs(plan, seqlens, quadratic_tokens):
 @settings(max_examples=60, deadline=None)
 @given(balance_cases())
 def test_balanced_plans_hold_the_packed_step_inputs(case):
-    """Balancing moves whole step inputs: the same ones, batches and drops; every array as its samples make it."""
+    """Balancing moves whole step inputs: the same ones, batches and drops; every array as its samples make it, and
+    each step input's cost as its samples and width make it in its form."""
     balanced, plan = _balanced_and_not(case)
     assert collections.Counter(_step_inputs(balanced)) == collections.Counter(_step_inputs(plan))
     assert (balanced.num_batches, balanced.dropped.keys(), balanced.epoch) == (
@@ -6442,6 +6383,8 @@ def test_balanced_plans_hold_the_packed_step_inputs(case):
     group = settings_.gradient_accumulation_steps * settings_.num_replicas if settings_.same_length else 1
     padded = [max(widths[g - g % group : g - g % group + group]) for g in range(len(widths))]
     assert balanced.padded_seqlens.tolist() == np.repeat(padded, m).tolist()
+    costs = _costs(balanced, case["seqlens"], case["quadratic_tokens"])
+    assert np.allclose(varbatch._step_input_costs(balanced, seqlens), costs)  # varbatch prices them as here
     assert all(not array.flags.writeable for array in (balanced.sample_ids, balanced.padded_seqlens))
     assert balanced.fingerprint() == _balanced_and_not(case)[0].fingerprint()  # the same on every rank
 
@@ -6478,25 +6421,10 @@ def test_balanced_pipeline_batches_keep_their_step_inputs(case):
         assert after == before
 
 
-def _priced(plan, quadratic_tokens):
-    """``plan`` with ``quadratic_tokens`` in its settings, for varbatch to price its step inputs."""
-    return dataclasses.replace(plan, settings=dataclasses.replace(plan.settings, quadratic_tokens=quadratic_tokens))
-
-
 def _issue_lengths(num_samples, seed=0):
     """Issue 30's long-tailed set: lognormal lengths, mean about 760, 6 to 8,000 tokens."""
     rng = np.random.default_rng(seed)
     return np.clip(np.round(rng.lognormal(6.15, 1.0, num_samples)), 6, 8_000).astype(np.int64)
-
-
-def test_step_input_costs_by_form():
-    """varbatch's cost of a step input, against the one computed from its samples here, in each form."""
-    seqlens = [10, 30, 20, 40, 5, 25, 35, 15]
-    for options in (dict(budget="padded"), dict(padding_free=True), dict(padding_free=True, same_length=True)):
-        plan = plan_batches(seqlens, 60, effective_batch_size=4, micro_batch_size=2, num_replicas=2, **options)
-        plan = _priced(plan, 100.0)
-        expected = _costs(plan, seqlens, 100.0)
-        assert np.allclose(varbatch._step_input_costs(plan, np.asarray(seqlens)), expected), options
 
 
 @given(seqlens=st.lists(st.integers(1, 40), min_size=1, max_size=5), ranks=st.integers(2, 4))
@@ -6516,56 +6444,35 @@ def test_balanced_ranks_refuse_too_few_samples_as_the_unbalanced_plan_does(seqle
 
 
 def test_one_rank_and_padded_pipeline_batches_are_left_as_they_are():
-    """One rank waits for no one; padded same-size, same-length batches share one shape: balancing says so."""
+    """One rank waits for no one: its plan is the unbalanced one; padded same-size, same-length batches share one
+    shape (test_balanced_pipeline_batches_keep_their_step_inputs: they stay as they are), and balancing says so."""
     seqlens = _lengths(300, high=60)
-    options = dict(order="random", seed=1, balance_ranks=True, quadratic_tokens=100)
-    alone = plan_batches(seqlens, 120, effective_batch_size=4, **options)
-    assert (
-        alone.fingerprint() == plan_batches(seqlens, 120, effective_batch_size=4, order="random", seed=1).fingerprint()
-    )
+    options = dict(effective_batch_size=4, order="random", seed=1)
+    alone = plan_batches(seqlens, 120, balance_ranks=True, quadratic_tokens=100, **options)
+    assert alone.fingerprint() == plan_batches(seqlens, 120, **options).fingerprint()
+    options.update(num_replicas=2, same_size=True, same_length=True, balance_ranks=True, quadratic_tokens=100)
     with pytest.warns(UserWarning, match=r"balance_ranks=True does nothing with same_size=True and same_length=True"):
-        pipeline = plan_batches(
-            seqlens, 120, effective_batch_size=4, num_replicas=2, same_size=True, same_length=True, **options
-        )
-    unbalanced = plan_batches(
-        seqlens, 120, effective_batch_size=4, num_replicas=2, same_size=True, same_length=True, order="random", seed=1
-    )
-    assert pipeline.fingerprint() == unbalanced.fingerprint()
+        plan_batches(seqlens, 120, **options)
 
 
 def test_the_balanced_sampler_deals_the_plan_and_resumes_mid_epoch():
     """Every rank's sampler yields its share of `plan_batches`' balanced plan, each sample once an epoch; a
     sampler restored mid-epoch yields what the uninterrupted one does."""
     seqlens = _issue_lengths(3_000, seed=2)
-    options = dict(order="bucket", seed=3, balance_ranks=True, quadratic_tokens=2_000, gradient_accumulation_steps=2)
-    samplers = [VariableBatchSampler(seqlens, 8_192, num_replicas=4, rank=r, **options) for r in range(4)]
+    options = dict(num_replicas=4, order="bucket", seed=3, balance_ranks=True, quadratic_tokens=2_000)
+    samplers = [
+        VariableBatchSampler(seqlens, 8_192, rank=r, gradient_accumulation_steps=2, **options) for r in range(4)
+    ]
     for sampler in samplers:
         sampler.set_epoch(1)
     yielded = [list(sampler) for sampler in samplers]
-    plan = plan_batches(
-        seqlens,
-        8_192,
-        effective_batch_size=8,
-        num_replicas=4,
-        epoch=1,
-        **{key: value for key, value in options.items() if key != "gradient_accumulation_steps"},
-    )
+    plan = plan_batches(seqlens, 8_192, effective_batch_size=8, epoch=1, **options)
     dealt = [ids for t in range(len(yielded[0])) for rank in range(4) for ids in [yielded[rank][t]]]
     assert dealt == plan.microbatches()
     state = samplers[1].state_dict(steps_done=5)
-    resumed = VariableBatchSampler(seqlens, 8_192, num_replicas=4, rank=1, **options)
+    resumed = VariableBatchSampler(seqlens, 8_192, rank=1, gradient_accumulation_steps=2, **options)
     resumed.load_state_dict(state)
     assert list(resumed) == yielded[1][5:]
-
-
-def test_a_balanced_state_is_refused_by_an_unbalanced_sampler():
-    """A balanced sampler's state is refused by an unbalanced one, naming the setting."""
-    sampler = VariableBatchSampler([3, 5, 2, 6, 4, 1], 8, num_replicas=1, rank=0, order="random", quadratic_tokens=9)
-    balanced = VariableBatchSampler(
-        [3, 5, 2, 6, 4, 1], 8, num_replicas=1, rank=0, order="random", balance_ranks=True, quadratic_tokens=9
-    )
-    with pytest.raises(ValueError, match="cannot load a sampler state saved with balance_ranks=True"):
-        sampler.load_state_dict(balanced.state_dict())
 
 
 def test_balance_ranks_from_the_config_section_reaches_the_sampler():
@@ -6576,30 +6483,6 @@ def test_balance_ranks_from_the_config_section_reaches_the_sampler():
     assert (settings_.balance_ranks, settings_.quadratic_tokens) == (True, 512.0)
     with pytest.raises(ValueError, match=r"in data_efficiency.data_sampling.dynamic_batching: .*quadratic_tokens=None"):
         _glue(_glue_config(sequence_picking_order="random", balance_ranks=True), dataset_seqlens=_GLUE_SEQLENS)
-
-
-@pytest.mark.parametrize(
-    "options, error, message",
-    [
-        (
-            dict(order="random", balance_ranks=True),
-            ValueError,
-            r"quadratic_tokens=None; q is the length .* 6 x hidden_size",
-        ),
-        (dict(balance_ranks=True, quadratic_tokens=100), ValueError, r"sequence_picking_order='dataloader' promises"),
-        (
-            dict(order="seqlen", balance_ranks=True, quadratic_tokens=100),
-            ValueError,
-            r"sequence_picking_order='seqlen'",
-        ),
-        (dict(order="random", balance_ranks=True, quadratic_tokens=0), ValueError, r"quadratic_tokens=0"),
-        (dict(order="random", quadratic_tokens="4096"), TypeError, r"quadratic_tokens='4096'"),
-        (dict(order="random", balance_ranks=1, quadratic_tokens=100), TypeError, r"balance_ranks=1"),
-    ],
-)
-def test_balance_ranks_refuses_bad_input(options, error, message):
-    with pytest.raises(error, match=message):
-        plan_batches([3, 5, 2, 6, 4, 1], 8, effective_batch_size=2, num_replicas=2, **options)
 
 
 def test_balanced_ranks_with_lr_in_sequences_warn_that_the_lr_swings():
