@@ -5616,15 +5616,14 @@ def _three_samples_loader(**options):
     return make_dataloader([torch.ones(2)] * 3, VariableBatchSampler([2, 2, 2], 4), **options)
 
 
+def _flat_pipeline_rows(collate_fn):
+    """The rows of a padding-free pipeline's loader over four samples, collated by ``collate_fn``."""
+    sampler = VariableBatchSampler([3, 5, 2, 4], 8, padding_free=True, same_length=True, gradient_accumulation_steps=2)
+    return list(make_dataloader([torch.ones(n) for n in [3, 5, 2, 4]], sampler, collate_fn=collate_fn))
+
+
 _BAD_MAKE_DATALOADER = [
-    _refusal(
-        "another sampler",
-        TypeError,
-        "VariableBatchSampler",
-        make_dataloader,
-        [1, 2],
-        torch.utils.data.BatchSampler([0, 1], 1, False),
-    ),
+    _refusal("another sampler", TypeError, "VariableBatchSampler", make_dataloader, [1], [[0]]),
     _refusal("what the sampler decides", TypeError, "VariableBatchSampler", _three_samples_loader, batch_size=2),
     _refusal("out of the plan's order", TypeError, "VariableBatchSampler", _three_samples_loader, in_order=False),
     _refusal("collate_fn not callable", TypeError, "collate_fn", _three_samples_loader, collate_fn=3),
@@ -5645,18 +5644,7 @@ _BAD_MAKE_DATALOADER = [
         ),
     ),
     _refusal(
-        "a padding-free pipeline's collate that does not pad its rows",
-        ValueError,
-        "varbatch.FlatCollate",
-        lambda: list(
-            make_dataloader(
-                [torch.ones(n) for n in [3, 5, 2, 4]],
-                VariableBatchSampler(
-                    [3, 5, 2, 4], 8, padding_free=True, same_length=True, gradient_accumulation_steps=2
-                ),
-                collate_fn=lambda samples: torch.cat(samples)[None],
-            )
-        ),
+        "unpadded pipeline rows", ValueError, "varbatch.FlatCollate", _flat_pipeline_rows, lambda s: torch.cat(s)[None]
     ),
 ]
 
@@ -5708,71 +5696,38 @@ _BAD_SCHEDULER = [
     ),
     _refusal("not an optimizer", TypeError, "Optimizer", VariableBatchSizeLR, 5, 2, [2, 2]),
     _refusal(
-        "a VariableBatchSizeLR wrapped again (the factor applied twice)",
-        TypeError,
-        "VariableBatchSizeLR",
-        lambda: VariableBatchSizeLR(_scheduler(2, [2, 4]), 2, [2, 4]),
+        "wrapped twice", TypeError, "VariableBatchSizeLR", lambda: VariableBatchSizeLR(_scheduler(2, [2]), 2, [2])
     ),
+    # what needs a sampler's plans: a count of tokens, the default B_ref (train_batch_size)
     _refusal(
-        "lr_scaling_unit tokens without a sampler",
-        ValueError,
-        "VariableBatchSampler",
-        _scheduler,
-        2,
-        [2, 2],
-        lr_scaling_unit="tokens",
+        "tokens unit, no sampler", ValueError, "VariableBatchSampler", _scheduler, 2, [2], lr_scaling_unit="tokens"
     ),
+    _refusal("tokens clock, no sampler", ValueError, "VariableBatchSampler", _scheduler, 2, [2, 2], clock="tokens"),
+    _refusal("default B_ref, no sampler", ValueError, "VariableBatchSampler", _scheduler, None, [2, 2]),
     _refusal(
-        "clock tokens without a sampler", ValueError, "VariableBatchSampler", _scheduler, 2, [2, 2], clock="tokens"
-    ),
-    _refusal("default B_ref without a sampler", ValueError, "VariableBatchSampler", _scheduler, None, [2, 2]),
-    _refusal(
-        "a count of tokens over given micro-batches",
+        "tokens over given micro-batches",
         ValueError,
         "make_dataloader",
         lambda: _scheduler(2, _given_microbatches_loader(), lr_scaling_unit="tokens"),
     ),
-    _refusal("base_batch_size a string not 'mean'", TypeError, "base_batch_size", _scheduler, "avg", [2, 2]),
-    _refusal(
-        "base_batch_size so small that B / B_ref overflows (the LR was inf)",
-        ValueError,
-        "lr_scaling_reference base_batch_size",
-        _scheduler,
-        1e-320,
-        [2, 2],
-    ),
+    _refusal("base_batch_size not 'mean'", TypeError, "base_batch_size", _scheduler, "avg", [2, 2]),
+    _refusal("B / B_ref overflows", ValueError, "lr_scaling_reference base_batch_size", _scheduler, 1e-320, [2, 2]),
     _refusal("batch_sizes empty", ValueError, "batch_sizes", _scheduler, 2, []),
     _refusal("batch_sizes zero", ValueError, "batch_sizes", _scheduler, 2, [2, 0]),
     _refusal("clock_step 0", ValueError, "clock_step", lambda: _scheduler(2, _sampler(), clock="tokens", clock_step=0)),
     _refusal(
-        "clock_step with the steps clock (it was ignored)",
-        ValueError,
-        "clock clock_step",
-        _scheduler,
-        2,
-        [2, 2],
-        clock="steps",
-        clock_step=4,
+        "clock_step, steps clock", ValueError, "clock clock_step", _scheduler, 2, [2, 2], clock="steps", clock_step=4
     ),
+    # torch's own scheduler raised a KeyError
     _refusal(
-        "last_epoch without initial_lr (torch's KeyError)",
-        ValueError,
-        "last_epoch load_state_dict",
-        _scheduler,
-        2,
-        [2, 2],
-        last_epoch=3,
+        "last_epoch, no initial_lr", ValueError, "last_epoch load_state_dict", _scheduler, 2, [2, 2], last_epoch=3
     ),
     _refusal("step with an epoch", ValueError, "step()", lambda: _scheduler(2, [2, 2]).step(5)),
     _refusal(
-        "lr_scheduler_for_variable_batch_size: no scheduler nor optimizer",
+        "no scheduler nor optimizer",
         TypeError,
         "optimizer",
-        varbatch.lr_scheduler_for_variable_batch_size,
-        2,
-        [2],
-        None,
-        None,
+        lambda: varbatch.lr_scheduler_for_variable_batch_size(2, [2], None, None),
     ),
 ]
 
@@ -5806,49 +5761,32 @@ def test_bad_input_hf_trainer_lr_scheduler(call, error, names):
     _check_refused(call, error, names)
 
 
+def _given_loader(microbatch_ids, **options):
+    """DeepSpeed's dataloader_for_variable_batch_size over three samples and two batches given."""
+    return varbatch.dataloader_for_variable_batch_size([torch.ones(1)] * 3, microbatch_ids, [1, 1], **options)
+
+
+def _planned_loader(effective_batch_size, **options):
+    """DeepSpeed's get_dataloader_and_lr_scheduler_for_variable_batch_size over three samples of seqlen 2."""
+    return varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size(
+        [torch.ones(2)] * 3, [2, 2, 2], 4, effective_batch_size, **options
+    )
+
+
 _BAD_DEEPSPEED_FUNCTIONS = [
     _refusal(
-        "dataloader_for_variable_batch_size: unequal batches",
-        ValueError,
-        "microbatch_ids batch_by_seqlens",
-        varbatch.dataloader_for_variable_batch_size,
-        [torch.ones(1)] * 3,
-        [(0, [0]), (0, [1]), (1, [2])],
-        [1, 1],
+        "unequal batches", ValueError, "microbatch_ids batch_by_seqlens", _given_loader, [(0, [0]), (0, [1]), (1, [2])]
     ),
     _refusal(
-        "dataloader_for_variable_batch_size: rank out of range",
+        "given, rank 2",
         ValueError,
         "dataloader_rank",
-        varbatch.dataloader_for_variable_batch_size,
-        [torch.ones(1)] * 2,
+        _given_loader,
         [(0, [0]), (1, [1])],
-        [1, 1],
         dataloader_rank=2,
-        dataloader_num_replicas=1,
     ),
-    _refusal(
-        "get_dataloader...: rank out of range",
-        ValueError,
-        "dataloader_rank",
-        varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size,
-        [torch.ones(2)] * 3,
-        [2, 2, 2],
-        4,
-        1,
-        dataloader_rank=1,
-    ),
-    _refusal(
-        "get_dataloader...: batch geometry",
-        ValueError,
-        "effective_batch_size train_batch_size",
-        varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size,
-        [torch.ones(2)] * 3,
-        [2, 2, 2],
-        4,
-        3,
-        dataloader_num_replicas=2,
-    ),
+    _refusal("planned, rank 1", ValueError, "dataloader_rank", _planned_loader, 1, dataloader_rank=1),
+    _refusal("batch geometry", ValueError, "train_batch_size", _planned_loader, 3, dataloader_num_replicas=2),
 ]
 
 
@@ -5871,29 +5809,22 @@ def _glue_over(config):
     return _glue(config, dataset_seqlens=_GLUE_SEQLENS)
 
 
+_deepspeed_glue = varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed
 _SECTION = "data_efficiency.data_sampling.dynamic_batching"
 _BAD_GLUE = [
     # a malformed section: a ValueError naming the key path, no AttributeError
     _refusal(
-        "data_sampling a number",
+        "data_sampling",
         ValueError,
         "data_efficiency.data_sampling",
         _glue_over,
-        {"train_batch_size": 2, "data_efficiency": {"data_sampling": 5}},
+        {"data_efficiency": {"data_sampling": 5}},
     ),
-    _refusal("dynamic_batching a number", ValueError, _SECTION, _glue_over, _section_config(5)),
+    _refusal("dynamic_batching 5", ValueError, _SECTION, _glue_over, _section_config(5)),
     _refusal("no section", ValueError, "dynamic_batching", _glue_over, {"train_batch_size": 2, "data_efficiency": {}}),
     _refusal("enabled a string", ValueError, f"{_SECTION}.enabled", _glue_over, _glue_config(enabled="true")),
-    _refusal(
-        "max_tokens missing", ValueError, f"{_SECTION}.max_tokens", _glue_over, _section_config({"enabled": True})
-    ),
-    _refusal(
-        "unknown key",
-        ValueError,
-        f"{_SECTION} 'max_tokens'",
-        _glue_over,
-        _section_config({"enabled": True, "max_token": 16}),
-    ),
+    _refusal("no max_tokens", ValueError, f"{_SECTION}.max_tokens", _glue_over, _section_config({"enabled": True})),
+    _refusal("unknown key", ValueError, f"{_SECTION} 'max_tokens'", _glue_over, _glue_config(max_token=16)),
     _refusal(
         "both spellings, two orders",
         ValueError,
@@ -5903,25 +5834,15 @@ _BAD_GLUE = [
     ),
     # a bad value, named at its key path
     _refusal("budget unknown", ValueError, f"{_SECTION} budget", _glue_over, _glue_config(budget="pad")),
+    _refusal("B_ref negative", ValueError, "lr_scaling_reference", _glue_over, _glue_config(lr_scaling_reference=-1)),
     _refusal(
-        "lr_scaling_reference negative",
-        ValueError,
-        "lr_scaling_reference",
-        _glue_over,
-        _glue_config(lr_scaling_reference=-1),
-    ),
-    _refusal(
-        "lr_clock_step with the steps clock (it was ignored)",
-        ValueError,
-        "lr_clock lr_clock_step",
-        _glue_over,
-        _glue_config(lr_clock_step=4),
+        "lr_clock_step, steps clock", ValueError, "lr_clock lr_clock_step", _glue_over, _glue_config(lr_clock_step=4)
     ),
     _refusal("metrics_path a number", TypeError, "metrics_path", _glue_over, _glue_config(metrics_path=5)),
     _refusal("verbose not a bool", TypeError, "verbose", _glue_over, _glue_config(verbose="yes")),
     _refusal("num_workers negative", ValueError, "num_workers", _glue_over, _glue_config(num_workers=-1)),
     _refusal(
-        "on_overlong error with a sample over budget",
+        "overlong",
         ValueError,
         "max_tokens on_overlong",
         _glue_over,
@@ -5929,30 +5850,24 @@ _BAD_GLUE = [
     ),
     # the engine, its batch sizes and the seqlens
     _refusal(
-        "not an engine",
-        TypeError,
-        "deepspeed.initialize",
-        varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed,
-        [torch.ones(2)],
-        object(),
-        dataset_seqlens=[2],
+        "not an engine", TypeError, "deepspeed.initialize", _deepspeed_glue, [[1, 1]], object(), dataset_seqlens=[2]
     ),
     _refusal(
         "batch sizes that do not multiply",
         ValueError,
         "train_batch_size",
-        lambda: varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
-            [torch.ones(2)] * 4, _Engine(_glue_config(), gradient_accumulation_steps=3), dataset_seqlens=[2] * 4
+        lambda: _deepspeed_glue(
+            [[1, 1]] * 4, _Engine(_glue_config(), gradient_accumulation_steps=3), dataset_seqlens=[2] * 4
         ),
     ),
     _refusal("no source of seqlens", ValueError, "dataset_seqlens batch_seqlens_fn", _glue, _glue_config()),
     _refusal(
-        "batch_seqlens_fn returns another count",
+        "miscounts",
         ValueError,
         "batch_seqlens_fn",
         _glue,
         _glue_config(),
-        batch_seqlens_fn=lambda batch: [2],
+        batch_seqlens_fn=lambda b: [2],
     ),
 ]
 
@@ -6537,26 +6452,27 @@ PLAN_SCRIPT = str(Path(plan_command.__file__).resolve())
 LENGTHS = [3, 5, 2, 6, 4, 1, 7, 7, 2, 3, 8, 1, 1, 4, 6, 2, 5, 3, 3, 9, 2, 4]
 
 
-def _cli(capsys, *args):
+def _cli(*args):
     """``plan.main(ARGS)`` (plan.py's) in this process: (exit code, stdout, stderr); argparse's exits included."""
-    try:
-        code = plan_command.main(list(args))
-    except SystemExit as stop:
-        code = stop.code
-    out, err = capsys.readouterr()
-    return code, out, err
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = plan_command.main(list(args))
+        except SystemExit as stop:
+            code = stop.code
+    return code, out.getvalue(), err.getvalue()
 
 
-def _cli_json(capsys, *args):
+def _cli_json(*args):
     """The JSON of ``plan.main([*ARGS, "--json"])``, which succeeds."""
-    code, out, err = _cli(capsys, *args, "--json")
+    code, out, err = _cli(*args, "--json")
     assert code == 0, err
     return json.loads(out)
 
 
-def _refused_in_one_line(capsys, *args):
+def _refused_in_one_line(*args):
     """``plan.main(ARGS)`` exits 2 with one line on stderr and nothing on stdout: that line."""
-    code, out, err = _cli(capsys, *args)
+    code, out, err = _cli(*args)
     assert code == 2 and out == "", (code, out)
     assert err.count("\n") == 1 and err.startswith("varbatch: error:"), err
     return err
@@ -6604,12 +6520,10 @@ def _write_config(tmp_path, section=None, **batch_keys):
 
 
 @pytest.mark.parametrize("pipeline", [False, True])
-def test_table_and_totals_match_plan_batches(capsys, npy_file, pipeline):
+def test_table_and_totals_match_plan_batches(npy_file, pipeline):
     """Every batch of the table and every total equals what plan_batches and a slow recount give."""
     flags = ["--pipeline"] if pipeline else []
-    code, out, err = _cli(
-        capsys, "--seqlens", npy_file, "--max-tokens", "10", "--world-size", "2", "--batches", "0", *flags
-    )
+    code, out, err = _cli("--seqlens", npy_file, "--max-tokens", "10", "--world-size", "2", "--batches", "0", *flags)
     assert code == 0, err
     plan = plan_batches(LENGTHS, 10, effective_batch_size=2, num_replicas=2, same_size=pipeline, same_length=pipeline)
     sizes, tensor_s = plan.microbatch_sizes().tolist(), _tensor_seqlens(plan, LENGTHS)
@@ -6632,13 +6546,13 @@ def test_table_and_totals_match_plan_batches(capsys, npy_file, pipeline):
     assert all(line in out.splitlines() for line in plan_command._format_totals(plan.totals()).splitlines())
 
 
-def test_json_matches_plan_batches(capsys, npy_file):
+def test_json_matches_plan_batches(npy_file):
     """--json holds the settings, totals, rows and dropped ids of the same plan."""
     flags = (
         "--max-tokens 10 --effective-batch-size 3 --order random --seed 5 --epoch 2 --batches 0 "
         "--lr-scaling-method sqrt --lr-scaling-reference mean"
     )
-    data = _cli_json(capsys, "--seqlens", npy_file, *flags.split())
+    data = _cli_json("--seqlens", npy_file, *flags.split())
     plan = plan_batches(LENGTHS, 10, effective_batch_size=3, order="random", seed=5, epoch=2)
     totals = data["totals"]
     assert totals["batches"] == plan.num_batches == len(data["batches"])
@@ -6659,40 +6573,40 @@ def test_json_matches_plan_batches(capsys, npy_file):
     assert data["settings"]["seed"] == 5 and data["settings"]["epoch"] == 2
 
 
-def test_the_plan_command_reports_the_largest_step_input(capsys, tmp_path):
+def test_the_plan_command_reports_the_largest_step_input(tmp_path):
     """The audit's padded case: the largest step input is 2 x 64, within micro_batch_size x max_tokens."""
     lengths = tmp_path / "lengths.npy"
     np.save(lengths, np.array(_ISSUE_PADDED))
     section = {"enabled": True, "max_tokens": 64, "budget": "padded"}
     config = _write_config(tmp_path, section, train_batch_size=2, train_micro_batch_size_per_gpu=2)
-    largest = _cli_json(capsys, "--config", config, "--seqlens", str(lengths))["totals"]["largest_step_input"]
+    largest = _cli_json("--config", config, "--seqlens", str(lengths))["totals"]["largest_step_input"]
     assert largest["tokens"] == 128 <= largest["bound"] == 128
-    _, out, _ = _cli(capsys, "--config", config, "--seqlens", str(lengths))
+    _, out, _ = _cli("--config", config, "--seqlens", str(lengths))
     assert "largest step input: 2 x 64 = 128 tokens = 1.00 x (micro_batch_size 2 x max_tokens 64)" in out
 
 
-def test_padding_free_plan_shows_its_rows(capsys, npy_file):
+def test_padding_free_plan_shows_its_rows(npy_file):
     """--padding-free: the plan says so, its step inputs are 1 x T rows with no padding."""
-    code, out, _ = _cli(capsys, "--seqlens", npy_file, "--padding-free", "--effective-batch-size", "2")
+    code, out, _ = _cli("--seqlens", npy_file, "--padding-free", "--effective-batch-size", "2")
     assert code == 0, out
     assert "padding-free (one flat row per step input)" in out and "= 100.0% efficiency" in out
     assert re.search(r"largest step input: a row of \d+ samples?, 1 x \d+ = \d+ tokens = [01]\.\d\d x", out), out
 
 
-def test_synthetic_default_runs_alone(capsys):
+def test_synthetic_default_runs_alone():
     """`python plan.py` without files plans 2000 synthetic lengths, always the same ones."""
-    data = _cli_json(capsys)
-    assert _cli_json(capsys) == data
+    data = _cli_json()
+    assert _cli_json() == data
     assert data["settings"]["num_samples"] == 2000 and data["settings"]["max_tokens"] == 4096
     totals = data["totals"]
     assert totals["samples"] + totals["num_dropped"] == 2000
     assert 150 * 2000 < totals["real_tokens"] < 500 * 2000  # median about 240 tokens
 
 
-def test_lr_unit_trap_is_flagged(capsys, npy_file):
+def test_lr_unit_trap_is_flagged(npy_file):
     """The totals warn when the default B_ref puts the mean LR factor far from 1, and not when B_ref is the mean."""
-    _, trap, _ = _cli(capsys, "--seqlens", npy_file, "--max-tokens", "20")
-    _, fixed, _ = _cli(capsys, "--seqlens", npy_file, "--max-tokens", "20", "--lr-scaling-reference", "mean")
+    _, trap, _ = _cli("--seqlens", npy_file, "--max-tokens", "20")
+    _, fixed, _ = _cli("--seqlens", npy_file, "--max-tokens", "20", "--lr-scaling-reference", "mean")
     assert "warning: the configured LR is multiplied by" in trap and "lr_scaling_reference" in trap
     assert "warning" not in fixed
 
@@ -6700,13 +6614,13 @@ def test_lr_unit_trap_is_flagged(capsys, npy_file):
 # -- inputs: .npy, text, stdin, a DeepSpeed config -------------------------------------------------
 
 
-def test_npy_text_and_stdin_give_the_same_plan(capsys, monkeypatch, npy_file, tmp_path):
+def test_npy_text_and_stdin_give_the_same_plan(monkeypatch, npy_file, tmp_path):
     """The three ways to pass lengths give the same JSON (but for the source's name)."""
     text = "\n".join(map(str, LENGTHS)) + "\n\n"
     (tmp_path / "lengths.txt").write_text(text)
     monkeypatch.setattr(sys, "stdin", io.StringIO(text))
     shown = [
-        _cli_json(capsys, "--seqlens", source, "--max-tokens", "10")
+        _cli_json("--seqlens", source, "--max-tokens", "10")
         for source in (npy_file, str(tmp_path / "lengths.txt"), "-")
     ]
     for data in shown:
@@ -6725,18 +6639,18 @@ def test_npy_text_and_stdin_give_the_same_plan(capsys, monkeypatch, npy_file, tm
         (dict(train_batch_size=6, gradient_accumulation_steps=3), "2", (6, 1, 3, 2)),
     ],
 )
-def test_config_batch_geometry(capsys, tmp_path, npy_file, batch_keys, world_size, expected):
+def test_config_batch_geometry(tmp_path, npy_file, batch_keys, world_size, expected):
     """train_batch_size = micro batch per GPU x accumulation x world size, any one of them derived."""
     config = _write_config(tmp_path, **batch_keys)
     flags = ["--world-size", world_size] if world_size else []
-    totals = _cli_json(capsys, "--config", config, "--seqlens", npy_file, *flags)["totals"]
+    totals = _cli_json("--config", config, "--seqlens", npy_file, *flags)["totals"]
     geometry = ("effective_batch_size", "micro_batch_size", "gradient_accumulation_steps", "num_replicas")
     assert tuple(totals[key] for key in geometry) == expected
     assert totals["max_tokens"] == 12 and totals["lr_factor"]["method"] == "sqrt"
     assert totals["lr_factor"]["reference_value"] == 4
 
 
-def test_effective_batch_size_flag_keeps_the_config_micro_batch_size(capsys, tmp_path):
+def test_effective_batch_size_flag_keeps_the_config_micro_batch_size(tmp_path):
     """--effective-batch-size 12 --world-size 2 over train_micro_batch_size_per_gpu 2 plans micro-batch size 2 and
     3 accumulation steps, as training with train_batch_size 12 would (it planned micro-batch size 1)."""
     section = {"enabled": True, "max_tokens": 40}
@@ -6744,31 +6658,29 @@ def test_effective_batch_size_flag_keeps_the_config_micro_batch_size(capsys, tmp
     lengths = tmp_path / "lengths.npy"
     np.save(lengths, np.array(_CLI_SEQLENS))
     flags = ["--effective-batch-size", "12", "--world-size", "2", "--batches", "0"]
-    shown = _cli_json(capsys, "--config", config, "--seqlens", str(lengths), *flags)
+    shown = _cli_json("--config", config, "--seqlens", str(lengths), *flags)
     geometry = ("effective_batch_size", "micro_batch_size", "gradient_accumulation_steps", "num_replicas")
     assert tuple(shown["totals"][key] for key in geometry) == (12, 2, 3, 2)
     trained = plan_batches(_CLI_SEQLENS, 40, effective_batch_size=12, micro_batch_size=2, num_replicas=2)
     assert [n for row in shown["batches"] for n in row["microbatch_sizes"]] == trained.microbatch_sizes().tolist()
 
 
-def test_config_world_size_that_contradicts_it_is_an_error(capsys, tmp_path, npy_file):
+def test_config_world_size_that_contradicts_it_is_an_error(tmp_path, npy_file):
     """A --world-size the config's batch sizes contradict exits 2, naming both."""
     config = _write_config(
         tmp_path, train_batch_size=4, train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=2
     )
-    err = _refused_in_one_line(capsys, "--config", config, "--seqlens", npy_file, "--world-size", "3")
+    err = _refused_in_one_line("--config", config, "--seqlens", npy_file, "--world-size", "3")
     assert "train_batch_size=4" in err and "world size 3" in err
 
 
-def test_a_null_config_seed_plans_as_an_absent_one(capsys, tmp_path, npy_file):
+def test_a_null_config_seed_plans_as_an_absent_one(tmp_path, npy_file):
     """`plan --config` with "seed": null plans as without the key (data_efficiency.seed, else 1234), not as seed 0."""
     shown = {}
     for label, seed in (("null", {"seed": None}), ("absent", {}), ("zero", {"seed": 0})):
         section = {"enabled": True, "max_tokens": 12, **seed}
         config = _write_config(tmp_path, section, train_batch_size=2, train_micro_batch_size_per_gpu=1)
-        shown[label] = _cli_json(
-            capsys, "--config", config, "--seqlens", npy_file, "--order", "random", "--batches", "0"
-        )
+        shown[label] = _cli_json("--config", config, "--seqlens", npy_file, "--order", "random", "--batches", "0")
     assert shown["null"] == shown["absent"] and shown["null"]["settings"]["seed"] == 1234
     assert shown["null"]["batches"] != shown["zero"]["batches"], "seed 0 plans as 1234: the case shows nothing"
 
@@ -6817,22 +6729,9 @@ def test_the_plan_command_plans_what_training_plans(tmp_path_factory, section, s
     folder = tmp_path_factory.mktemp("cli")
     (folder / "ds_config.json").write_text(json.dumps(config))
     np.save(folder / "lengths.npy", np.array(_CLI_SEQLENS))
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = plan_command.main(
-                [
-                    "--config",
-                    str(folder / "ds_config.json"),
-                    "--seqlens",
-                    str(folder / "lengths.npy"),
-                    "--json",
-                    "--batches",
-                    "0",
-                ]
-            )
-        except SystemExit as stop:
-            code = stop.code
+    code, out, err = _cli(
+        "--config", str(folder / "ds_config.json"), "--seqlens", str(folder / "lengths.npy"), "--json", "--batches", "0"
+    )
     optimizer = _optimizer()
     engine = _Engine(config, optimizer=optimizer, gradient_accumulation_steps=2)
     try:
@@ -6843,10 +6742,10 @@ def test_the_plan_command_plans_what_training_plans(tmp_path_factory, section, s
             )
     except (TypeError, ValueError) as error:
         assert code == 2, f"training refuses ({error}) but the command exits {code}"
-        assert out.getvalue() == "" and err.getvalue().count("\n") == 1, err.getvalue()
+        assert out == "" and err.count("\n") == 1, err
     else:
-        assert code == 0, f"training accepts the section but the command exits {code}: {err.getvalue()}"
-        shown, plan, factors = json.loads(out.getvalue()), loader.variable_batch_sampler.plan, []
+        assert code == 0, f"training accepts the section but the command exits {code}: {err}"
+        shown, plan, factors = json.loads(out), loader.variable_batch_sampler.plan, []
         for _ in range(plan.num_batches):
             factors.append(scheduler.lr_factor)
             optimizer.step()
@@ -6872,11 +6771,11 @@ def test_the_plan_command_plans_what_training_plans(tmp_path_factory, section, s
     ],
     ids=["not JSON", "a list", "a section the reader refuses"],
 )
-def test_bad_config_exits_2_with_one_line(capsys, tmp_path, content, names):
+def test_bad_config_exits_2_with_one_line(tmp_path, content, names):
     """A malformed or wrong config gives one line naming the problem and exit code 2, no traceback."""
     path = tmp_path / "ds_config.json"
     path.write_text(content)
-    assert names in _refused_in_one_line(capsys, "--config", str(path))
+    assert names in _refused_in_one_line("--config", str(path))
 
 
 @pytest.mark.parametrize(
@@ -6893,9 +6792,9 @@ def test_bad_config_exits_2_with_one_line(capsys, tmp_path, content, names):
         (["--json", "--plot", "plan.png"], "argument --plot: not allowed with argument --json"),  # one output
     ],
 )
-def test_bad_flag_values_exit_2_with_one_line(capsys, args, names):
+def test_bad_flag_values_exit_2_with_one_line(args, names):
     """An unknown flag, a bad flag value, an argument that is no flag, or two outputs: one line naming it, exit 2."""
-    assert names in _refused_in_one_line(capsys, *args)
+    assert names in _refused_in_one_line(*args)
 
 
 @pytest.mark.parametrize(
@@ -6909,20 +6808,20 @@ def test_bad_flag_values_exit_2_with_one_line(capsys, args, names):
     ],
     ids=["missing", "corrupt .npy", "a bad line", "a bad length", "no lengths"],
 )
-def test_bad_lengths_file_exits_2_naming_it(capsys, tmp_path, name, content, names):
+def test_bad_lengths_file_exits_2_naming_it(tmp_path, name, content, names):
     """A lengths file missing, corrupt, with a bad line, a bad length or none at all: one line with its name and
     the problem, exit code 2."""
     path = tmp_path / name
     if content is not None:
         path.write_text(content)
-    err = _refused_in_one_line(capsys, "--seqlens", str(path))
+    err = _refused_in_one_line("--seqlens", str(path))
     assert str(path) in err and names in err, err
 
 
-def test_help_explains_every_flag(capsys, monkeypatch):
+def test_help_explains_every_flag(monkeypatch):
     """`plan.py --help` describes every flag it lists, the batch arithmetic and the synthetic default."""
     monkeypatch.setenv("COLUMNS", "80")  # a pipe's width, as in a fresh interpreter
-    code, out, _ = _cli(capsys, "--help")
+    code, out, _ = _cli("--help")
     assert code == 0
     usage, _, options = out.partition("\n\n")
     flags = re.findall(r"[\[|] ?(--[\w-]+)", usage)  # [--flag ...] and [--json | --plot ...]
@@ -6936,15 +6835,15 @@ def test_help_explains_every_flag(capsys, monkeypatch):
     assert "synthetic" in out
 
 
-def test_the_vendored_file_draws_nothing_and_the_table_needs_no_matplotlib(capsys, monkeypatch, npy_file, tmp_path):
+def test_the_vendored_file_draws_nothing_and_the_table_needs_no_matplotlib(monkeypatch, npy_file, tmp_path):
     """varbatch.py never imports matplotlib; plan.py imports it only to draw: where it is missing, the table and
     the JSON run and --plot exits 2 with one line that says how to install it, writing no picture."""
     assert "matplotlib" not in Path(VARBATCH).read_text()
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed: importing it raises ImportError
     picture = tmp_path / "plan.png"
-    assert _cli(capsys, "--seqlens", npy_file)[0] == 0
-    assert _cli(capsys, "--seqlens", npy_file, "--json")[0] == 0
-    err = _refused_in_one_line(capsys, "--seqlens", npy_file, "--plot", str(picture))
+    assert _cli("--seqlens", npy_file)[0] == 0
+    assert _cli("--seqlens", npy_file, "--json")[0] == 0
+    err = _refused_in_one_line("--seqlens", npy_file, "--plot", str(picture))
     assert err == "varbatch: error: --plot needs matplotlib, which is not installed: pip install matplotlib\n"
     assert not picture.exists()
 
