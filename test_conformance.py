@@ -6,7 +6,7 @@ does not apply where one does not. The tests are written for varbatch; no upstre
 - HF transformers' ``DataCollatorWithFlattening`` (tests/trainer/test_data_collator.py): `FlatCollate`.
 - torch's scheduler protocol (test/optim/test_lrscheduler.py): `VariableBatchSizeLR` over torch's schedulers.
 - torchdata's StatefulDataLoader (test/stateful_dataloader/test_state_dict.py): a dataset that has its own state,
-  and the resume cases (0 and 3 workers, persistent workers, snapshots, the end of an epoch), over
+  and the resume cases (0, 3 and spawned workers, persistent workers, snapshots, the end of an epoch), over
   `make_dataloader(..., dataloader_class=StatefulDataLoader)`, the sampler passed as ``batch_sampler`` and the
   sampler's own ``state_dict``.
 
@@ -339,11 +339,15 @@ def _same(first, second):
     return type(first) is type(second) and first == second
 
 
-def _through_a_file(state, weights_only):
-    buffer = io.BytesIO()
+def _reloaded(scheduler, other, weights_only):
+    """``scheduler``'s state through torch.save and torch.load is unchanged, and ``other`` loads it as it is."""
+    state, buffer = scheduler.state_dict(), io.BytesIO()
     torch.save(state, buffer)
     buffer.seek(0)
-    return torch.load(buffer, weights_only=weights_only)
+    loaded = torch.load(buffer, weights_only=weights_only)
+    assert _same(loaded, state)
+    other.load_state_dict(loaded)
+    assert _same(other.state_dict(), state)
 
 
 @pytest.mark.parametrize("tensor_lr", [False, True], ids=["float LRs", "a tensor LR"])
@@ -356,12 +360,8 @@ def test_state_dict_round_trips_through_torch_save_and_load(name, weights_only, 
     for _ in range(5):
         optimizer.step()
         scheduler.step()
-    state = scheduler.state_dict()
-    loaded = _through_a_file(state, weights_only)
-    assert _same(loaded, state)
     other_optimizer, other = _wrapped(name, tensor_lr)
-    other.load_state_dict(loaded)
-    assert _same(other.state_dict(), state)
+    _reloaded(scheduler, other, weights_only)
     for t in range(5, _STEPS):
         _check_lrs(t, [float(lr) for lr in scheduler.get_last_lr()], other.get_last_lr())
         _check_lrs(t, [float(lr) for lr in scheduler.get_last_lr()], [g["lr"] for g in other_optimizer.param_groups])
@@ -384,11 +384,7 @@ def test_state_dict_of_a_sampler_driven_wrapper_loads_with_weights_only(base_bat
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the default reference's unit-trap warning, not what is tested here
         scheduler, other = build(), build()
-    state = scheduler.state_dict()
-    loaded = _through_a_file(state, weights_only)
-    assert _same(loaded, state)
-    other.load_state_dict(loaded)
-    assert _same(other.state_dict(), state)
+    _reloaded(scheduler, other, weights_only)
 
 
 def test_the_loop_torch_recommends_raises_no_warning():
@@ -476,16 +472,23 @@ _TD_EPOCHS = 3
 _SEQLENS = [int(n) for n in np.random.default_rng(0).integers(1, 30, 120)]
 
 
-class _AugmentedDataset:
+class _Samples:
+    """A map-style dataset of ``len(seqlens)`` samples, sample i of ``seqlens[i]`` tokens."""
+
+    def __init__(self, seqlens):
+        self.seqlens = seqlens
+
+    def __len__(self):
+        return len(self.seqlens)
+
+
+class _AugmentedDataset(_Samples):
     """Sample i is ``seqlens[i]`` copies of ``1000 i + noise``, the noise drawn from the dataset's own RNG at each
     read (an augmentation): its state is what torchdata saves for it."""
 
     def __init__(self, seqlens, seed=7):
-        self.seqlens = seqlens
+        super().__init__(seqlens)
         self.rng = np.random.default_rng(seed)
-
-    def __len__(self):
-        return len(self.seqlens)
 
     def __getitem__(self, index):
         return torch.full((self.seqlens[index],), 1000 * index + int(self.rng.integers(1000)))
@@ -497,15 +500,12 @@ class _AugmentedDataset:
         self.rng.bit_generator.state = state_dict["rng"]
 
 
-class _CountingDataset:
+class _CountingDataset(_Samples):
     """Counts its reads; a sample is the count at its read: the state is one number."""
 
     def __init__(self, seqlens):
-        self.seqlens = seqlens
+        super().__init__(seqlens)
         self.reads = 0
-
-    def __len__(self):
-        return len(self.seqlens)
 
     def __getitem__(self, index):
         self.reads += 1
@@ -518,14 +518,8 @@ class _CountingDataset:
         self.reads = state_dict["reads"]
 
 
-class _StateDictOnly:
+class _StateDictOnly(_Samples):
     """A dataset with state_dict but no load_state_dict: not Stateful to torchdata."""
-
-    def __init__(self, seqlens):
-        self.seqlens = seqlens
-
-    def __len__(self):
-        return len(self.seqlens)
 
     def __getitem__(self, index):
         return torch.ones(self.seqlens[index])
