@@ -5468,38 +5468,6 @@ def test_bad_input_plan_batches(call, error, names):
     _check_refused(call, error, names)
 
 
-_CLOCKS = ("steps", "tokens", "samples")
-# Each check of a choice: (a call with the choice, a near miss, its closest choice, every choice).
-_UNKNOWN_CHOICES = {
-    "order": (lambda v: plan_batches([1, 2, 3], 10, order=v), "randm", "random", ORDERS),
-    "lr_scaling_method": (lambda v: scale_lr(2, 4, method=v), "lineer", "linear", LR_METHODS),
-    "lr_scaling_unit": (
-        lambda v: VariableBatchSizeLR(_optimizer(), 2, [2, 2], lr_scaling_unit=v),
-        "token",
-        "tokens",
-        ("sequences", "tokens"),
-    ),
-    "clock": (lambda v: VariableBatchSizeLR(_optimizer(), 2, [2, 2], clock=v), "tokns", "tokens", _CLOCKS),
-    "horizon unit": (lambda v: _sampler().horizon(2, v), "sample", "samples", _CLOCKS),
-    "batch_count": (
-        lambda v: make_dataloader([torch.ones(2)] * 3, VariableBatchSampler([2, 2, 2], 4), batch_count=v),
-        "token",
-        "tokens",
-        ("sequences", "tokens", "label_tokens"),
-    ),
-}
-
-
-@pytest.mark.parametrize("call, value, closest, valid", _UNKNOWN_CHOICES.values(), ids=_UNKNOWN_CHOICES)
-def test_unknown_choice_lists_valid_ones_and_suggests_closest(call, value, closest, valid):
-    """An unknown choice names the value, lists the valid ones and suggests the closest."""
-    with pytest.raises(ValueError) as info:
-        call(value)
-    message = str(info.value)
-    assert repr(value) in message and f"did you mean {closest!r}" in message, message
-    assert all(repr(choice) in message for choice in valid), message
-
-
 _BAD_SCALE_LR = [
     _refusal("base_batch_size 0", ValueError, "base_batch_size", scale_lr, 0, 4),
     _refusal("base_batch_size a string", TypeError, "base_batch_size", scale_lr, "2", 4),
@@ -5889,6 +5857,33 @@ def test_bad_input_deepspeed_glue_config_in_data_sampling_is_placed_there(key, v
     message = str(info.value)
     assert f"{key}={value!r}" in message and "data_efficiency.data_sampling" in message, message
     assert "dynamic_batching" not in message, f"the message blames the dynamic_batching section: {message}"
+
+
+_CLOCKS = ("steps", "tokens", "samples")
+# Each check of a choice: (a call with the choice, a near miss, its closest choice, every choice).
+_UNKNOWN_CHOICES = {
+    "order": (lambda v: plan_batches([1, 2, 3], 10, order=v), "randm", "random", ORDERS),
+    "lr_scaling_method": (lambda v: scale_lr(2, 4, method=v), "lineer", "linear", LR_METHODS),
+    "lr_scaling_unit": (lambda v: _scheduler(2, [2], lr_scaling_unit=v), "token", "tokens", ("sequences", "tokens")),
+    "clock": (lambda v: _scheduler(2, [2, 2], clock=v), "tokns", "tokens", _CLOCKS),
+    "horizon unit": (lambda v: _sampler().horizon(2, v), "sample", "samples", _CLOCKS),
+    "batch_count": (
+        lambda v: _three_samples_loader(batch_count=v),
+        "token",
+        "tokens",
+        ("sequences", "tokens", "label_tokens"),
+    ),
+}
+
+
+@pytest.mark.parametrize("call, value, closest, valid", _UNKNOWN_CHOICES.values(), ids=_UNKNOWN_CHOICES)
+def test_unknown_choice_lists_valid_ones_and_suggests_closest(call, value, closest, valid):
+    """An unknown choice names the value, lists the valid ones and suggests the closest."""
+    with pytest.raises(ValueError) as info:
+        call(value)
+    message = str(info.value)
+    assert repr(value) in message and f"did you mean {closest!r}" in message, message
+    assert all(repr(choice) in message for choice in valid), message
 
 
 def test_values_once_mangled_are_handled():
@@ -6629,39 +6624,36 @@ def test_npy_text_and_stdin_give_the_same_plan(monkeypatch, npy_file, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "batch_keys, world_size, expected",
+    "batch_keys, flags, expected",
     [
         # (k, micro batch per GPU, accumulation, ranks), resolved as DeepSpeed does
-        (dict(train_batch_size=8, train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2), None, (8, 2, 2, 2)),
-        (dict(train_batch_size=8, train_micro_batch_size_per_gpu=1), "4", (8, 1, 2, 4)),
-        (dict(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=3), "2", (12, 2, 3, 2)),
-        (dict(train_batch_size=6), None, (6, 6, 1, 1)),
-        (dict(train_batch_size=6, gradient_accumulation_steps=3), "2", (6, 1, 3, 2)),
+        (dict(train_batch_size=8, train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2), [], (8, 2, 2, 2)),
+        (dict(train_batch_size=8, train_micro_batch_size_per_gpu=1), ["--world-size", "4"], (8, 1, 2, 4)),
+        (dict(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=3), ["--world-size", "2"], (12, 2, 3, 2)),
+        (dict(train_batch_size=6), [], (6, 6, 1, 1)),
+        (dict(train_batch_size=6, gradient_accumulation_steps=3), ["--world-size", "2"], (6, 1, 3, 2)),
+        # the flag keeps the config's micro-batch size, as training with train_batch_size 12 would (it planned 1)
+        (
+            dict(train_batch_size=4, train_micro_batch_size_per_gpu=2),
+            ["--effective-batch-size", "12", "--world-size", "2"],
+            (12, 2, 3, 2),
+        ),
     ],
 )
-def test_config_batch_geometry(tmp_path, npy_file, batch_keys, world_size, expected):
-    """train_batch_size = micro batch per GPU x accumulation x world size, any one of them derived."""
+def test_config_batch_geometry(tmp_path, npy_file, batch_keys, flags, expected):
+    """train_batch_size = micro batch per GPU x accumulation x world size, any one of them derived; the plan shown
+    is plan_batches' with them."""
     config = _write_config(tmp_path, **batch_keys)
-    flags = ["--world-size", world_size] if world_size else []
-    totals = _cli_json("--config", config, "--seqlens", npy_file, *flags)["totals"]
+    shown = _cli_json("--config", config, "--seqlens", npy_file, "--batches", "0", *flags)
+    totals = shown["totals"]
     geometry = ("effective_batch_size", "micro_batch_size", "gradient_accumulation_steps", "num_replicas")
     assert tuple(totals[key] for key in geometry) == expected
     assert totals["max_tokens"] == 12 and totals["lr_factor"]["method"] == "sqrt"
     assert totals["lr_factor"]["reference_value"] == 4
-
-
-def test_effective_batch_size_flag_keeps_the_config_micro_batch_size(tmp_path):
-    """--effective-batch-size 12 --world-size 2 over train_micro_batch_size_per_gpu 2 plans micro-batch size 2 and
-    3 accumulation steps, as training with train_batch_size 12 would (it planned micro-batch size 1)."""
-    section = {"enabled": True, "max_tokens": 40}
-    config = _write_config(tmp_path, section, train_batch_size=4, train_micro_batch_size_per_gpu=2)
-    lengths = tmp_path / "lengths.npy"
-    np.save(lengths, np.array(_CLI_SEQLENS))
-    flags = ["--effective-batch-size", "12", "--world-size", "2", "--batches", "0"]
-    shown = _cli_json("--config", config, "--seqlens", str(lengths), *flags)
-    geometry = ("effective_batch_size", "micro_batch_size", "gradient_accumulation_steps", "num_replicas")
-    assert tuple(shown["totals"][key] for key in geometry) == (12, 2, 3, 2)
-    trained = plan_batches(_CLI_SEQLENS, 40, effective_batch_size=12, micro_batch_size=2, num_replicas=2)
+    k, micro_batch_size, _, num_replicas = expected
+    trained = plan_batches(
+        LENGTHS, 12, effective_batch_size=k, micro_batch_size=micro_batch_size, num_replicas=num_replicas
+    )
     assert [n for row in shown["batches"] for n in row["microbatch_sizes"]] == trained.microbatch_sizes().tolist()
 
 
