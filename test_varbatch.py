@@ -5516,6 +5516,11 @@ def _given_microbatches_loader():
     return loader
 
 
+def _given_sampler():
+    """The sampler of `_given_microbatches_loader`, whose plans have no token counts."""
+    return _given_microbatches_loader().variable_batch_sampler
+
+
 def _load_state_saved_with(option):
     """A sampler with ``option`` off loads the state of one with it on."""
     options = dict(num_replicas=1, rank=0, order="random", quadratic_tokens=9)
@@ -5548,10 +5553,7 @@ _BAD_SAMPLER = [
     _refusal("horizon of 0 epochs", ValueError, "epochs", lambda: _four_samples().horizon(0, "tokens")),
     _refusal("horizon in steps", ValueError, "tokens samples", lambda: _four_samples().horizon(3, "steps")),
     _refusal(
-        "horizon in tokens over given micro-batches",
-        ValueError,
-        "make_dataloader",
-        lambda: _given_microbatches_loader().variable_batch_sampler.horizon(2, "tokens"),
+        "horizon in tokens, no seqlens", ValueError, "make_dataloader", lambda: _given_sampler().horizon(2, "tokens")
     ),
     _refusal("state_dict at step -1", ValueError, "steps_done", lambda: _four_samples().state_dict(steps_done=-1)),
     _refusal("load_state_dict not a dict", TypeError, "dict", lambda: _four_samples().load_state_dict("state")),
@@ -5604,12 +5606,10 @@ _BAD_MAKE_DATALOADER = [
         "padding that does not pad", ValueError, "sample_padding_fn", _same_length_loader, lambda sample, n: sample
     ),
     _refusal(
-        "batch_count in tokens over given micro-batches (no seqlens)",
+        "batch_count in tokens, no seqlens",
         ValueError,
         "batch_count make_dataloader",
-        lambda: make_dataloader(
-            _GLUE_SEQLENS, _given_microbatches_loader().variable_batch_sampler, batch_count="tokens"
-        ),
+        lambda: make_dataloader(_GLUE_SEQLENS, _given_sampler(), batch_count="tokens"),
     ),
     _refusal(
         "unpadded pipeline rows", ValueError, "varbatch.FlatCollate", _flat_pipeline_rows, lambda s: torch.cat(s)[None]
