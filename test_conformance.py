@@ -6,7 +6,7 @@ does not apply where one does not. The tests are written for varbatch; no upstre
 - HF transformers' ``DataCollatorWithFlattening`` (tests/trainer/test_data_collator.py): `FlatCollate`.
 - torch's scheduler protocol (test/optim/test_lrscheduler.py): `VariableBatchSizeLR` over torch's schedulers.
 - torchdata's StatefulDataLoader (test/stateful_dataloader/test_state_dict.py): a dataset that has its own state,
-  and the resume cases (0 and 3 workers, persistent workers, snapshots, the end of an epoch), over
+  and the resume cases (0, 3 and spawned workers, persistent workers, snapshots, the end of an epoch), over
   `make_dataloader(..., dataloader_class=StatefulDataLoader)`, the sampler passed as ``batch_sampler`` and the
   sampler's own ``state_dict``.
 
@@ -25,7 +25,7 @@ from functools import partial
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from torch.optim.lr_scheduler import (
     ChainedScheduler,
@@ -40,7 +40,6 @@ from torch.optim.lr_scheduler import (
     MultiStepLR,
     OneCycleLR,
     PolynomialLR,
-    ReduceLROnPlateau,
     SequentialLR,
     StepLR,
 )
@@ -56,12 +55,11 @@ _PROPERTY = settings(max_examples=60, deadline=None, suppress_health_check=[Heal
 # HF transformers' DataCollatorWithFlattening -> FlatCollate
 # =============================================================================
 # Not applicable, one line each:
-# - return_tensors="np" (and TensorFlow's "tf"): FlatCollate returns torch tensors only, for torch loaders; it
-#   refuses the others by name (test_flat_collate_refuses_other_tensors_by_name).
+# - return_tensors other than "pt" ("np", TensorFlow's "tf"): FlatCollate returns torch tensors for torch loaders.
 # - return_tensors as the first positional argument (HF's dataclass field): keyword-only here, since FlatCollate's
-#   first parameter was return_position_ids before it took return_tensors; the positional form is refused by name.
-# - HF drops an empty sample and reads labels only if the first sample has them: varbatch refuses both (nothing is
-#   silently lost or mislabelled), see the edge-input tests below.
+#   first parameter was return_position_ids before it took return_tensors.
+# - an empty sample (HF drops it) and labels in some samples only (HF reads them where the first sample has them).
+# varbatch refuses each by name (test_flat_collate_refuses_by_name): nothing is silently lost or mislabelled.
 
 
 def _hf_collator(**options):
@@ -71,7 +69,7 @@ def _hf_collator(**options):
 
 @st.composite
 def _hf_samples(draw):
-    """HF-style samples, every one with labels or none, each field a list, a tensor or an array of token ids."""
+    """HF-style samples, every one with labels or none, some with a mask, each field a list, a tensor or an array."""
     count = draw(st.integers(1, 6))
     lengths = draw(st.lists(st.integers(1, 12), min_size=count, max_size=count))
     labelled = draw(st.booleans())
@@ -81,6 +79,8 @@ def _hf_samples(draw):
         sample = {"input_ids": ids}
         if labelled:
             sample["labels"] = draw(st.lists(st.sampled_from([-100, 0, 7, 31_999]), min_size=length, max_size=length))
+        if draw(st.booleans()):  # an attention_mask of ones, which the row leaves out
+            sample["attention_mask"] = [1] * length
         form = draw(st.sampled_from(["list", "tensor", "array"]))
         for key in sample:
             if form == "tensor":
@@ -91,7 +91,20 @@ def _hf_samples(draw):
     return samples
 
 
-_FLAG = st.booleans()
+# DataCollatorWithFlattening's options at construction, and its keywords at call.
+_HF_OPTIONS = st.fixed_dictionaries(
+    {
+        "return_position_ids": st.booleans(),
+        "separator_id": st.sampled_from([-100, -1, 0, 5]),
+        "return_flash_attn_kwargs": st.booleans(),
+        "return_seq_idx": st.booleans(),
+        "position_ids_start": st.integers(0, 3),
+    },
+    optional={"return_tensors": st.just("pt")},
+)
+_HF_CALL_KEYWORDS = st.fixed_dictionaries(
+    {"return_tensors": st.sampled_from([None, "pt"]), "separator_id": st.sampled_from([None, -100, -7, 3])}
+)
 
 
 def _assert_same_batch(ours, theirs):
@@ -108,44 +121,21 @@ def _assert_same_batch(ours, theirs):
 
 
 @_PROPERTY
-@given(
-    samples=_hf_samples(),
-    position_ids=_FLAG,
-    flash_attn_kwargs=_FLAG,
-    seq_idx=_FLAG,
-    position_ids_start=st.integers(0, 3),
-    separator_id=st.sampled_from([-100, -1, 0, 5]),
-    call_separator_id=st.sampled_from([None, -100, -7, 3]),
-    construct_return_tensors=_FLAG,
-    call_return_tensors=st.sampled_from([None, "pt"]),
+@given(samples=_hf_samples(), options=_HF_OPTIONS, keywords=_HF_CALL_KEYWORDS)
+# every sample one token: every position a start, every label a separator
+@example(
+    samples=[{"input_ids": [7], "labels": [3]}, {"input_ids": [8], "labels": [4]}],
+    options={"return_seq_idx": True},
+    keywords={},
 )
-def test_flat_collate_equals_hf_flattening(
-    samples,
-    position_ids,
-    flash_attn_kwargs,
-    seq_idx,
-    position_ids_start,
-    separator_id,
-    call_separator_id,
-    construct_return_tensors,
-    call_return_tensors,
-):
+def test_flat_collate_equals_hf_flattening(samples, options, keywords):
     """FlatCollate gives DataCollatorWithFlattening's keys, order, types, dtypes and values, under its options and
-    its keywords at construction and at call, for samples with and without labels, as lists, tensors or arrays."""
-    options = dict(
-        return_position_ids=position_ids,
-        separator_id=separator_id,
-        return_flash_attn_kwargs=flash_attn_kwargs,
-        return_seq_idx=seq_idx,
-        position_ids_start=position_ids_start,
-    )
-    if construct_return_tensors:
-        options["return_tensors"] = "pt"
-    theirs = _hf_collator(**options)(
-        copy.deepcopy(samples), return_tensors=call_return_tensors, separator_id=call_separator_id
-    )
-    ours = FlatCollate(**options)(samples, return_tensors=call_return_tensors, separator_id=call_separator_id)
-    _assert_same_batch(ours, theirs)
+    its keywords at construction and at call (a call's keywords for that call only), for samples with and without
+    labels, as lists, tensors or arrays."""
+    theirs = _hf_collator(**options)(copy.deepcopy(samples), **keywords)
+    collate = FlatCollate(**options)
+    _assert_same_batch(collate(samples, **keywords), theirs)
+    _assert_same_batch(collate(samples), _hf_collator(**options)(copy.deepcopy(samples)))
 
 
 @_PROPERTY
@@ -159,42 +149,6 @@ def test_flat_collate_leaves_its_samples_as_they_were(samples, call_separator_id
         for key, value in original.items():
             assert type(sample[key]) is type(value)
             assert np.array_equal(np.asarray(sample[key]), np.asarray(value)), key
-
-
-def test_flat_collate_flattens_hf_samples_into_one_row():
-    """Three samples of 3, 6 and 7 tokens: one 1 x 16 row, no attention_mask, positions restarting at each sample,
-    labels their input_ids with each sample's first the separator; on request the flash-attention offsets and
-    lengths (int32 tensors, python ints) and each token's sample (int32)."""
-    samples = [{"input_ids": [10, 11, 12]}, {"input_ids": list(range(20, 26))}, {"input_ids": list(range(30, 37))}]
-    batch = FlatCollate(return_flash_attn_kwargs=True, return_seq_idx=True)(samples)
-    assert "attention_mask" not in batch
-    assert batch["input_ids"].shape == (1, 16)
-    assert batch["input_ids"][0].tolist() == [10, 11, 12, *range(20, 26), *range(30, 37)]
-    assert batch["position_ids"][0].tolist() == [0, 1, 2, 0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5, 6]
-    assert batch["labels"][0].tolist() == [-100, 11, 12, -100, *range(21, 26), -100, *range(31, 37)]
-    assert batch["seq_idx"][0].tolist() == [0] * 3 + [1] * 6 + [2] * 7
-    for key in ("cu_seq_lens_q", "cu_seq_lens_k"):
-        assert batch[key].dtype == torch.int32 and batch[key].tolist() == [0, 3, 9, 16]
-    assert batch["max_length_q"] == batch["max_length_k"] == 7 and type(batch["max_length_q"]) is int
-    assert {key: batch[key].dtype for key in ("input_ids", "labels", "position_ids", "seq_idx")} == {
-        "input_ids": torch.int64,
-        "labels": torch.int64,
-        "position_ids": torch.int64,
-        "seq_idx": torch.int32,
-    }
-
-
-def test_flat_collate_takes_hf_keywords_at_construction_and_call():
-    """return_tensors='pt' at construction and at call; separator_id at call overrides the construction's for that
-    call only; seqlens stays the second positional parameter (a sample longer than its planned seqlen is refused)."""
-    samples = [{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}]
-    collate = FlatCollate(return_tensors="pt", separator_id=-1)
-    assert collate(samples, return_tensors="pt")["labels"][0].tolist() == [-1, 2, 3, -1, 5]
-    assert collate(samples, separator_id=-9)["labels"][0].tolist() == [-9, 2, 3, -9, 5]
-    assert collate(samples)["labels"][0].tolist() == [-1, 2, 3, -1, 5]
-    assert collate(samples, [3, 2])["input_ids"][0].tolist() == [1, 2, 3, 4, 5]
-    with pytest.raises(ValueError, match=r"samples of seqlens \[3, 2\] for planned seqlens \[2, 2\]"):
-        collate(samples, [2, 2])
 
 
 def test_call_time_separator_id_labels_a_pipeline_rows_padding():
@@ -220,56 +174,50 @@ def test_call_time_separator_id_labels_a_pipeline_rows_padding():
     assert padded_rows > 0  # the case exists: some rows have a padding segment
 
 
-@pytest.mark.parametrize("return_tensors", ["np", "tf", "PT", None, 1])
-def test_flat_collate_refuses_other_tensors_by_name(return_tensors):
-    """Another return_tensors, at construction or at call, is a ValueError naming it and what is supported."""
-    expected = rf"return_tensors={return_tensors!r}; pass return_tensors='pt'"
-    if return_tensors is not None:  # None at call means the construction's
-        with pytest.raises(ValueError, match=expected):
-            FlatCollate()([{"input_ids": [1]}], return_tensors=return_tensors)
-    with pytest.raises(ValueError, match=expected):
-        FlatCollate(return_tensors=return_tensors)
-
-
-def test_flat_collate_refuses_hf_positional_return_tensors_by_name():
-    """HF's positional forms, FlatCollate("pt") and collate(samples, "pt"), are TypeErrors naming the keyword."""
-    with pytest.raises(TypeError, match=r"return_position_ids='pt'; pass return_tensors by keyword"):
-        FlatCollate("pt")
-    with pytest.raises(TypeError, match=r"seqlens='pt'; pass return_tensors by keyword"):
-        FlatCollate()([{"input_ids": [1, 2]}], "pt")
-
-
-# -- the collator's edge inputs --------------------------------------------------------------------------------------
-
-
 @pytest.mark.parametrize(
-    "samples, message",
+    "call, error, message",
     [
-        # an empty sample (HF drops it; varbatch plans seqlens >= 1, so its seqlens are wrong about the data)
-        ([{"input_ids": [1, 2]}, {"input_ids": []}], r"sample 1 of the step input is empty"),
-        ([{"input_ids": [], "labels": []}], r"sample 0 of the step input is empty"),
-        # labels in some samples only (HF: a KeyError, or the labels ignored when the first sample has none)
-        ([{"input_ids": [1, 2], "labels": [1, 2]}, {"input_ids": [3]}], r"samples \[0\] of 2 have them"),
-        ([{"input_ids": [1, 2]}, {"input_ids": [3], "labels": [3]}], r"samples \[1\] of 2 have them"),
-        # labels shorter (or longer) than input_ids (HF shifts every later label)
+        (lambda: FlatCollate(return_tensors="np"), ValueError, "return_tensors='np'; pass return_tensors='pt'"),
+        (lambda: FlatCollate(return_tensors=None), ValueError, "return_tensors=None; pass return_tensors='pt'"),
+        (lambda: FlatCollate()([{"input_ids": [1]}], return_tensors="np"), ValueError, "pass return_tensors='pt'"),
+        (lambda: FlatCollate("pt"), TypeError, "return_position_ids='pt'; pass return_tensors by keyword"),
+        (lambda: FlatCollate()([{"input_ids": [1]}], "pt"), TypeError, "seqlens='pt'; pass return_tensors by keyword"),
         (
-            [{"input_ids": [1], "labels": [1]}, {"input_ids": [1, 2, 3], "labels": [1, 2]}],
-            r"sample 1 .* 2 labels for 3",
+            lambda: FlatCollate()([{"input_ids": [1]}, {"input_ids": []}]),
+            ValueError,
+            "sample 1 of the step input is empty",
         ),
-        ([{"input_ids": [1, 2], "labels": [1, 2, 3]}], r"sample 0 of the step input has 3 labels for 2 input_ids"),
+        (
+            lambda: FlatCollate()([{"input_ids": [1]}, {"input_ids": [3], "labels": [3]}]),
+            ValueError,
+            r"samples \[1\] of 2",
+        ),
+        (lambda: FlatCollate()([{"input_ids": [1, 2], "labels": [1]}]), ValueError, "has 1 labels for 2 input_ids"),
+    ],
+    ids=[
+        "other tensors",
+        "no tensors",
+        "other tensors at call",
+        "positional",
+        "positional at call",
+        "an empty sample",
+        "labels in some",
+        "labels too few",
     ],
 )
-def test_flat_collate_refuses_edge_inputs_by_name(samples, message):
-    """Edge inputs HF's collator goes on with, dropping or misaligning tokens silently, are refused by sample."""
-    with pytest.raises(ValueError, match=message):
-        FlatCollate()(samples)
+def test_flat_collate_refuses_by_name(call, error, message):
+    """What HF's collator takes differently, or goes on with, dropping or misaligning tokens silently, is refused by
+    name: another return_tensors, HF's positional forms, an empty sample, labels in some samples, too few labels."""
+    with pytest.raises(error, match=message):
+        call()
 
 
 # =============================================================================
 # torch's scheduler protocol -> VariableBatchSizeLR
 # =============================================================================
 # Not applicable, one line each:
-# - ReduceLROnPlateau: it steps on a validation metric, not once per batch; wrapping it is refused (tested below).
+# - ReduceLROnPlateau: it steps on a validation metric, not once per batch; wrapping it is refused (as is wrapping
+#   a VariableBatchSizeLR, which would scale the LR twice): test_varbatch.py's test_bad_input_VariableBatchSizeLR.
 # - step(epoch) (deprecated in torch; "LR is constant for a constant epoch", the closed forms): the position is given
 #   by one step() per batch; step(0) only marks an epoch start (DESIGN.md, item 5).
 # - the "old pattern" warning (scheduler.step() before optimizer.step()): varbatch silences torch's step-order check
@@ -279,7 +227,7 @@ def test_flat_collate_refuses_edge_inputs_by_name(samples, message):
 # - a subclass whose get_lr takes an epoch (test_error_when_getlr_has_epoch): about torch's base class, not a wrapper.
 
 _BASE_LR = 0.05
-_SECOND_LR = 0.5  # the second param group's (a tensor in torch's suite: here in the tensor-LR tests only, see there)
+_SECOND_LR = 0.5  # the second param group's (a tensor in torch's suite: here in the tensor-LR cases only)
 _SIZES = [2, 4, 8, 3]  # the batch sizes a wrapper reads, cycled
 _REFERENCE = 4  # B_ref: the linear rule scales batch b's LR by _SIZES[b % 4] / 4
 
@@ -346,25 +294,22 @@ def _check_lrs(t, expected, got):
     )
 
 
-@pytest.mark.parametrize("name", list(_SCHEDULERS))
-def test_wrapped_scheduler_lrs_follow_the_schedule_times_the_batch_factor(name):
+# A tensor LR (torch's suite's second param group) is the optimizer's own, written in place by the schedulers.
+@pytest.mark.parametrize(
+    "name, tensor_lr",
+    [
+        *((name, False) for name in _SCHEDULERS),
+        *((name, True) for name in ("StepLR", "ExponentialLR", "optimizer (constant)")),
+    ],
+)
+def test_wrapped_scheduler_lrs_follow_the_schedule_times_the_batch_factor(name, tensor_lr):
     """torch's `_test`: before each update the optimizer holds the wrapped schedule's LR at that step times the batch's
-    factor, in every param group; `_test_get_last_lr`: get_last_lr() before each step is that LR."""
-    optimizer, scheduler = _wrapped(name)
+    factor, in every param group (a tensor LR as a float's); `_test_get_last_lr`: get_last_lr() before each step is
+    that LR."""
+    optimizer, scheduler = _wrapped(name, tensor_lr)
     for t, expected in enumerate(_expected(name, _STEPS)):
         _check_lrs(t, expected, [group["lr"] for group in optimizer.param_groups])
         _check_lrs(t, expected, scheduler.get_last_lr())
-        optimizer.step()
-        scheduler.step()
-
-
-# A tensor LR (torch's suite's second param group) is the optimizer's own, written in place by the schedulers.
-@pytest.mark.parametrize("name", ["StepLR", "ExponentialLR", "optimizer (constant)"])
-def test_a_tensor_lr_follows_the_schedule_times_the_batch_factor(name):
-    """torch's suite's second param group has a tensor LR: its LRs follow the schedule times the factor as a float's."""
-    optimizer, scheduler = _wrapped(name, tensor_lr=True)
-    for t, expected in enumerate(_expected(name, _STEPS)):
-        _check_lrs(t, expected, [group["lr"] for group in optimizer.param_groups])
         optimizer.step()
         scheduler.step()
 
@@ -377,19 +322,6 @@ def test_chained_scheduler_wrapped_once_before_any_step():
     unscaled = [float(lr) for lr in schedulers[-1].get_last_lr()]
     scheduler = VariableBatchSizeLR(chained, _REFERENCE, _SIZES)
     _check_lrs(0, [lr * _SIZES[0] / _REFERENCE for lr in unscaled], scheduler.get_last_lr())
-
-
-def test_a_scheduler_wrapped_twice_is_refused():
-    """Chaining is one wrapper over a ChainedScheduler: a wrapper of a wrapper would scale the LR twice."""
-    _, scheduler = _wrapped("StepLR")
-    with pytest.raises(TypeError, match="VariableBatchSizeLR already: wrapping it would scale the LR twice"):
-        VariableBatchSizeLR(scheduler, _REFERENCE, _SIZES)
-
-
-def test_reduce_lr_on_plateau_is_refused():
-    """The one torch scheduler of the state_dict list that steps on a metric: refused by name."""
-    with pytest.raises(TypeError, match="ReduceLROnPlateau steps on a validation metric"):
-        VariableBatchSizeLR(ReduceLROnPlateau(_two_groups()), _REFERENCE, _SIZES)
 
 
 def _same(first, second):
@@ -407,11 +339,15 @@ def _same(first, second):
     return type(first) is type(second) and first == second
 
 
-def _through_a_file(state, weights_only):
-    buffer = io.BytesIO()
+def _reloaded(scheduler, other, weights_only):
+    """``scheduler``'s state through torch.save and torch.load is unchanged, and ``other`` loads it as it is."""
+    state, buffer = scheduler.state_dict(), io.BytesIO()
     torch.save(state, buffer)
     buffer.seek(0)
-    return torch.load(buffer, weights_only=weights_only)
+    loaded = torch.load(buffer, weights_only=weights_only)
+    assert _same(loaded, state)
+    other.load_state_dict(loaded)
+    assert _same(other.state_dict(), state)
 
 
 @pytest.mark.parametrize("tensor_lr", [False, True], ids=["float LRs", "a tensor LR"])
@@ -424,12 +360,8 @@ def test_state_dict_round_trips_through_torch_save_and_load(name, weights_only, 
     for _ in range(5):
         optimizer.step()
         scheduler.step()
-    state = scheduler.state_dict()
-    loaded = _through_a_file(state, weights_only)
-    assert _same(loaded, state)
     other_optimizer, other = _wrapped(name, tensor_lr)
-    other.load_state_dict(loaded)
-    assert _same(other.state_dict(), state)
+    _reloaded(scheduler, other, weights_only)
     for t in range(5, _STEPS):
         _check_lrs(t, [float(lr) for lr in scheduler.get_last_lr()], other.get_last_lr())
         _check_lrs(t, [float(lr) for lr in scheduler.get_last_lr()], [g["lr"] for g in other_optimizer.param_groups])
@@ -452,11 +384,7 @@ def test_state_dict_of_a_sampler_driven_wrapper_loads_with_weights_only(base_bat
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the default reference's unit-trap warning, not what is tested here
         scheduler, other = build(), build()
-    state = scheduler.state_dict()
-    loaded = _through_a_file(state, weights_only)
-    assert _same(loaded, state)
-    other.load_state_dict(loaded)
-    assert _same(other.state_dict(), state)
+    _reloaded(scheduler, other, weights_only)
 
 
 def test_the_loop_torch_recommends_raises_no_warning():
@@ -470,17 +398,12 @@ def test_the_loop_torch_recommends_raises_no_warning():
     assert [str(warning.message) for warning in caught] == []
 
 
-def _no_optimizer_referrers_after_del():
-    """The number of objects still referring to the optimizer once its wrapped scheduler is deleted."""
+def test_wrapper_leaves_no_reference_to_the_optimizer():
+    """torch's no-cyclic-references test: once the scheduler is deleted nothing refers to its optimizer."""
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.empty(10))], lr=0.5)
     scheduler = VariableBatchSizeLR(LambdaLR(optimizer, lambda step: 1.0), _REFERENCE, _SIZES)
     del scheduler
-    return len(gc.get_referrers(optimizer))
-
-
-def test_wrapper_leaves_no_reference_to_the_optimizer():
-    """torch's no-cyclic-references test: once the scheduler is deleted nothing refers to its optimizer."""
-    assert _no_optimizer_referrers_after_del() == 0
+    assert gc.get_referrers(optimizer) == []
 
 
 def test_stepping_makes_no_reference_cycle():
@@ -523,193 +446,14 @@ def test_a_tensor_lr_is_not_aliased(name):
 
 
 # =============================================================================
-# torchdata's StatefulDataLoader: a dataset with its own state
-# =============================================================================
-# The promise that a dataset's own state is saved and restored with the loader's; the resume cases follow in the
-# next section.
-
-
-class _AugmentedDataset:
-    """Sample i is ``seqlens[i]`` copies of ``1000 i + noise``, the noise drawn from the dataset's own RNG at each
-    read (an augmentation): its state is what torchdata saves for it."""
-
-    def __init__(self, seqlens, seed=7):
-        self.seqlens = seqlens
-        self.rng = np.random.default_rng(seed)
-
-    def __len__(self):
-        return len(self.seqlens)
-
-    def __getitem__(self, index):
-        return torch.full((self.seqlens[index],), 1000 * index + int(self.rng.integers(1000)))
-
-    def state_dict(self):
-        return {"rng": self.rng.bit_generator.state}
-
-    def load_state_dict(self, state_dict):
-        self.rng.bit_generator.state = state_dict["rng"]
-
-
-class _CountingDataset:
-    """Counts its reads; a sample is the count at its read: the state is one number."""
-
-    def __init__(self, seqlens):
-        self.seqlens = seqlens
-        self.reads = 0
-
-    def __len__(self):
-        return len(self.seqlens)
-
-    def __getitem__(self, index):
-        self.reads += 1
-        return torch.full((self.seqlens[index],), self.reads)
-
-    def state_dict(self):
-        return {"reads": self.reads}
-
-    def load_state_dict(self, state_dict):
-        self.reads = state_dict["reads"]
-
-
-class _StateDictOnly:
-    """A dataset with state_dict but no load_state_dict: not Stateful to torchdata."""
-
-    def __init__(self, seqlens):
-        self.seqlens = seqlens
-
-    def __len__(self):
-        return len(self.seqlens)
-
-    def __getitem__(self, index):
-        return torch.ones(self.seqlens[index])
-
-    def state_dict(self):
-        return {}
-
-
-_SEQLENS = [int(n) for n in np.random.default_rng(0).integers(1, 30, 120)]
-
-
-def _stateful_loader(dataset, workers=0, **options):
-    stateful = pytest.importorskip("torchdata.stateful_dataloader")
-    sampler = VariableBatchSampler(_SEQLENS, 64, order="random", num_replicas=1, rank=0)
-    return make_dataloader(
-        dataset,
-        sampler,
-        collate_fn=varbatch.PaddedCollate(),
-        num_workers=workers,
-        dataloader_class=stateful.StatefulDataLoader,
-        **options,
-    )
-
-
-def _train(loader, epochs=2, stop_after=None):
-    """A resumable loop over the sampler's epochs: each batch's first column (the samples as read)."""
-    sampler = loader.variable_batch_sampler
-    seen = []
-    for epoch in range(sampler.epoch, epochs):
-        sampler.set_epoch(epoch)
-        for x, _ in loader:
-            seen.append(x[:, 0].tolist())
-            if len(seen) == stop_after:
-                return seen
-    return seen
-
-
-def _resumed_equals_uninterrupted(make_dataset, stop_after, workers=0, **options):
-    full = _train(_stateful_loader(make_dataset(), workers, **options))
-    first = _stateful_loader(make_dataset(), workers, **options)
-    head = _train(first, stop_after=stop_after)
-    state = first.state_dict()
-    resumed = _stateful_loader(make_dataset(), workers, **options)
-    resumed.load_state_dict(state)
-    rest = _train(resumed)
-    assert len(head) + len(rest) == len(full), f"{len(head)} + {len(rest)} batches for {len(full)}"
-    assert head + rest == full, "the resumed run read other samples than the uninterrupted one"
-
-
-@pytest.mark.parametrize("stop_after", [1, 9, 50])  # epoch 0 (first batch, inside), inside epoch 1
-@pytest.mark.parametrize("make_dataset", [_AugmentedDataset, _CountingDataset], ids=["rng", "counter"])
-def test_a_datasets_own_state_resumes_mid_epoch(make_dataset, stop_after):
-    """torchdata's stateful-dataset resume, 0 workers: stopped mid-epoch and restored into a new loader and dataset,
-    the run reads the samples (augmentation draws included) of the uninterrupted run."""
-    _resumed_equals_uninterrupted(lambda: make_dataset(_SEQLENS), stop_after)
-
-
-def test_the_loader_saves_the_datasets_state_as_it_is():
-    """The wrapper adds no keys: the loader's dataset_state is the dataset's state_dict(), after the reads so far."""
-    dataset = _CountingDataset(_SEQLENS)
-    loader = _stateful_loader(dataset)
-    batches = iter(loader)
-    for _ in range(3):
-        next(batches)
-    assert dataset.reads > 0
-    assert loader.state_dict()["dataset_state"] == dataset.state_dict() == {"reads": dataset.reads}
-
-
-@pytest.mark.parametrize("make_dataset", [list, _StateDictOnly], ids=["plain", "state_dict only"])
-def test_a_dataset_without_state_gives_the_wrapper_none(make_dataset):
-    """torchdata checks for both methods: a dataset lacking one gets a wrapper with neither, and torchdata saves no
-    dataset state, as without varbatch."""
-    if make_dataset is list:
-        dataset = [torch.ones(n) for n in _SEQLENS]
-    else:
-        dataset = make_dataset(_SEQLENS)
-    loader = _stateful_loader(dataset)
-    assert not hasattr(loader.dataset, "state_dict") and not hasattr(loader.dataset, "load_state_dict")
-    next(iter(loader))
-    assert loader.state_dict()["dataset_state"] is None
-
-
-def test_a_pickled_wrapper_reaches_the_dataset_its_collate_reads():
-    """A spawned worker unpickles the loader's dataset and collate together: the wrapper's state then follows the
-    reads the collate makes, and a state loaded through it is the one the collate reads with."""
-    dataset = _CountingDataset(_SEQLENS)
-    loader = _stateful_loader(dataset)
-    (key,) = next(iter(loader.batch_sampler))
-    wrapper, collate = pickle.loads(pickle.dumps((loader.dataset, loader.collate_fn)))
-    assert wrapper.state_dict() == {"reads": 0}
-    wrapper.load_state_dict({"reads": 100})
-    x, _ = collate([key])
-    assert x[:, 0].tolist() == list(range(101, 101 + len(key.sample_ids)))
-    assert wrapper.state_dict() == {"reads": 100 + len(key.sample_ids)}
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "workers, options, stop_after",
-    [
-        (2, {}, 5),
-        (2, {}, 40),
-        (3, {"persistent_workers": True}, 5),
-        (3, {"persistent_workers": True}, 40),
-        (2, {"snapshot_every_n_steps": 3}, 40),
-        (2, {"multiprocessing_context": "spawn", "persistent_workers": True}, 40),
-    ],
-    ids=[
-        "2 workers, epoch 0",
-        "2 workers, epoch 1",
-        "3 persistent, epoch 0",
-        "3 persistent, epoch 1",
-        "snapshots",
-        "spawned",
-    ],
-)
-def test_a_datasets_own_state_resumes_mid_epoch_with_workers(workers, options, stop_after):
-    """With workers each worker's copy of the dataset has its own state; torchdata saves each and restores it into
-    the worker that reads the same step inputs: the resumed run reads the samples of the uninterrupted one (spawned
-    workers: the wrapper unpickled in a worker reaches the dataset its collate reads)."""
-    _resumed_equals_uninterrupted(lambda: _AugmentedDataset(_SEQLENS), stop_after, workers, **options)
-
-
-# =============================================================================
-# torchdata's StatefulDataLoader: resume (test/stateful_dataloader/test_state_dict.py)
+# torchdata's StatefulDataLoader (test/stateful_dataloader/test_state_dict.py)
 # =============================================================================
 # Two loader modes: make_dataloader(..., dataloader_class=StatefulDataLoader) ("make") and
 # StatefulDataLoader(dataset, batch_sampler=sampler) ("direct"); the sampler's own state_dict where the promise is
 # the sampler's. The loop is torchdata's tests': it counts its epochs itself (calling set_epoch(epoch), or not) and
-# saves its count with the loader's state. The dataset draws from its own generator (`_AugmentedDataset`), so a
-# resumed run must read the same samples and the same draws. Worker cases (3 workers) are marked slow.
+# saves its count with the loader's state. The dataset draws from its own generator (`_AugmentedDataset`): its
+# state is saved and restored with the loader's, so a resumed run must read the same samples and the same draws.
+# Worker cases are marked slow.
 # Not applicable, one line each:
 # - iterable-style datasets (the Iterable, Generator, dynamic-state and iter()-count tests): varbatch plans the ids
 #   of a map-style dataset; an iterable one has no ids to plan.
@@ -725,18 +469,75 @@ def test_a_datasets_own_state_resumes_mid_epoch_with_workers(workers, options, s
 #   own StatefulDistributedSampler); make_dataloader's loader restores at load_state_dict and keeps it.
 
 _TD_EPOCHS = 3
+_SEQLENS = [int(n) for n in np.random.default_rng(0).integers(1, 30, 120)]
+
+
+class _Samples:
+    """A map-style dataset of ``len(seqlens)`` samples, sample i of ``seqlens[i]`` tokens."""
+
+    def __init__(self, seqlens):
+        self.seqlens = seqlens
+
+    def __len__(self):
+        return len(self.seqlens)
+
+
+class _AugmentedDataset(_Samples):
+    """Sample i is ``seqlens[i]`` copies of ``1000 i + noise``, the noise drawn from the dataset's own RNG at each
+    read (an augmentation): its state is what torchdata saves for it."""
+
+    def __init__(self, seqlens, seed=7):
+        super().__init__(seqlens)
+        self.rng = np.random.default_rng(seed)
+
+    def __getitem__(self, index):
+        return torch.full((self.seqlens[index],), 1000 * index + int(self.rng.integers(1000)))
+
+    def state_dict(self):
+        return {"rng": self.rng.bit_generator.state}
+
+    def load_state_dict(self, state_dict):
+        self.rng.bit_generator.state = state_dict["rng"]
+
+
+class _CountingDataset(_Samples):
+    """Counts its reads; a sample is the count at its read: the state is one number."""
+
+    def __init__(self, seqlens):
+        super().__init__(seqlens)
+        self.reads = 0
+
+    def __getitem__(self, index):
+        self.reads += 1
+        return torch.full((self.seqlens[index],), self.reads)
+
+    def state_dict(self):
+        return {"reads": self.reads}
+
+    def load_state_dict(self, state_dict):
+        self.reads = state_dict["reads"]
+
+
+class _StateDictOnly(_Samples):
+    """A dataset with state_dict but no load_state_dict: not Stateful to torchdata."""
+
+    def __getitem__(self, index):
+        return torch.ones(self.seqlens[index])
+
+    def state_dict(self):
+        return {}
 
 
 def _td_sampler(**options):
     return VariableBatchSampler(_SEQLENS, 64, order="random", num_replicas=1, rank=0, **options)
 
 
-def _td_build(arm, workers=0, **options):
-    """A fresh dataset (its generator at its seed), sampler and stateful loader: varbatch's sampler through
-    make_dataloader ("make") or passed as batch_sampler ("direct"), or torchdata's own BatchSampler over its
-    RandomSampler ("torchdata", the reference: its sampler is None to the loop)."""
+def _td_build(arm, workers=0, dataset=None, **options):
+    """A dataset (by default a fresh `_AugmentedDataset`, its generator at its seed), sampler and stateful loader:
+    varbatch's sampler through make_dataloader ("make") or passed as batch_sampler ("direct"), or torchdata's own
+    BatchSampler over its RandomSampler ("torchdata", the reference: its sampler is None to the loop)."""
     stateful = pytest.importorskip("torchdata.stateful_dataloader")
-    dataset = _AugmentedDataset(_SEQLENS)
+    dataset = _AugmentedDataset(_SEQLENS) if dataset is None else dataset
     options = dict(collate_fn=varbatch.PaddedCollate(), num_workers=workers, **options)
     if arm == "torchdata":
         order = stateful.sampler.RandomSampler(dataset, generator=torch.Generator().manual_seed(5))
@@ -809,6 +610,50 @@ def _td_resumes_exactly(arm, epoch, stop, set_epoch=True, workers=0, full=None, 
     head, state = _td_head(*_td_build(arm, workers, **options), epoch, stop, set_epoch)
     rest = _td_resumed(partial(_td_build, arm, workers, **options), head, state, epoch, stop, set_epoch)
     _check_resumed(full, head, rest, f"{arm}, saved in epoch {epoch} at {stop}")
+
+
+def test_the_loader_saves_the_datasets_state_as_it_is():
+    """The wrapper adds no keys: the loader's dataset_state is the dataset's state_dict(), after the reads so far."""
+    dataset = _CountingDataset(_SEQLENS)
+    _, loader = _td_build("make", dataset=dataset)
+    batches = iter(loader)
+    for _ in range(3):
+        next(batches)
+    assert dataset.reads > 0
+    assert loader.state_dict()["dataset_state"] == dataset.state_dict() == {"reads": dataset.reads}
+
+
+@pytest.mark.parametrize(
+    "dataset", [[torch.ones(n) for n in _SEQLENS], _StateDictOnly(_SEQLENS)], ids=["plain", "state_dict only"]
+)
+def test_a_dataset_without_state_gives_the_wrapper_none(dataset):
+    """torchdata checks for both methods: a dataset lacking one gets a wrapper with neither, and torchdata saves no
+    dataset state, as without varbatch."""
+    _, loader = _td_build("make", dataset=dataset)
+    assert not hasattr(loader.dataset, "state_dict") and not hasattr(loader.dataset, "load_state_dict")
+    next(iter(loader))
+    assert loader.state_dict()["dataset_state"] is None
+
+
+def test_a_pickled_wrapper_reaches_the_dataset_its_collate_reads():
+    """A spawned worker unpickles the loader's dataset and collate together: the wrapper's state then follows the
+    reads the collate makes, and a state loaded through it is the one the collate reads with."""
+    _, loader = _td_build("make", dataset=_CountingDataset(_SEQLENS))
+    (key,) = next(iter(loader.batch_sampler))
+    wrapper, collate = pickle.loads(pickle.dumps((loader.dataset, loader.collate_fn)))
+    assert wrapper.state_dict() == {"reads": 0}
+    wrapper.load_state_dict({"reads": 100})
+    x, _ = collate([key])
+    assert x[:, 0].tolist() == list(range(101, 101 + len(key.sample_ids)))
+    assert wrapper.state_dict() == {"reads": 100 + len(key.sample_ids)}
+
+
+@pytest.mark.slow
+def test_spawned_workers_resume_the_datasets_own_state():
+    """Spawned, persistent workers each unpickle the wrapper with the collate that reads through it: stopped in
+    epoch 1 and resumed, the run reads the samples and every worker's dataset draws of the uninterrupted one."""
+    full = _td_full(partial(_td_build, "make", 2, persistent_workers=True))  # forked workers draw alike, started sooner
+    _td_resumes_exactly("make", 1, 7, workers=2, full=full, multiprocessing_context="spawn", persistent_workers=True)
 
 
 @pytest.mark.parametrize("set_epoch", [True, False], ids=["set_epoch", "no set_epoch"])
