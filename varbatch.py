@@ -4566,22 +4566,16 @@ def dataloader_for_variable_batch_size(
         settings=settings,
         epoch=0,
     )
-    loader, _, io_kwargs = _loader_and_scheduler(
+    sampler = _deepspeed_sampler(_Planner(None, settings, fixed=fixed), dataloader_rank, verbose=False)
+    loader = make_dataloader(
         dataset,
-        None,
-        settings,
-        None,
-        dataloader_rank,
-        None,
-        {},
-        False,
-        fixed=fixed,
+        sampler,
         collate_fn=dataloader_collate_fn,
         sample_padding_fn=sample_padding_fn,
         num_workers=dataloader_num_workers,
         pin_memory=dataloader_pin_memory,
     )
-    return loader, io_kwargs
+    return loader, _deepspeed_io_kwargs(loader)
 
 
 def get_dataloader_and_lr_scheduler_for_variable_batch_size(
@@ -4619,6 +4613,8 @@ def get_dataloader_and_lr_scheduler_for_variable_batch_size(
     ``bucket`` order and the scheduler follows it. ``lr_scaling_reference``:
     ``B_ref`` (None: ``effective_batch_size``, DeepSpeed's; a number; ``"mean"``);
     ``lr_clock``/``lr_clock_step``: what drives the schedule (`VariableBatchSizeLR`);
+    ``lr_scheduler_or_optimizer`` may also be a function of the sampler that makes
+    the schedule (see the DeepSpeed glue's ``lr_scheduler_fn``);
     ``**options``: plan options (``budget``, ``bucket_size``, ...).
 
     Returns ``(dataloader, lr_scheduler, deepspeed_io_kwargs)``; no scheduler without ``lr_scheduler_or_optimizer``.
@@ -4636,73 +4632,50 @@ def get_dataloader_and_lr_scheduler_for_variable_batch_size(
         same_length=bool(required_microbatches_of_same_seqlen),
         **options,
     )
-    lr = dict(
-        lr_scaling_method=lr_scaling_method,
-        lr_scaling_unit=lr_scaling_unit,
-        lr_clock=lr_clock,
-        lr_scaling_reference=lr_scaling_reference,
-        lr_clock_step=lr_clock_step,
-    )
-    return _loader_and_scheduler(
+    seqlens = _as_counts(dataset_seqlens, "dataset_seqlens")
+    ids = None if dataset_filter_ids is None else _as_sample_ids(dataset_filter_ids, len(seqlens))
+    sampler = _deepspeed_sampler(_Planner(seqlens, settings, ids), dataloader_rank, verbose)
+    loader = make_dataloader(
         dataset,
-        dataset_seqlens,
-        settings,
-        dataset_filter_ids,
-        dataloader_rank,
-        lr_scheduler_or_optimizer,
-        lr,
-        verbose,
+        sampler,
         collate_fn=dataloader_collate_fn,
         sample_padding_fn=sample_padding_fn,
         num_workers=dataloader_num_workers,
         pin_memory=dataloader_pin_memory,
     )
-
-
-def _loader_and_scheduler(
-    dataset,
-    seqlens,
-    settings: _Settings,
-    sample_ids,
-    rank,
-    base,
-    lr: Mapping,
-    verbose,
-    *,
-    fixed: Plan | None = None,
-    **loader_options,
-):
-    """The sampler, loader, scheduler and ``deepspeed_io`` keyword arguments of the three functions below."""
-    seqlens = None if fixed is not None else _as_counts(seqlens, "dataset_seqlens")
-    ids = None if sample_ids is None else _as_sample_ids(sample_ids, len(seqlens))
-    rank = _check_int("dataloader_rank", rank, minimum=0, maximum=settings.num_replicas - 1)
-    sampler = VariableBatchSampler._of(_Planner(seqlens, settings, ids, fixed), rank, verbose)
-    loader = make_dataloader(dataset, sampler, **loader_options)
-    if callable(base) and not hasattr(base, "step"):  # an lr_scheduler_fn: the schedule made from the sampler
-        base = base(sampler)
+    schedule = lr_scheduler_or_optimizer
+    if callable(schedule) and not hasattr(schedule, "step"):  # a function of the sampler that makes the schedule
+        schedule = schedule(sampler)
     scheduler = None
-    if base is not None:
+    if schedule is not None:
         scheduler = VariableBatchSizeLR(
-            base,
-            lr.get("lr_scaling_reference"),
+            schedule,
+            lr_scaling_reference,
             sampler,
-            lr_scaling_method=lr.get("lr_scaling_method", "linear"),
+            lr_scaling_method=lr_scaling_method,
             verbose=verbose,
-            lr_scaling_unit=lr.get("lr_scaling_unit", "sequences"),
-            clock=lr.get("lr_clock", "steps"),
-            clock_step=lr.get("lr_clock_step", 1),
+            lr_scaling_unit=lr_scaling_unit,
+            clock=lr_clock,
+            clock_step=lr_clock_step,
         )
-    return (
-        loader,
-        scheduler,
-        dict(
-            dataset=loader.dataset,
-            batch_size=1,
-            pin_memory=loader.pin_memory,
-            data_sampler=_StepInputKeys(sampler, every_rank=False, batched=False),
-            collate_fn=loader.collate_fn,
-            num_local_io_workers=loader.num_workers,
-        ),
+    return loader, scheduler, _deepspeed_io_kwargs(loader)
+
+
+def _deepspeed_sampler(planner: _Planner, rank: Any, verbose: bool) -> VariableBatchSampler:
+    """The sampler of the functions above, over ``planner``'s plans, for the data-parallel ``rank``."""
+    rank = _check_int("dataloader_rank", rank, minimum=0, maximum=planner.settings.num_replicas - 1)
+    return VariableBatchSampler._of(planner, rank, verbose)
+
+
+def _deepspeed_io_kwargs(loader: DataLoader) -> dict:
+    """The keyword arguments of ``engine.deepspeed_io()`` that make ``loader``'s loader (this rank's step inputs)."""
+    return dict(
+        dataset=loader.dataset,
+        batch_size=1,
+        pin_memory=loader.pin_memory,
+        data_sampler=_StepInputKeys(loader.variable_batch_sampler, every_rank=False, batched=False),
+        collate_fn=loader.collate_fn,
+        num_local_io_workers=loader.num_workers,
     )
 
 
@@ -4794,27 +4767,27 @@ def get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
         for group, lr in zip(base.optimizer.param_groups, base._unscaled):
             _set_lr(group, lr)
         base = base._base if base._base is not None else base.optimizer
-    settings = _Settings.of(  # padding-free pipeline rows need one length per batch, not one sample count
-        **plan_options,
-        effective_batch_size=k,
-        micro_batch_size=mbs,
-        num_replicas=dp_size,
-        same_size=pipeline and not plan_options.get("padding_free"),
-        same_length=pipeline,
-    )
-    loader, scheduler, io_kwargs = _loader_and_scheduler(
+    order = plan_options.pop("order", "dataloader")  # sequence_picking_order in DeepSpeed's signature
+    loader, scheduler, io_kwargs = get_dataloader_and_lr_scheduler_for_variable_batch_size(
         dataset,
         dataset_seqlens,
-        settings,
-        dataset_filter_ids,
-        dp_rank,
-        lr_scheduler_fn or base,
-        lr_options,
-        other["verbose"],
-        collate_fn=dataloader_collate_fn,
+        effective_batch_size=k,
+        dataset_filter_ids=dataset_filter_ids,
+        sequence_picking_order=order,
+        dataloader_batch_size=mbs,
+        dataloader_rank=dp_rank,
+        dataloader_num_replicas=dp_size,
+        dataloader_num_workers=other["num_workers"],
+        dataloader_collate_fn=dataloader_collate_fn,
+        dataloader_pin_memory=other["pin_memory"],
+        lr_scheduler_or_optimizer=lr_scheduler_fn or base,
+        # padding-free pipeline rows need one length per batch, not one sample count
+        required_microbatches_of_same_size=pipeline and not plan_options.get("padding_free"),
+        required_microbatches_of_same_seqlen=pipeline,
         sample_padding_fn=sample_padding_fn,
-        num_workers=other["num_workers"],
-        pin_memory=other["pin_memory"],
+        verbose=other["verbose"],
+        **lr_options,
+        **plan_options,
     )
     if dp_size == 1 and _world()[1] > 1:  # pipeline stages of one data-parallel rank (make_dataloader checks more)
         _check_ranks_agree(loader.variable_batch_sampler)
@@ -4946,22 +4919,17 @@ def _loader_settings(section: Mapping, data_sampling: Mapping, path: str) -> dic
         "num_workers": section.get("num_workers", data_sampling.get("num_workers", 0)),
         "pin_memory": section.get("pin_memory", data_sampling.get("pin_memory", False)),
     }
-    for key in ("num_workers", "pin_memory", "verbose"):
-        value = settings[key]
+    for key, value in settings.items():
         where = path if key in section else ".".join(_SECTION[:2])  # num_workers, pin_memory: data_sampling's
-        whole = not isinstance(value, bool) and isinstance(value, numbers.Integral)
-        if key == "num_workers":
-            valid, expected = whole and value >= 0, "an integer >= 0"
-        else:
-            valid, expected = isinstance(value, bool), "true or false"
-        if not valid:
-            error = ValueError if whole else TypeError
-            raise error(f"in {where}: {key} should be {expected}, but got {key}={value!r}")
-    metrics_path = settings["metrics_path"]
-    if metrics_path is not None and not isinstance(metrics_path, str):
-        raise TypeError(
-            f"in {path}: metrics_path should be a folder path (a string), but got metrics_path={metrics_path!r}"
-        )
+        try:
+            if key == "num_workers":
+                _check_int(key, value)
+            elif key == "metrics_path" and value is not None and not isinstance(value, str):
+                raise TypeError(f"metrics_path should be a folder path (a string), but got metrics_path={value!r}")
+            elif key != "metrics_path" and not isinstance(value, bool):
+                raise TypeError(f"{key} should be true or false, but got {key}={value!r}")
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"in {where}: {error}") from None
     return settings
 
 
