@@ -3175,18 +3175,8 @@ class PaddedCollate:
             raise ValueError("PaddedCollate got an empty list of samples")
         one_tensor = isinstance(samples[0], torch.Tensor)  # the common case, kept cheap: no look at every sample
         columns = _columns(samples, "PaddedCollate")
-        out = []
-        for key, values in columns:
-            tensors = values if one_tensor else [_as_tensor(value) for value in values]
-            value = self.pad_value.get(key, 0) if isinstance(self.pad_value, Mapping) else self.pad_value
-            if any(t is None for t in tensors):  # not numeric (text): kept as a list
-                out.append(values)
-            elif not tensors[0].dim():
-                out.append(torch.stack(tensors))  # B
-            else:
-                out.append(
-                    torch.nn.utils.rnn.pad_sequence(tensors, batch_first=True, padding_value=value)
-                )  # B x S x ...
+        tensors = [values if one_tensor else [_as_tensor(value) for value in values] for _, values in columns]
+        out = _collated(columns, tensors, self.pad_value)
         if seqlens is None:
             seqlens = self._lengths(columns, out, len(samples))
         if len(seqlens) != len(samples):
@@ -3230,6 +3220,25 @@ def _columns(samples: list, collate: str) -> list[tuple[Any, list]]:
             f"{list(rows[0])} and sample {odd} has {list(rows[odd])}"
         )
     return [(key, [row[key] for row in rows]) for key in rows[0]]
+
+
+def _collated(columns: list, tensors: list, pad_value: Any, flat_pad: int | None = None) -> list:
+    """Each field of the samples (``columns``, and ``tensors`` their values as tensors) collated: text kept as a
+    list, numbers stacked (``B``), sequences padded to the longest with the field's ``pad_value`` (``B x S x
+    ...``), or with ``flat_pad`` concatenated into one row that ends in that many padding tokens (``1 x T x ...``)."""
+    out = []
+    for (key, values), column in zip(columns, tensors):
+        value = pad_value.get(key, 0) if isinstance(pad_value, Mapping) else pad_value
+        if any(t is None for t in column):  # not numeric (text): kept as a list
+            out.append(values)
+        elif column[0].dim() == 0:
+            out.append(torch.stack(column))
+        elif flat_pad is None:
+            out.append(torch.nn.utils.rnn.pad_sequence(column, batch_first=True, padding_value=value))
+        else:
+            padding = column[0].new_full((flat_pad, *column[0].shape[1:]), value)
+            out.append(torch.cat([*column, padding])[None])
+    return out
 
 
 class _PaddedBatch(tuple):
@@ -3416,7 +3425,7 @@ class FlatCollate:
             if isinstance(value, str):  # HF's collators take return_tensors first: FlatCollate("pt")
                 hint = "; pass return_tensors by keyword: FlatCollate(return_tensors='pt')"
             raise TypeError(f"{name} should be a bool, but got {name}={value!r}{hint}")
-        self.separator_id = _check_int("separator_id", separator_id, -(2**63), 2**63 - 1)
+        self.separator_id = _check_separator_id(separator_id)
         self.position_ids_start = _check_int("position_ids_start", position_ids_start)
         self.return_tensors = _check_return_tensors(return_tensors)
 
@@ -3437,10 +3446,7 @@ class FlatCollate:
             )
         if return_tensors is not None:
             _check_return_tensors(return_tensors)
-        if separator_id is None:
-            separator_id = self.separator_id
-        else:
-            separator_id = _check_int("separator_id", separator_id, -(2**63), 2**63 - 1)
+        separator_id = self.separator_id if separator_id is None else _check_separator_id(separator_id)
         if len(samples) == 0:
             raise ValueError("FlatCollate got an empty list of samples")
         if isinstance(samples[0], Mapping) and "input_ids" in samples[0]:
@@ -3454,15 +3460,7 @@ class FlatCollate:
         tensors = [[_as_tensor(value) for value in values] for _, values in columns]
         lengths = _sequence_lengths(columns, tensors)
         pad = self._padding(lengths, seqlens)
-        out = []
-        for (key, values), column in zip(columns, tensors):
-            value = self.pad_value.get(key, 0) if isinstance(self.pad_value, Mapping) else self.pad_value
-            if any(t is None for t in column):  # not numeric (text): kept as a list
-                out.append(values)
-            elif column[0].dim() == 0:
-                out.append(torch.stack(column))  # n
-            else:
-                out.append(torch.cat([*column, column[0].new_full((pad, *column[0].shape[1:]), value)])[None])
+        out = _collated(columns, tensors, self.pad_value, flat_pad=pad)
         cu_seqlens = _cu_seqlens(lengths, pad)
         flat = (cu_seqlens, int(cu_seqlens.diff().max()), self._positions(cu_seqlens))  # 1 x T x ..., n + 1, 1 x T
         if not isinstance(samples[0], Mapping):
@@ -3549,6 +3547,11 @@ def _check_return_tensors(return_tensors: Any) -> str:
             f"{return_tensors!r}; pass return_tensors='pt' or leave it out"
         )
     return return_tensors
+
+
+def _check_separator_id(separator_id: Any) -> int:
+    """A label id: any int64 (HF's collator's default, -100, is the loss's ignore index)."""
+    return _check_int("separator_id", separator_id, -(2**63), 2**63 - 1)
 
 
 def _sequence_lengths(columns: list, tensors: list) -> list[int]:
