@@ -3446,7 +3446,10 @@ class FlatCollate:
             )
         if return_tensors is not None:
             _check_return_tensors(return_tensors)
-        separator_id = self.separator_id if separator_id is None else _check_separator_id(separator_id)
+        if separator_id is None:
+            separator_id = self.separator_id
+        else:
+            separator_id = _check_separator_id(separator_id)
         if len(samples) == 0:
             raise ValueError("FlatCollate got an empty list of samples")
         if isinstance(samples[0], Mapping) and "input_ids" in samples[0]:
