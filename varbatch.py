@@ -3958,17 +3958,13 @@ class _StepInputKey(typing.NamedTuple):
 
 
 def _step_input_keys(
-    sampler: VariableBatchSampler, every_rank: bool, count: _LoopCount, batch_count: str | np.ndarray | None = None
+    sampler: VariableBatchSampler, every_rank: bool, count: _LoopCount, iterator: Any, batch_count: Any
 ) -> Iterator[_StepInputKey]:
-    """A pass of ``sampler`` as the loader reads it: the `_StepInputKey` of each of this rank's step inputs (with
-    ``every_rank``, of every rank's, in the order g = 0, 1, ...), dealt as `VariableBatchSampler.__iter__` deals
-    them; this rank's move the position on as they are handed out.
-
-    A key holds the step input's sample ids, their seqlens, the length to pad
-    them to, and where the pass dealt it, by which `_LoadStepInput` checks the
-    dealing; with ``batch_count``, its batch's count (see `_batch_counts`). ``count`` is the pass's `_LoopCount`.
-    """
-    current = sampler._start_pass(count, count.keys)
+    """A pass of ``sampler`` as the loader reads it, started at its first key and closed when the generator is:
+    the `_StepInputKey` of each of this rank's step inputs (with ``every_rank``, of every rank's, in the order g =
+    0, 1, ...), dealt as `VariableBatchSampler.__iter__` deals them; this rank's move the position on as they are
+    handed out. ``count``: the pass's `_LoopCount`; ``iterator``: a weak reference to its `_KeyIterator`."""
+    current = sampler._start_pass(count, iterator)
     try:
         yield from _pass_keys(sampler, current, every_rank, batch_count)
     finally:
@@ -4092,12 +4088,11 @@ class _KeyIterator:
     def __init__(self, keys: _StepInputKeys):
         self.batched = keys.batched
         self.count = _LoopCount(keys)
-        self.count.keys = weakref.ref(self)  # (weak: nothing may hold the keys' generator back from closing)
         sampler = keys.variable_batch_sampler
         if sampler._run_empty_rest(self.count):  # see NOTE [the empty rest at once]
             self._keys = iter(())
-        else:
-            self._keys = _step_input_keys(sampler, keys.every_rank, self.count, keys.batch_count)
+        else:  # (a weak reference to itself: nothing may hold the keys' generator back from closing)
+            self._keys = _step_input_keys(sampler, keys.every_rank, self.count, weakref.ref(self), keys.batch_count)
 
     def __iter__(self):
         return self
@@ -4117,7 +4112,6 @@ class _LoopCount:
         self.workers_read_ahead = keys.workers_read_ahead
         self.read_ahead = keys.read_ahead
         self._iterator = None  # a weak reference to torch's iterator, and its count of yields when the pass started
-        self.keys = None  # a weak reference to the `_KeyIterator` of the pass
 
     def follow(self, iterator: Any, again: int = 0) -> None:
         """Counts from now what ``iterator`` yields, and the ``again`` step inputs of the pass it yielded before."""
