@@ -3173,10 +3173,8 @@ class PaddedCollate:
     def __call__(self, samples, seqlens=None):
         if len(samples) == 0:
             raise ValueError("PaddedCollate got an empty list of samples")
-        one_tensor = isinstance(samples[0], torch.Tensor)  # the common case, kept cheap: no look at every sample
         columns = _columns(samples, "PaddedCollate")
-        tensors = [values if one_tensor else [_as_tensor(value) for value in values] for _, values in columns]
-        out = _collated(columns, tensors, self.pad_value)
+        out = _collated(columns, self.pad_value)
         if seqlens is None:
             seqlens = self._lengths(columns, out, len(samples))
         if len(seqlens) != len(samples):
@@ -3184,7 +3182,7 @@ class PaddedCollate:
         lengths = torch.as_tensor(list(seqlens), dtype=torch.int64)
         if not isinstance(samples[0], Mapping):
             return _PaddedBatch((*out, lengths))
-        batch = {key: tensor for (key, _), tensor in zip(columns, out)}
+        batch = {key: tensor for (key, *_), tensor in zip(columns, out)}
         return {**batch, self.seqlens_key: lengths} if self.seqlens_key is not None else batch
 
     @staticmethod
@@ -3199,19 +3197,20 @@ class PaddedCollate:
                     f"lengths; pass seqlens= (a collate_fn with a seqlens parameter gets the step input's)"
                 )
             return list(planned)
-        sequence = next((v for (_, v), t in zip(columns, out) if isinstance(t, torch.Tensor) and t.dim() > 1), None)
+        sequence = next((t for (*_, t), x in zip(columns, out) if isinstance(x, torch.Tensor) and x.dim() > 1), None)
         if sequence is None:
             raise ValueError("PaddedCollate found no field with a sequence dimension; pass seqlens")
-        return [torch.as_tensor(v).shape[0] for v in sequence]
+        return [len(tensor) for tensor in sequence]
 
     def __repr__(self):
         return f"PaddedCollate(pad_value={self.pad_value!r}, seqlens_key={self.seqlens_key!r})"
 
 
-def _columns(samples: list, collate: str) -> list[tuple[Any, list]]:
-    """``(key, values)`` per field, one value per sample (dicts list theirs in any order); the same fields in all."""
+def _columns(samples: list, collate: str) -> list[tuple[Any, list, list]]:
+    """``(key, values, tensors)`` per field: one value per sample (dicts list theirs in any order), and the values
+    as tensors (None for a value that is not numeric); the same fields in all."""
     if isinstance(samples[0], torch.Tensor):  # the common case, kept cheap: no look at every sample
-        return [(None, samples)]
+        return [(None, samples, samples)]
     rows = [dict(_fields(sample)) for sample in samples]
     odd = next((i for i, row in enumerate(rows) if row.keys() != rows[0].keys()), None)
     if odd is not None:
@@ -3219,15 +3218,19 @@ def _columns(samples: list, collate: str) -> list[tuple[Any, list]]:
             f"{collate} needs samples with the same fields, but sample 0 has fields "
             f"{list(rows[0])} and sample {odd} has {list(rows[odd])}"
         )
-    return [(key, [row[key] for row in rows]) for key in rows[0]]
+    columns = []
+    for key in rows[0]:
+        values = [row[key] for row in rows]
+        columns.append((key, values, [_as_tensor(value) for value in values]))
+    return columns
 
 
-def _collated(columns: list, tensors: list, pad_value: Any, flat_pad: int | None = None) -> list:
-    """Each field of the samples (``columns``, and ``tensors`` their values as tensors) collated: text kept as a
-    list, numbers stacked (``B``), sequences padded to the longest with the field's ``pad_value`` (``B x S x
-    ...``), or with ``flat_pad`` concatenated into one row that ends in that many padding tokens (``1 x T x ...``)."""
+def _collated(columns: list, pad_value: Any, flat_pad: int | None = None) -> list:
+    """Each field of the samples (`_columns`) collated: text kept as a list, numbers stacked (``B``), sequences
+    padded to the longest with the field's ``pad_value`` (``B x S x ...``), or with ``flat_pad`` concatenated into
+    one row that ends in that many padding tokens (``1 x T x ...``)."""
     out = []
-    for (key, values), column in zip(columns, tensors):
+    for key, values, column in columns:
         value = pad_value.get(key, 0) if isinstance(pad_value, Mapping) else pad_value
         if any(t is None for t in column):  # not numeric (text): kept as a list
             out.append(values)
@@ -3460,15 +3463,14 @@ class FlatCollate:
         """PaddedCollate's structure (a tuple, or a dict of the samples' fields) as ``1 x T`` rows, and the flat
         attention's ``cu_seqlens``, ``max_seqlen`` and ``position_ids``."""
         columns = _columns(samples, "FlatCollate")
-        tensors = [[_as_tensor(value) for value in values] for _, values in columns]
-        lengths = _sequence_lengths(columns, tensors)
+        lengths = _sequence_lengths(columns)
         pad = self._padding(lengths, seqlens)
-        out = _collated(columns, tensors, self.pad_value, flat_pad=pad)
+        out = _collated(columns, self.pad_value, flat_pad=pad)
         cu_seqlens = _cu_seqlens(lengths, pad)
         flat = (cu_seqlens, int(cu_seqlens.diff().max()), self._positions(cu_seqlens))  # 1 x T x ..., n + 1, 1 x T
         if not isinstance(samples[0], Mapping):
             return (*out, *flat)
-        return {**{key: field for (key, _), field in zip(columns, out)}, **dict(zip(_FLAT_KEYS, flat))}
+        return {**{key: field for (key, *_), field in zip(columns, out)}, **dict(zip(_FLAT_KEYS, flat))}
 
     def _hf_row(self, samples: list, seqlens: Any, separator_id: int) -> dict:
         """`DataCollatorWithFlattening`'s keys, dtypes and values for HF-style samples (and a padding segment).
@@ -3557,10 +3559,10 @@ def _check_separator_id(separator_id: Any) -> int:
     return _check_int("separator_id", separator_id, -(2**63), 2**63 - 1)
 
 
-def _sequence_lengths(columns: list, tensors: list) -> list[int]:
-    """The samples' lengths: those of every field with a sequence dimension, which must agree."""
+def _sequence_lengths(columns: list) -> list[int]:
+    """The samples' lengths: those of every field (`_columns`) with a sequence dimension, which must agree."""
     lengths = None
-    for (key, _), column in zip(columns, tensors):
+    for key, _, column in columns:
         if any(t is None or t.dim() == 0 for t in column):
             continue
         if lengths is not None and [len(t) for t in column] != lengths:
