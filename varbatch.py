@@ -3168,7 +3168,8 @@ class PaddedCollate:
     """
 
     def __init__(self, pad_value=0, seqlens_key="seqlens"):
-        self.pad_value, self.seqlens_key = pad_value, seqlens_key
+        self.pad_value = pad_value
+        self.seqlens_key = seqlens_key
 
     def __call__(self, samples, seqlens=None):
         if len(samples) == 0:
@@ -3336,7 +3337,8 @@ def pad_sample(sample, length, pad_value=0, fields=None):
 
 def _pad_field(value: Any, length: int, pad_value: Any, key: Any) -> torch.Tensor:
     """One field padded along its first dimension to ``length``."""
-    tensor, where = _as_tensor(value), "" if key is None else f" (field {key!r})"
+    tensor = _as_tensor(value)
+    where = "" if key is None else f" (field {key!r})"
     if tensor is None or tensor.dim() == 0:
         raise ValueError(
             f"cannot pad {type(value).__name__}{where} to length={length}: it has no sequence dimension; "
@@ -3418,8 +3420,10 @@ class FlatCollate:
         *,
         return_tensors="pt",
     ):
-        self.return_position_ids, self.return_flash_attn_kwargs = return_position_ids, return_flash_attn_kwargs
-        self.return_seq_idx, self.pad_value = return_seq_idx, pad_value
+        self.return_position_ids = return_position_ids
+        self.return_flash_attn_kwargs = return_flash_attn_kwargs
+        self.return_seq_idx = return_seq_idx
+        self.pad_value = pad_value
         for name in ("return_position_ids", "return_flash_attn_kwargs", "return_seq_idx"):
             value = getattr(self, name)
             if isinstance(value, bool):
