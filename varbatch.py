@@ -3899,11 +3899,12 @@ class _KeyDataset(Dataset):
     inside an epoch with it), whose epoch would otherwise stay the sampler's last.
     """
 
-    def __init__(self, sampler: VariableBatchSampler | None = None):
+    def __init__(self, sampler: VariableBatchSampler | None = None, dataset: Any = None):
         self.variable_batch_sampler = sampler
+        self.dataset = dataset  # the user's, where its state is saved with the loader's (`_StatefulKeyDataset`)
 
-    def __reduce__(self):  # a loader worker's copy loads keys only: no sampler (no copy of its plans)
-        return (_KeyDataset, ())
+    def __reduce__(self):  # a loader worker's copy: no sampler (no copy of its plans)
+        return (type(self), (None, self.dataset))
 
     def set_epoch(self, epoch):
         if self.variable_batch_sampler is not None:
@@ -3931,15 +3932,8 @@ class _StatefulKeyDataset(_KeyDataset):
     worker inherits both references to one object, and a spawned worker
     unpickles the loader's dataset and collate in one pickle (the worker
     process's arguments), whose memo keeps them one object; so ``__reduce__``
-    keeps ``dataset`` (and, as `_KeyDataset`'s, drops the sampler).
+    keeps ``dataset``.
     """
-
-    def __init__(self, sampler: VariableBatchSampler | None, dataset: Any):
-        super().__init__(sampler)
-        self.dataset = dataset
-
-    def __reduce__(self):
-        return (_StatefulKeyDataset, (None, self.dataset))
 
     def state_dict(self):
         return self.dataset.state_dict()
