@@ -3265,11 +3265,12 @@ def seqlens_from_padded(batch, pad_value=0, seqlens_key="seqlens"):
         >>> seqlens_from_padded(torch.tensor([[5, 6, 0], [7, 0, 0]]))
         [2, 1]
     """
-    if isinstance(batch, _PaddedBatch) or (
-        isinstance(batch, Mapping) and (seqlens_key in batch or "attention_mask" in batch)
-    ):
-        lengths = batch[-1] if isinstance(batch, _PaddedBatch) else batch.get(seqlens_key)
-        return [int(x) for x in (torch.as_tensor(batch["attention_mask"]).sum(dim=1) if lengths is None else lengths)]
+    if isinstance(batch, _PaddedBatch):
+        return [int(x) for x in batch[-1]]
+    if isinstance(batch, Mapping) and batch.get(seqlens_key) is not None:
+        return [int(x) for x in batch[seqlens_key]]
+    if isinstance(batch, Mapping) and "attention_mask" in batch:
+        return [int(x) for x in torch.as_tensor(batch["attention_mask"]).sum(dim=1)]
     batch = next(iter(batch.values())) if isinstance(batch, Mapping) else batch
     while isinstance(batch, (tuple, list)) and len(batch) and not _is_one_sequence(batch):
         batch = batch[0]
