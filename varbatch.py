@@ -3099,25 +3099,14 @@ class PaddedCollate:
     """
 
     def __init__(self, pad_value=0, seqlens_key="seqlens"):
-        self.pad_value, self.seqlens_key = pad_value, seqlens_key
+        self.pad_value = pad_value
+        self.seqlens_key = seqlens_key
 
     def __call__(self, samples, seqlens=None):
         if len(samples) == 0:
             raise ValueError("PaddedCollate got an empty list of samples")
-        one_tensor = isinstance(samples[0], torch.Tensor)  # the common case, kept cheap: no look at every sample
         columns = _columns(samples, "PaddedCollate")
-        out = []
-        for key, values in columns:
-            tensors = values if one_tensor else [_as_tensor(value) for value in values]
-            value = self.pad_value.get(key, 0) if isinstance(self.pad_value, Mapping) else self.pad_value
-            if any(t is None for t in tensors):  # not numeric (text): kept as a list
-                out.append(values)
-            elif not tensors[0].dim():
-                out.append(torch.stack(tensors))  # B
-            else:
-                out.append(
-                    torch.nn.utils.rnn.pad_sequence(tensors, batch_first=True, padding_value=value)
-                )  # B x S x ...
+        out = _collated(columns, self.pad_value)
         if seqlens is None:
             seqlens = self._lengths(columns, out, len(samples))
         if len(seqlens) != len(samples):
@@ -3125,7 +3114,7 @@ class PaddedCollate:
         lengths = torch.as_tensor(list(seqlens), dtype=torch.int64)
         if not isinstance(samples[0], Mapping):
             return _PaddedBatch((*out, lengths))
-        batch = {key: tensor for (key, _), tensor in zip(columns, out)}
+        batch = {key: tensor for (key, *_), tensor in zip(columns, out)}
         return {**batch, self.seqlens_key: lengths} if self.seqlens_key is not None else batch
 
     @staticmethod
@@ -3140,19 +3129,20 @@ class PaddedCollate:
                     f"lengths; pass seqlens= (a collate_fn with a seqlens parameter gets the step input's)"
                 )
             return list(planned)
-        sequence = next((v for (_, v), t in zip(columns, out) if isinstance(t, torch.Tensor) and t.dim() > 1), None)
+        sequence = next((t for (*_, t), x in zip(columns, out) if isinstance(x, torch.Tensor) and x.dim() > 1), None)
         if sequence is None:
             raise ValueError("PaddedCollate found no field with a sequence dimension; pass seqlens")
-        return [torch.as_tensor(v).shape[0] for v in sequence]
+        return [len(tensor) for tensor in sequence]
 
     def __repr__(self):
         return f"PaddedCollate(pad_value={self.pad_value!r}, seqlens_key={self.seqlens_key!r})"
 
 
-def _columns(samples: list, collate: str) -> list[tuple[Any, list]]:
-    """``(key, values)`` per field, one value per sample (dicts list theirs in any order); the same fields in all."""
+def _columns(samples: list, collate: str) -> list[tuple[Any, list, list]]:
+    """``(key, values, tensors)`` per field: one value per sample (dicts list theirs in any order), and the values
+    as tensors (None for a value that is not numeric); the same fields in all."""
     if isinstance(samples[0], torch.Tensor):  # the common case, kept cheap: no look at every sample
-        return [(None, samples)]
+        return [(None, samples, samples)]
     rows = [dict(_fields(sample)) for sample in samples]
     odd = next((i for i, row in enumerate(rows) if row.keys() != rows[0].keys()), None)
     if odd is not None:
@@ -3160,7 +3150,30 @@ def _columns(samples: list, collate: str) -> list[tuple[Any, list]]:
             f"{collate} needs samples with the same fields, but sample 0 has fields "
             f"{list(rows[0])} and sample {odd} has {list(rows[odd])}"
         )
-    return [(key, [row[key] for row in rows]) for key in rows[0]]
+    columns = []
+    for key in rows[0]:
+        values = [row[key] for row in rows]
+        columns.append((key, values, [_as_tensor(value) for value in values]))
+    return columns
+
+
+def _collated(columns: list, pad_value: Any, flat_pad: int | None = None) -> list:
+    """Each field of the samples (`_columns`) collated: text kept as a list, numbers stacked (``B``), sequences
+    padded to the longest with the field's ``pad_value`` (``B x S x ...``), or with ``flat_pad`` concatenated into
+    one row that ends in that many padding tokens (``1 x T x ...``)."""
+    out = []
+    for key, values, column in columns:
+        value = pad_value.get(key, 0) if isinstance(pad_value, Mapping) else pad_value
+        if any(t is None for t in column):  # not numeric (text): kept as a list
+            out.append(values)
+        elif column[0].dim() == 0:
+            out.append(torch.stack(column))
+        elif flat_pad is None:
+            out.append(torch.nn.utils.rnn.pad_sequence(column, batch_first=True, padding_value=value))
+        else:
+            padding = column[0].new_full((flat_pad, *column[0].shape[1:]), value)
+            out.append(torch.cat([*column, padding])[None])
+    return out
 
 
 class _PaddedBatch(tuple):
@@ -3183,11 +3196,12 @@ def seqlens_from_padded(batch, pad_value=0, seqlens_key="seqlens"):
         >>> seqlens_from_padded(torch.tensor([[5, 6, 0], [7, 0, 0]]))
         [2, 1]
     """
-    if isinstance(batch, _PaddedBatch) or (
-        isinstance(batch, Mapping) and (seqlens_key in batch or "attention_mask" in batch)
-    ):
-        lengths = batch[-1] if isinstance(batch, _PaddedBatch) else batch.get(seqlens_key)
-        return [int(x) for x in (torch.as_tensor(batch["attention_mask"]).sum(dim=1) if lengths is None else lengths)]
+    if isinstance(batch, _PaddedBatch):
+        return [int(x) for x in batch[-1]]
+    if isinstance(batch, Mapping) and batch.get(seqlens_key) is not None:
+        return [int(x) for x in batch[seqlens_key]]
+    if isinstance(batch, Mapping) and "attention_mask" in batch:
+        return [int(x) for x in torch.as_tensor(batch["attention_mask"]).sum(dim=1)]
     batch = next(iter(batch.values())) if isinstance(batch, Mapping) else batch
     while isinstance(batch, (tuple, list)) and len(batch) and not _is_one_sequence(batch):
         batch = batch[0]
@@ -3255,7 +3269,8 @@ def pad_sample(sample, length, pad_value=0, fields=None):
 
 def _pad_field(value: Any, length: int, pad_value: Any, key: Any) -> torch.Tensor:
     """One field padded along its first dimension to ``length``."""
-    tensor, where = _as_tensor(value), "" if key is None else f" (field {key!r})"
+    tensor = _as_tensor(value)
+    where = "" if key is None else f" (field {key!r})"
     if tensor is None or tensor.dim() == 0:
         raise ValueError(
             f"cannot pad {type(value).__name__}{where} to length={length}: it has no sequence dimension; "
@@ -3337,8 +3352,10 @@ class FlatCollate:
         *,
         return_tensors="pt",
     ):
-        self.return_position_ids, self.return_flash_attn_kwargs = return_position_ids, return_flash_attn_kwargs
-        self.return_seq_idx, self.pad_value = return_seq_idx, pad_value
+        self.return_position_ids = return_position_ids
+        self.return_flash_attn_kwargs = return_flash_attn_kwargs
+        self.return_seq_idx = return_seq_idx
+        self.pad_value = pad_value
         for name in ("return_position_ids", "return_flash_attn_kwargs", "return_seq_idx"):
             value = getattr(self, name)
             if isinstance(value, bool):
@@ -3347,7 +3364,7 @@ class FlatCollate:
             if isinstance(value, str):  # HF's collators take return_tensors first: FlatCollate("pt")
                 hint = "; pass return_tensors by keyword: FlatCollate(return_tensors='pt')"
             raise TypeError(f"{name} should be a bool, but got {name}={value!r}{hint}")
-        self.separator_id = _check_int("separator_id", separator_id, -(2**63), 2**63 - 1)
+        self.separator_id = _check_separator_id(separator_id)
         self.position_ids_start = _check_int("position_ids_start", position_ids_start)
         self.return_tensors = _check_return_tensors(return_tensors)
 
@@ -3371,7 +3388,7 @@ class FlatCollate:
         if separator_id is None:
             separator_id = self.separator_id
         else:
-            separator_id = _check_int("separator_id", separator_id, -(2**63), 2**63 - 1)
+            separator_id = _check_separator_id(separator_id)
         if len(samples) == 0:
             raise ValueError("FlatCollate got an empty list of samples")
         if isinstance(samples[0], Mapping) and "input_ids" in samples[0]:
@@ -3382,23 +3399,14 @@ class FlatCollate:
         """PaddedCollate's structure (a tuple, or a dict of the samples' fields) as ``1 x T`` rows, and the flat
         attention's ``cu_seqlens``, ``max_seqlen`` and ``position_ids``."""
         columns = _columns(samples, "FlatCollate")
-        tensors = [[_as_tensor(value) for value in values] for _, values in columns]
-        lengths = _sequence_lengths(columns, tensors)
+        lengths = _sequence_lengths(columns)
         pad = self._padding(lengths, seqlens)
-        out = []
-        for (key, values), column in zip(columns, tensors):
-            value = self.pad_value.get(key, 0) if isinstance(self.pad_value, Mapping) else self.pad_value
-            if any(t is None for t in column):  # not numeric (text): kept as a list
-                out.append(values)
-            elif column[0].dim() == 0:
-                out.append(torch.stack(column))  # n
-            else:
-                out.append(torch.cat([*column, column[0].new_full((pad, *column[0].shape[1:]), value)])[None])
+        out = _collated(columns, self.pad_value, flat_pad=pad)
         cu_seqlens = _cu_seqlens(lengths, pad)
         flat = (cu_seqlens, int(cu_seqlens.diff().max()), self._positions(cu_seqlens))  # 1 x T x ..., n + 1, 1 x T
         if not isinstance(samples[0], Mapping):
             return (*out, *flat)
-        return {**{key: field for (key, _), field in zip(columns, out)}, **dict(zip(_FLAT_KEYS, flat))}
+        return {**{key: field for (key, *_), field in zip(columns, out)}, **dict(zip(_FLAT_KEYS, flat))}
 
     def _hf_row(self, samples: list, seqlens: Any, separator_id: int) -> dict:
         """`DataCollatorWithFlattening`'s keys, dtypes and values for HF-style samples (and a padding segment).
@@ -3482,10 +3490,15 @@ def _check_return_tensors(return_tensors: Any) -> str:
     return return_tensors
 
 
-def _sequence_lengths(columns: list, tensors: list) -> list[int]:
-    """The samples' lengths: those of every field with a sequence dimension, which must agree."""
+def _check_separator_id(separator_id: Any) -> int:
+    """A label id: any int64 (HF's collator's default, -100, is the loss's ignore index)."""
+    return _check_int("separator_id", separator_id, -(2**63), 2**63 - 1)
+
+
+def _sequence_lengths(columns: list) -> list[int]:
+    """The samples' lengths: those of every field (`_columns`) with a sequence dimension, which must agree."""
     lengths = None
-    for (key, _), column in zip(columns, tensors):
+    for key, _, column in columns:
         if any(t is None or t.dim() == 0 for t in column):
             continue
         if lengths is not None and [len(t) for t in column] != lengths:
@@ -3818,11 +3831,12 @@ class _KeyDataset(Dataset):
     inside an epoch with it), whose epoch would otherwise stay the sampler's last.
     """
 
-    def __init__(self, sampler: VariableBatchSampler | None = None):
+    def __init__(self, sampler: VariableBatchSampler | None = None, dataset: Any = None):
         self.variable_batch_sampler = sampler
+        self.dataset = dataset  # the user's, where its state is saved with the loader's (`_StatefulKeyDataset`)
 
-    def __reduce__(self):  # a loader worker's copy loads keys only: no sampler (no copy of its plans)
-        return (_KeyDataset, ())
+    def __reduce__(self):  # a loader worker's copy: no sampler (no copy of its plans)
+        return (type(self), (None, self.dataset))
 
     def set_epoch(self, epoch):
         if self.variable_batch_sampler is not None:
@@ -3850,15 +3864,8 @@ class _StatefulKeyDataset(_KeyDataset):
     worker inherits both references to one object, and a spawned worker
     unpickles the loader's dataset and collate in one pickle (the worker
     process's arguments), whose memo keeps them one object; so ``__reduce__``
-    keeps ``dataset`` (and, as `_KeyDataset`'s, drops the sampler).
+    keeps ``dataset``.
     """
-
-    def __init__(self, sampler: VariableBatchSampler | None, dataset: Any):
-        super().__init__(sampler)
-        self.dataset = dataset
-
-    def __reduce__(self):
-        return (_StatefulKeyDataset, (None, self.dataset))
 
     def state_dict(self):
         return self.dataset.state_dict()
@@ -3883,17 +3890,13 @@ class _StepInputKey(typing.NamedTuple):
 
 
 def _step_input_keys(
-    sampler: VariableBatchSampler, every_rank: bool, count: _LoopCount, batch_count: str | np.ndarray | None = None
+    sampler: VariableBatchSampler, every_rank: bool, count: _LoopCount, iterator: Any, batch_count: Any
 ) -> Iterator[_StepInputKey]:
-    """A pass of ``sampler`` as the loader reads it: the `_StepInputKey` of each of this rank's step inputs (with
-    ``every_rank``, of every rank's, in the order g = 0, 1, ...), dealt as `VariableBatchSampler.__iter__` deals
-    them; this rank's move the position on as they are handed out.
-
-    A key holds the step input's sample ids, their seqlens, the length to pad
-    them to, and where the pass dealt it, by which `_LoadStepInput` checks the
-    dealing; with ``batch_count``, its batch's count (see `_batch_counts`). ``count`` is the pass's `_LoopCount`.
-    """
-    current = sampler._start_pass(count, count.keys)
+    """A pass of ``sampler`` as the loader reads it, started at its first key and closed when the generator is:
+    the `_StepInputKey` of each of this rank's step inputs (with ``every_rank``, of every rank's, in the order g =
+    0, 1, ...), dealt as `VariableBatchSampler.__iter__` deals them; this rank's move the position on as they are
+    handed out. ``count``: the pass's `_LoopCount`; ``iterator``: a weak reference to its `_KeyIterator`."""
+    current = sampler._start_pass(count, iterator)
     try:
         yield from _pass_keys(sampler, current, every_rank, batch_count)
     finally:
@@ -4017,12 +4020,11 @@ class _KeyIterator:
     def __init__(self, keys: _StepInputKeys):
         self.batched = keys.batched
         self.count = _LoopCount(keys)
-        self.count.keys = weakref.ref(self)  # (weak: nothing may hold the keys' generator back from closing)
         sampler = keys.variable_batch_sampler
         if sampler._run_empty_rest(self.count):  # see NOTE [the empty rest at once]
             self._keys = iter(())
-        else:
-            self._keys = _step_input_keys(sampler, keys.every_rank, self.count, keys.batch_count)
+        else:  # (a weak reference to itself: nothing may hold the keys' generator back from closing)
+            self._keys = _step_input_keys(sampler, keys.every_rank, self.count, weakref.ref(self), keys.batch_count)
 
     def __iter__(self):
         return self
@@ -4042,7 +4044,6 @@ class _LoopCount:
         self.workers_read_ahead = keys.workers_read_ahead
         self.read_ahead = keys.read_ahead
         self._iterator = None  # a weak reference to torch's iterator, and its count of yields when the pass started
-        self.keys = None  # a weak reference to the `_KeyIterator` of the pass
 
     def follow(self, iterator: Any, again: int = 0) -> None:
         """Counts from now what ``iterator`` yields, and the ``again`` step inputs of the pass it yielded before."""
@@ -4497,22 +4498,16 @@ def dataloader_for_variable_batch_size(
         settings=settings,
         epoch=0,
     )
-    loader, _, io_kwargs = _loader_and_scheduler(
+    sampler = _deepspeed_sampler(_Planner(None, settings, fixed=fixed), dataloader_rank, verbose=False)
+    loader = make_dataloader(
         dataset,
-        None,
-        settings,
-        None,
-        dataloader_rank,
-        None,
-        {},
-        False,
-        fixed=fixed,
+        sampler,
         collate_fn=dataloader_collate_fn,
         sample_padding_fn=sample_padding_fn,
         num_workers=dataloader_num_workers,
         pin_memory=dataloader_pin_memory,
     )
-    return loader, io_kwargs
+    return loader, _deepspeed_io_kwargs(loader)
 
 
 def get_dataloader_and_lr_scheduler_for_variable_batch_size(
@@ -4550,6 +4545,8 @@ def get_dataloader_and_lr_scheduler_for_variable_batch_size(
     ``bucket`` order and the scheduler follows it. ``lr_scaling_reference``:
     ``B_ref`` (None: ``effective_batch_size``, DeepSpeed's; a number; ``"mean"``);
     ``lr_clock``/``lr_clock_step``: what drives the schedule (`VariableBatchSizeLR`);
+    ``lr_scheduler_or_optimizer`` may also be a function of the sampler that makes
+    the schedule (see the DeepSpeed glue's ``lr_scheduler_fn``);
     ``**options``: plan options (``budget``, ``bucket_size``, ...).
 
     Returns ``(dataloader, lr_scheduler, deepspeed_io_kwargs)``; no scheduler without ``lr_scheduler_or_optimizer``.
@@ -4567,73 +4564,50 @@ def get_dataloader_and_lr_scheduler_for_variable_batch_size(
         same_length=bool(required_microbatches_of_same_seqlen),
         **options,
     )
-    lr = dict(
-        lr_scaling_method=lr_scaling_method,
-        lr_scaling_unit=lr_scaling_unit,
-        lr_clock=lr_clock,
-        lr_scaling_reference=lr_scaling_reference,
-        lr_clock_step=lr_clock_step,
-    )
-    return _loader_and_scheduler(
+    seqlens = _as_counts(dataset_seqlens, "dataset_seqlens")
+    ids = None if dataset_filter_ids is None else _as_sample_ids(dataset_filter_ids, len(seqlens))
+    sampler = _deepspeed_sampler(_Planner(seqlens, settings, ids), dataloader_rank, verbose)
+    loader = make_dataloader(
         dataset,
-        dataset_seqlens,
-        settings,
-        dataset_filter_ids,
-        dataloader_rank,
-        lr_scheduler_or_optimizer,
-        lr,
-        verbose,
+        sampler,
         collate_fn=dataloader_collate_fn,
         sample_padding_fn=sample_padding_fn,
         num_workers=dataloader_num_workers,
         pin_memory=dataloader_pin_memory,
     )
-
-
-def _loader_and_scheduler(
-    dataset,
-    seqlens,
-    settings: _Settings,
-    sample_ids,
-    rank,
-    base,
-    lr: Mapping,
-    verbose,
-    *,
-    fixed: Plan | None = None,
-    **loader_options,
-):
-    """The sampler, loader, scheduler and ``deepspeed_io`` keyword arguments of the three functions below."""
-    seqlens = None if fixed is not None else _as_counts(seqlens, "dataset_seqlens")
-    ids = None if sample_ids is None else _as_sample_ids(sample_ids, len(seqlens))
-    rank = _check_int("dataloader_rank", rank, minimum=0, maximum=settings.num_replicas - 1)
-    sampler = VariableBatchSampler._of(_Planner(seqlens, settings, ids, fixed), rank, verbose)
-    loader = make_dataloader(dataset, sampler, **loader_options)
-    if callable(base) and not hasattr(base, "step"):  # an lr_scheduler_fn: the schedule made from the sampler
-        base = base(sampler)
+    schedule = lr_scheduler_or_optimizer
+    if callable(schedule) and not hasattr(schedule, "step"):  # a function of the sampler that makes the schedule
+        schedule = schedule(sampler)
     scheduler = None
-    if base is not None:
+    if schedule is not None:
         scheduler = VariableBatchSizeLR(
-            base,
-            lr.get("lr_scaling_reference"),
+            schedule,
+            lr_scaling_reference,
             sampler,
-            lr_scaling_method=lr.get("lr_scaling_method", "linear"),
+            lr_scaling_method=lr_scaling_method,
             verbose=verbose,
-            lr_scaling_unit=lr.get("lr_scaling_unit", "sequences"),
-            clock=lr.get("lr_clock", "steps"),
-            clock_step=lr.get("lr_clock_step", 1),
+            lr_scaling_unit=lr_scaling_unit,
+            clock=lr_clock,
+            clock_step=lr_clock_step,
         )
-    return (
-        loader,
-        scheduler,
-        dict(
-            dataset=loader.dataset,
-            batch_size=1,
-            pin_memory=loader.pin_memory,
-            data_sampler=_StepInputKeys(sampler, every_rank=False, batched=False),
-            collate_fn=loader.collate_fn,
-            num_local_io_workers=loader.num_workers,
-        ),
+    return loader, scheduler, _deepspeed_io_kwargs(loader)
+
+
+def _deepspeed_sampler(planner: _Planner, rank: Any, verbose: bool) -> VariableBatchSampler:
+    """The sampler of the functions above, over ``planner``'s plans, for the data-parallel ``rank``."""
+    rank = _check_int("dataloader_rank", rank, minimum=0, maximum=planner.settings.num_replicas - 1)
+    return VariableBatchSampler._of(planner, rank, verbose)
+
+
+def _deepspeed_io_kwargs(loader: DataLoader) -> dict:
+    """The keyword arguments of ``engine.deepspeed_io()`` that make ``loader``'s loader (this rank's step inputs)."""
+    return dict(
+        dataset=loader.dataset,
+        batch_size=1,
+        pin_memory=loader.pin_memory,
+        data_sampler=_StepInputKeys(loader.variable_batch_sampler, every_rank=False, batched=False),
+        collate_fn=loader.collate_fn,
+        num_local_io_workers=loader.num_workers,
     )
 
 
@@ -4725,27 +4699,27 @@ def get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
         for group, lr in zip(base.optimizer.param_groups, base._unscaled):
             _set_lr(group, lr)
         base = base._base if base._base is not None else base.optimizer
-    settings = _Settings.of(  # padding-free pipeline rows need one length per batch, not one sample count
-        **plan_options,
-        effective_batch_size=k,
-        micro_batch_size=mbs,
-        num_replicas=dp_size,
-        same_size=pipeline and not plan_options.get("padding_free"),
-        same_length=pipeline,
-    )
-    loader, scheduler, io_kwargs = _loader_and_scheduler(
+    order = plan_options.pop("order", "dataloader")  # sequence_picking_order in DeepSpeed's signature
+    loader, scheduler, io_kwargs = get_dataloader_and_lr_scheduler_for_variable_batch_size(
         dataset,
         dataset_seqlens,
-        settings,
-        dataset_filter_ids,
-        dp_rank,
-        lr_scheduler_fn or base,
-        lr_options,
-        other["verbose"],
-        collate_fn=dataloader_collate_fn,
+        effective_batch_size=k,
+        dataset_filter_ids=dataset_filter_ids,
+        sequence_picking_order=order,
+        dataloader_batch_size=mbs,
+        dataloader_rank=dp_rank,
+        dataloader_num_replicas=dp_size,
+        dataloader_num_workers=other["num_workers"],
+        dataloader_collate_fn=dataloader_collate_fn,
+        dataloader_pin_memory=other["pin_memory"],
+        lr_scheduler_or_optimizer=lr_scheduler_fn or base,
+        # padding-free pipeline rows need one length per batch, not one sample count
+        required_microbatches_of_same_size=pipeline and not plan_options.get("padding_free"),
+        required_microbatches_of_same_seqlen=pipeline,
         sample_padding_fn=sample_padding_fn,
-        num_workers=other["num_workers"],
-        pin_memory=other["pin_memory"],
+        verbose=other["verbose"],
+        **lr_options,
+        **plan_options,
     )
     if dp_size == 1 and _world()[1] > 1:  # pipeline stages of one data-parallel rank (make_dataloader checks more)
         _check_ranks_agree(loader.variable_batch_sampler)
@@ -4877,22 +4851,17 @@ def _loader_settings(section: Mapping, data_sampling: Mapping, path: str) -> dic
         "num_workers": section.get("num_workers", data_sampling.get("num_workers", 0)),
         "pin_memory": section.get("pin_memory", data_sampling.get("pin_memory", False)),
     }
-    for key in ("num_workers", "pin_memory", "verbose"):
-        value = settings[key]
+    for key, value in settings.items():
         where = path if key in section else ".".join(_SECTION[:2])  # num_workers, pin_memory: data_sampling's
-        whole = not isinstance(value, bool) and isinstance(value, numbers.Integral)
-        if key == "num_workers":
-            valid, expected = whole and value >= 0, "an integer >= 0"
-        else:
-            valid, expected = isinstance(value, bool), "true or false"
-        if not valid:
-            error = ValueError if whole else TypeError
-            raise error(f"in {where}: {key} should be {expected}, but got {key}={value!r}")
-    metrics_path = settings["metrics_path"]
-    if metrics_path is not None and not isinstance(metrics_path, str):
-        raise TypeError(
-            f"in {path}: metrics_path should be a folder path (a string), but got metrics_path={metrics_path!r}"
-        )
+        try:
+            if key == "num_workers":
+                _check_int(key, value)
+            elif key == "metrics_path" and value is not None and not isinstance(value, str):
+                raise TypeError(f"metrics_path should be a folder path (a string), but got metrics_path={value!r}")
+            elif key != "metrics_path" and not isinstance(value, bool):
+                raise TypeError(f"{key} should be true or false, but got {key}={value!r}")
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"in {where}: {error}") from None
     return settings
 
 
