@@ -400,6 +400,43 @@ def _tensor_seqlens(plan, seqlens):
     ]
 
 
+def _assert_valid_plan(plan, case):
+    """Every budget and bound of DESIGN.md holds in ``plan``, its statistics and totals describe its batches, and every
+    sample is packed once or dropped once with a reason (fewer than k as tail where min_batch_size is 1)."""
+    lens = case["seqlens"]
+    k, m = plan.effective_batch_size, plan.settings.micro_batch_size
+    mbs = plan.microbatches()
+    tensor_s = _tensor_seqlens(plan, lens)
+    for j, mb in enumerate(mbs):
+        cost = sum(lens[i] for i in mb) if case["budget"] == "sum" else len(mb) * tensor_s[j]
+        assert cost <= case["max_tokens"], f"micro-batch {j} costs {cost} > max_tokens={case['max_tokens']}"
+        assert case["min_batch_size"] <= len(mb) <= (case["max_batch_size"] or len(mb)), f"micro-batch {j}: {mb}"
+    assert plan.padded_seqlens.tolist() == tensor_s, "padded_seqlens is not the S of each micro-batch's tensor"
+    assert len(mbs) == plan.num_microbatches == k * plan.num_batches
+    for b in range(plan.num_batches):
+        batch = mbs[b * k : (b + 1) * k]
+        ids = [i for mb in batch for i in mb]
+        assert [plan.batch_sizes[b], plan.batch_tokens[b], plan.batch_max_seqlens[b]] == [
+            len(ids),
+            sum(lens[i] for i in ids),
+            max(lens[i] for i in ids),
+        ]
+        if case["same_size"]:
+            assert len({len(mb) for mb in batch}) == 1, f"batch {b} is not of one size: {batch}"
+    # totals() names the largest B x S tensor a forward pass sees, against its bound (the padded budget holds it)
+    step_inputs = [sum(len(mbs[j]) * tensor_s[j] for j in range(g, g + m)) for g in range(0, len(mbs), m)]
+    largest = plan.totals()["largest_step_input"]
+    assert largest["tokens"] == max(step_inputs) == largest["sequences"] * largest["padded_seqlen"]
+    assert largest["bound"] == m * case["max_tokens"]
+    assert case["budget"] == "sum" or largest["tokens"] <= largest["bound"]
+    packed = plan.sample_ids.tolist()
+    dropped = [i for ids in plan.dropped.values() for i in ids.tolist()]
+    assert sorted(packed + dropped) == list(range(len(lens))), "a sample is lost or twice in the plan"
+    assert set(plan.dropped) == set(DROP_REASONS) and plan.num_dropped == len(dropped)
+    if case["min_batch_size"] == 1:
+        assert len(plan.dropped["tail"]) < k and len(plan.dropped["min_batch_size"]) == 0
+
+
 # the audit's padded case: one long sample per step input of 33 samples (issue 9, item 3)
 _ISSUE_PADDED = [1] * 64 + [64] + [1] * 64 + [64]
 
@@ -410,16 +447,13 @@ _ISSUE_PADDED = [1] * 64 + [64] + [1] * 64 + [64]
 @example(case=_case(_ISSUE_PADDED, 64, effective_batch_size=4, micro_batch_size=2, budget="padded", order="random"))
 # same length: every micro-batch padded to its batch's longest
 @example(case=_case([1, 1, 1, 8, 1, 1], 8, effective_batch_size=2, budget="padded", same_size=True, same_length=True))
-def test_budget_never_exceeded(case):
-    """No micro-batch costs more than max_tokens: its seqlens' sum, or n x the S of the tensor it is collated into."""
+def test_every_plan_holds_its_budget_and_bounds(case):
+    """No micro-batch costs more than max_tokens (its seqlens' sum, or n x the S of the tensor it is collated into) or
+    holds more or fewer samples than its bounds; the batches, statistics and totals describe it; every sample is
+    packed once or dropped with a reason."""
     plan = _plan_or_none(case)
     assume(plan is not None)
-    lens = case["seqlens"]
-    tensor_s = _tensor_seqlens(plan, lens)
-    for j, mb in enumerate(plan.microbatches()):
-        cost = sum(lens[i] for i in mb) if case["budget"] == "sum" else len(mb) * tensor_s[j]
-        assert cost <= case["max_tokens"], f"micro-batch {j} costs {cost} > max_tokens={case['max_tokens']}"
-    assert plan.padded_seqlens.tolist() == tensor_s, "padded_seqlens is not the S of each micro-batch's tensor"
+    _assert_valid_plan(plan, case)
 
 
 @given(
@@ -467,36 +501,6 @@ def test_padded_budget_bounds_every_step_input_tensor(
             g = t * num_replicas + rank  # the step input's index in the plan
             assert x.shape[1] == plan.padded_seqlens[g * micro_batch_size]
             assert lens.tolist() == [seqlens[i] for i in _ids_of(x)]
-
-
-@given(case=plan_cases(orders=ORDERS))
-# the audit's padded case: 2 x 64 at most, where it was 65 x 64
-@example(case=_case(_ISSUE_PADDED, 64, effective_batch_size=2, micro_batch_size=2, budget="padded"))
-@settings(max_examples=60)
-def test_totals_report_the_largest_step_input_against_its_bound(case):
-    """Plan.totals()'s largest step input is the largest B x S tensor, bounded by micro_batch_size x max_tokens."""
-    plan = _plan_or_none(case)
-    assume(plan is not None)
-    lens, m = case["seqlens"], case["micro_batch_size"]
-    sizes, tensor_s = plan.microbatch_sizes().tolist(), _tensor_seqlens(plan, lens)
-    step_inputs = [sum(sizes[j] * tensor_s[j] for j in range(g, g + m)) for g in range(0, len(sizes), m)]
-    largest = plan.totals()["largest_step_input"]
-    assert largest["tokens"] == max(step_inputs)
-    assert largest["tokens"] == largest["sequences"] * largest["padded_seqlen"]
-    assert largest["bound"] == m * case["max_tokens"]
-    if case["budget"] == "padded":
-        assert largest["tokens"] <= largest["bound"]
-
-
-@given(case=plan_cases(orders=ORDERS))
-def test_min_and_max_batch_size_respected(case):
-    """Every micro-batch holds between min_batch_size and max_batch_size samples."""
-    plan = _plan_or_none(case)
-    assume(plan is not None)
-    sizes = plan.microbatch_sizes()
-    assert sizes.min() >= case["min_batch_size"]
-    if case["max_batch_size"]:
-        assert sizes.max() <= case["max_batch_size"]
 
 
 def test_samples_longer_than_max_tokens_are_dropped_or_refused():
@@ -1143,16 +1147,6 @@ def test_default_bucket_window_sorts_a_small_set_whole():
 # =============================================================================
 
 
-@given(case=plan_cases(orders=ORDERS))
-def test_same_size_micro_batches(case):
-    """With same_size, every micro-batch of a batch holds the same number of samples."""
-    case = dict(case, same_size=True)
-    plan = _plan_or_none(case)
-    assume(plan is not None)
-    sizes = plan.microbatch_sizes().reshape(plan.num_batches, plan.effective_batch_size)
-    assert (sizes == sizes[:, :1]).all(), sizes
-
-
 def test_same_size_falls_back_to_consecutive_micro_batches():
     """Same size, min_batch_size > 1: consecutive samples are packed where interleaved ones cannot be (item 7)."""
     options = dict(effective_batch_size=2, min_batch_size=2, same_size=True)
@@ -1702,41 +1696,6 @@ def test_callbacks_are_picklable():
 # =============================================================================
 
 
-@given(case=plan_cases(orders=ORDERS))
-def test_every_sample_packed_once_or_reported(case):
-    """Packed and dropped ids are disjoint, each appears once, and together they are every sample."""
-    plan = _plan_or_none(case)
-    assume(plan is not None)
-    packed = plan.sample_ids.tolist()
-    dropped = [i for ids in plan.dropped.values() for i in ids.tolist()]
-    assert len(set(packed)) == len(packed), "a sample is packed twice"
-    assert len(set(dropped)) == len(dropped), "a sample is dropped twice"
-    assert not set(packed) & set(dropped), "a sample is both packed and dropped"
-    assert sorted(packed + dropped) == list(range(len(case["seqlens"])))
-    assert set(plan.dropped) == set(DROP_REASONS)
-    assert plan.num_dropped == len(dropped)
-    if case["min_batch_size"] == 1:
-        assert len(plan.dropped["tail"]) < plan.effective_batch_size
-        assert len(plan.dropped["min_batch_size"]) == 0
-
-
-@given(case=plan_cases(orders=ORDERS))
-def test_batches_are_whole_and_statistics_match(case):
-    """Every batch holds k micro-batches, and batch_sizes/tokens/max seqlens describe them."""
-    plan = _plan_or_none(case)
-    assume(plan is not None)
-    lens = np.asarray(case["seqlens"])
-    k = plan.effective_batch_size
-    mbs = plan.microbatches()
-    assert len(mbs) == plan.num_microbatches == k * plan.num_batches
-    assert [len(mb) for mb in mbs] == plan.microbatch_sizes().tolist()
-    for b in range(plan.num_batches):
-        ids = [i for mb in mbs[b * k : (b + 1) * k] for i in mb]
-        assert plan.batch_sizes[b] == len(ids)
-        assert plan.batch_tokens[b] == lens[ids].sum()
-        assert plan.batch_max_seqlens[b] == lens[ids].max()
-
-
 # -- every epoch the same length (NOTE [every epoch the same length], issue 28) ----------------------------------
 
 
@@ -1751,33 +1710,6 @@ def _plan_arrays(plan):
     """Everything a plan holds, as plain data, to compare plans exactly."""
     arrays = ("sample_ids", "microbatch_offsets", "padded_seqlens", "batch_sizes", "batch_tokens", "batch_max_seqlens")
     return [getattr(plan, name).tolist() for name in arrays] + [{r: ids.tolist() for r, ids in plan.dropped.items()}]
-
-
-def _assert_valid_plan(plan, case):
-    """Every budget and bound of DESIGN.md holds in ``plan``, its statistics describe its batches, and every sample
-    is packed once or dropped once."""
-    lens = case["seqlens"]
-    k, mbs = plan.effective_batch_size, plan.microbatches()
-    tensor_s = _tensor_seqlens(plan, lens)
-    for j, mb in enumerate(mbs):
-        cost = sum(lens[i] for i in mb) if case["budget"] == "sum" else len(mb) * tensor_s[j]
-        assert cost <= case["max_tokens"], f"micro-batch {j} costs {cost} > max_tokens={case['max_tokens']}"
-        assert case["min_batch_size"] <= len(mb) <= (case["max_batch_size"] or len(mb)), f"micro-batch {j}: {mb}"
-    assert plan.padded_seqlens.tolist() == tensor_s
-    assert len(mbs) == k * plan.num_batches
-    for b in range(plan.num_batches):
-        batch = mbs[b * k : (b + 1) * k]
-        ids = [i for mb in batch for i in mb]
-        assert [plan.batch_sizes[b], plan.batch_tokens[b], plan.batch_max_seqlens[b]] == [
-            len(ids),
-            sum(lens[i] for i in ids),
-            max(lens[i] for i in ids),
-        ]
-        if case["same_size"]:
-            assert len({len(mb) for mb in batch}) == 1, f"batch {b} is not of one size: {batch}"
-    packed = plan.sample_ids.tolist()
-    dropped = [i for ids in plan.dropped.values() for i in ids.tolist()]
-    assert sorted(packed + dropped) == list(range(len(lens))), "a sample is lost or twice in the plan"
 
 
 def _batches_of(plan):
