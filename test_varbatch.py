@@ -456,71 +456,6 @@ def test_every_plan_holds_its_budget_and_bounds(case):
     _assert_valid_plan(plan, case)
 
 
-def _samplers(seqlens, max_tokens, num_replicas, **options):
-    """A VariableBatchSampler for each rank (the drawn case is skipped where it has too few samples for one batch)."""
-    try:
-        return [
-            VariableBatchSampler(seqlens, max_tokens, num_replicas=num_replicas, rank=rank, **options)
-            for rank in range(num_replicas)
-        ]
-    except ValueError as error:
-        assert "not enough samples" in str(error)
-        assume(False)
-
-
-@given(
-    seqlens=st.lists(st.integers(1, 30), min_size=4, max_size=60),
-    max_tokens=st.integers(30, 90),
-    micro_batch_size=st.integers(1, 3),
-    gas=st.integers(1, 2),
-    num_replicas=st.integers(1, 2),
-    order=st.sampled_from(ORDERS),
-    budget=st.sampled_from(BUDGETS),
-    pipeline=st.booleans(),
-)
-# the audit's case: 65 x 64 slots per step input before, 2 x 64 allowed
-@example(
-    seqlens=_ISSUE_PADDED,
-    max_tokens=64,
-    micro_batch_size=2,
-    gas=1,
-    num_replicas=1,
-    order="dataloader",
-    budget="padded",
-    pipeline=False,
-)
-@settings(max_examples=60)
-def test_every_step_input_tensor_is_within_its_bound_and_of_its_batchs_shape(
-    seqlens, max_tokens, micro_batch_size, gas, num_replicas, order, budget, pipeline
-):
-    """Each rank's loader yields B x S tensors of the plan's S with their samples' real lengths: under budget='padded'
-    at most micro_batch_size x max_tokens (item 3); in pipeline mode (same size, same length) every step input of a
-    batch has the same count per micro-batch and S = the batch's max seqlen."""
-    options = dict(
-        micro_batch_size=micro_batch_size,
-        gradient_accumulation_steps=gas,
-        budget=budget,
-        order=order,
-        seed=1,
-        same_size=pipeline,
-        same_length=pipeline,
-    )
-    dataset = _id_dataset(seqlens)
-    for rank, sampler in enumerate(_samplers(seqlens, max_tokens, num_replicas, **options)):
-        plan = sampler.plan
-        loader = make_dataloader(dataset, sampler, collate_fn=PaddedCollate(), sample_padding_fn=pad_sample)
-        for t, (x, lens) in enumerate(loader):
-            j = (t * num_replicas + rank) * micro_batch_size  # the step input's first micro-batch in the plan
-            assert lens.tolist() == [seqlens[i] for i in _ids_of(x)]
-            assert x.shape[1] == plan.padded_seqlens[j]
-            if budget == "padded":
-                assert x.shape[0] * x.shape[1] <= micro_batch_size * max_tokens, f"rank {rank}, step input {t}"
-            if pipeline:
-                b = j // plan.effective_batch_size
-                per_micro = plan.microbatch_sizes()[j]
-                assert x.shape == (per_micro * micro_batch_size, plan.batch_max_seqlens[b]), f"step input {t}"
-
-
 def test_samples_longer_than_max_tokens_are_dropped_or_refused():
     """Samples longer than max_tokens are over_budget drops, or refused by name with on_overlong='error'."""
     assert plan_batches([2, 6, 3, 7], 5).dropped["over_budget"].tolist() == [1, 3]
@@ -1030,6 +965,71 @@ def test_default_bucket_window_sorts_a_small_set_whole():
 # =============================================================================
 # 3. Shapes: pipeline (same size, same length), step inputs, padding and collate
 # =============================================================================
+
+
+def _samplers(seqlens, max_tokens, num_replicas, **options):
+    """A VariableBatchSampler for each rank (the drawn case is skipped where it has too few samples for one batch)."""
+    try:
+        return [
+            VariableBatchSampler(seqlens, max_tokens, num_replicas=num_replicas, rank=rank, **options)
+            for rank in range(num_replicas)
+        ]
+    except ValueError as error:
+        assert "not enough samples" in str(error)
+        assume(False)
+
+
+@given(
+    seqlens=st.lists(st.integers(1, 30), min_size=4, max_size=60),
+    max_tokens=st.integers(30, 90),
+    micro_batch_size=st.integers(1, 3),
+    gas=st.integers(1, 2),
+    num_replicas=st.integers(1, 2),
+    order=st.sampled_from(ORDERS),
+    budget=st.sampled_from(BUDGETS),
+    pipeline=st.booleans(),
+)
+# the audit's case: 65 x 64 slots per step input before, 2 x 64 allowed
+@example(
+    seqlens=_ISSUE_PADDED,
+    max_tokens=64,
+    micro_batch_size=2,
+    gas=1,
+    num_replicas=1,
+    order="dataloader",
+    budget="padded",
+    pipeline=False,
+)
+@settings(max_examples=60)
+def test_every_step_input_tensor_is_within_its_bound_and_of_its_batchs_shape(
+    seqlens, max_tokens, micro_batch_size, gas, num_replicas, order, budget, pipeline
+):
+    """Each rank's loader yields B x S tensors of the plan's S with their samples' real lengths: under budget='padded'
+    at most micro_batch_size x max_tokens (item 3); in pipeline mode (same size, same length) every step input of a
+    batch has the same count per micro-batch and S = the batch's max seqlen."""
+    options = dict(
+        micro_batch_size=micro_batch_size,
+        gradient_accumulation_steps=gas,
+        budget=budget,
+        order=order,
+        seed=1,
+        same_size=pipeline,
+        same_length=pipeline,
+    )
+    dataset = _id_dataset(seqlens)
+    for rank, sampler in enumerate(_samplers(seqlens, max_tokens, num_replicas, **options)):
+        plan = sampler.plan
+        loader = make_dataloader(dataset, sampler, collate_fn=PaddedCollate(), sample_padding_fn=pad_sample)
+        for t, (x, lens) in enumerate(loader):
+            j = (t * num_replicas + rank) * micro_batch_size  # the step input's first micro-batch in the plan
+            assert lens.tolist() == [seqlens[i] for i in _ids_of(x)]
+            assert x.shape[1] == plan.padded_seqlens[j]
+            if budget == "padded":
+                assert x.shape[0] * x.shape[1] <= micro_batch_size * max_tokens, f"rank {rank}, step input {t}"
+            if pipeline:
+                b = j // plan.effective_batch_size
+                per_micro = plan.microbatch_sizes()[j]
+                assert x.shape == (per_micro * micro_batch_size, plan.batch_max_seqlens[b]), f"step input {t}"
 
 
 def _wrap(samples):
