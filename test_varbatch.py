@@ -859,21 +859,14 @@ def test_random_orders_sort_random_keys(seqlens, order, seed, bucket_size, key_b
 
 
 @pytest.mark.parametrize("order", ["random", "bucket"])
-@given(seqlens=st.lists(st.integers(1, 30), min_size=30, max_size=80), seed=st.integers(0, 10**6))
+@given(seqlens=st.lists(st.integers(1, 30), min_size=30, max_size=80), seed=st.none() | st.integers(0, 10**6))
 @settings(max_examples=20)
 def test_random_orders_change_with_epoch(order, seqlens, seed):
-    """random and bucket orders draw a new order each epoch, the same for a given (seed, epoch)."""
+    """random and bucket orders draw a new order each epoch, the same for a given (seed, epoch); no seed is a fixed
+    seed, never an unseeded generator."""
     plans = [plan_batches(seqlens, 40, order=order, seed=seed, epoch=e, bucket_size=4) for e in (0, 1, 0)]
     assert plans[0].sample_ids.tolist() != plans[1].sample_ids.tolist()
     assert plans[0].fingerprint() == plans[2].fingerprint()
-
-
-def test_no_seed_means_a_fixed_seed():
-    """seed=None gives the same random order every call (never an unseeded generator)."""
-    seqlens = _lengths(50)
-    plans = [plan_batches(seqlens, 60, order="random", seed=None) for _ in range(2)]
-    assert plans[0].fingerprint() == plans[1].fingerprint()
-    assert plans[0].sample_ids.tolist() != sorted(plans[0].sample_ids.tolist())
 
 
 @given(seqlens=st.lists(st.integers(1, 6), min_size=1, max_size=40), data=st.data())
