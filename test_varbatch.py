@@ -608,30 +608,68 @@ def test_a_collate_that_adds_tokens_the_seqlens_count_trains_every_step_input(ca
 # -- the plain and the fast forms (NOTE [one dispatch]) -------------------------------------------------------------
 
 
-def _greedy_walk(seqlens, max_tokens, budget, min_batch_size, max_batch_size):
-    """Single micro-batches packed sample by sample in plain Python: ``(start, n)`` per micro-batch, the starts
-    dropped as min_batch_size, and where the tail starts (DeepSpeed's greedy rule, from the design)."""
-    total = len(seqlens)
-    cap = max_batch_size or total
-    blocks, too_small, start = [], [], 0
-    while start < total:
-        rows_left = min(total - start, cap)
-        n = 0
-        while n < rows_left:
-            part = seqlens[start : start + n + 1]
-            cost = sum(part) if budget == "sum" else len(part) * max(part)
-            if cost > max_tokens:
-                break
-            n += 1
+def _oracle_fits(mbs, seqlens, max_tokens, budget, group):
+    """Whether the micro-batches ``mbs`` hold the budget; padded: each ``group`` adjacent ones padded to one S."""
+    if budget == "sum":
+        return all(sum(seqlens[i] for i in mb) <= max_tokens for mb in mbs)
+    for g in range(0, len(mbs), group):
+        longest = max(seqlens[i] for mb in mbs[g : g + group] for i in mb)
+        if any(len(mb) * longest > max_tokens for mb in mbs[g : g + group]):
+            return False
+    return True
+
+
+def _oracle_layout(chunk, n, width, consecutive):
+    """``width`` micro-batches of ``n`` samples from ``chunk``: consecutive, or interleaved (every width-th)."""
+    if consecutive:
+        return [chunk[b * n : (b + 1) * n] for b in range(width)]
+    return [chunk[b::width] for b in range(width)]
+
+
+def _oracle_blocks(todo, seqlens, max_tokens, width, group, budget, min_batch_size, cap):
+    """The greedy rule in blocks of ``width`` micro-batches, slowly, over ``todo``.
+
+    A block takes the next ``n x width`` samples: interleaved (micro-batch b is
+    every width-th sample from b) with n as large as fits; where that n is below
+    min_batch_size, consecutive (micro-batch b is samples b*n .. b*n + n - 1) with
+    the largest n >= min_batch_size that fits; where neither fits, the first
+    sample is dropped as min_batch_size. Returns ``(blocks, too_small, pos)``: the
+    blocks packed, the samples dropped as min_batch_size, and where the walk stopped.
+    """
+
+    def block(pos, n, consecutive):
+        return _oracle_layout(todo[pos : pos + n * width], n, width, consecutive)
+
+    def fits(mbs):
+        return _oracle_fits(mbs, seqlens, max_tokens, budget, group)
+
+    units, too_small, pos = [], [], 0
+    while pos + width <= len(todo):
+        rows_left = min(cap, (len(todo) - pos) // width)
+        n = max([n for n in range(1, rows_left + 1) if fits(block(pos, n, False))], default=0)
+        consecutive = False
+        if n < min_batch_size <= rows_left:
+            fallback = max([r for r in range(min_batch_size, rows_left + 1) if fits(block(pos, r, True))], default=0)
+            if fallback:
+                n, consecutive = fallback, True
         if n >= min_batch_size:
-            blocks.append((start, n))
-            start += n
-        elif n == rows_left:  # the end of the data, not the budget
+            units.append(block(pos, n, consecutive))
+            pos += n * width
+        elif n == rows_left:  # stopped by the end of the data
             break
-        else:
-            too_small.append(start)
-            start += 1
-    return blocks, too_small, start
+        else:  # stopped by the budget short of min_batch_size rows
+            too_small.append(todo[pos])
+            pos += 1
+    return units, too_small, pos
+
+
+def _oracle_walk(seqlens, max_tokens, budget, min_batch_size, max_batch_size, width=1, group=1):
+    """The oracle's blocks over the samples in index order (DeepSpeed's greedy rule, from the design): the
+    micro-batches, the ids dropped as min_batch_size, and the tail's ids."""
+    ids = list(range(len(seqlens)))
+    cap = max_batch_size or len(ids)
+    units, too_small, pos = _oracle_blocks(ids, seqlens, max_tokens, width, group, budget, min_batch_size, cap)
+    return [mb for unit in units for mb in unit], too_small, ids[pos:]
 
 
 def _in_form(form, chunk, **case):
@@ -697,31 +735,15 @@ def test_both_forms_of_the_greedy_rule_pack_as_the_sample_by_sample_walk(case):
     vectorized]), over chunks of positions of any size, pack the micro-batches, drops and tail of the walk."""
     case = dict(case)
     chunk = case.pop("chunk")
-    blocks, too_small, end = _greedy_walk(**case)
+    microbatches, too_small, tail = _oracle_walk(**case)
     for form in ("plain", "fast"):
         plan = _in_form(form, chunk, **case)
-        assert (plan is None) == (not blocks)
+        assert (plan is None) == (not microbatches)
         if plan is None:
             continue
-        assert plan.microbatches() == [list(range(start, start + n)) for start, n in blocks], form
+        assert plan.microbatches() == microbatches, form
         assert plan.dropped["min_batch_size"].tolist() == too_small, form
-        assert plan.dropped["tail"].tolist() == list(range(end, len(case["seqlens"]))), form
-
-
-def _interleaved_fit_by_rows(lens, start, rows_left, width, group, max_tokens, budget):
-    """The most rows n <= rows_left of the interleaved block at start whose micro-batches all fit, row by row:
-    micro-batch b holds lens[start + r*width + b] for r < n; under "padded" it costs n x the longest of its group."""
-    best = 0
-    for n in range(1, rows_left + 1):
-        columns = [[lens[start + r * width + b] for r in range(n)] for b in range(width)]
-        if budget == "sum":
-            costs = [sum(column) for column in columns]
-        else:
-            costs = [n * max(max(columns[b]) for b in range(g, g + group)) for g in range(0, width, group)]
-        if max(costs) > max_tokens:
-            break
-        best = n
-    return best
+        assert plan.dropped["tail"].tolist() == tail, form
 
 
 @given(
@@ -737,7 +759,7 @@ def test_both_forms_pack_interleaved_blocks_as_the_row_by_row_check(
     data, width, budget, max_tokens, max_batch_size, chunk
 ):
     """Same-size batches in index order: the plain rows and the vectorized ones (NOTE [interleaved blocks,
-    vectorized]) place the blocks that checking each block's rows one by one places, for either budget and any
+    vectorized]) place the blocks that the oracle places by checking every count of rows, for either budget and any
     padding group of a block's micro-batches."""
     if data is None:
         lens, group = [5, 1, 1, 1, 6, 2, 1, 9], 1
@@ -753,17 +775,11 @@ def test_both_forms_pack_interleaved_blocks_as_the_row_by_row_check(
         same_size=True,
         max_batch_size=max_batch_size,
     )
-    cap = max_batch_size or len(lens)
-    expected, start = [], 0
-    while start + width <= len(lens):
-        rows_left = min((len(lens) - start) // width, cap)
-        n = _interleaved_fit_by_rows(lens, start, rows_left, width, group, max_tokens, budget)
-        expected += [[start + r * width + b for r in range(n)] for b in range(width)]
-        start += n * width
+    expected, _, tail = _oracle_walk(lens, max_tokens, budget, 1, max_batch_size, width, group)
     for form in ("plain", "fast"):
         plan = _in_form(form, chunk, **case)
         assert plan.microbatches() == expected, form
-        assert plan.dropped["tail"].tolist() == list(range(start, len(lens))), form
+        assert plan.dropped["tail"].tolist() == tail, form
 
 
 @given(case=plan_cases(orders=ORDERS), chunk=st.sampled_from([1, 2, 5, 2**16]), epoch=st.integers(0, 3))
@@ -1705,12 +1721,9 @@ def _oracle_plan(
 ):
     """The plan, computed slowly and obviously from DESIGN.md's semantics (dataloader and seqlen orders).
 
-    Samples are packed in blocks of ``width`` micro-batches of ``n`` samples each: whole batches
-    (k micro-batches) with same_size; a step input (m micro-batches sharing one S) under the padded
-    budget; else single micro-batches. A block takes the next ``n x width`` samples: interleaved
-    (micro-batch b is every width-th sample from b) with n as large as fits; where that n is below
-    min_batch_size, consecutive (micro-batch b is samples b*n .. b*n + n - 1) with the largest
-    n >= min_batch_size that fits; where neither fits, the first sample is dropped as min_batch_size.
+    Samples are packed in blocks of ``width`` micro-batches of ``n`` samples each (`_oracle_blocks`):
+    whole batches (k micro-batches) with same_size; a step input (m micro-batches sharing one S) under
+    the padded budget; else single micro-batches.
 
     Returns ``(fixed, leftover, width, dropped)``: the micro-batches whose content is specified, the
     leftover micro-batches (fewer than a batch) that the planner must re-split into exactly k parts,
@@ -1743,54 +1756,6 @@ def _oracle_plan(
         "filtered": filtered,
     }
     return fixed, leftover, width, dropped
-
-
-def _oracle_fits(mbs, seqlens, max_tokens, budget, group):
-    """Whether the micro-batches ``mbs`` hold the budget; padded: each ``group`` adjacent ones padded to one S."""
-    if budget == "sum":
-        return all(sum(seqlens[i] for i in mb) <= max_tokens for mb in mbs)
-    for g in range(0, len(mbs), group):
-        longest = max(seqlens[i] for mb in mbs[g : g + group] for i in mb)
-        if any(len(mb) * longest > max_tokens for mb in mbs[g : g + group]):
-            return False
-    return True
-
-
-def _oracle_layout(chunk, n, width, consecutive):
-    """``width`` micro-batches of ``n`` samples from ``chunk``: consecutive, or interleaved (every width-th)."""
-    if consecutive:
-        return [chunk[b * n : (b + 1) * n] for b in range(width)]
-    return [chunk[b::width] for b in range(width)]
-
-
-def _oracle_blocks(todo, seqlens, max_tokens, width, group, budget, min_batch_size, cap):
-    """The oracle's walk over ``todo`` in blocks (see `_oracle_plan`): ``(blocks, too_small, pos)``, the blocks
-    packed, the samples dropped as min_batch_size, and where the walk stopped."""
-
-    def block(pos, n, consecutive):
-        return _oracle_layout(todo[pos : pos + n * width], n, width, consecutive)
-
-    def fits(mbs):
-        return _oracle_fits(mbs, seqlens, max_tokens, budget, group)
-
-    units, too_small, pos = [], [], 0
-    while pos + width <= len(todo):
-        rows_left = min(cap, (len(todo) - pos) // width)
-        n = max([n for n in range(1, rows_left + 1) if fits(block(pos, n, False))], default=0)
-        consecutive = False
-        if n < min_batch_size <= rows_left:
-            fallback = max([r for r in range(min_batch_size, rows_left + 1) if fits(block(pos, r, True))], default=0)
-            if fallback:
-                n, consecutive = fallback, True
-        if n >= min_batch_size:
-            units.append(block(pos, n, consecutive))
-            pos += n * width
-        elif n == rows_left:  # stopped by the end of the data
-            break
-        else:  # stopped by the budget short of min_batch_size rows
-            too_small.append(todo[pos])
-            pos += 1
-    return units, too_small, pos
 
 
 def _oracle_case(case):
