@@ -437,7 +437,7 @@ def _assert_valid_plan(plan, case):
         assert len(plan.dropped["tail"]) < k and len(plan.dropped["min_batch_size"]) == 0
 
 
-# the audit's padded case: one long sample per step input of 33 samples (issue 9, item 3)
+# the audit's padded case: one long sample per step input of 33 samples
 _ISSUE_PADDED = [1] * 64 + [64] + [1] * 64 + [64]
 
 
@@ -465,7 +465,7 @@ def test_samples_longer_than_max_tokens_are_dropped_or_refused():
         plan_batches([5, 4, 9], 3)
 
 
-# -- a sample's len() means nothing: the seqlens are the truth (issue 9, item 1) -------------------
+# -- a sample's len() means nothing: the seqlens are the truth -------------------
 
 
 def _text_collate(samples):
@@ -518,7 +518,7 @@ def test_a_samples_len_means_nothing(kind):
     assert sorted(i for ids in planned for i in ids) == list(range(30))
 
 
-# -- a collate that adds tokens the seqlens do not count (issue 18, item 6) -----------------------
+# -- a collate that adds tokens the seqlens do not count -----------------------
 
 
 def _eos_collate(samples, form):
@@ -1005,7 +1005,7 @@ def test_every_step_input_tensor_is_within_its_bound_and_of_its_batchs_shape(
     seqlens, max_tokens, micro_batch_size, gas, num_replicas, order, budget, pipeline
 ):
     """Each rank's loader yields B x S tensors of the plan's S with their samples' real lengths: under budget='padded'
-    at most micro_batch_size x max_tokens (item 3); in pipeline mode (same size, same length) every step input of a
+    at most micro_batch_size x max_tokens; in pipeline mode (same size, same length) every step input of a
     batch has the same count per micro-batch and S = the batch's max seqlen."""
     options = dict(
         micro_batch_size=micro_batch_size,
@@ -1033,13 +1033,13 @@ def test_every_step_input_tensor_is_within_its_bound_and_of_its_batchs_shape(
 
 
 def _wrap(samples):
-    """A user's wrapper without a seqlens parameter (issue 18, item 7)."""
+    """A user's wrapper without a seqlens parameter."""
     x, lengths = PaddedCollate()(samples)
     return x, lengths
 
 
 def _wrap_given_seqlens(samples, seqlens=None):
-    """A user's wrapper with a seqlens parameter: the loader gives it the plan's lengths (issue 9, item 6)."""
+    """A user's wrapper with a seqlens parameter: the loader gives it the plan's lengths."""
     x, lengths = PaddedCollate()(samples, seqlens=seqlens)
     return x, lengths
 
@@ -1164,7 +1164,7 @@ def _dealt_oracle(plan, micro_batch_size, num_replicas, rank):
 )
 @settings(max_examples=60)
 def test_step_inputs_are_dealt_by_the_one_rule(seqlens, micro_batch_size, gas, num_replicas, order, budget, epoch):
-    """Rank r trains step inputs r, r + R, ...; step input g is micro-batches g*m .. g*m + m - 1 (issue 9, item 3)."""
+    """Rank r trains step inputs r, r + R, ...; step input g is micro-batches g*m .. g*m + m - 1."""
     options = dict(
         micro_batch_size=micro_batch_size, gradient_accumulation_steps=gas, order=order, budget=budget, seed=3
     )
@@ -1300,7 +1300,7 @@ print("stopped")
 
 def test_a_loop_that_stops_mid_epoch_exits_cleanly():
     """Iterators alive at interpreter exit (without and with workers, the sampler's own, a DeepSpeed-style
-    stop at a step count) close silently (issue 18, item 9: 'Exception ignored in: <generator ... _iter_keys>')."""
+    stop at a step count) close silently (no 'Exception ignored in: <generator ... _iter_keys>')."""
     done = subprocess.run(
         [sys.executable, "-c", _STOPS_MID_EPOCH], cwd=_ROOT, capture_output=True, text=True, timeout=120
     )
@@ -1456,7 +1456,7 @@ def test_callbacks_are_picklable():
 # =============================================================================
 
 
-# -- every epoch the same length (NOTE [every epoch the same length], issue 28) ----------------------------------
+# -- every epoch the same length (NOTE [every epoch the same length]) ----------------------------------
 
 
 def _settings_of(case):
@@ -1520,7 +1520,7 @@ def test_every_epoch_has_epoch_0s_batches_and_holds_every_budget(case, order):
         for reason in ("over_budget", "filtered"):
             assert plan.dropped[reason].tolist() == reference.dropped[reason].tolist()
         packings = [varbatch._pack(seqlens, settings, ids, e, attempt) for attempt in range(varbatch._REDRAWS)]
-        if case["order"] in ("dataloader", "seqlen"):  # bit-identical to the packing, as before issue 28
+        if case["order"] in ("dataloader", "seqlen"):  # one packing for every epoch: the plan, bit for bit
             assert _plan_arrays(plan) == _plan_arrays(packings[0]) == _plan_arrays(reference)
             continue
         fitting = [varbatch._lengthened(p, seqlens, count) for p in packings] if e else [reference]
@@ -1809,7 +1809,7 @@ def _assert_matches_oracle(case):
         [1, 1, 1, 1, 8, 1, 1, 1, 1, 1], 8, effective_batch_size=2, budget="padded", min_batch_size=2, same_size=True
     )
 )
-# same size: the consecutive layout where the interleaved one cannot reach min_batch_size (issue 9, item 7)
+# same size: the consecutive layout where the interleaved one cannot reach min_batch_size
 @example(case=_case([1, 9, 1, 9, 1, 1, 1, 1], 10, effective_batch_size=2, min_batch_size=2, same_size=True))
 @example(case=_case([1, 9, 1, 9], 10, effective_batch_size=2, min_batch_size=2, same_size=True))
 @example(case=_case([1, 4, 1, 4, 1, 4], 6, effective_batch_size=2, budget="padded", min_batch_size=2, same_size=True))
@@ -1818,7 +1818,7 @@ def _assert_matches_oracle(case):
 @example(case=_case([1, 1, 8, 8, 1, 1], 10, effective_batch_size=3, min_batch_size=2))
 @example(case=_case([1] * 9, 20, effective_batch_size=4))
 @example(case=_case([2, 2, 2, 2, 2, 5, 5], 10, effective_batch_size=2, order="seqlen"))
-# step inputs of two micro-batches packed as one block under the padded budget (issue 9, item 3)
+# step inputs of two micro-batches packed as one block under the padded budget
 @example(case=_case(_ISSUE_PADDED, 64, effective_batch_size=2, micro_batch_size=2, budget="padded"))
 @example(case=_case([2, 2, 2, 2, 2, 2, 2, 2, 2, 9], 12, effective_batch_size=4, micro_batch_size=2, budget="padded"))
 @settings(max_examples=300)
@@ -2060,10 +2060,10 @@ def small_cases(draw):
 
 
 @given(case=small_cases())
-# the audit's unlucky later epoch (issue 9, item 8)
+# the audit's unlucky later epoch
 @example(case={**_UNLUCKY, "effective_batch_size": 2, "same_size": False, "seed": 0, "epoch": 1, "sample_ids": None})
 def test_an_empty_plan_is_refused_with_counts_that_add_up(case):
-    """plan_batches refuses a plan without a batch; its message's counts add up to the samples considered (item 8)."""
+    """plan_batches refuses a plan without a batch; its message's counts add up to the samples considered."""
     try:
         plan_batches(**case)
     except ValueError as error:
@@ -2218,7 +2218,7 @@ def _hf_never_and_twice(sampler, trained, epochs):
     return never, sum(n > 1 for n in counts.values())
 
 
-# -- a loop that reads len() once: every epoch has that many step inputs (issue 28, section 1) --------------------
+# -- a loop that reads len() once: every epoch has that many step inputs --------------------
 
 
 def _packings_differ(lengths, max_tokens, epochs, **options):
@@ -2352,7 +2352,7 @@ def _messages(caplog, text):
 
 
 def test_drops_are_logged_once_per_trained_epoch_on_rank_0(caplog):
-    """Drops are logged when an epoch starts training, once, on rank 0; planning ahead logs nothing (item 13)."""
+    """Drops are logged when an epoch starts training, once, on rank 0; planning ahead logs nothing."""
     seqlens = [*_lengths(60, 1, 20, seed=15), 99, 98]  # two samples over budget in every epoch
     with caplog.at_level("INFO", logger="varbatch"):
         sampler = VariableBatchSampler(seqlens, 40, order="random", seed=2)
