@@ -3468,9 +3468,15 @@ _OVERFLOW_CONFIG = {
 }
 
 
-@pytest.fixture(scope="module")
-def overflow_run(tmp_path_factory):
-    """A one-process DeepSpeed engine trained 2 epochs with overflows at `_OVERFLOW_AT` (in a subprocess)."""
+def test_fp16_overflow_lr_and_position_follow_the_batch_trained(tmp_path):
+    """A one-process DeepSpeed engine trained 2 epochs with overflows at `_OVERFLOW_AT` (in a subprocess). Every
+    update's LR is schedule(t) x s(B_b / B_ref) of the batch b it trains, t the steps not skipped (the wrapped schedule
+    stays). At a batch's start steps_in_epoch and get_last_lr() are that batch's, and so is engine.get_lr() read between
+    the batch's forward and its step, nothing of varbatch's touched since the step before (the glue's forward pre-hook
+    catches the scheduler up with the engine's skips). Right after engine.step(): get_last_lr() is the next batch's,
+    skipped step or not; engine.get_lr() (what DeepSpeed's monitor logs at the end of engine.step) is the next batch's
+    after a step taken and the skipped batch's after a skipped one (nothing of varbatch runs inside the engine between
+    its skip and that read)."""
     pytest.importorskip("deepspeed")
     env = dict(
         os.environ,
@@ -3480,12 +3486,7 @@ def overflow_run(tmp_path_factory):
         OVERFLOW_AT=json.dumps(_OVERFLOW_AT),
     )
     done = subprocess.run(
-        [sys.executable, "-c", _OVERFLOW_SCRIPT],
-        cwd=tmp_path_factory.mktemp("overflow"),
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+        [sys.executable, "-c", _OVERFLOW_SCRIPT], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
@@ -3501,35 +3502,15 @@ def overflow_run(tmp_path_factory):
     for j, (e, b) in enumerate(batches):
         t = j - sum(1 for s in _OVERFLOW_AT if s < j)
         expected.append(_BASE_LR * 0.9**t * plans[e].batch_sizes[b] / plans[e].batch_sizes.mean())
-    return out, batches, expected
-
-
-def test_fp16_overflow_lr_follows_the_batch_trained(overflow_run):
-    """After skipped steps, every update's LR is schedule(t) x s(B_b / B_ref) of the batch b it trains; t stays."""
-    out, batches, expected = overflow_run
     assert len(out["applied"]) == len(batches) and out["skipped"] == len(_OVERFLOW_AT)
-    for j, (_, lr) in enumerate(zip(batches, out["applied"])):
+    for j, lr in enumerate(out["applied"]):
         _check_lr(j, expected[j], lr)
     assert out["schedule_steps"] == len(batches) - len(_OVERFLOW_AT), "the wrapped schedule moved on skipped steps"
-
-
-def test_fp16_overflow_scheduler_position_follows_the_batches(overflow_run):
-    """After skipped steps, steps_in_epoch and get_last_lr() at a batch's start are that batch's, and so is
-    engine.get_lr() read between the batch's forward and its step, nothing of varbatch's touched since the step
-    before (the glue's forward pre-hook catches the scheduler up with the engine's skips)."""
-    out, batches, expected = overflow_run
     assert [(e, b) for e, b, *_ in out["starts"]] == batches
     for j, (e, b, steps_in_epoch, last_lr, _, engine_lr) in enumerate(out["starts"]):
         assert steps_in_epoch == b, f"epoch {e}, batch {b}: steps_in_epoch={steps_in_epoch}"
         _check_lr(j, expected[j], last_lr)
         _check_lr(j, expected[j], engine_lr)
-
-
-def test_fp16_overflow_lr_read_right_after_a_skipped_step(overflow_run):
-    """Right after engine.step(): get_last_lr() is the next batch's LR, skipped step or not; engine.get_lr() (what
-    DeepSpeed's monitor logs at the end of engine.step) is the next batch's after a step taken and the skipped
-    batch's after a skipped one (nothing of varbatch runs inside the engine between its skip and that read)."""
-    out, batches, expected = overflow_run
     assert len(out["after"]) == len(batches)
     for j, (engine_lr, last_lr) in enumerate(out["after"][:-1]):
         _check_lr(j, expected[j + 1], last_lr)
