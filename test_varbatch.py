@@ -2932,28 +2932,43 @@ _SCHEDULES = {
 }
 
 
-def test_worked_example_scale_lr():
-    """DESIGN.md section 5: lr 1e-3 at reference batch 2 becomes 5e-3 at B=10 and 2e-3 at B=4."""
+def test_the_worked_example_in_scale_lr_and_through_the_scheduler():
+    """DESIGN.md section 5: lr 1e-3 at reference batch 2 becomes 5e-3 at B=10 and 2e-3 at B=4, in scale_lr (each rule)
+    and through the scheduler, whose batch sizes given as a list cycle, as in DeepSpeed."""
     assert math.isclose(scale_lr(2, 10, 1e-3), 5e-3, rel_tol=1e-12)
     assert math.isclose(scale_lr(2, 4, 1e-3), 2e-3, rel_tol=1e-12)
     assert math.isclose(scale_lr(2, 8, 1e-3, "sqrt"), 2e-3, rel_tol=1e-12)
     assert scale_lr(2, 10, 1e-3, "none") == scale_lr(2, 10, 1e-3, None) == 1e-3
     assert math.isclose(scale_lr(2, 10, 1e-3, lambda r: r**2), 2.5e-2, rel_tol=1e-12)
+    optimizer = _optimizer(lr=1e-3)
+    scheduler = varbatch.lr_scheduler_for_variable_batch_size(2, [10, 4], None, optimizer)
+    for t, expected in enumerate([5e-3, 2e-3, 5e-3]):
+        _check_lr(t, expected, scheduler.get_last_lr()[0])
+        _check_lr(t, expected, optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
 
 
 @pytest.mark.parametrize("schedule", list(_SCHEDULES))
 @pytest.mark.parametrize("method, unit", [("linear", "sequences"), ("sqrt", "tokens")])
 def test_lr_closed_form_over_epochs(schedule, method, unit):
     """lr_t = schedule(t) x s(B_t / B_ref) at every step of 3 epochs, with a new plan each epoch; B_t counts the
-    batch's sequences or its real tokens. (B_ref "mean" and each unit under the optimizer's constant LR: the property
+    batch's sequences or its real tokens. step(0) at each epoch's start (DeepSpeed's example) changes nothing and never
+    restarts the schedule; building, stepping and restoring the scheduler warn nothing (PyTorch's warnings included).
+    (B_ref "mean" and each unit under the optimizer's constant LR: the property
     test_the_lr_follows_the_batches_trained_or_a_loop_that_leaves_them_is_refused.)"""
-    sampler = _sampler()
-    optimizer = _optimizer()
-    make, closed_form = _SCHEDULES[schedule]
-    reference = _mean_size(sampler, unit)
-    scheduler = VariableBatchSizeLR(make(optimizer), reference, sampler, lr_scaling_method=method, lr_scaling_unit=unit)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sampler = _sampler()
+        optimizer = _optimizer()
+        make, closed_form = _SCHEDULES[schedule]
+        reference = _mean_size(sampler, unit)
+        scheduler = VariableBatchSizeLR(
+            make(optimizer), reference, sampler, lr_scaling_method=method, lr_scaling_unit=unit
+        )
+        seen = _train(sampler, scheduler, optimizer, epochs=3, realign=True)
+        scheduler.load_state_dict(scheduler.state_dict())
     scale = (lambda r: r) if method == "linear" else math.sqrt
-    seen = _train(sampler, scheduler, optimizer, epochs=3)
     assert [e for _, e, _, _ in seen].count(0) == sampler.plan_for_epoch(0).num_batches
     assert sampler.plan_for_epoch(0).batch_sizes.tolist() != sampler.plan_for_epoch(1).batch_sizes.tolist()
     for t, epoch, b, lr in seen:
@@ -2962,29 +2977,25 @@ def test_lr_closed_form_over_epochs(schedule, method, unit):
         _check_lr(t, _BASE_LR * closed_form(t) * scale(size / reference), lr)
 
 
-def test_step_zero_changes_nothing_at_an_epoch_start_and_squares_an_epoch_cut_inside_one():
-    """step(0) at each epoch start (DeepSpeed's example) changes nothing and never restarts the schedule; inside an
-    epoch it says the loop cut it: b moves to the next epoch's start, t stays."""
-    runs = []
-    for realign in (False, True):
-        sampler = _sampler()
-        optimizer = _optimizer()
-        base = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup)
-        scheduler = VariableBatchSizeLR(base, _mean_size(sampler), sampler)
-        runs.append(_train(sampler, scheduler, optimizer, epochs=3, realign=realign))
-        assert base.last_epoch == scheduler.last_epoch == scheduler.batches_trained == len(runs[-1])
-    assert runs[0] == runs[1]
+def test_step_zero_inside_an_epoch_squares_an_epoch_cut():
+    """step(0) inside an epoch says the loop cut it: b moves to the next epoch's start, t stays. (At an epoch's start
+    it changes nothing: test_lr_closed_form_over_epochs.)"""
+    sampler = _sampler()
+    optimizer = _optimizer()
+    base = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup)
+    scheduler = VariableBatchSizeLR(base, _mean_size(sampler), sampler)
+    _train(sampler, scheduler, optimizer, epochs=1)
     scheduler.step(0)
-    assert scheduler.steps_in_epoch == 0 and scheduler.batch_size == sampler.plan_for_epoch(3).batch_sizes[0]
-    for _ in zip(range(sampler.gradient_accumulation_steps), sampler):  # epoch 3's first batch
+    assert scheduler.steps_in_epoch == 0 and scheduler.batch_size == sampler.plan_for_epoch(1).batch_sizes[0]
+    for _ in zip(range(sampler.gradient_accumulation_steps), sampler):  # epoch 1's first batch
         pass
     optimizer.step()
     scheduler.step()
     scheduler.step(0)
     per_epoch = len(sampler) // sampler.gradient_accumulation_steps
-    assert scheduler.batches_trained == 4 * per_epoch
-    assert scheduler.batch_size == sampler.plan_for_epoch(4).batch_sizes[0]
-    assert base.last_epoch == scheduler.last_epoch == len(runs[-1]) + 1
+    assert scheduler.batches_trained == 2 * per_epoch
+    assert scheduler.batch_size == sampler.plan_for_epoch(2).batch_sizes[0]
+    assert base.last_epoch == scheduler.last_epoch == per_epoch + 1
 
 
 # -- the LR follows the batches the loop trains, or the loop is refused --------------------------------------
@@ -3085,35 +3096,6 @@ def test_the_lr_follows_the_batches_trained_or_a_loop_that_leaves_them_is_refuse
             whole.add(selected)
             selected += 1
         assert scheduler.batches_trained == b
-
-
-def test_lr_worked_example_through_scheduler():
-    """DESIGN.md section 5 through the scheduler: 1e-3 at B_ref=2 is 5e-3 at B=10, then 2e-3 at B=4."""
-    optimizer = _optimizer(lr=1e-3)
-    scheduler = varbatch.lr_scheduler_for_variable_batch_size(2, [10, 4], None, optimizer)
-    _check_lr(0, 5e-3, scheduler.get_last_lr()[0])
-    optimizer.step()
-    scheduler.step()
-    _check_lr(1, 2e-3, scheduler.get_last_lr()[0])
-    _check_lr(1, 2e-3, optimizer.param_groups[0]["lr"])
-    optimizer.step()
-    scheduler.step()  # batch sizes given as a list cycle, as in DeepSpeed
-    _check_lr(2, 5e-3, scheduler.get_last_lr()[0])
-
-
-@pytest.mark.parametrize("schedule", ["LambdaLR warmup", "SequentialLR", "ChainedScheduler", "constant (optimizer)"])
-def test_no_warnings_while_stepping(schedule):
-    """Building, stepping, realigning and restoring the scheduler emits no warning (PyTorch's included)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        sampler = _sampler()
-        optimizer = _optimizer()
-        scheduler = VariableBatchSizeLR(
-            _SCHEDULES[schedule][0](optimizer), _mean_size(sampler), sampler, lr_scaling_method="sqrt"
-        )
-        _train(sampler, scheduler, optimizer, epochs=3, realign=True)
-        scheduler.get_last_lr()
-        scheduler.load_state_dict(scheduler.state_dict())
 
 
 def test_the_unit_trap_is_warned_only_for_the_default_reference(caplog):
