@@ -4112,17 +4112,6 @@ def _horizon_sampler(seed=0, **kwargs):
     return VariableBatchSampler(_HORIZON_SEQLENS, 256, order="random", seed=seed, min_batch_size=2, **kwargs)
 
 
-def _run_epochs(sampler, scheduler, optimizer, epochs):
-    """One step input per batch over ``epochs`` epochs; returns the epoch of every optimizer step."""
-    steps = []
-    for epoch in range(epochs):
-        for _ in sampler:
-            steps.append(epoch)
-            optimizer.step()
-            scheduler.step()
-    return steps
-
-
 _HORIZON_SCHEDULES = {
     "OneCycleLR": lambda opt, total: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1.0, total_steps=total),
     "CosineAnnealingLR": lambda opt, total: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=total, eta_min=0.01),
@@ -4151,8 +4140,7 @@ def test_schedules_sized_with_the_horizon_end_exactly(schedule, clock, clock_ste
     optimizer = _optimizer(lr=1.0)
     base = _HORIZON_SCHEDULES[schedule](optimizer, total)
     scheduler = VariableBatchSizeLR(base, "mean", sampler, clock=clock, clock_step=clock_step)
-    steps = _run_epochs(sampler, scheduler, optimizer, _HORIZON_EPOCHS)
-    assert len(steps) == sum(counts)
+    assert len(_train(sampler, scheduler, optimizer, _HORIZON_EPOCHS)) == sum(counts)
     assert base.last_epoch == total, f"the schedule ended at step {base.last_epoch} of {total}"
     if "Cosine" in schedule:
         assert base.get_last_lr()[0] == pytest.approx(0.01, abs=1e-9)
