@@ -4864,30 +4864,16 @@ def test_plans_samplers_and_loaders_pickle_and_deep_copy():
 
 def test_state_dicts_are_plain_data_also_from_numpy_settings():
     """Settings given as numpy numbers give JSON-serialisable states that load into plain-int objects (item 15)."""
-    seqlens = np.asarray(_lengths(60, seed=18), dtype=np.int32)
-    numpy_options = dict(
-        micro_batch_size=np.int64(1),
-        gradient_accumulation_steps=np.int32(2),
-        seed=np.int64(3),
-        min_batch_size=np.int64(1),
-        max_batch_size=np.int64(9),
-        order="random",
-    )
-    sampler = VariableBatchSampler(seqlens, np.int64(50), **numpy_options)
+    seqlens = _lengths(60, seed=18)
+    options = dict(micro_batch_size=1, gradient_accumulation_steps=2, seed=3, min_batch_size=1, max_batch_size=9)
+    numpy_options = {name: np.int64(value) for name, value in options.items()}
+    numpy_options["gradient_accumulation_steps"] = np.int32(2)  # numpy's other integer width too
+    sampler = VariableBatchSampler(np.asarray(seqlens, dtype=np.int32), np.int64(50), order="random", **numpy_options)
     optimizer = _optimizer()
     scheduler = VariableBatchSizeLR(optimizer, np.float64(4.0), sampler)
     _train(sampler, scheduler, optimizer, epochs=1)
     states = json.loads(json.dumps({"sampler": sampler.state_dict(), "scheduler": scheduler.state_dict()}))
-    plain = VariableBatchSampler(
-        seqlens.tolist(),
-        50,
-        micro_batch_size=1,
-        gradient_accumulation_steps=2,
-        seed=3,
-        min_batch_size=1,
-        max_batch_size=9,
-        order="random",
-    )
+    plain = VariableBatchSampler(seqlens, 50, order="random", **options)
     plain.load_state_dict(states["sampler"])
     VariableBatchSizeLR(_optimizer(), 4.0, plain).load_state_dict(states["scheduler"])
     assert plain.state_dict() == states["sampler"]
