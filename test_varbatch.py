@@ -3098,39 +3098,24 @@ def test_the_lr_follows_the_batches_trained_or_a_loop_that_leaves_them_is_refuse
         assert scheduler.batches_trained == b
 
 
-def test_the_unit_trap_is_warned_only_for_the_default_reference(caplog):
-    """The default B_ref far from the mean batch warns, naming the fix; the same B_ref given is logged (item 13)."""
+def test_lr_factors_are_logged_once_per_trained_epoch_and_the_unit_trap_is_warned_for_the_default_reference(caplog):
+    """Each epoch's LR factors are logged once, when its first batch has been stepped, never for an untrained epoch; a
+    B_ref far off the mean batch warns, naming the fix, only where it is the default (given, it is logged only)."""
     sampler = _sampler(gradient_accumulation_steps=1)
     assert _mean_size(sampler) > 2 * sampler.effective_batch_size  # train_batch_size is far off the mean batch
+    optimizer = _optimizer()
     with warnings.catch_warnings(), caplog.at_level("INFO", logger="varbatch"):
         warnings.simplefilter("error")  # B_ref = train_batch_size set on purpose: no warning
-        optimizer = _optimizer()
         scheduler = VariableBatchSizeLR(optimizer, sampler.effective_batch_size, sampler)
-        _train(sampler, scheduler, optimizer, epochs=1)
-    assert [m.split(":")[0] for m in _messages(caplog, "LR factor")] == ["epoch 0"]
+        assert _messages(caplog, "LR factor") == []
+        for epoch in range(2):
+            for _ in sampler:
+                optimizer.step()
+                scheduler.step()
+                logged = [message.split(":")[0] for message in _messages(caplog, "LR factor")]
+                assert logged == [f"epoch {e}" for e in range(epoch + 1)]
     with pytest.warns(UserWarning, match="lr_scaling_reference"):
         VariableBatchSizeLR(_optimizer(), None, sampler)
-
-
-def test_lr_factors_are_logged_once_per_trained_epoch(caplog):
-    """Each epoch's LR factors are logged once, when its first batch has been stepped; never for an untrained epoch."""
-    sampler = _sampler()
-    gas = sampler.gradient_accumulation_steps
-    optimizer = _optimizer()
-    with caplog.at_level("INFO", logger="varbatch"):
-        scheduler = VariableBatchSizeLR(optimizer, "mean", sampler)
-        assert _messages(caplog, "LR factor") == []
-        epoch_0 = iter(sampler)
-        for i, _ in enumerate(epoch_0):
-            if i % gas == gas - 1:
-                optimizer.step()
-                scheduler.step()
-                assert [m.split(":")[0] for m in _messages(caplog, "LR factor")] == ["epoch 0"]
-        for i, _ in enumerate(sampler):  # epoch 1
-            if i % gas == gas - 1:
-                optimizer.step()
-                scheduler.step()
-    assert [m.split(":")[0] for m in _messages(caplog, "LR factor")] == ["epoch 0", "epoch 1"]
 
 
 def test_lr_factor_report_only_on_rank_0(caplog):
