@@ -3292,27 +3292,18 @@ def _first_error(make_schedule):
 def test_an_exception_from_the_wrapped_schedule_reaches_the_caller(case):
     """A wrapped schedule that raises in step(): its exception reaches the caller, with the schedule's own message."""
     sampler = _sampler(gradient_accumulation_steps=1)
-    plan = sampler.plan
+    tokens = sampler.plan.batch_tokens
     clock = dict(clock="tokens", clock_step=1) if "token clock" in case else {}
-    if case == "a schedule that raises once":
-        good_steps = 2
-
-        def make(optimizer):
-            return torch.optim.lr_scheduler.LambdaLR(optimizer, _fails_once(at=3))
-
-    elif clock:  # the second step's ticks run past the end half-way through
-        good_steps = 1
-        total_steps = int(plan.batch_tokens[0] + plan.batch_tokens[1] // 2)
-
-        def make(optimizer):
-            return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1.0, total_steps=total_steps)
-
-    else:
-        good_steps = 3
-
-        def make(optimizer):
-            return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1.0, total_steps=good_steps)
-
+    lr_scheduler = torch.optim.lr_scheduler
+    good_steps, make = {  # the updates whose step() the schedule takes, and the schedule
+        "OneCycleLR past total_steps": (3, lambda opt: lr_scheduler.OneCycleLR(opt, max_lr=1.0, total_steps=3)),
+        # the second update's ticks run past the end half-way through
+        "OneCycleLR past total_steps, token clock": (
+            1,
+            lambda opt: lr_scheduler.OneCycleLR(opt, max_lr=1.0, total_steps=int(tokens[0] + tokens[1] // 2)),
+        ),
+        "a schedule that raises once": (2, lambda opt: lr_scheduler.LambdaLR(opt, _fails_once(at=3))),
+    }[case]
     expected = _first_error(make)
     optimizer = _optimizer()
     scheduler = VariableBatchSizeLR(make(optimizer), "mean", sampler, **clock)
