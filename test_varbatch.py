@@ -3207,23 +3207,10 @@ def test_the_lr_reaches_the_param_groups_the_optimizer_steps(case):
         _check_lr(b, 2 * _BASE_LR * factor, applied[-1])
 
 
-def test_deepspeed_glue_installs_the_scheduler_and_does_not_scale_twice():
-    """The scheduler becomes engine.lr_scheduler; calling the glue again scales the original LR, not the scaled one."""
-    engine, (_, first, _) = _glue(_glue_config(), dataset_seqlens=_GLUE_SEQLENS)
-    assert engine.lr_scheduler is first
-    expected = first.get_last_lr()
-    second = varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
-        [torch.ones(n) for n in _GLUE_SEQLENS], engine, dataset_seqlens=_GLUE_SEQLENS
-    )[1]
-    assert engine.lr_scheduler is second
-    assert second.get_last_lr() == pytest.approx(expected), (
-        f"LR is wrong at step 0: expected {expected}, got {second.get_last_lr()}"
-    )
-
-
-def test_deepspeed_glue_called_again_detaches_the_scheduler_it_replaces():
-    """The glue called again on one engine: the replaced scheduler's hooks are gone and it no longer follows its
-    sampler, so the LR an update uses is the new scheduler's (after skipped steps, and when the old loader runs)."""
+def test_deepspeed_glue_called_again_replaces_the_scheduler_and_detaches_the_old_one():
+    """The glue's scheduler becomes engine.lr_scheduler. Called again on one engine, it scales the original LR, not the
+    scaled one; the replaced scheduler's hooks are gone and it no longer follows its sampler, so the LR an update uses
+    is the new scheduler's (after skipped steps, and when the old loader runs)."""
     seqlens = _lengths(40, 1, 8, seed=31)
 
     def lr_differs(seed):  # batch 1's LR under the old (8 samples) and the new (40) plans of one seed
@@ -3237,6 +3224,9 @@ def test_deepspeed_glue_called_again_detaches_the_scheduler_it_replaces():
 
     config = _glue_config(sequence_picking_order="random", seed=_first_seed(lr_differs))
     engine, (old_loader, old, _) = _glue(config, dataset_seqlens=_GLUE_SEQLENS)
+    assert engine.lr_scheduler is old
+    scaled = engine.optimizer.param_groups[0]["lr"]
+    assert not math.isclose(scaled, _BASE_LR), "batch 0's factor is 1: a second scaling could not show"
     new_loader, new, _ = varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
         [torch.ones(n) for n in seqlens], engine, dataset_seqlens=seqlens
     )
