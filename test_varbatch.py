@@ -3583,6 +3583,16 @@ def _updates_off(sampler, updates, base_lr=_BASE_LR, schedule=None):
 _DECAY = 0.97  # the wrapped schedule of the AMP loops: lr x 0.97**t, so that t, the updates taken, shows
 
 
+_AMP_SEQLENS = _lengths(200, 3, 40)  # 40 batches an epoch at G = 1
+
+
+def _amp_sampler(gradient_accumulation_steps=1):
+    """The sampler of the AMP loops."""
+    return VariableBatchSampler(
+        _AMP_SEQLENS, 128, order="bucket", seed=0, gradient_accumulation_steps=gradient_accumulation_steps
+    )
+
+
 def _amp_passes(loader, sampler, epochs, prefetching):
     """``(epoch, step input)`` of ``epochs`` passes over ``loader``, set_epoch first; ``prefetching``: one stream over
     the run, read one step input ahead (what a prefetching wrapper does), set_epoch never called."""
@@ -3620,9 +3630,8 @@ def _amp_loop(
     the loader, read one step input ahead, across the epochs' ends, set_epoch never called).
     Returns (sampler, [(LR applied, [(epoch, sample id) it trains], t the loop's contract says)], the RuntimeError a
     call raised or None, the updates the loop began)."""
-    seqlens = _lengths(200, 3, 40)
-    sampler = VariableBatchSampler(seqlens, 128, order="bucket", seed=0, gradient_accumulation_steps=sampler_gas)
-    dataset = [torch.full((n, 1), float(i)) for i, n in enumerate(seqlens)]
+    sampler = _amp_sampler(sampler_gas)
+    dataset = [torch.full((n, 1), float(i)) for i, n in enumerate(_AMP_SEQLENS)]
     loader = make_dataloader(dataset, sampler, collate_fn=lambda samples: samples, num_workers=workers)
     frozen = torch.nn.Parameter(torch.zeros(1), requires_grad=loop != "frozen first parameter")
     model = torch.nn.Linear(1, 1)
@@ -3714,14 +3723,12 @@ def test_an_amp_skipped_update_near_an_epochs_end_is_not_a_double_step(from_end)
     """GradScaler skips an update near epoch 0's end while 2 workers have read the epoch to its end (no new step input
     reaches the loop's step): told or stepped plainly, it is a skip, not a second step(); two step() calls with no
     optimizer step and no step input between them still raise."""
-    seqlens = _lengths(60, 5, 40, seed=29)
-    sampler = VariableBatchSampler(seqlens, 128, order="bucket", seed=2)
-    skip = sampler.plan_for_epoch(0).num_batches - from_end
+    skip = _amp_sampler().plan_for_epoch(0).num_batches - from_end
     for telling in ("skipped", "always"):
         sampler, updates, error, _ = _amp_loop({skip}, telling=telling, workers=2)
         assert error is None, error
         assert not _updates_off(sampler, updates, schedule=lambda t: _DECAY**t)
-    sampler = VariableBatchSampler(seqlens, 128, order="bucket", seed=2)
+    sampler = _amp_sampler()
     scheduler = VariableBatchSizeLR(_optimizer(), "mean", sampler)
     for _ in zip(range(2), sampler):
         pass
