@@ -3143,12 +3143,6 @@ class _WrappedOptimizer:
         self.steps += 1
         self.optimizer.step()
 
-    def zero_grad(self, set_to_none=True):
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    def state_dict(self):
-        return self.optimizer.state_dict()
-
 
 @pytest.mark.parametrize("wrap_scheduler", [False, True])
 def test_deepspeed_style_optimizer_wrapper(wrap_scheduler):
