@@ -3906,9 +3906,9 @@ def test_correct_loops_over_every_source_train_exactly(source, gas):
     [("make_dataloader", None), ("torch's DataLoader", None), ("a prefetcher", None), ("make_dataloader", 2)],
 )
 def test_correct_loops_with_workers_train_exactly(source, cut):
-    """The same loops with 2 loader workers reading ahead: exact; a ``break`` out of epoch 0 is squared at the next
-    epoch's first update."""
-    between = () if source == "a prefetcher" or cut else _SIDE_PASSES
+    """The same loops with 2 loader workers reading ahead, a train-set loss pass every 7 updates: exact; a ``break``
+    out of epoch 0 is squared at the next epoch's first update."""
+    between = () if source == "a prefetcher" or cut else ("side pass", *["get_last_lr"] * 6)
     sampler, updates, per_epoch = _correct_loop(source, workers=2, gas=2, peeks=(2,), between=between, cut=cut)
     assert len(updates) == (cut or len(sampler) // 2) + len(sampler) // 2
     _assert_exact(sampler, updates, per_epoch, cut=cut)
