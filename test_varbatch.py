@@ -5528,20 +5528,27 @@ def test_padding_free_plans_are_the_sum_budgets_with_their_rows(monkeypatch, red
 
 def test_padding_free_pipeline_rows_share_their_batchs_length():
     """same_length: every row of a batch is as long as its longest (the plan's padded_seqlens, the key's pad_to);
-    the rest a padding segment of its own (positions from 0, labels -100) that the totals count as padding."""
+    the rest a padding segment of its own (positions from 0, labels the call's separator_id, as every sample's first
+    label) that the totals count as padding."""
     lengths = [3, 9, 4, 7, 2, 8, 5, 6, 1, 9, 3, 4]
     dataset = [{"input_ids": torch.full((n,), i)} for i, n in enumerate(lengths)]
     sampler = VariableBatchSampler(
         lengths, 12, gradient_accumulation_steps=2, padding_free=True, same_length=True, num_replicas=1, rank=0
     )
-    plan, rows = sampler.plan, list(make_dataloader(dataset, sampler))
+    flat = varbatch.FlatCollate()
+
+    def collate(samples, seqlens):
+        return flat(samples, seqlens, separator_id=-7)
+
+    plan, rows = sampler.plan, list(make_dataloader(dataset, sampler, collate_fn=collate))
     for b in range(plan.num_batches):
         batch_rows = rows[2 * b : 2 * b + 2]
         assert {row["input_ids"].shape for row in batch_rows} == {(1, int(plan.padded_seqlens[2 * b]))}
         for row, ids in zip(batch_rows, (plan.microbatch(2 * b), plan.microbatch(2 * b + 1))):
             real = int(sum(lengths[i] for i in ids))
-            assert row["input_ids"][0, row["position_ids"][0] == 0][: len(ids)].tolist() == ids.tolist()
-            assert (row["labels"][0, real:] == -100).all()
+            starts = row["position_ids"][0] == 0
+            assert row["input_ids"][0, starts][: len(ids)].tolist() == ids.tolist()
+            assert (row["labels"][0, starts] == -7).all() and (row["labels"][0, real:] == -7).all()
             assert row["position_ids"][0, real:].tolist() == list(range(row["input_ids"].shape[1] - real))
     totals = plan.totals()
     assert totals["padded_tokens"] == sum(row["input_ids"].shape[1] for row in rows) > totals["real_tokens"]
