@@ -885,7 +885,8 @@ def test_seqlen_order_is_ascending_with_ties_by_id(seqlens, data):
 
 
 def test_bucket_order_is_random_with_little_padding():
-    """order='bucket' pads far less than 'random', and still draws new batches in a new order each epoch."""
+    """order='bucket' pads far less than 'random' (its new order each epoch, its batches shuffled: the random
+    orders' tests above)."""
     seqlens = np.clip(np.random.default_rng(3).lognormal(3.5, 0.8, 3000), 2, 256).astype(int)
     options = dict(effective_batch_size=2, budget="padded", seed=4, bucket_size=256)
     efficiency = {
@@ -893,10 +894,6 @@ def test_bucket_order_is_random_with_little_padding():
         for order in ("random", "bucket")
     }
     assert efficiency["bucket"] > efficiency["random"] + 0.15, efficiency
-    plans = [plan_batches(seqlens, 512, order="bucket", epoch=e, **options) for e in (0, 1)]
-    assert plans[0].sample_ids.tolist() != plans[1].sample_ids.tolist()
-    longest = plans[0].batch_max_seqlens
-    assert (np.diff(longest) < 0).any() and (np.diff(longest) > 0).any(), "bucket batches are not shuffled"
 
 
 def test_both_spellings_of_the_picking_order_are_read():
@@ -1391,13 +1388,8 @@ def test_padded_collate_collates_dict_fields_by_key(samples):
 
 
 def test_callbacks_are_picklable():
-    """PaddedCollate, pad_sample (and partials of it) and a same-length loader survive pickling (spawned workers)."""
-    samples = [torch.arange(1, n + 1) for n in (3, 1, 2)]
-    collate = pickle.loads(pickle.dumps(PaddedCollate(pad_value=0)))
-    assert collate(samples)[1].tolist() == [3, 1, 2]
-    assert pickle.loads(pickle.dumps(pad_sample))(torch.ones(1), 3).tolist() == [1, 0, 0]
-    padding = pickle.loads(pickle.dumps(functools.partial(pad_sample, pad_value=9)))
-    assert padding(torch.tensor([1]), 2).tolist() == [1, 9]
+    """A same-length loader, its PaddedCollate and its partial of pad_sample survive pickling (spawned workers): the
+    loader unpickled collates and pads as the first."""
     seqlens = [3, 1, 2, 3]
     sampler = VariableBatchSampler(seqlens, 6, same_size=True, same_length=True, gradient_accumulation_steps=2)
     loader = make_dataloader(
