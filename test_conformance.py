@@ -151,29 +151,6 @@ def test_flat_collate_leaves_its_samples_as_they_were(samples, call_separator_id
             assert np.array_equal(np.asarray(sample[key]), np.asarray(value)), key
 
 
-def test_call_time_separator_id_labels_a_pipeline_rows_padding():
-    """A padding-free pipeline pads each row to its batch's longest: the padding segment's labels are the call's
-    separator_id, as is every sample's first label."""
-    lengths = [3, 9, 4, 7, 2, 8, 5, 6, 1, 9, 3, 4]
-    dataset = [{"input_ids": torch.full((n,), i + 1)} for i, n in enumerate(lengths)]
-    sampler = VariableBatchSampler(
-        lengths, 12, gradient_accumulation_steps=2, padding_free=True, same_length=True, num_replicas=1, rank=0
-    )
-    flat = FlatCollate()
-
-    def collate(samples, seqlens):
-        return flat(samples, seqlens, separator_id=-7)
-
-    padded_rows = 0
-    for row in make_dataloader(dataset, sampler, collate_fn=collate):
-        starts = row["position_ids"][0] == 0
-        assert (row["labels"][0, starts] == -7).all()
-        real = int((row["input_ids"][0] != 0).sum())
-        assert (row["labels"][0, real:] == -7).all()
-        padded_rows += real < row["input_ids"].shape[1]
-    assert padded_rows > 0  # the case exists: some rows have a padding segment
-
-
 @pytest.mark.parametrize(
     "call, error, message",
     [

@@ -456,15 +456,6 @@ def test_every_plan_holds_its_budget_and_bounds(case):
     _assert_valid_plan(plan, case)
 
 
-def test_samples_longer_than_max_tokens_are_dropped_or_refused():
-    """Samples longer than max_tokens are over_budget drops, or refused by name with on_overlong='error'."""
-    assert plan_batches([2, 6, 3, 7], 5).dropped["over_budget"].tolist() == [1, 3]
-    with pytest.raises(ValueError, match=re.escape("max_tokens=5 is smaller than 2 samples (ids 1, 3)")):
-        plan_batches([2, 6, 3, 7], 5, on_overlong="error")
-    with pytest.raises(ValueError, match=re.escape("max_tokens=3 (shortest 4)")):
-        plan_batches([5, 4, 9], 3)
-
-
 # -- a sample's len() means nothing: the seqlens are the truth -------------------
 
 
@@ -894,7 +885,8 @@ def test_seqlen_order_is_ascending_with_ties_by_id(seqlens, data):
 
 
 def test_bucket_order_is_random_with_little_padding():
-    """order='bucket' pads far less than 'random', and still draws new batches in a new order each epoch."""
+    """order='bucket' pads far less than 'random' (its new order each epoch, its batches shuffled: the random
+    orders' tests above)."""
     seqlens = np.clip(np.random.default_rng(3).lognormal(3.5, 0.8, 3000), 2, 256).astype(int)
     options = dict(effective_batch_size=2, budget="padded", seed=4, bucket_size=256)
     efficiency = {
@@ -902,10 +894,6 @@ def test_bucket_order_is_random_with_little_padding():
         for order in ("random", "bucket")
     }
     assert efficiency["bucket"] > efficiency["random"] + 0.15, efficiency
-    plans = [plan_batches(seqlens, 512, order="bucket", epoch=e, **options) for e in (0, 1)]
-    assert plans[0].sample_ids.tolist() != plans[1].sample_ids.tolist()
-    longest = plans[0].batch_max_seqlens
-    assert (np.diff(longest) < 0).any() and (np.diff(longest) > 0).any(), "bucket batches are not shuffled"
 
 
 def test_both_spellings_of_the_picking_order_are_read():
@@ -1147,10 +1135,10 @@ def test_dict_samples_in_pipeline_mode():
 # -- step inputs and ranks -------------------------------------------------------------------------
 
 
-def _dealt_oracle(plan, micro_batch_size, num_replicas, rank):
-    """Rank ``rank``'s step inputs: g = rank, rank + R, ..., step input g = micro-batches g*m .. g*m + m - 1."""
+def _step_inputs_oracle(plan, micro_batch_size):
+    """Every rank's step inputs in the order dealt: step input g is micro-batches g*m .. g*m + m - 1."""
     mbs, m = plan.microbatches(), micro_batch_size
-    return [[i for mb in mbs[g * m : (g + 1) * m] for i in mb] for g in range(rank, len(mbs) // m, num_replicas)]
+    return [[i for mb in mbs[g * m : (g + 1) * m] for i in mb] for g in range(len(mbs) // m)]
 
 
 @given(
@@ -1161,39 +1149,25 @@ def _dealt_oracle(plan, micro_batch_size, num_replicas, rank):
     order=st.sampled_from(ORDERS),
     budget=st.sampled_from(BUDGETS),
     epoch=st.integers(0, 2),
-)
-@settings(max_examples=60)
-def test_step_inputs_are_dealt_by_the_one_rule(seqlens, micro_batch_size, gas, num_replicas, order, budget, epoch):
-    """Rank r trains step inputs r, r + R, ...; step input g is micro-batches g*m .. g*m + m - 1."""
-    options = dict(
-        micro_batch_size=micro_batch_size, gradient_accumulation_steps=gas, order=order, budget=budget, seed=3
-    )
-    for rank, sampler in enumerate(_samplers(seqlens, 45, num_replicas, **options)):
-        sampler.set_epoch(epoch)
-        expected = _dealt_oracle(sampler.plan, micro_batch_size, num_replicas, rank)
-        assert len(expected) == len(sampler) == sampler.plan.num_batches * gas
-        assert list(sampler) == expected
-
-
-@given(
-    seqlens=st.lists(st.integers(1, 30), min_size=1, max_size=120),
-    micro_batch_size=st.integers(1, 2),
-    num_replicas=st.integers(1, 3),
     key_run=st.integers(1, 5),
     data=st.data(),
 )
-@settings(max_examples=40)
+@settings(max_examples=60)
 def test_every_view_of_a_pass_deals_the_one_rule_and_moves_the_position_per_step_input(
-    seqlens, micro_batch_size, num_replicas, key_run, data
+    seqlens, micro_batch_size, gas, num_replicas, order, budget, epoch, key_run, data
 ):
-    """`__iter__`'s ids, this rank's keys and every rank's keys hold the oracle's step inputs from any resume
-    position, the plan read in runs of any length; each of this rank's step inputs moves the position on as it is
-    handed out (before a later rank's key of the same t), the epoch's last one to the next epoch."""
+    """Rank r trains step inputs r, r + R, ... of the epoch set; step input g is micro-batches g*m .. g*m + m - 1.
+    `__iter__`'s ids, this rank's keys and every rank's keys hold them from any resume position, the plan read in
+    runs of any length; each of this rank's step inputs moves the position on as it is handed out (before a later
+    rank's key of the same t), the epoch's last one to the next epoch."""
     m, ranks = micro_batch_size, num_replicas
     rank = data.draw(st.integers(0, ranks - 1))
-    sampler = _samplers(seqlens, 45, ranks, micro_batch_size=m, order="random")[rank]
-    every_input = _dealt_oracle(sampler.plan, m, 1, 0)  # step input g of every rank
+    options = dict(micro_batch_size=m, gradient_accumulation_steps=gas, order=order, budget=budget, seed=3)
+    sampler = _samplers(seqlens, 45, ranks, **options)[rank]
+    sampler.set_epoch(epoch)
+    every_input = _step_inputs_oracle(sampler.plan, m)  # step input g of every rank
     total = len(sampler)
+    assert total == sampler.plan.num_batches * gas and len(every_input) == total * ranks
     start = data.draw(st.integers(0, total - 1))
     state = {**sampler.state_dict(), "steps_done": start}
     with unittest.mock.patch.object(varbatch, "_KEY_RUN", key_run):
@@ -1214,7 +1188,7 @@ def test_every_view_of_a_pass_deals_the_one_rule_and_moves_the_position_per_step
                     where = (got.step_input, got.pass_start, got.every_rank)
                     assert (list(got.sample_ids), *where) == (every_input[g], g, start, view == "every rank's keys")
                     assert got.seqlens == tuple(seqlens[i] for i in got.sample_ids)
-                assert (sampler.epoch, sampler.steps_done) == ((1, 0) if done == total else (0, done))
+                assert (sampler.epoch, sampler.steps_done) == ((epoch + 1, 0) if done == total else (epoch, done))
             assert next(dealt, None) is None
 
 
@@ -1240,23 +1214,6 @@ def test_sampler_interleaving_matches_deepspeed(num_replicas, gas):
             seqlens, 45, gradient_accumulation_steps=gas, num_replicas=num_replicas, rank=rank
         )
         assert list(sampler) == [list(step) for step in loader]
-
-
-def test_sampler_set_epoch_and_auto_advance():
-    """set_epoch changes the random order; a full iteration advances to the next epoch by itself."""
-    seqlens = _lengths(80, seed=5)
-    sampler = VariableBatchSampler(seqlens, 60, order="random", seed=3)
-    first = list(sampler)
-    assert sampler.epoch == 1
-    second = list(sampler)
-    assert sampler.epoch == 2
-    assert first != second
-    assert second == sampler.plan_for_epoch(1).microbatches()
-    sampler.set_epoch(0)
-    assert list(sampler) == first
-    sampler.set_epoch(5)
-    fifth = list(sampler)
-    assert fifth == sampler.plan_for_epoch(5).microbatches() and fifth not in (first, second)
 
 
 def test_make_dataloader_with_workers():
@@ -1431,13 +1388,8 @@ def test_padded_collate_collates_dict_fields_by_key(samples):
 
 
 def test_callbacks_are_picklable():
-    """PaddedCollate, pad_sample (and partials of it) and a same-length loader survive pickling (spawned workers)."""
-    samples = [torch.arange(1, n + 1) for n in (3, 1, 2)]
-    collate = pickle.loads(pickle.dumps(PaddedCollate(pad_value=0)))
-    assert collate(samples)[1].tolist() == [3, 1, 2]
-    assert pickle.loads(pickle.dumps(pad_sample))(torch.ones(1), 3).tolist() == [1, 0, 0]
-    padding = pickle.loads(pickle.dumps(functools.partial(pad_sample, pad_value=9)))
-    assert padding(torch.tensor([1]), 2).tolist() == [1, 9]
+    """A same-length loader, its PaddedCollate and its partial of pad_sample survive pickling (spawned workers): the
+    loader unpickled collates and pads as the first."""
     seqlens = [3, 1, 2, 3]
     sampler = VariableBatchSampler(seqlens, 6, same_size=True, same_length=True, gradient_accumulation_steps=2)
     loader = make_dataloader(
@@ -1486,7 +1438,24 @@ def _planner_of(case):
     return settings, ids, seqlens, planner, reference
 
 
+# An order whose packings leave some epochs without a batch (two micro-batches of two samples each needed).
+_UNLUCKY = dict(seqlens=[9, 1, 9, 5, 4], max_tokens=10, order="random", min_batch_size=2)
+
+
+def _packs_an_empty_epoch(seed):
+    """Whether the packing of one of epochs 1..5 of the unlucky case at ``seed`` has no batch, epoch 0's one."""
+    options = {key: value for key, value in _UNLUCKY.items() if key != "seqlens"}
+    settings = varbatch._Settings.of(effective_batch_size=2, seed=seed, **options)
+    counts = [varbatch._pack(np.array(_UNLUCKY["seqlens"]), settings, None, e).num_batches for e in range(6)]
+    return counts[0] > 0 and 0 in counts[1:]
+
+
 @given(case=plan_cases(orders=ORDERS), order=st.permutations(range(6)))
+# an epoch whose packing has no batch (drawn again, or epoch 0's batches reshuffled)
+@example(
+    case=_case(**_UNLUCKY, effective_batch_size=2, seed=_first_seed(_packs_an_empty_epoch)),
+    order=list(range(6)),
+)
 @example(case=_case(_lengths(60, 1, 20, seed=2), 30, effective_batch_size=2, order="random"), order=list(range(6)))
 @example(
     case=_case(
@@ -1554,52 +1523,6 @@ def _assert_tail_traded(plan, before, case):
     for reason in ("over_budget", "min_batch_size", "filtered"):
         assert plan.dropped[reason].tolist() == before.dropped[reason].tolist()
     _assert_valid_plan(plan, case)
-
-
-@given(case=plan_cases(orders=ORDERS), extra=st.integers(0, 6))
-@example(case=_case([3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8], 12, effective_batch_size=2), extra=3)
-@example(case=_case([1] * 12 + [9] * 4, 10, effective_batch_size=2, min_batch_size=2, same_size=True), extra=2)
-@settings(max_examples=200, deadline=None)
-def test_lengthened_cuts_in_two_the_fullest_batches_that_can_be_cut(case, extra):
-    """`_lengthened` adds ``extra`` batches by cutting that many of the batches `_resplit` can cut, those of most
-    samples (ties: the first), each into two batches of parts of its micro-batches; the others stay as they are,
-    in order. It gives None exactly where too few can be cut, and never breaks a budget or loses a sample."""
-    settings, ids = _settings_of(case)
-    seqlens = np.asarray(case["seqlens"])
-    try:
-        plan = varbatch._pack(seqlens, settings, ids, case["epoch"])
-    except ValueError:
-        plan = None
-    assume(plan is not None and plan.num_batches > 0)
-    k, width = settings.effective_batch_size, settings.unit_width
-    mbs = plan.microbatches()
-    batches = [mbs[b * k : (b + 1) * k] for b in range(plan.num_batches)]
-    cuttable = [
-        varbatch._resplit([batch[u : u + width] for u in range(0, k, width)], 2 * k // width, settings.min_batch_size)
-        is not None
-        for batch in batches
-    ]
-    assert varbatch._cuttable(plan).tolist() == cuttable
-    longer = varbatch._lengthened(plan, seqlens, plan.num_batches + extra)
-    if sum(cuttable) < extra:
-        assert longer is None
-        return
-    assert longer.num_batches == plan.num_batches + extra
-    _assert_valid_plan(longer, case)
-    assert _plan_arrays(longer)[-1] == _plan_arrays(plan)[-1], "the drops changed"
-    by_size = sorted((b for b in range(len(batches)) if cuttable[b]), key=lambda b: -plan.batch_sizes[b])
-    cut = set(by_size[:extra])
-    new = longer.microbatches()
-    at = 0
-    for b, batch in enumerate(batches):
-        if b not in cut:
-            assert new[at : at + k] == batch, f"batch {b} moved or changed"
-            at += k
-            continue
-        parts = new[at : at + 2 * k]
-        assert sorted(i for mb in parts for i in mb) == sorted(i for mb in batch for i in mb)
-        assert all(any(set(part) <= set(mb) for mb in batch) for part in parts), f"batch {b} cut across micro-batches"
-        at += 2 * k
 
 
 # -- the tail moves (NOTE [the tail moves]) ----------------------------------------------------------------------
@@ -1991,33 +1914,6 @@ def test_batch_by_seqlens_returns_deepspeed_shapes():
 
 
 # -- later epochs and empty plans ------------------------------------------------------------------
-
-
-# An order whose packings leave some epochs without a batch (two micro-batches of two samples each needed).
-_UNLUCKY = dict(seqlens=[9, 1, 9, 5, 4], max_tokens=10, order="random", min_batch_size=2)
-
-
-def _packs_an_empty_epoch(seed):
-    """Whether the packing of one of epochs 1..5 of the unlucky case at ``seed`` has no batch, epoch 0's one."""
-    options = {key: value for key, value in _UNLUCKY.items() if key != "seqlens"}
-    settings = varbatch._Settings.of(effective_batch_size=2, seed=seed, **options)
-    counts = [varbatch._pack(np.array(_UNLUCKY["seqlens"]), settings, None, e).num_batches for e in range(6)]
-    return counts[0] > 0 and 0 in counts[1:]
-
-
-def test_an_epoch_whose_packing_has_no_batch_has_epoch_0s_batches():
-    """An epoch whose packing has no batch is drawn again (or takes epoch 0's batches): it trains like every other."""
-    options = {key: value for key, value in _UNLUCKY.items() if key not in ("seqlens", "max_tokens")}
-    seed = _first_seed(_packs_an_empty_epoch)
-    sampler = VariableBatchSampler(
-        _UNLUCKY["seqlens"], _UNLUCKY["max_tokens"], gradient_accumulation_steps=2, seed=seed, **options
-    )
-    for epoch in range(6):
-        plan = sampler.plan
-        assert plan.epoch == epoch and plan.num_batches * 2 == len(sampler) > 0
-        ids = sorted(plan.sample_ids.tolist() + [i for dropped in plan.dropped.values() for i in dropped.tolist()])
-        assert ids == list(range(5)) and len(plan.dropped["tail"]) < 2
-        assert len(list(sampler)) == len(sampler) and sampler.epoch == epoch + 1
 
 
 def test_the_last_resort_is_epoch_0s_batches_reshuffled(monkeypatch):
@@ -4610,8 +4506,8 @@ _BAD_PLAN_BATCHES = [
     _bad_plan("sample_ids twice", ValueError, "sample_ids", sample_ids=[0, 1, 1]),
     _bad_plan("sample_ids floats", TypeError, "sample_ids", sample_ids=[0.0, 1.0]),
     _bad_plan("sample_ids a set", TypeError, "sample_ids", sample_ids={0, 1}),
-    _bad_plan("overlong", ValueError, "max_tokens on_overlong='skip'", [2, 6, 3, 7], 5, on_overlong="error"),
-    _bad_plan("every sample over budget", ValueError, "max_tokens", [5, 4, 9], 3),
+    _bad_plan("overlong", ValueError, "max_tokens=5 (ids 1, 2) on_overlong='skip'", [2, 6, 7], 5, on_overlong="error"),
+    _bad_plan("every sample over budget", ValueError, "max_tokens=3 (shortest 4)", [5, 4, 9], 3),
     _bad_plan("too few samples", ValueError, "effective_batch_size min_batch_size", [1, 1, 1], effective_batch_size=4),
 ]
 
@@ -5183,20 +5079,27 @@ def test_padding_free_plans_are_the_sum_budgets_with_their_rows(monkeypatch, red
 
 def test_padding_free_pipeline_rows_share_their_batchs_length():
     """same_length: every row of a batch is as long as its longest (the plan's padded_seqlens, the key's pad_to);
-    the rest a padding segment of its own (positions from 0, labels -100) that the totals count as padding."""
+    the rest a padding segment of its own (positions from 0, labels the call's separator_id, as every sample's first
+    label) that the totals count as padding."""
     lengths = [3, 9, 4, 7, 2, 8, 5, 6, 1, 9, 3, 4]
     dataset = [{"input_ids": torch.full((n,), i)} for i, n in enumerate(lengths)]
     sampler = VariableBatchSampler(
         lengths, 12, gradient_accumulation_steps=2, padding_free=True, same_length=True, num_replicas=1, rank=0
     )
-    plan, rows = sampler.plan, list(make_dataloader(dataset, sampler))
+    flat = varbatch.FlatCollate()
+
+    def collate(samples, seqlens):
+        return flat(samples, seqlens, separator_id=-7)
+
+    plan, rows = sampler.plan, list(make_dataloader(dataset, sampler, collate_fn=collate))
     for b in range(plan.num_batches):
         batch_rows = rows[2 * b : 2 * b + 2]
         assert {row["input_ids"].shape for row in batch_rows} == {(1, int(plan.padded_seqlens[2 * b]))}
         for row, ids in zip(batch_rows, (plan.microbatch(2 * b), plan.microbatch(2 * b + 1))):
             real = int(sum(lengths[i] for i in ids))
-            assert row["input_ids"][0, row["position_ids"][0] == 0][: len(ids)].tolist() == ids.tolist()
-            assert (row["labels"][0, real:] == -100).all()
+            starts = row["position_ids"][0] == 0
+            assert row["input_ids"][0, starts][: len(ids)].tolist() == ids.tolist()
+            assert (row["labels"][0, starts] == -7).all() and (row["labels"][0, real:] == -7).all()
             assert row["position_ids"][0, real:].tolist() == list(range(row["input_ids"].shape[1] - real))
     totals = plan.totals()
     assert totals["padded_tokens"] == sum(row["input_ids"].shape[1] for row in rows) > totals["real_tokens"]
@@ -5566,8 +5469,8 @@ def test_balanced_ranks_with_lr_in_sequences_warn_that_the_lr_swings():
 
 
 def _readme_quadratic_tokens():
-    """The recipe for q the README links to (BENCHMARKS.md, "Timing q for your model"): its program run, and its
-    function."""
+    """The recipe for q the README links to (BENCHMARKS.md, "Timing q for your model"): its program run, the names it
+    defines, and what it printed."""
     benchmarks = _README.with_name("BENCHMARKS.md")
     (program,) = [
         body
@@ -5577,18 +5480,48 @@ def _readme_quadratic_tokens():
     namespace = {"__name__": "readme_recipe"}
     with contextlib.redirect_stdout(io.StringIO()) as printed:
         exec(compile(program, benchmarks.name, "exec"), namespace)
-    return namespace["quadratic_tokens"], printed.getvalue()
+    return namespace, printed.getvalue()
 
 
 def test_readme_recipe_finds_q_of_a_model_whose_attention_dominates():
-    """Timed on CPU, the recipe finds a q far below the long shape for one attention layer of hidden size 32, and
-    for a model of per-token layers alone one many times larger, or none (infinite): the shapes cost it alike."""
+    """The recipe prints one line with q; it finds the q of a model whose cost is known, on a clock that model moves;
+    and timed on CPU, a q far below the long shape for one attention layer of hidden size 32, and for a model of
+    per-token layers alone one many times larger, or none (infinite): the shapes cost it alike."""
     torch.set_num_threads(1)
-    quadratic_tokens, printed = _readme_quadratic_tokens()
-    q = float(re.fullmatch(r"quadratic_tokens=(\d+)\n", printed)[1])
-    assert 0 < q < 1024, printed
+    recipe, printed = _readme_quadratic_tokens()
+    shown = re.fullmatch(r"quadratic_tokens=(-?\d+|inf)\n", printed)
+    assert shown, f"the recipe printed {printed!r}, not one line quadratic_tokens=<q>"
+    quadratic_tokens = recipe["quadratic_tokens"]
+    # On a clock that a model of known cost moves (n x (S + S^2 / q) seconds a pass), the recipe finds that q.
+    clock = [0.0]
+    recipe["time"] = types.SimpleNamespace(perf_counter=lambda: clock[0])
+    for q in (300, math.inf):
+
+        def known_cost(batch, q=q):
+            clock[0] += batch.shape[0] * (batch.shape[1] + batch.shape[1] ** 2 / q)
+            return batch
+
+        found = quadratic_tokens(known_cost, lambda n, length: torch.zeros(n, length, requires_grad=True))
+        assert found == pytest.approx(q), f"the recipe finds q={found} for a model whose q is {q}"
+    recipe["time"] = time
     per_token = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
-    assert quadratic_tokens(per_token, lambda n, length: torch.randn(n, length, 64)) > 4 * q
+    # NOTE [a timed measurement]: q comes from the ratio of the fastest of a few timed passes at two shapes. On a
+    # loaded machine every pass of one shape can be slowed, and the ratio with it (the recipe then prints inf or a
+    # negative q). Such a measurement is taken again, with more passes, up to three times: the recipe's arithmetic
+    # is checked exactly on the clock above, and these tries check that it times real passes.
+    tries = []  # per try: (q of the attention layer, q of the per-token model)
+    q = float(shown[1])
+    for _ in range(3):
+        if tries:
+            attention = recipe["Attention"]()
+            q = quadratic_tokens(attention, lambda n, length: torch.randn(n, length, 32), repeats=9)
+        tries.append((q, quadratic_tokens(per_token, lambda n, length: torch.randn(n, length, 64), repeats=9)))
+        if 0 < q < 1024 and tries[-1][1] > 4 * q:
+            return
+    raise AssertionError(
+        f"the recipe printed {printed!r}; per try, (q of the attention layer, expected 0 < q < 1024; q of the "
+        f"per-token model, expected above 4 x the first): {tries}"
+    )
 
 
 # =============================================================================
@@ -5722,18 +5655,6 @@ def test_json_matches_plan_batches(npy_file):
     assert data["settings"]["seed"] == 5 and data["settings"]["epoch"] == 2
 
 
-def test_the_plan_command_reports_the_largest_step_input(tmp_path):
-    """The audit's padded case: the largest step input is 2 x 64, within micro_batch_size x max_tokens."""
-    lengths = tmp_path / "lengths.npy"
-    np.save(lengths, np.array(_ISSUE_PADDED))
-    section = {"enabled": True, "max_tokens": 64, "budget": "padded"}
-    config = _write_config(tmp_path, section, train_batch_size=2, train_micro_batch_size_per_gpu=2)
-    largest = _cli_json("--config", config, "--seqlens", str(lengths))["totals"]["largest_step_input"]
-    assert largest["tokens"] == 128 <= largest["bound"] == 128
-    _, out, _ = _cli("--config", config, "--seqlens", str(lengths))
-    assert "largest step input: 2 x 64 = 128 tokens = 1.00 x (micro_batch_size 2 x max_tokens 64)" in out
-
-
 def test_padding_free_plan_shows_its_rows(npy_file):
     """--padding-free: the plan says so, its step inputs are 1 x T rows with no padding."""
     code, out, _ = _cli("--seqlens", npy_file, "--padding-free", "--effective-batch-size", "2")
@@ -5820,17 +5741,6 @@ def test_config_world_size_that_contradicts_it_is_an_error(tmp_path, npy_file):
     assert "train_batch_size=4" in err and "world size 3" in err
 
 
-def test_a_null_config_seed_plans_as_an_absent_one(tmp_path, npy_file):
-    """`plan --config` with "seed": null plans as without the key (data_efficiency.seed, else 1234), not as seed 0."""
-    shown = {}
-    for label, seed in (("null", {"seed": None}), ("absent", {}), ("zero", {"seed": 0})):
-        section = {"enabled": True, "max_tokens": 12, **seed}
-        config = _write_config(tmp_path, section, train_batch_size=2, train_micro_batch_size_per_gpu=1)
-        shown[label] = _cli_json("--config", config, "--seqlens", npy_file, "--order", "random", "--batches", "0")
-    assert shown["null"] == shown["absent"] and shown["null"]["settings"]["seed"] == 1234
-    assert shown["null"]["batches"] != shown["zero"]["batches"], "seed 0 plans as 1234: the case shows nothing"
-
-
 _CLI_SEQLENS = [*_lengths(60, 1, 30, seed=19), 45]
 
 
@@ -5841,7 +5751,7 @@ def config_sections(draw):
     optional = {
         "budget": st.sampled_from(BUDGETS),
         "sequence_picking_order": st.sampled_from(ORDERS),
-        "seed": st.integers(0, 5),
+        "seed": st.one_of(st.none(), st.integers(0, 5)),  # null: as if absent
         "min_batch_size": st.integers(1, 3),
         "max_batch_size": st.one_of(st.none(), st.integers(3, 8)),
         "bucket_size": st.integers(1, 16),
@@ -5861,6 +5771,8 @@ def config_sections(draw):
 @given(section=config_sections(), seed=st.one_of(st.none(), st.integers(0, 9)))
 # on_overlong "error" with a sample over budget: training refuses, so must the command
 @example(section={"enabled": True, "max_tokens": 40, "on_overlong": "error"}, seed=None)
+# "seed": null plans as without the key (data_efficiency.seed, else 1234), not as seed 0
+@example(section={"enabled": True, "max_tokens": 40, "sequence_picking_order": "random", "seed": None}, seed=None)
 @settings(max_examples=40)
 def test_the_plan_command_plans_what_training_plans(tmp_path_factory, section, seed):
     """For any dynamic_batching section, `plan` shows training's plan and LR factors, or refuses as training does."""
