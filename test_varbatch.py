@@ -3941,36 +3941,39 @@ _X = torch.tensor([[5, 6, 0], [7, 0, 0]])  # real lengths [2, 1] when measured
 @pytest.mark.parametrize(
     "batch, kwargs, expected",
     [
-        (lambda: PaddedCollate()([torch.tensor([5, 0, 0]), torch.tensor([7])]), {}, [3, 1]),  # recognised, not measured
-        (lambda: PaddedCollate()([{"ids": torch.tensor([5, 0])}, {"ids": torch.tensor([7])}]), {}, [2, 1]),
-        (lambda: {"input_ids": _X, "attention_mask": torch.tensor([[1, 1, 1], [1, 0, 0]])}, {}, [3, 1]),
-        (lambda: {"input_ids": _X, "labels": torch.tensor([3, 9])}, {}, [2, 1]),
-        (lambda: (_X, torch.tensor([3, 9])), {}, [2, 1]),  # the audit's case: 1-D int labels are not lengths
-        (lambda: [_X, torch.tensor([3, 9])], {}, [2, 1]),
-        (lambda: _X, {}, [2, 1]),
-        (lambda: torch.tensor([[[1.0, 0.0], [0.0, 0.0]], [[0.0, 2.0], [3.0, 0.0]]]), {}, [1, 2]),  # B x S x E
-        (lambda: torch.tensor([[5, -1, 6, -1], [-1, -1, -1, -1]]), dict(pad_value=-1), [3, 0]),
-        (
+        # read, not measured: PaddedCollate's lengths (by type, or by its key in a dict), a dict's attention_mask
+        pytest.param(lambda: PaddedCollate()([torch.tensor([5, 0, 0]), torch.tensor([7])]), {}, [3, 1], id="tuple"),
+        pytest.param(
+            lambda: PaddedCollate()([{"ids": torch.tensor([5, 0])}, {"ids": torch.tensor([7])}]), {}, [2, 1], id="dict"
+        ),
+        pytest.param(
             lambda: PaddedCollate(seqlens_key="n")([{"ids": torch.tensor([5, 0])}, {"ids": torch.tensor([7])}]),
             dict(seqlens_key="n"),
             [2, 1],
-        ),  # a dict with PaddedCollate's own key: recognised, not measured
-    ],
-    ids=[
-        "PaddedCollate tuple",
-        "PaddedCollate dict",
-        "attention_mask",
-        "dict measured",
-        "(x, labels)",
-        "[x, labels]",
-        "tensor",
-        "B x S x E",
-        "pad_value",
-        "PaddedCollate dict, own key",
+            id="dict, own key",
+        ),
+        pytest.param(
+            lambda: {"input_ids": _X, "attention_mask": torch.tensor([[1, 1, 1], [1, 0, 0]])},
+            {},
+            [3, 1],
+            id="attention_mask",
+        ),
+        # the rest: measured from its tensor
+        pytest.param(lambda: {"input_ids": _X, "labels": torch.tensor([3, 9])}, {}, [2, 1], id="dict measured"),
+        pytest.param(lambda: (_X, torch.tensor([3, 9])), {}, [2, 1], id="(x, labels)"),  # 1-D int labels: not lengths
+        pytest.param(lambda: [_X, torch.tensor([3, 9])], {}, [2, 1], id="[x, labels]"),
+        pytest.param(lambda: _X, {}, [2, 1], id="tensor"),
+        pytest.param(
+            lambda: torch.tensor([[[1.0, 0.0], [0.0, 0.0]], [[0.0, 2.0], [3.0, 0.0]]]), {}, [1, 2], id="B x S x E"
+        ),
+        pytest.param(
+            lambda: torch.tensor([[5, -1, 6, -1], [-1, -1, -1, -1]]), dict(pad_value=-1), [3, 0], id="pad_value"
+        ),
     ],
 )
 def test_seqlens_from_padded_recognises_padded_collate_and_measures_the_rest(batch, kwargs, expected):
-    """PaddedCollate's lengths are recognised by type or key; anything else is measured from its tensor (item 5)."""
+    """PaddedCollate's lengths are recognised by type or key, a dict's attention_mask is read; anything else is measured
+    from its tensor."""
     assert seqlens_from_padded(batch(), **kwargs) == expected
 
 
