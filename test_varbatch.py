@@ -2699,48 +2699,19 @@ def test_lr_factor_report_only_on_rank_0(caplog):
     assert caught == [] and _messages(caplog, "LR factor") == []
 
 
-class _WrappedOptimizer:
-    """Stands for DeepSpeed's optimizer wrappers (ZeRO, fp16): .optimizer, .step, .param_groups."""
+class _NarrowingOptimizer:
+    """Stands for DeepSpeed's optimizer wrappers (ZeRO, fp16): .optimizer, .step, .param_groups; it steps its optimizer
+    one param group at a time, its ``param_groups`` narrowed to that group (as ZeRO's optimizer does around each inner
+    step)."""
 
     def __init__(self, optimizer):
         self.optimizer = optimizer
-        self.steps = 0
 
     @property
     def param_groups(self):
         return self.optimizer.param_groups
 
     def step(self, closure=None):
-        self.steps += 1
-        self.optimizer.step()
-
-
-@pytest.mark.parametrize("wrap_scheduler", [False, True])
-def test_deepspeed_style_optimizer_wrapper(wrap_scheduler):
-    """A DeepSpeed-style optimizer wrapper is unwrapped: constant LR, and the scheduler never steps it."""
-    sampler = _sampler()
-    inner = _optimizer()
-    wrapper = _WrappedOptimizer(inner)
-    reference = _mean_size(sampler)
-    if wrap_scheduler:
-        base = torch.optim.lr_scheduler.LambdaLR(inner, _warmup)
-        scheduler = varbatch.lr_scheduler_for_variable_batch_size(reference, sampler, None, base)
-    else:
-        scheduler = varbatch.lr_scheduler_for_variable_batch_size(reference, sampler, None, wrapper)
-    assert scheduler.optimizer is inner
-    form = _warmup if wrap_scheduler else (lambda t: 1.0)
-    seen = _train(sampler, scheduler, wrapper, epochs=3)
-    assert wrapper.steps == len(seen), "the scheduler stepped the optimizer"
-    for t, epoch, b, lr in seen:
-        _check_lr(t, _BASE_LR * form(t) * sampler.plan_for_epoch(epoch).batch_sizes[b] / reference, lr)
-
-
-class _NarrowingOptimizer(_WrappedOptimizer):
-    """Steps its optimizer one param group at a time, its ``param_groups`` narrowed to that group (as DeepSpeed's
-    ZeRO optimizer does around each inner step)."""
-
-    def step(self, closure=None):
-        self.steps += 1
         groups = self.optimizer.param_groups
         for group in groups:
             self.optimizer.param_groups = [group]
@@ -2748,17 +2719,19 @@ class _NarrowingOptimizer(_WrappedOptimizer):
         self.optimizer.param_groups = groups
 
 
-@pytest.mark.parametrize("case", ["optimizer restored after the scheduler was made", "param groups narrowed"])
+@pytest.mark.parametrize("case", ["optimizer restored after the scheduler was made", "DeepSpeed-style wrapper"])
 def test_the_lr_reaches_the_param_groups_the_optimizer_steps(case):
     """Two param groups: each update uses each group's base LR x B_b / mean(B), also after the optimizer's
-    load_state_dict made new param-group dicts (a resume) and where a wrapper narrows param_groups to the group it
-    steps (ZeRO)."""
+    load_state_dict made new param-group dicts (a resume) and under a DeepSpeed-style wrapper, which is unwrapped, never
+    stepped by the scheduler, and narrows param_groups to the group it steps (ZeRO). (A wrapped schedule over the inner
+    optimizer: test_lr_closed_form_over_epochs.)"""
     sampler = _sampler(gradient_accumulation_steps=1)
     params = [torch.nn.Parameter(torch.zeros(1)) for _ in range(2)]
     inner = torch.optim.SGD([{"params": [params[0]]}, {"params": [params[1]], "lr": 2 * _BASE_LR}], lr=_BASE_LR)
-    optimizer = _NarrowingOptimizer(inner) if case == "param groups narrowed" else inner
+    optimizer = _NarrowingOptimizer(inner) if case == "DeepSpeed-style wrapper" else inner
     scheduler = VariableBatchSizeLR(optimizer, "mean", sampler)
-    if case != "param groups narrowed":
+    assert scheduler.optimizer is inner
+    if case != "DeepSpeed-style wrapper":
         inner.load_state_dict(inner.state_dict())  # new dicts, holding batch 0's LRs
     applied = []  # registered after the scheduler's pre-step hook: the LR of each group each inner step uses
     inner.register_step_pre_hook(lambda opt, args, kwargs: applied.extend(g["lr"] for g in opt.param_groups))
@@ -2770,6 +2743,7 @@ def test_the_lr_reaches_the_param_groups_the_optimizer_steps(case):
         factor = sizes[b] / sizes.mean()
         _check_lr(b, _BASE_LR * factor, applied[-2])
         _check_lr(b, 2 * _BASE_LR * factor, applied[-1])
+    assert len(applied) == 2 * 4, "the scheduler stepped the optimizer"
 
 
 def test_deepspeed_glue_called_again_replaces_the_scheduler_and_detaches_the_old_one():
