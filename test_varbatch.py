@@ -3049,7 +3049,6 @@ def accelerate_one_process(tmp_path_factory):
     pytest.importorskip("accelerate")
     folder = tmp_path_factory.mktemp("accelerate_one_process")
     scripts = {
-        "skip_first_batches": _SKIP_FIRST_BATCHES_SCRIPT,
         "accumulate": _ACCUMULATE_SCRIPT,
         "amp_skips": _ACCELERATE_AMP_SCRIPT,
     }
@@ -4218,7 +4217,8 @@ def _a_batch_unlike_the_first(sampler, epoch, start=3):
 def test_a_restored_scheduler_over_a_fresh_sampler_resumed_by_skipping_batches_keeps_its_lr(epoch):
     """The scheduler restored alone, the fresh loader's epoch re-read from its start dropping the step inputs of the k
     updates trained (as skip_first_batches does): the rest of the epoch trains the uninterrupted run's step inputs at
-    its LRs (they restarted at batch 0's)."""
+    its LRs (they restarted at batch 0's). (Accelerate's own skip_first_batches over a prepared loader, as HF Trainer
+    resumes: test_hf_trainer_tells_skipped_updates_and_resumes_inside_a_later_epoch_exactly.)"""
     run = _Run()
     start, end = epoch * len(run.sampler), (epoch + 1) * len(run.sampler)
     stop = start + _Run.GAS * _a_batch_unlike_the_first(run.sampler, epoch)
@@ -4231,64 +4231,6 @@ def test_a_restored_scheduler_over_a_fresh_sampler_resumed_by_skipping_batches_k
         next(resumed.iterator)
     rest = [resumed.next() for _ in range(end - stop)]
     assert rest == list(_reference_run()[stop:end])
-
-
-_SKIP_FIRST_BATCHES_SCRIPT = """
-import json, logging, sys, tempfile, warnings
-import numpy as np, torch
-import varbatch
-from accelerate import Accelerator
-logging.disable(logging.WARNING)
-warnings.simplefilter("ignore")
-lengths = np.clip(np.random.default_rng(0).lognormal(3, 1, 300).astype(int), 1, 200).tolist()
-data = [torch.full((n, 1), float(i)) for i, n in enumerate(lengths)]
-CUT = 10
-
-
-def setup():
-    accelerator = Accelerator(cpu=True)
-    model = torch.nn.Linear(1, 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
-    sampler = varbatch.VariableBatchSampler(lengths, max_tokens=256, budget="padded", order="random")
-    loader = varbatch.make_dataloader(data, sampler, collate_fn=varbatch.PaddedCollate())
-    scheduler = varbatch.VariableBatchSizeLR(optimizer, "mean", sampler, lr_scaling_unit="tokens")
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    accelerator.register_for_checkpointing(scheduler)
-    return accelerator, model, optimizer, loader, scheduler
-
-
-def train(accelerator, model, optimizer, loader, scheduler, stop=None):
-    log = []
-    for x, _ in loader:
-        log.append((int(x[0, 0, 0]), optimizer.param_groups[0]["lr"]))
-        accelerator.backward((model(x) ** 2).mean() * 0)
-        optimizer.step(); scheduler.step(); optimizer.zero_grad()
-        if len(log) == stop:
-            break
-    return log
-
-
-full = train(*setup())
-run = setup()
-first = train(*run, stop=CUT)
-directory = tempfile.mkdtemp()
-run[0].save_state(directory)
-accelerator, model, optimizer, loader, scheduler = setup()
-accelerator.load_state(directory)
-rest = train(accelerator, model, optimizer, accelerator.skip_first_batches(loader, CUT), scheduler)
-print(json.dumps(dict(cut=CUT, full=full, resumed=first + rest)))
-"""
-
-
-def test_a_restored_scheduler_follows_accelerate_skip_first_batches(accelerate_one_process):
-    """HF Accelerate (one CPU process): load_state, then skip_first_batches(loader, 10): the resumed updates train the
-    uninterrupted run's batches at its LRs (the LR restarted at batch 0's)."""
-    out = accelerate_one_process["skip_first_batches"]
-    full, resumed, cut = out["full"], out["resumed"], out["cut"]
-    assert [sample for sample, _ in resumed] == [sample for sample, _ in full]
-    assert full[cut][1] != full[0][1], "batch 10 has batch 0's LR: the case could not fail"
-    for t, ((_, x), (_, y)) in enumerate(zip(full, resumed)):
-        _check_lr(t, x, y)
 
 
 @pytest.mark.parametrize("owner", ["sampler", "scheduler"])
