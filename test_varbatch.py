@@ -3309,6 +3309,11 @@ def test_skips_never_told_are_refused_once_they_outrun_the_read_ahead(workers):
 _LOOP_SEQLENS = _lengths(90, 2, 30, seed=31)
 
 
+def _loop_sampler(**options):
+    """The sampler of the loops below: `_LOOP_SEQLENS`, 64 tokens, one rank, seed 5."""
+    return VariableBatchSampler(_LOOP_SEQLENS, 64, num_replicas=1, seed=5, **options)
+
+
 class _Prefetcher:
     """A loop's own prefetcher: a thread reads ``depth`` items ahead of the loop from ``source`` (what people write to
     overlap loading with compute)."""
@@ -3354,9 +3359,7 @@ def _correct_loop(source, *, workers=0, gas=1, epochs=2, peeks=(), between=(), c
     ``between``: what the loop does after each update, in turn (see `_between_updates`); ``cut``: the updates of
     epoch 0 after which the loop breaks (told with step(0) where ``tell_cut``).
     Returns (sampler, [(LR applied, [(epoch, sample id)])], the samples trained per epoch)."""
-    sampler = VariableBatchSampler(
-        _LOOP_SEQLENS, 64, gradient_accumulation_steps=gas, num_replicas=1, order="random", seed=5
-    )
+    sampler = _loop_sampler(gradient_accumulation_steps=gas, order="random")
     dataset = _id_dataset(_LOOP_SEQLENS)
     passes = _loop_source(source, sampler, dataset, workers)
     param = torch.nn.Parameter(torch.zeros(1))
@@ -3489,7 +3492,7 @@ def test_queries_and_side_passes_between_updates_change_nothing(actions, gas, ep
 def test_a_peek_or_a_break_moves_nothing_a_state_saves(workers):
     """A peek (next(iter(loader))) before training, or a pass left by a break, moves neither steps_done nor what
     state_dict() saves: the next pass starts the epoch, and a state saved then resumes it whole."""
-    sampler = VariableBatchSampler(_LOOP_SEQLENS, 64, gradient_accumulation_steps=3, num_replicas=1, seed=5)
+    sampler = _loop_sampler(gradient_accumulation_steps=3)
     loader = make_dataloader(_id_dataset(_LOOP_SEQLENS), sampler, num_workers=workers)
     sampler.set_epoch(0)
     next(iter(loader))
@@ -3499,7 +3502,7 @@ def test_a_peek_or_a_break_moves_nothing_a_state_saves(workers):
         if i == 4:
             break
     assert sampler.state_dict()["steps_done"] == 0 and sampler.steps_done == 0
-    restored = VariableBatchSampler(_LOOP_SEQLENS, 64, gradient_accumulation_steps=3, num_replicas=1, seed=5)
+    restored = _loop_sampler(gradient_accumulation_steps=3)
     restored.load_state_dict(sampler.state_dict())
     assert list(restored) == list(sampler.plan_for_epoch(0).microbatches()) == list(sampler)
 
@@ -3511,7 +3514,7 @@ def test_a_side_pass_and_a_checkpoint_at_an_epochs_last_step_input_resume_exactl
     and a run resumed from it, setting each epoch from sampler.epoch, trains the uninterrupted run's step inputs."""
 
     def build():
-        sampler = VariableBatchSampler(_LOOP_SEQLENS, 64, gradient_accumulation_steps=2, num_replicas=1, seed=5)
+        sampler = _loop_sampler(gradient_accumulation_steps=2)
         return sampler, make_dataloader(_id_dataset(_LOOP_SEQLENS), sampler, num_workers=workers)
 
     def run(sampler, loader, stop_after_epoch=None):
@@ -3536,18 +3539,24 @@ def test_a_side_pass_and_a_checkpoint_at_an_epochs_last_step_input_resume_exactl
     assert head + rest == full
 
 
+def _misused_loop(workers=0):
+    """The loops below that misuse the scheduler: (their make_dataloader loader, the parameter, its optimizer, the
+    scheduler), the parameter given a gradient (an update would move it)."""
+    sampler = _loop_sampler()
+    param = torch.nn.Parameter(torch.zeros(1))
+    param.grad = torch.ones(1)
+    optimizer = torch.optim.SGD([param], lr=_BASE_LR)
+    scheduler = VariableBatchSizeLR(optimizer, "mean", sampler)
+    return make_dataloader(_id_dataset(_LOOP_SEQLENS), sampler, num_workers=workers), param, optimizer, scheduler
+
+
 @pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
 def test_the_scheduler_stepped_before_the_optimizer_is_refused_at_the_first_update(workers):
     """scheduler.step() before optimizer.step() over make_dataloader's loader, workers reading ahead or not: refused at
     the first update, before the optimizer moves, naming the order."""
-    sampler = VariableBatchSampler(_LOOP_SEQLENS, 64, num_replicas=1, seed=5)
-    loader = make_dataloader(_id_dataset(_LOOP_SEQLENS), sampler, num_workers=workers)
-    param = torch.nn.Parameter(torch.zeros(1))
-    optimizer = torch.optim.SGD([param], lr=_BASE_LR)
-    scheduler = VariableBatchSizeLR(optimizer, "mean", sampler)
-    (param * 2).sum().backward()
-    next_batch = iter(loader)
-    next(next_batch)
+    loader, param, optimizer, scheduler = _misused_loop(workers)
+    batches = iter(loader)
+    next(batches)
     scheduler.step()
     with pytest.raises(RuntimeError, match=re.escape("scheduler.step() ran before optimizer.step()")):
         optimizer.step()
@@ -3557,18 +3566,12 @@ def test_the_scheduler_stepped_before_the_optimizer_is_refused_at_the_first_upda
 def test_a_scheduler_stepped_once_per_epoch_is_refused_at_the_second_update():
     """scheduler.step() once per epoch, not once per update: refused at the second update, before it moves a
     parameter; two updates of one batch (SAM's) are not refused."""
-    sampler = VariableBatchSampler(_LOOP_SEQLENS, 64, num_replicas=1, seed=5)
-    loader = make_dataloader(_id_dataset(_LOOP_SEQLENS), sampler)
-    param = torch.nn.Parameter(torch.zeros(1))
-    optimizer = torch.optim.SGD([param], lr=_BASE_LR)
-    scheduler = VariableBatchSizeLR(optimizer, "mean", sampler)
+    loader, param, optimizer, scheduler = _misused_loop()
     batches = iter(loader)
     next(batches)
     for _ in range(2):  # SAM: two updates of one batch
-        (param * 1).sum().backward()
         optimizer.step()
     next(batches)
-    (param * 1).sum().backward()
     before = param.item()
     with pytest.raises(RuntimeError, match=re.escape("not once per epoch or every other update")):
         optimizer.step()
@@ -3579,7 +3582,7 @@ def test_a_second_wrapper_on_an_optimizer_detaches_the_first():
     """Two VariableBatchSizeLR on one optimizer (as torch's tests stack two schedulers): the second detaches the
     first, whose next step() raises naming ChainedScheduler (one wrapper over ChainedScheduler trains both decays:
     test_lr_closed_form_over_epochs)."""
-    sampler = VariableBatchSampler(_LOOP_SEQLENS, 64, num_replicas=1, seed=5)
+    sampler = _loop_sampler()
     optimizer = _optimizer()
     first = VariableBatchSizeLR(torch.optim.lr_scheduler.StepLR(optimizer, 2, 0.5), "mean", sampler)
     second = VariableBatchSizeLR(torch.optim.lr_scheduler.ExponentialLR(optimizer, 0.9), "mean", sampler)
@@ -3591,7 +3594,7 @@ def test_a_second_wrapper_on_an_optimizer_detaches_the_first():
 def test_persistent_workers_refuse_a_second_pass_while_one_is_open():
     """persistent_workers=True: torch restarts its one iterator at each iter(), so a side pass over the training
     loader is refused while its training pass is open, naming a second loader; one loader per pass works."""
-    sampler = VariableBatchSampler(_LOOP_SEQLENS, 64, num_replicas=1, seed=5)
+    sampler = _loop_sampler()
     dataset = _id_dataset(_LOOP_SEQLENS)
     loader = make_dataloader(dataset, sampler, num_workers=1, persistent_workers=True)
     training = iter(loader)
