@@ -2786,7 +2786,7 @@ def test_deepspeed_glue_called_again_replaces_the_scheduler_and_detaches_the_old
     _check_lr(1, expected, optimizer.param_groups[0]["lr"])
 
 
-# -- an exception from the wrapped schedule reaches the caller (issue 17, section 4) ---------------
+# -- an exception from the wrapped schedule reaches the caller ------------------------------------------
 
 
 def _fails_once(at):
@@ -2845,7 +2845,7 @@ def test_an_exception_from_the_wrapped_schedule_reaches_the_caller(case):
     assert str(raised.value) == str(expected), f"the caller got {raised.value!r}, the schedule raised {expected!r}"
 
 
-# -- fp16 overflow: DeepSpeed skips a step, the data moves on (issue 9, item 2) --------------------
+# -- fp16 overflow: DeepSpeed skips a step, the data moves on ------------------------------------
 
 _OVERFLOW_SCRIPT = """
 import json, logging, os, socket
@@ -3092,7 +3092,7 @@ def test_accelerate_amp_skips_told_by_the_recipes_idiom_give_every_update_its_ba
         _check_lr(t, 0.1 * 0.9**t * sizes[epoch][batch] / np.mean(sizes[epoch]), lr)
 
 
-# -- the contract: skipped updates told, or stepped plainly; misuse refused (issue 28) --------------------------
+# -- the contract: skipped updates told, or stepped plainly; misuse refused -----------------------------------
 
 
 def _batch_of_samples(sampler, epoch):
@@ -3607,7 +3607,7 @@ def test_persistent_workers_refuse_a_second_pass_while_one_is_open():
     del training
 
 
-# -- horizons and clocks: schedules over epochs of different plans (issue 12) ----------------------
+# -- horizons and clocks: schedules over epochs of different plans -------------------------------
 
 _HORIZON_SEQLENS = np.random.default_rng(4).integers(3, 60, 500)
 _HORIZON_EPOCHS = 5
@@ -3849,7 +3849,7 @@ def _causal_lm_collate(samples):
 
 
 def test_hf_trainer_num_items_in_batch_alone_gives_the_batch_token_mean(tmp_path):
-    """The README's rule (issue 18, item 8): under HF Trainer a *ForCausalLM model's loss, divided by the Trainer's
+    """The README's rule: under HF Trainer a *ForCausalLM model's loss, divided by the Trainer's
     num_items_in_batch, already gives the gradient of the batch's token mean over accumulation steps; no
     micro_batch_loss_weight. GPT2LMHeadModel gets no loss type (the README's exception)."""
     transformers = pytest.importorskip("transformers")
@@ -4308,7 +4308,7 @@ def test_plans_samplers_and_loaders_pickle_and_deep_copy():
 
 
 def test_state_dicts_are_plain_data_also_from_numpy_settings():
-    """Settings given as numpy numbers give JSON-serialisable states that load into plain-int objects (item 15)."""
+    """Settings given as numpy numbers give JSON-serialisable states that load into plain-int objects."""
     seqlens = _lengths(60, seed=18)
     options = dict(micro_batch_size=1, gradient_accumulation_steps=2, seed=3, min_batch_size=1, max_batch_size=9)
     numpy_options = {name: np.int64(value) for name, value in options.items()}
