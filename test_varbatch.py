@@ -2847,52 +2847,6 @@ def test_an_exception_from_the_wrapped_schedule_reaches_the_caller(case):
 
 # -- fp16 overflow: DeepSpeed skips a step, the data moves on ------------------------------------
 
-_OVERFLOW_SCRIPT = """
-import json, logging, os, socket
-import deepspeed, torch
-import varbatch
-
-with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no JIT build of the CPU comm op
-deepspeed.init_distributed()
-deepspeed.utils.logger.setLevel(logging.WARNING)
-config = json.loads(os.environ["CONFIG"])
-seqlens, overflow_at = json.loads(os.environ["SEQLENS"]), set(json.loads(os.environ["OVERFLOW_AT"]))
-model = torch.nn.Linear(1, 1)
-optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: 0.9 ** t)
-engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule, config=config)
-loader, scheduler, _ = varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
-    [torch.ones(n, 1) for n in seqlens], engine, dataset_seqlens=seqlens,
-    dataloader_collate_fn=varbatch.PaddedCollate())
-applied = []  # the LR of every optimizer step, as the update uses it
-optimizer.register_step_post_hook(lambda opt, args, kwargs: applied.append(opt.param_groups[0]["lr"]))
-starts, after, batch = [], [], 0
-gas = engine.gradient_accumulation_steps()
-for epoch in range(2):
-    loader.variable_batch_sampler.set_epoch(epoch)
-    for i, (x, lengths) in enumerate(loader):
-        if i % gas == 0:
-            before = engine.get_lr()[0]  # what a loop that never asks the scheduler reads before its forward pass
-        loss = engine(x).sum()
-        if i % gas == 0:
-            engine_lr = engine.get_lr()[0]  # after the forward pass, nothing of varbatch's touched since the step
-            starts.append([epoch, i // gas, scheduler.steps_in_epoch, scheduler.get_last_lr()[0], before, engine_lr])
-        engine.backward(loss)
-        if i % gas == gas - 1:
-            engine.optimizer.overflow = batch in overflow_at  # what DeepSpeed's fp16 optimizer sets
-        engine.step()
-        if i % gas == gas - 1:
-            after.append([engine.get_lr()[0], scheduler.get_last_lr()[0]])  # the first: what the monitor logged
-            engine.optimizer.overflow = False
-            batch += 1
-print(json.dumps(dict(starts=starts, after=after, applied=applied, skipped=engine.skipped_steps,
-                      schedule_steps=schedule.last_epoch)))
-torch.distributed.destroy_process_group()  # torch 2.13 may abort at exit (SIGABRT) with a gloo group left
-"""
 _OVERFLOW_SEQLENS = [5, 3, 7, 2, 6, 4, 1, 8, 3, 3, 2, 6, 5, 1, 7, 2, 4, 4, 6, 3]
 # Global batch indices whose step overflows (5 batches an epoch): one alone, then two in a row across the epoch end, in
 # a loop that never asks the scheduler (the engine's skip count is read when epoch 1 is set, so epoch 0 is not taken
@@ -2916,28 +2870,67 @@ _OVERFLOW_CONFIG = {
 }
 
 
-def test_fp16_overflow_lr_and_position_follow_the_batch_trained(tmp_path):
-    """A one-process DeepSpeed engine trained 2 epochs with overflows at `_OVERFLOW_AT` (in a subprocess). Every
-    update's LR is schedule(t) x s(B_b / B_ref) of the batch b it trains, t the steps not skipped (the wrapped schedule
-    stays). At a batch's start steps_in_epoch and get_last_lr() are that batch's, and so is engine.get_lr() read between
+def _overflow_run(deepspeed):
+    """A one-process DeepSpeed engine trained 2 epochs, its fp16 optimizer overflowing at the batches `_OVERFLOW_AT`, in
+    a loop that never asks the scheduler: {"starts": (epoch, batch, steps_in_epoch, get_last_lr(), engine.get_lr()
+    after the forward) at each batch's start; "after": (engine.get_lr(), get_last_lr()) right after each
+    engine.step(); "applied": the LR of every optimizer step; "skipped": the engine's count; "schedule_steps": the
+    wrapped schedule's}."""
+    model = torch.nn.Linear(1, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=_BASE_LR)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: 0.9**t)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=optimizer, lr_scheduler=schedule, config=copy.deepcopy(_OVERFLOW_CONFIG)
+    )
+    loader, scheduler, _ = varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
+        [torch.ones(n, 1) for n in _OVERFLOW_SEQLENS],
+        engine,
+        dataset_seqlens=_OVERFLOW_SEQLENS,
+        dataloader_collate_fn=PaddedCollate(),
+    )
+    applied = []  # the LR of every optimizer step, as the update uses it
+    optimizer.register_step_post_hook(lambda opt, args, kwargs: applied.append(opt.param_groups[0]["lr"]))
+    starts, after, batch = [], [], 0
+    gas = engine.gradient_accumulation_steps()
+    for epoch in range(2):
+        loader.variable_batch_sampler.set_epoch(epoch)
+        for i, (x, _) in enumerate(loader):
+            loss = engine(x).sum()
+            if i % gas == 0:
+                engine_lr = engine.get_lr()[0]  # after the forward pass, nothing of varbatch's touched since the step
+                starts.append((epoch, i // gas, scheduler.steps_in_epoch, scheduler.get_last_lr()[0], engine_lr))
+            engine.backward(loss)
+            if i % gas == gas - 1:
+                engine.optimizer.overflow = batch in _OVERFLOW_AT  # what DeepSpeed's fp16 optimizer sets
+            engine.step()
+            if i % gas == gas - 1:
+                after.append((engine.get_lr()[0], scheduler.get_last_lr()[0]))  # the first: what the monitor logged
+                engine.optimizer.overflow = False
+                batch += 1
+    return dict(
+        starts=starts, after=after, applied=applied, skipped=engine.skipped_steps, schedule_steps=schedule.last_epoch
+    )
+
+
+def test_fp16_overflow_lr_and_position_follow_the_batch_trained(monkeypatch):
+    """A one-process DeepSpeed engine trained 2 epochs with overflows at `_OVERFLOW_AT`. Every update's LR is
+    schedule(t) x s(B_b / B_ref) of the batch b it trains, t the steps not skipped (the wrapped schedule stays). At a
+    batch's start steps_in_epoch and get_last_lr() are that batch's, and so is engine.get_lr() read between
     the batch's forward and its step, nothing of varbatch's touched since the step before (the glue's forward pre-hook
     catches the scheduler up with the engine's skips). Right after engine.step(): get_last_lr() is the next batch's,
     skipped step or not; engine.get_lr() (what DeepSpeed's monitor logs at the end of engine.step) is the next batch's
     after a step taken and the skipped batch's after a skipped one (nothing of varbatch runs inside the engine between
     its skip and that read)."""
-    pytest.importorskip("deepspeed")
-    env = dict(
-        os.environ,
-        PYTHONPATH=_ROOT,
-        CONFIG=json.dumps(_OVERFLOW_CONFIG),
-        SEQLENS=json.dumps(_OVERFLOW_SEQLENS),
-        OVERFLOW_AT=json.dumps(_OVERFLOW_AT),
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", _OVERFLOW_SCRIPT], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    deepspeed = pytest.importorskip("deepspeed")
+    env = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setitem(deepspeed.ops.__compatible_ops__, "deepspeed_shm_comm", False)  # no JIT build of the comm op
+    deepspeed.init_distributed()
+    try:
+        out = _overflow_run(deepspeed)
+    finally:
+        torch.distributed.destroy_process_group()  # later tests run without a process group
     plans = [
         plan_batches(_OVERFLOW_SEQLENS, 10, effective_batch_size=2, order="random", seed=4, epoch=e) for e in range(2)
     ]
@@ -2955,7 +2948,7 @@ def test_fp16_overflow_lr_and_position_follow_the_batch_trained(tmp_path):
         _check_lr(j, expected[j], lr)
     assert out["schedule_steps"] == len(batches) - len(_OVERFLOW_AT), "the wrapped schedule moved on skipped steps"
     assert [(e, b) for e, b, *_ in out["starts"]] == batches
-    for j, (e, b, steps_in_epoch, last_lr, _, engine_lr) in enumerate(out["starts"]):
+    for j, (e, b, steps_in_epoch, last_lr, engine_lr) in enumerate(out["starts"]):
         assert steps_in_epoch == b, f"epoch {e}, batch {b}: steps_in_epoch={steps_in_epoch}"
         _check_lr(j, expected[j], last_lr)
         _check_lr(j, expected[j], engine_lr)
