@@ -24,7 +24,6 @@ import os
 import pickle
 import queue
 import re
-import runpy
 import shutil
 import signal
 import socket
@@ -8920,29 +8919,6 @@ def _check_resumed_records(first, resumed, done):
     assert resumed["global_step"] == first["global_step"]
 
 
-@pytest.mark.parametrize(
-    "script, resumes",
-    [("hf_trainer.py", True), ("trl_sft.py", False), ("hf_trainer_flat.py", False), ("trl_sft_flat.py", False)],
-)
-def test_readme_hf_recipes_train_every_planned_sample_once(tmp_path, monkeypatch, script, resumes):
-    """The README's HF Trainer and TRL recipes on 1 process (in this process: one transformers import): every
-    planned sample once per epoch at the plan's LRs; the HF one, started again after its checkpoints past one inside
-    epoch 1 were deleted, resumes there by the Trainer's own skip and trains the rest of the run as the first did."""
-    pytest.importorskip("trl" if script == "trl_sft.py" else "transformers")
-    (tmp_path / script).write_text(_readme_recipe(script)[1])
-    (tmp_path / "recorder.py").write_text(_RECIPE_RECORDER)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "argv", ["recorder.py", script, "first"])
-    runpy.run_path("recorder.py", run_name="__main__")
-    (first,) = _check_recipe_records(tmp_path / "first")
-    if not resumes:
-        return
-    done = _resume_inside_epoch_1(tmp_path / "out", len(first["plans"][0]["batch_tokens"]))
-    monkeypatch.setattr(sys, "argv", ["recorder.py", script, "resumed"])
-    runpy.run_path("recorder.py", run_name="__main__")
-    _check_resumed_records(first, json.loads((tmp_path / "resumed" / "rank0.json").read_text()), done)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("script", _README_RECORDED)
 def test_readme_hf_recipes_on_two_processes(jobs, script):
@@ -9519,39 +9495,14 @@ def test_stateful_dataloader_resumes_exactly(jobs):
         assert max(errors) < 1e-4, f"rank {rank}: gradients off their batch's token mean's by up to {max(errors):.2g}"
 
 
-@pytest.mark.parametrize("stop, workers", [(7, 2), (10, 2), (11, 3)])
-def test_stateful_dataloader_resumes_at_any_position_with_workers(stop, workers):
-    """Restored mid-epoch at a position that is not a multiple of the workers: the same batches, none twice."""
-    stateful = pytest.importorskip("torchdata.stateful_dataloader")
-    lengths = torch.randint(5, 61, (300,), generator=torch.Generator().manual_seed(stop)).tolist()
-    dataset = [torch.full((n, 2), float(i)) for i, n in enumerate(lengths)]
-
-    def loader():
-        sampler = varbatch.VariableBatchSampler(lengths, max_tokens=256, budget="padded", order="bucket")
-        return varbatch.make_dataloader(
-            dataset,
-            sampler,
-            collate_fn=varbatch.PaddedCollate(),
-            num_workers=workers,
-            dataloader_class=stateful.StatefulDataLoader,
-        )
-
-    def ids(batch):
-        return batch[0][:, 0, 0].long().tolist()
-
-    first, resumed = loader(), loader()
-    batches = iter(first)
-    head = [ids(next(batches)) for _ in range(stop)]
-    resumed.load_state_dict(first.state_dict())
-    assert head + [ids(batch) for batch in resumed] == [ids(batch) for batch in loader()]
-
-
-@pytest.mark.parametrize("workers", [0, 2])
-@pytest.mark.parametrize("stop", ["mid-epoch 1", "end of epoch 0"])
+@pytest.mark.parametrize(
+    "stop, workers",
+    [("mid-epoch 1", 0), ("mid-epoch 1", 2), ("end of epoch 0", 0), ("end of epoch 0", 2), (7, 2), (10, 2), (11, 3)],
+)
 def test_stateful_dataloader_restores_the_sampler_at_load_state_dict(stop, workers):
     """Right after loader.load_state_dict(), sampler.epoch is the epoch the state was saved in (at an epoch's end:
     its empty rest, torchdata's convention): a loop ranged from it trains exactly the batches of an uninterrupted
-    run."""
+    run, also from a position that is not a multiple of the workers (a number: that many step inputs of epoch 0)."""
     stateful = pytest.importorskip("torchdata.stateful_dataloader")
     lengths = _lengths(300, 5, 60, seed=0)
     dataset = _id_dataset(lengths)
@@ -9579,7 +9530,7 @@ def test_stateful_dataloader_restores_the_sampler_at_load_state_dict(stop, worke
 
     full = train(*build())
     in_epoch_0 = sum(1 for epoch, _ in full if epoch == 0)
-    at = in_epoch_0 + in_epoch_0 // 2 if stop == "mid-epoch 1" else in_epoch_0
+    at = {"mid-epoch 1": in_epoch_0 + in_epoch_0 // 2, "end of epoch 0": in_epoch_0}.get(stop, stop)
     sampler, loader = build()
     head = train(sampler, loader, stop_after=at)
     state = loader.state_dict()
