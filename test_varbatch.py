@@ -7669,7 +7669,7 @@ def _check_ok(result):
 # The section's launches, each a job of `_jobs`: a function of no argument whose result the tests read.
 def _jobs(launched, tmp_path_factory):
     """The jobs by name, the longest first: the example's launches (chains of commands run in order), the launcher
-    runs, the README's commands (a chain a code block), the 2-rank scripts, the DeepSpeed-style script's two and the
+    runs, the README's commands (a chain a code block), the 2-rank scripts, the DeepSpeed-style script and the
     example's pipeline on one process."""
     jobs = {f"example: {name}": functools.partial(_each, launched, chain) for name, chain in _example_chains().items()}
     in_folders = {"hf": _hf_two_process_job, "lightning": _lightning_job}
@@ -7683,8 +7683,7 @@ def _jobs(launched, tmp_path_factory):
         "torchrun": _torchrun_job,
         "stateful": _stateful_job,
         "deepspeed engine": _deepspeed_engine_job,
-        "deepspeed style": functools.partial(_deepspeed_style_job, mode=[]),
-        "deepspeed style pipeline": functools.partial(_deepspeed_style_job, mode=["--pipeline"]),
+        "deepspeed style": _deepspeed_style_job,
     }
     for name, job in in_folders.items():
         jobs[name] = functools.partial(job, tmp_path_factory.mktemp(name.replace(" ", "_")))
@@ -8003,16 +8002,16 @@ def _steps(stdout):
     ]
 
 
-def _example_config(path=None):
-    with open(path or os.path.join(_ROOT, "ds_config.json")) as f:
+def _example_config():
+    with open(os.path.join(_ROOT, "ds_config.json")) as f:
         return json.load(f)
 
 
-def _example_plans(config, pipeline, num_samples=_NUM_SAMPLES, seed=0, epochs=_EPOCHS):
+def _example_plans(config, pipeline):
     """The plans the example should train (2 ranks), from the dataset's real seqlens and the config's one reader."""
     import example
 
-    seqlens = example.RunningSumSequences(num_samples, seed=seed).seqlens.numpy()
+    seqlens = example.RunningSumSequences(_NUM_SAMPLES, seed=0).seqlens.numpy()
     options, lr_options, _ = varbatch._read_config(config)
     micro = config.get("train_micro_batch_size_per_gpu", 1)
     num_replicas = 1 if pipeline else 2  # 2 ranks: 2 stages x 1, or 2 data-parallel ranks
@@ -8027,48 +8026,24 @@ def _example_plans(config, pipeline, num_samples=_NUM_SAMPLES, seed=0, epochs=_E
             same_size=pipeline,
             same_length=pipeline,
         )
-        for epoch in range(epochs)
+        for epoch in range(_EPOCHS)
     ]
     return plans, seqlens, lr_options, num_replicas
 
 
-def _schedule_lrs(config, count, horizon):
-    """schedule(n), n = 0..count: the config's DeepSpeed scheduler, else the example's own sized by the horizon."""
-    base_lr = config["optimizer"]["params"]["lr"]
-    if "scheduler" not in config:
-        import example
-
-        return [base_lr * example.warmup_cosine(n, horizon) for n in range(count + 1)]
-    from deepspeed.runtime import lr_schedules
-
-    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=base_lr)
-    scheduler = getattr(lr_schedules, config["scheduler"]["type"])(optimizer, **config["scheduler"]["params"])
-    lrs = [optimizer.param_groups[0]["lr"]]
-    for _ in range(count):
-        scheduler.step()
-        lrs.append(optimizer.param_groups[0]["lr"])
-    return lrs
-
-
 def _expected_steps(config, pipeline):
-    """Per optimizer step: (epoch, rank 0's (B, S) per step input, real tokens, LR), and the run's totals."""
+    """Per optimizer step: (epoch, rank 0's (B, S) per step input, real tokens, LR), and the plans. The LR is the
+    example's schedule (warmup and cosine over the run's steps, stepped once a batch) x the batch's scaling factor."""
+    import example
+
     plans, seqlens, lr, num_replicas = _example_plans(config, pipeline)
+    assert (lr["lr_clock"], lr["lr_clock_step"]) == ("steps", 1), "ds_config.json's LR clock is not the oracle's"
     micro = config.get("train_micro_batch_size_per_gpu", 1)
-    sizes_of = (lambda p: p.batch_tokens) if lr["lr_scaling_unit"] == "tokens" else (lambda p: p.batch_sizes)
-    clock_of = {
-        "steps": lambda p, b: 1,
-        "tokens": lambda p, b: int(p.batch_tokens[b]),
-        "samples": lambda p, b: int(p.batch_sizes[b]),
-    }[lr["lr_clock"]]
-    schedule = _schedule_lrs(
-        config,
-        sum(int(clock_of(p, b)) for p in plans for b in range(p.num_batches)),
-        horizon=sum(p.num_batches for p in plans),
-    )
-    steps, seen = [], 0
+    horizon = sum(p.num_batches for p in plans)
+    steps = []
     for plan in plans:
         k, sizes, tensor_s = plan.effective_batch_size, plan.microbatch_sizes(), _tensor_seqlens(plan, seqlens)
-        unit = sizes_of(plan)
+        unit = plan.batch_tokens if lr["lr_scaling_unit"] == "tokens" else plan.batch_sizes
         reference = {None: config["train_batch_size"], "mean": float(unit.mean())}.get(
             lr["lr_scaling_reference"], lr["lr_scaling_reference"]
         )
@@ -8078,11 +8053,9 @@ def _expected_steps(config, pipeline):
                 for g in range(b * k // micro, (b + 1) * k // micro)
                 if g % num_replicas == 0
             ]
+            schedule = config["optimizer"]["params"]["lr"] * example.warmup_cosine(len(steps), horizon)
             factor = scale_lr(reference, float(unit[b]), 1.0, lr["lr_scaling_method"])
-            steps.append(
-                (plan.epoch, shapes, int(plan.batch_tokens[b]), schedule[seen // lr["lr_clock_step"]] * factor)
-            )
-            seen += clock_of(plan, b)
+            steps.append((plan.epoch, shapes, int(plan.batch_tokens[b]), schedule * factor))
     return steps, plans
 
 
@@ -8491,32 +8464,51 @@ torch.distributed.destroy_process_group()  # torch 2.13 may abort at exit (SIGAB
 """
 
 
-def _deepspeed_style_job(folder, mode):
-    """The DeepSpeed-style script, its import line swapped for varbatch's, launched on 2 ranks in ``folder`` with
-    ``mode`` (``[]``: DDP; ``["--pipeline"]``); returns (the finished launch, its seqlen cache, its LRs)."""
+# The script's two runs, DDP then pipeline, in one launch (one start-up): each as a program of its own, its LRs, its
+# engine's optimizer and its seqlen cache's (inode, mtime) saved by rank 0 after it.
+_DEEPSPEED_STYLE_RUNNER = """
+import json, os, runpy, sys
+args = sys.argv[1:]  # the launcher's --local_rank, then ours
+for mode in ("ddp", "pipeline"):
+    sys.argv = ["train.py", *args, *(["--pipeline"] if mode == "pipeline" else [])]
+    engine = runpy.run_path("train.py", run_name="__main__")["engine"]
+    if os.path.exists("lrs.json"):  # rank 0's
+        cache = os.stat(os.path.join("metrics", "varbatch_seqlens.npy"))
+        saved = {"lrs": json.load(open("lrs.json")), "optimizer": type(engine.optimizer).__name__}
+        json.dump({**saved, "cache": [cache.st_ino, cache.st_mtime_ns]}, open(f"{mode}.json", "w"))
+        os.remove("lrs.json")
+"""
+
+
+def _deepspeed_style_job(folder):
+    """The DeepSpeed-style script, its import line swapped for varbatch's, run by `_DEEPSPEED_STYLE_RUNNER` on 2 ranks
+    in ``folder``: (the finished launch, {mode: what rank 0 saved after it, or None})."""
     script = _DEEPSPEED_STYLE_SCRIPT.replace(
         "from deepspeed.runtime.data_pipeline.data_sampling.variable_batch_size_and_lr import", "from varbatch import"
     )
     assert script != _DEEPSPEED_STYLE_SCRIPT
     (folder / "train.py").write_text(script)
+    (folder / "runner.py").write_text(_DEEPSPEED_STYLE_RUNNER)
     (folder / "varbatch.py").write_text(Path(_ROOT, "varbatch.py").read_text())
-    result = _launch("train.py", ["--metrics-path", str(folder / "metrics"), *mode], cwd=str(folder))
-    lrs = json.loads((folder / "lrs.json").read_text()) if (folder / "lrs.json").exists() else None
-    return result, folder / "metrics" / "varbatch_seqlens.npy", lrs
+    result = _launch("runner.py", ["--metrics-path", "metrics"], cwd=str(folder))
+    saved = {mode: folder / f"{mode}.json" for mode in ("ddp", "pipeline")}
+    return result, {mode: json.loads(path.read_text()) if path.exists() else None for mode, path in saved.items()}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["", " pipeline"], ids=["ddp", "pipeline"])
+@pytest.mark.parametrize("mode", ["ddp", "pipeline"])
 def test_deepspeed_style_script_runs_unchanged_on_varbatch_with_zero_stage_1(jobs, mode):
-    """A script for DeepSpeed's module runs on varbatch (import line swapped): DDP, pipeline, ZeRO-1; it computes
-    the seqlens with batch_seqlens_fn and caches them in metrics_path (that the cache is read back:
-    test_deepspeed_glue_computes_seqlens_once_then_reads_the_cache); the LR in ZeRO's optimizer is varbatch's."""
+    """A script for DeepSpeed's module runs on varbatch (import line swapped): DDP, then pipeline, ZeRO-1."""
     # DeepSpeed 0.19.8's own function fails on this script (its DataAnalyzer crashes on CPU, and it
-    # rejects ZeRO's optimizer wrapper).
-    result, cache, lrs = jobs(f"deepspeed style{mode}")
-    _check_ok(result)
-    assert cache.exists(), "no seqlen cache in metrics_path"
-    assert "optimizer DeepSpeedZeroOptimizer" in result.stdout
+    # rejects ZeRO's optimizer wrapper). The first run computes the seqlens with batch_seqlens_fn and
+    # caches them in metrics_path; the second reads the cache (and leaves it as it is). The LR in
+    # ZeRO's optimizer is varbatch's: base LR x B_t / train_batch_size.
+    result, saved = jobs("deepspeed style")
+    assert saved[mode] is not None, f"the {mode} run did not finish:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    if mode == "pipeline":  # the second run
+        assert saved["pipeline"]["cache"] == saved["ddp"]["cache"], "the cache was rewritten, not read"
+    assert saved[mode]["optimizer"] == "DeepSpeedZeroOptimizer"
+    lrs = saved[mode]["lrs"]
     assert all(math.isclose(engine_lr, scheduler_lr) for engine_lr, scheduler_lr in lrs), lrs
     batch_sizes = [lr / 1e-3 * 4 for lr, _ in lrs]  # B_t = lr / base_lr x train_batch_size
     assert all(abs(b - round(b)) < 1e-6 and b >= 4 for b in batch_sizes), batch_sizes
