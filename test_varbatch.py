@@ -7755,7 +7755,6 @@ def _two_rank_scripts():
     }
     return {
         "two_ranks": _TWO_RANK_SCRIPT,
-        "ranks_disagree": _RANKS_DISAGREE_SCRIPT,
         **mismatched,
         "per_rank_cache_first": _PER_RANK_CACHE_SCRIPT,  # leaves rank 0 a cache
         "per_rank_cache": _PER_RANK_CACHE_SCRIPT,
@@ -7851,40 +7850,8 @@ def test_two_ranks_take_equal_steps_on_an_uneven_dataset(jobs):
         assert len(trained) + plan.num_dropped == 101
 
 
-_RANKS_DISAGREE_SCRIPT = """
-import sys, types
-import torch
-import varbatch
-torch.distributed.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=int(sys.argv[1]),
-                                     world_size=2)
-rank = torch.distributed.get_rank()
-config = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 1,
-          "data_efficiency": {"data_sampling": {"dynamic_batching": {"enabled": True, "max_tokens": 16}}}}
-engine = types.SimpleNamespace(_config=types.SimpleNamespace(_param_dict=config), optimizer=None,
-                               lr_scheduler=None, data_parallel_group=None, train_batch_size=lambda: 2,
-                               train_micro_batch_size_per_gpu=lambda: 1, gradient_accumulation_steps=lambda: 1)
-seqlens = [3, 5, 2, 7, 4, 6, 1, 8] if rank == 0 else [8] * 8  # rank 1 sees other lengths
-try:
-    varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
-        [torch.ones(n) for n in seqlens], engine, dataset_seqlens=seqlens)
-except RuntimeError as error:
-    print(f"rank {rank}: {error}", flush=True)
-    torch.distributed.destroy_process_group()
-    sys.exit(3)
-"""
-
-
-@pytest.mark.slow
-def test_deepspeed_glue_fails_on_every_rank_when_the_ranks_plan_differently(jobs):
-    """Ranks with different seqlens get a clear error at the start, on every rank, instead of a hang."""
-    for code, out, err, _ in jobs("two ranks")("ranks_disagree"):
-        assert code == 3, f"{out}\n{err}"
-        assert "planned a different epoch than rank 0" in out
-        assert "give every rank the same dataset" in out
-
-
 _MISMATCHED_RANKS_SCRIPT = """
-import datetime, sys
+import datetime, sys, types
 import torch
 import varbatch
 CASE = {case!r}
@@ -7898,8 +7865,22 @@ if CASE == "different seqlens":
     sampler = varbatch.VariableBatchSampler(seqlens, 64, order="bucket")
 elif CASE == "one rank twice":
     sampler = varbatch.VariableBatchSampler(seqlens, 64, num_replicas=2, rank=0)
+elif CASE == "different seqlens in the DeepSpeed glue":
+    seqlens = [3, 5, 2, 7, 4, 6, 1, 8] if rank == 0 else [8] * 8
+    section = {{"enabled": True, "max_tokens": 16}}
+    config = {{"train_batch_size": 2, "train_micro_batch_size_per_gpu": 1,
+              "data_efficiency": {{"data_sampling": {{"dynamic_batching": section}}}}}}
+    engine = types.SimpleNamespace(_config=types.SimpleNamespace(_param_dict=config), optimizer=None,
+                                   lr_scheduler=None, data_parallel_group=None, train_batch_size=lambda: 2,
+                                   train_micro_batch_size_per_gpu=lambda: 1, gradient_accumulation_steps=lambda: 1)
 try:
-    loader = varbatch.make_dataloader([torch.ones(n) for n in seqlens], sampler, collate_fn=varbatch.PaddedCollate())
+    if CASE == "different seqlens in the DeepSpeed glue":  # the glue's checks, at the start
+        loader, _, _ = varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
+            [torch.ones(n) for n in seqlens], engine, dataset_seqlens=seqlens)
+        sampler = loader.variable_batch_sampler
+    else:
+        loader = varbatch.make_dataloader([torch.ones(n) for n in seqlens], sampler,
+                                          collate_fn=varbatch.PaddedCollate())
     trained = sum(1 for _ in loader)
 except RuntimeError as error:
     print(f"rank {{rank}}: {{error}}", flush=True)
@@ -7912,6 +7893,10 @@ torch.distributed.destroy_process_group()
 
 _MISMATCHED_RANKS_CASES = [
     ("different seqlens", ["rank 1 planned a different epoch than rank 0", "give every rank the same dataset"]),
+    (
+        "different seqlens in the DeepSpeed glue",
+        ["rank 1 planned a different epoch than rank 0", "give every rank the same dataset"],
+    ),
     ("one rank twice", ["the processes deal to ranks [0, 0]", "pass every process its own data-parallel rank"]),
     (
         "made before init_process_group",
@@ -7923,7 +7908,8 @@ _MISMATCHED_RANKS_CASES = [
 @pytest.mark.slow
 @pytest.mark.parametrize("case, names", _MISMATCHED_RANKS_CASES)
 def test_processes_that_deal_one_plan_differently_fail_at_once_on_every_rank(jobs, case, names):
-    """2 gloo processes that planned apart, deal to one rank twice or made the sampler too early: RuntimeError on both."""
+    """2 gloo processes that planned apart (also through the DeepSpeed glue), deal to one rank twice or made the
+    sampler too early: RuntimeError on both."""
     for code, out, err, _ in jobs("two ranks")(case.replace(" ", "_")):
         assert code == 3, f"exit code {code}\n{out}\n{err[-2000:]}"
         for name in names:
