@@ -7668,16 +7668,15 @@ def _check_ok(result):
 
 # The section's launches, each a job of `_jobs`: a function of no argument whose result the tests read.
 def _jobs(launched, tmp_path_factory):
-    """The jobs by name, the longest first: the example's launches (chains of commands run in order), the launcher
-    runs, the README's commands (a chain a code block), the 2-rank scripts, the DeepSpeed-style script and the
-    example's pipeline on one process."""
-    jobs = {f"example: {name}": functools.partial(_each, launched, chain) for name, chain in _example_chains().items()}
-    in_folders = {"hf": _hf_two_process_job, "lightning": _lightning_job}
-    for name, job in in_folders.items():
-        jobs[name] = functools.partial(job, tmp_path_factory.mktemp(name))
-    for i, chain in enumerate(_readme_chains(launched)):
-        jobs[f"readme {i}"] = functools.partial(_each, launched, [text for text, _ in chain])
+    """The jobs by name: the example's launches and the README's commands (chains of commands run in order; the
+    example's first, as the README's ask for the same launches), the launcher runs, the 2-rank scripts, the
+    DeepSpeed-style script and the example's pipeline on one process."""
+    chains = {f"example: {name}": chain for name, chain in _example_chains().items()}
+    chains.update({f"readme {i}": [text for text, _ in chain] for i, chain in enumerate(_readme_chains(launched))})
+    jobs = {name: functools.partial(_each, launched, chain) for name, chain in chains.items()}
     in_folders = {
+        "hf": _hf_two_process_job,
+        "lightning": _lightning_job,
         "two ranks": _two_rank_job,
         "accelerate": _accelerate_job,
         "torchrun": _torchrun_job,
