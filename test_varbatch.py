@@ -8286,15 +8286,16 @@ def test_example_a_stalled_rank_makes_the_job_fail_within_the_timeout():
         start_new_session=True,
         env=dict(os.environ, PYTHONUNBUFFERED="1"),
     )
-    frozen, waited = [], None
+    frozen, waited, before = [], None, []
     try:
         for line in proc.stdout:  # wait until training runs
+            before.append(line)
             if _STEP_LINE.match(line.strip()):
                 break
         ranks = [
             p for p in psutil.Process(proc.pid).children(recursive=True) if "--local_rank=1" in " ".join(p.cmdline())
         ]
-        assert ranks, "rank 1's process was not found"
+        assert ranks, "rank 1's process was not found; the job before the freeze:\n" + "".join(before)[-3000:]
         for p in ranks:
             p.suspend()
             frozen.append(p)
