@@ -24,7 +24,6 @@ import os
 import pickle
 import queue
 import re
-import runpy
 import shutil
 import signal
 import socket
@@ -5896,7 +5895,8 @@ def test_plot_batches_0_draws_at_most_max_batches_per_plan(tmp_path, monkeypatch
 # 11. Launched runs (slow): several processes, the DeepSpeed launcher, the README's commands
 # =============================================================================
 # The example runs under the DeepSpeed launcher with 2 CPU ranks (gloo), DDP and pipeline; its
-# rank-0 step lines are compared with plans computed here from the dataset's real seqlens.
+# rank-0 step lines are compared with plans computed here from the dataset's real seqlens. Every launch of the
+# section is a job of `_jobs`, run once for all the tests that read it (see `jobs`).
 
 _STEP_LINE = re.compile(
     r"^step +(\d+) \| epoch (\d+) \| B ([\d,]+) \| S ([\d,]+) \| tokens (\d+) \| "
@@ -5907,10 +5907,11 @@ _SUMMARY_LINE = re.compile(r"^summary \| epochs (\S+) \| .*\| samples trained (\
 _DROP_LINE = re.compile(r"epoch (\d+): dropped (\d+) samples? \(ids [^)]*\) as (\w+)")
 # Small runs: a few seconds of training each; the launcher's start-up dominates. The README test runs the
 # README's example commands at these sizes too, so that they and the example tests' launches are one set,
-# each launched once (see `launched`): 54 steps on DDP (9 an epoch: the README's `--max-steps 33` stops inside epoch 3).
-_NUM_SAMPLES, _EPOCHS = 700, 6
+# each launched once (see `launched`): 36 steps on DDP (9 an epoch: the README's `--max-steps 33` stops inside epoch 3).
+_NUM_SAMPLES, _EPOCHS = 700, 4
 _SMALL_RUN = ["--num-samples", str(_NUM_SAMPLES), "--epochs", str(_EPOCHS)]
 _LAUNCH_TIMEOUT_S = 600
+_DEEPSPEED_LAUNCHER = [sys.executable, "-m", "deepspeed.launcher.runner"]  # `deepspeed`, this Python's
 
 
 # torch 2.13's gloo can abort a CPU process at interpreter exit, after its work is done: a gloo worker
@@ -5938,20 +5939,30 @@ def _run(cmd, timeout=_LAUNCH_TIMEOUT_S, cwd=_ROOT, env=None, retry=True):
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-def _launch(script, args, num_gpus=2, cwd=_ROOT):
-    """``deepspeed --num_gpus N script args`` (the launcher's own entry point, this Python)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "deepspeed.launcher.runner",
-        "--num_gpus",
-        str(num_gpus),
-        "--master_port",
-        str(_free_port()),
-        script,
-        *args,
-    ]
-    return _run(cmd, cwd=cwd)
+def _launch(script, args, cwd=_ROOT):
+    """``deepspeed --num_gpus 2 script args`` (the launcher's own entry point, this Python), one thread a rank."""
+    command = [*_DEEPSPEED_LAUNCHER, "--num_gpus", "2", "--master_port", str(_master_port()), script, *args]
+    return _run(command, cwd=cwd, env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+_PORTS_GIVEN = set()
+
+
+def _master_port():
+    """A free port below the kernel's ephemeral range (32768 up): a launcher binds its master port seconds after
+    the test picked it, and a port of that range (`_free_port`'s) may meanwhile go to any process's outgoing
+    connection (gloo's, another job's), which fails the launch with "address already in use"."""
+    low = 32768
+    with contextlib.suppress(OSError):
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for port in np.random.default_rng().permutation(np.arange(20000, low)).tolist():
+        if port in _PORTS_GIVEN:  # picked for a launch that may not have bound it yet
+            continue
+        with socket.socket() as s, contextlib.suppress(OSError):
+            s.bind(("127.0.0.1", port))
+            _PORTS_GIVEN.add(port)
+            return port
+    raise AssertionError(f"no free port in [20000, {low})")
 
 
 def _check_ok(result):
@@ -5959,6 +5970,60 @@ def _check_ok(result):
         f"exit code {result.returncode}\n--- stdout ---\n{result.stdout[-4000:]}"
         f"\n--- stderr ---\n{result.stderr[-4000:]}"
     )
+
+
+# The section's launches, each a job of `_jobs`: a function of no argument whose result the tests read.
+def _jobs(launched, tmp_path_factory):
+    """The jobs by name: the example's launches and the README's commands (chains of commands run in order; the
+    example's first, as the README's ask for the same launches), the launcher runs, the 2-rank scripts, the
+    DeepSpeed-style script and the example's pipeline on one process."""
+    chains = {f"example: {name}": chain for name, chain in _example_chains().items()}
+    chains.update({f"readme {i}": [text for text, _ in chain] for i, chain in enumerate(_readme_chains(launched))})
+    jobs = {name: functools.partial(_each, launched, chain) for name, chain in chains.items()}
+    in_folders = {
+        "hf": _hf_two_process_job,
+        "lightning": _lightning_job,
+        "two ranks": _two_rank_job,
+        "accelerate": _accelerate_job,
+        "torchrun": _torchrun_job,
+        "stateful": _stateful_job,
+        "deepspeed engine": _deepspeed_engine_job,
+        "deepspeed style": _deepspeed_style_job,
+    }
+    for name, job in in_folders.items():
+        jobs[name] = functools.partial(job, tmp_path_factory.mktemp(name.replace(" ", "_")))
+    jobs["pipeline on one process"] = _one_process_pipeline_job
+    return jobs
+
+
+def _each(launched, chain):
+    """The results of the commands of ``chain``, run in order."""
+    return [launched(text) for text in chain]
+
+
+@pytest.fixture(scope="module")
+def jobs(launched, tmp_path_factory):
+    """``jobs(name)``: what the job ``name`` of `_jobs` returned; a job that raised (a failure, a hang, a skip)
+    raises in every test that reads it. All the jobs run when the first test asks, two at a time: a launch leaves a
+    core idle for most of its start-up (one process imports at a time), and the other job fills it."""
+    import concurrent.futures
+
+    def outcome(job):
+        try:
+            return job()
+        except BaseException as error:  # pytest's failures and skips too: the tests that read the job report them
+            return error
+
+    named = _jobs(launched, tmp_path_factory)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        outcomes = dict(zip(named, pool.map(outcome, named.values())))
+
+    def result(name):
+        if isinstance(outcomes[name], BaseException):
+            raise outcomes[name]
+        return outcomes[name]
+
+    return result
 
 
 # The 2-rank scripts of the tests below run in one pair of gloo processes, one script after another (torch
@@ -5989,44 +6054,36 @@ for name, port in zip(names, ports):
 
 
 def _two_rank_scripts():
-    """The scripts `two_rank_job` runs, by name, in the order it runs them."""
+    """The scripts `_two_rank_job` runs, by name, in the order it runs them."""
     mismatched = {
         case.replace(" ", "_"): _MISMATCHED_RANKS_SCRIPT.format(case=case) for case, _ in _MISMATCHED_RANKS_CASES
     }
     return {
         "two_ranks": _TWO_RANK_SCRIPT,
-        "ranks_disagree": _RANKS_DISAGREE_SCRIPT,
         **mismatched,
         "per_rank_cache_first": _PER_RANK_CACHE_SCRIPT,  # leaves rank 0 a cache
         "per_rank_cache": _PER_RANK_CACHE_SCRIPT,
     }
 
 
-@pytest.fixture(scope="module")
-def two_rank_job(tmp_path_factory):
-    """``two_rank_job(name)``: each rank's (exit code, stdout, stderr, the folder's files after it) of the script
-    ``name`` of `_two_rank_scripts`, all run in one pair of processes (see `_TWO_RANK_RUNNER`)."""
-    folder = tmp_path_factory.mktemp("two_ranks")
+def _two_rank_job(folder):
+    """Runs the scripts of `_two_rank_scripts` in ``folder`` (see `_TWO_RANK_RUNNER`); returns ``run(name)``: each
+    rank's (exit code, stdout, stderr, the folder's files after it) of the script ``name``."""
     scripts = _two_rank_scripts()
     for name, source in scripts.items():
         (folder / f"{name}.py").write_text(source)
-    ports = set()
-    while len(ports) < len(scripts):
-        ports.add(_free_port())
-    command = [sys.executable, "-c", _TWO_RANK_RUNNER, "", ",".join(map(str, ports)), *scripts]
-    procs = []
-    for rank in range(2):
-        command[3] = str(rank)
-        procs.append(
-            subprocess.Popen(
-                command,
-                cwd=folder,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                env=dict(os.environ, PYTHONPATH=_ROOT),
-            )
+    ports = [str(_master_port()) for _ in scripts]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _TWO_RANK_RUNNER, str(rank), ",".join(ports), *scripts],
+            cwd=folder,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=dict(os.environ, PYTHONPATH=_ROOT, OMP_NUM_THREADS="1"),
         )
+        for rank in range(2)
+    ]
     try:
         ends = [proc.communicate(timeout=420) for proc in procs]
     except subprocess.TimeoutExpired:
@@ -6071,10 +6128,10 @@ dist.destroy_process_group()
 
 
 @pytest.mark.slow
-def test_two_ranks_take_equal_steps_on_an_uneven_dataset(two_rank_job):
+def test_two_ranks_take_equal_steps_on_an_uneven_dataset(jobs):
     """2 real gloo ranks, 101 samples: equal steps, the plan trained once together, and a plan broadcast intact."""
     outs = []
-    for code, out, err, _ in two_rank_job("two_ranks"):
+    for code, out, err, _ in jobs("two ranks")("two_ranks"):
         assert code == 0, err[-2000:]
         outs.append(json.loads(out.strip().splitlines()[-1]))
     assert outs[0]["steps"] == outs[1]["steps"] > 0
@@ -6098,40 +6155,8 @@ def test_two_ranks_take_equal_steps_on_an_uneven_dataset(two_rank_job):
         assert len(trained) + plan.num_dropped == 101
 
 
-_RANKS_DISAGREE_SCRIPT = """
-import sys, types
-import torch
-import varbatch
-torch.distributed.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=int(sys.argv[1]),
-                                     world_size=2)
-rank = torch.distributed.get_rank()
-config = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 1,
-          "data_efficiency": {"data_sampling": {"dynamic_batching": {"enabled": True, "max_tokens": 16}}}}
-engine = types.SimpleNamespace(_config=types.SimpleNamespace(_param_dict=config), optimizer=None,
-                               lr_scheduler=None, data_parallel_group=None, train_batch_size=lambda: 2,
-                               train_micro_batch_size_per_gpu=lambda: 1, gradient_accumulation_steps=lambda: 1)
-seqlens = [3, 5, 2, 7, 4, 6, 1, 8] if rank == 0 else [8] * 8  # rank 1 sees other lengths
-try:
-    varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
-        [torch.ones(n) for n in seqlens], engine, dataset_seqlens=seqlens)
-except RuntimeError as error:
-    print(f"rank {rank}: {error}", flush=True)
-    torch.distributed.destroy_process_group()
-    sys.exit(3)
-"""
-
-
-@pytest.mark.slow
-def test_deepspeed_glue_fails_on_every_rank_when_the_ranks_plan_differently(two_rank_job):
-    """Ranks with different seqlens get a clear error at the start, on every rank, instead of a hang."""
-    for code, out, err, _ in two_rank_job("ranks_disagree"):
-        assert code == 3, f"{out}\n{err}"
-        assert "planned a different epoch than rank 0" in out
-        assert "give every rank the same dataset" in out
-
-
 _MISMATCHED_RANKS_SCRIPT = """
-import datetime, sys
+import datetime, sys, types
 import torch
 import varbatch
 CASE = {case!r}
@@ -6145,8 +6170,22 @@ if CASE == "different seqlens":
     sampler = varbatch.VariableBatchSampler(seqlens, 64, order="bucket")
 elif CASE == "one rank twice":
     sampler = varbatch.VariableBatchSampler(seqlens, 64, num_replicas=2, rank=0)
+elif CASE == "different seqlens in the DeepSpeed glue":
+    seqlens = [3, 5, 2, 7, 4, 6, 1, 8] if rank == 0 else [8] * 8
+    section = {{"enabled": True, "max_tokens": 16}}
+    config = {{"train_batch_size": 2, "train_micro_batch_size_per_gpu": 1,
+              "data_efficiency": {{"data_sampling": {{"dynamic_batching": section}}}}}}
+    engine = types.SimpleNamespace(_config=types.SimpleNamespace(_param_dict=config), optimizer=None,
+                                   lr_scheduler=None, data_parallel_group=None, train_batch_size=lambda: 2,
+                                   train_micro_batch_size_per_gpu=lambda: 1, gradient_accumulation_steps=lambda: 1)
 try:
-    loader = varbatch.make_dataloader([torch.ones(n) for n in seqlens], sampler, collate_fn=varbatch.PaddedCollate())
+    if CASE == "different seqlens in the DeepSpeed glue":  # the glue's checks, at the start
+        loader, _, _ = varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
+            [torch.ones(n) for n in seqlens], engine, dataset_seqlens=seqlens)
+        sampler = loader.variable_batch_sampler
+    else:
+        loader = varbatch.make_dataloader([torch.ones(n) for n in seqlens], sampler,
+                                          collate_fn=varbatch.PaddedCollate())
     trained = sum(1 for _ in loader)
 except RuntimeError as error:
     print(f"rank {{rank}}: {{error}}", flush=True)
@@ -6159,6 +6198,10 @@ torch.distributed.destroy_process_group()
 
 _MISMATCHED_RANKS_CASES = [
     ("different seqlens", ["rank 1 planned a different epoch than rank 0", "give every rank the same dataset"]),
+    (
+        "different seqlens in the DeepSpeed glue",
+        ["rank 1 planned a different epoch than rank 0", "give every rank the same dataset"],
+    ),
     ("one rank twice", ["the processes deal to ranks [0, 0]", "pass every process its own data-parallel rank"]),
     (
         "made before init_process_group",
@@ -6169,9 +6212,10 @@ _MISMATCHED_RANKS_CASES = [
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case, names", _MISMATCHED_RANKS_CASES)
-def test_processes_that_deal_one_plan_differently_fail_at_once_on_every_rank(two_rank_job, case, names):
-    """2 gloo processes that planned apart, deal to one rank twice or made the sampler too early: RuntimeError on both."""
-    for code, out, err, _ in two_rank_job(case.replace(" ", "_")):
+def test_processes_that_deal_one_plan_differently_fail_at_once_on_every_rank(jobs, case, names):
+    """2 gloo processes that planned apart (also through the DeepSpeed glue), deal to one rank twice or made the
+    sampler too early: RuntimeError on both."""
+    for code, out, err, _ in jobs("two ranks")(case.replace(" ", "_")):
         assert code == 3, f"exit code {code}\n{out}\n{err[-2000:]}"
         for name in names:
             assert name in out, f"{name!r} not in {out!r}"
@@ -6208,10 +6252,10 @@ torch.distributed.destroy_process_group()
 
 
 @pytest.mark.slow
-def test_a_seqlen_cache_only_some_ranks_have_makes_every_rank_compute(two_rank_job):
+def test_a_seqlen_cache_only_some_ranks_have_makes_every_rank_compute(jobs):
     """Per-rank metrics_path folders (node-local disks), a cache in rank 0's only: both ranks compute the seqlens and
     plan alike (rank 0 read its cache while rank 1 computed: mismatched collectives, "too many values to unpack")."""
-    first = two_rank_job("per_rank_cache_first")  # leaves rank 0 a cache
+    first = jobs("two ranks")("per_rank_cache_first")  # leaves rank 0 a cache
     for code, out, err, _ in first:
         assert code == 0, f"{out}\n{err[-2000:]}"
     cache, files = "varbatch_seqlens.npy", first[0][3]  # the folder after rank 0's run
@@ -6219,7 +6263,7 @@ def test_a_seqlen_cache_only_some_ranks_have_makes_every_rank_compute(two_rank_j
         "rank 0's folder has no cache, or rank 1's has one: the test could not fail"
     )
     outs = []
-    for code, out, err, _ in two_rank_job("per_rank_cache"):
+    for code, out, err, _ in jobs("two ranks")("per_rank_cache"):
         assert code == 0, f"exit code {code}\n{out}\n{err[-2000:]}"
         outs.append(json.loads(out.strip().splitlines()[-1]))
     for rank, out in enumerate(outs):
@@ -6249,16 +6293,16 @@ def _steps(stdout):
     ]
 
 
-def _example_config(path=None):
-    with open(path or os.path.join(_ROOT, "ds_config.json")) as f:
+def _example_config():
+    with open(os.path.join(_ROOT, "ds_config.json")) as f:
         return json.load(f)
 
 
-def _example_plans(config, pipeline, num_samples=_NUM_SAMPLES, seed=0, epochs=_EPOCHS):
+def _example_plans(config, pipeline):
     """The plans the example should train (2 ranks), from the dataset's real seqlens and the config's one reader."""
     import example
 
-    seqlens = example.RunningSumSequences(num_samples, seed=seed).seqlens.numpy()
+    seqlens = example.RunningSumSequences(_NUM_SAMPLES, seed=0).seqlens.numpy()
     options, lr_options, _ = varbatch._read_config(config)
     micro = config.get("train_micro_batch_size_per_gpu", 1)
     num_replicas = 1 if pipeline else 2  # 2 ranks: 2 stages x 1, or 2 data-parallel ranks
@@ -6273,48 +6317,24 @@ def _example_plans(config, pipeline, num_samples=_NUM_SAMPLES, seed=0, epochs=_E
             same_size=pipeline,
             same_length=pipeline,
         )
-        for epoch in range(epochs)
+        for epoch in range(_EPOCHS)
     ]
     return plans, seqlens, lr_options, num_replicas
 
 
-def _schedule_lrs(config, count, horizon):
-    """schedule(n), n = 0..count: the config's DeepSpeed scheduler, else the example's own sized by the horizon."""
-    base_lr = config["optimizer"]["params"]["lr"]
-    if "scheduler" not in config:
-        import example
-
-        return [base_lr * example.warmup_cosine(n, horizon) for n in range(count + 1)]
-    from deepspeed.runtime import lr_schedules
-
-    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=base_lr)
-    scheduler = getattr(lr_schedules, config["scheduler"]["type"])(optimizer, **config["scheduler"]["params"])
-    lrs = [optimizer.param_groups[0]["lr"]]
-    for _ in range(count):
-        scheduler.step()
-        lrs.append(optimizer.param_groups[0]["lr"])
-    return lrs
-
-
 def _expected_steps(config, pipeline):
-    """Per optimizer step: (epoch, rank 0's (B, S) per step input, real tokens, LR), and the run's totals."""
+    """Per optimizer step: (epoch, rank 0's (B, S) per step input, real tokens, LR), and the plans. The LR is the
+    example's schedule (warmup and cosine over the run's steps, stepped once a batch) x the batch's scaling factor."""
+    import example
+
     plans, seqlens, lr, num_replicas = _example_plans(config, pipeline)
+    assert (lr["lr_clock"], lr["lr_clock_step"]) == ("steps", 1), "ds_config.json's LR clock is not the oracle's"
     micro = config.get("train_micro_batch_size_per_gpu", 1)
-    sizes_of = (lambda p: p.batch_tokens) if lr["lr_scaling_unit"] == "tokens" else (lambda p: p.batch_sizes)
-    clock_of = {
-        "steps": lambda p, b: 1,
-        "tokens": lambda p, b: int(p.batch_tokens[b]),
-        "samples": lambda p, b: int(p.batch_sizes[b]),
-    }[lr["lr_clock"]]
-    schedule = _schedule_lrs(
-        config,
-        sum(int(clock_of(p, b)) for p in plans for b in range(p.num_batches)),
-        horizon=sum(p.num_batches for p in plans),
-    )
-    steps, seen = [], 0
+    horizon = sum(p.num_batches for p in plans)
+    steps = []
     for plan in plans:
         k, sizes, tensor_s = plan.effective_batch_size, plan.microbatch_sizes(), _tensor_seqlens(plan, seqlens)
-        unit = sizes_of(plan)
+        unit = plan.batch_tokens if lr["lr_scaling_unit"] == "tokens" else plan.batch_sizes
         reference = {None: config["train_batch_size"], "mean": float(unit.mean())}.get(
             lr["lr_scaling_reference"], lr["lr_scaling_reference"]
         )
@@ -6324,21 +6344,54 @@ def _expected_steps(config, pipeline):
                 for g in range(b * k // micro, (b + 1) * k // micro)
                 if g % num_replicas == 0
             ]
+            schedule = config["optimizer"]["params"]["lr"] * example.warmup_cosine(len(steps), horizon)
             factor = scale_lr(reference, float(unit[b]), 1.0, lr["lr_scaling_method"])
-            steps.append(
-                (plan.epoch, shapes, int(plan.batch_tokens[b]), schedule[seen // lr["lr_clock_step"]] * factor)
-            )
-            seen += clock_of(plan, b)
+            steps.append((plan.epoch, shapes, int(plan.batch_tokens[b]), schedule * factor))
     return steps, plans
 
 
 _PATHS = {"ddp": [], "pipeline": ["--pipeline-num-stages", "2"]}
 _EXAMPLE_LAUNCH = "deepspeed --num_gpus 2 example.py"  # as the README writes it
+# The example's padding-free mode at a small size: one process (DDP) and the README's launch (pipeline), and its
+# flat rows' per-token model on padded step inputs of the same plan (`--per-token`).
+_FLAT_RUN = "--num-samples 300 --epochs 3"
+# Stopped and resumed runs of the example, each against the uninterrupted run of its path (on ds_config.json):
+# (path, flags, the step it stops at, its checkpoint folder). "ddp" is the README's two commands as it writes them;
+# "pipeline, 2 loader workers" runs ds_config.json with data_sampling.num_workers 2, so that its loader reads ahead
+# (the example once skipped the last batches of every epoch then, and a checkpoint must count the step inputs
+# trained, not those read), stopped at batch 2 of epoch 1 (10 batches an epoch). One pair of launches checks both
+# the pipeline's resume and the read-ahead's.
+_STOPS = {
+    "ddp": ("ddp", [], 33, "ckpt"),
+    "pipeline, 2 loader workers": (
+        "pipeline",
+        [*_PATHS["pipeline"], "--config", "ds_config_workers.json"],
+        12,
+        "ckpt-pipeline-workers",
+    ),
+}
 
 
 def _example_command(*flags):
     """The README's form of a launch of the example with ``flags``, at the small run's sizes."""
     return " ".join([_EXAMPLE_LAUNCH, *flags, *_SMALL_RUN])
+
+
+def _example_chains():
+    """The example's launches the tests read, by name: each a chain of commands run in order."""
+    chains = {f"stopped {case}": _stop_and_resume(*_STOPS[case][1:]) for case in _STOPS}
+    chains.update({path: [_example_command(*flags)] for path, flags in _PATHS.items()})
+    chains["pipeline flat"] = [f"{_EXAMPLE_LAUNCH} --pipeline-num-stages 2 --padding-free {_FLAT_RUN}"]
+    chains.update({mode: [f"python example.py --{mode} {_FLAT_RUN}"] for mode in ("padding-free", "per-token")})
+    return chains
+
+
+def _stop_and_resume(flags, stop, checkpoint):
+    """The commands of a run stopped after step ``stop`` and resumed."""
+    return [
+        _example_command(*flags, "--max-steps", str(stop), "--checkpoint-dir", checkpoint),
+        _example_command(*flags, "--checkpoint-dir", checkpoint, "--resume"),
+    ]
 
 
 def _command_key(text):
@@ -6347,40 +6400,47 @@ def _command_key(text):
 
 
 def _copy_project(folder):
-    """Copies the project's scripts and configs (not this file) into ``folder``, where the README's commands run."""
+    """Copies the project's scripts and configs (not this file) into ``folder``, where the README's commands run, and
+    the config of the example's run with 2 loader workers."""
     for path in [*Path(_ROOT).glob("*.py"), *Path(_ROOT).glob("*.json")]:
         if path.name != Path(__file__).name:
             (folder / path.name).write_bytes(path.read_bytes())
+    config = _example_config()
+    config["data_efficiency"]["data_sampling"]["num_workers"] = 2
+    (folder / "ds_config_workers.json").write_text(json.dumps(config))
 
 
 def _readme_env(folder):
-    """`python`, `deepspeed`, `torchrun` as the README writes them: those of the interpreter running the tests."""
+    """`python`, `deepspeed`, `torchrun` as the README writes them: those of the interpreter running the tests; one
+    thread a process (two launches run side by side)."""
     return dict(
         os.environ,
         PYTHONUNBUFFERED="1",
         PYTHONPATH=str(folder),
         PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+        OMP_NUM_THREADS="1",
     )
 
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     """``launched(command)``: the result of a README-style command line (``bash -c``, a free master port added), run
-    in one folder that holds the project's files. Each distinct command runs once per test run, however many tests
-    check it (an example launch costs ~10 s): the README test and the example tests ask for the same launches, and
+    in one folder that holds the project's files. Each distinct command runs once per test run, however many jobs
+    ask for it (an example launch costs ~10 s): the README's chains and the example's ask for the same launches, and
     a launch that failed or hung fails every test that asks for it. ``launched.folder`` is the folder."""
     folder = tmp_path_factory.mktemp("launched")
     _copy_project(folder)
-    results = {}
+    results, locks = {}, {}
 
     def run(text):
         key = _command_key(text)
-        if key not in results:
-            line = re.sub(r"^(deepspeed|torchrun)\b(?!.*--master)", rf"\1 --master_port {_free_port()}", text)
-            try:
-                results[key] = _run(["bash", "-c", line], cwd=folder, env=_readme_env(folder))
-            except pytest.fail.Exception as hung:  # kept: later tests that ask for it fail at once, not after a hang
-                results[key] = hung
+        with locks.setdefault(key, threading.Lock()):  # two jobs that ask at once: one runs it, the other waits
+            if key not in results:
+                line = re.sub(r"^(deepspeed|torchrun)\b(?!.*--master)", rf"\1 --master_port {_master_port()}", text)
+                try:
+                    results[key] = _run(["bash", "-c", line], cwd=folder, env=_readme_env(folder))
+                except pytest.fail.Exception as hung:  # kept: later tests that ask for it fail at once
+                    results[key] = hung
         if isinstance(results[key], pytest.fail.Exception):
             raise results[key]
         return results[key]
@@ -6391,10 +6451,10 @@ def launched(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", ["ddp", "pipeline"])
-def test_example_trains_the_plan_and_the_loss_goes_down(launched, path):
+def test_example_trains_the_plan_and_the_loss_goes_down(jobs, path):
     """2 ranks, the README's commands (DDP; pipeline): every step's B, S, real tokens and LR are the plan's; the loss
     goes down; drops are reported once. (2 loader workers: the stop-and-resume test below.)"""
-    result = launched(_example_command(*_PATHS[path]))
+    (result,) = jobs(f"example: {path}")
     _check_ok(result)
     steps = _steps(result.stdout)
     config = _example_config()
@@ -6422,7 +6482,7 @@ def test_example_trains_the_plan_and_the_loss_goes_down(launched, path):
     assert int(summary[2]) == sum(int(p.batch_sizes.sum()) for p in plans)
     drops = {reason: sum(len(p.dropped[reason]) for p in plans) for reason in DROP_REASONS}
     assert summary[3] == " ".join(f"{reason}={count}" for reason, count in drops.items())
-    # Drops are logged once per trained epoch, by one rank (issue 9, item 13).
+    # Drops are logged once per trained epoch, by one rank.
     logged = sorted((int(e), reason, int(n)) for e, n, reason in _DROP_LINE.findall(result.stdout + result.stderr))
     assert logged == sorted(
         (p.epoch, reason, len(p.dropped[reason]))
@@ -6437,22 +6497,12 @@ def test_example_trains_the_plan_and_the_loss_goes_down(launched, path):
     assert all(int(tokens_per_s) > 0 for _, _, tokens_per_s, _ in progress)
 
 
-# The example's padding-free mode, one process (DDP) and the README's launch (pipeline), at a small size:
-# its flat rows against the same per-token model and plan on padded step inputs (`--per-token`). The one-process
-# flat run serves both tests (through `launched`, each command once).
-_FLAT_RUN = "--num-samples 300 --epochs 3"
-
-
 @pytest.mark.slow
-def test_example_padding_free_trains_as_its_per_token_model_padded(launched):
+def test_example_padding_free_trains_as_its_per_token_model_padded(jobs):
     """DDP path, one process: `--padding-free` trains every step as `--per-token` does on padded step inputs of the
     same plan (the same samples, tokens and LRs; each step's loss within 1e-5, relatively, of the printed 6
     digits), with no padding in its rows."""
-    import concurrent.futures
-
-    commands = [f"python example.py {flag} {_FLAT_RUN}" for flag in ("--padding-free", "--per-token")]
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # two 1-process runs side by side, on 2 cores
-        flat, padded = pool.map(launched, commands)
+    (flat,), (padded,) = jobs("example: padding-free"), jobs("example: per-token")
     for result in (flat, padded):
         _check_ok(result)
     flat_steps, padded_steps = _steps(flat.stdout), _steps(padded.stdout)
@@ -6465,12 +6515,11 @@ def test_example_padding_free_trains_as_its_per_token_model_padded(launched):
 
 
 @pytest.mark.slow
-def test_example_padding_free_pipeline_rows_share_their_batchs_length(launched):
+def test_example_padding_free_pipeline_rows_share_their_batchs_length(jobs):
     """Pipeline path (2 stages): the step inputs of a batch are rows of one length, the batch's longest row, whose
-    padding segment neither attention nor loss sees: the first step's loss is the DDP flat run's."""
-    result = launched(f"{_EXAMPLE_LAUNCH} --pipeline-num-stages 2 --padding-free {_FLAT_RUN}")
+    padding segment neither attention nor loss sees: the first step's loss is the one-process flat run's."""
+    (result,), (one,) = jobs("example: pipeline flat"), jobs("example: padding-free")
     _check_ok(result)
-    one = launched(f"python example.py --padding-free {_FLAT_RUN}")  # the one-process run of the test above
     _check_ok(one)
     steps = _steps(result.stdout)
     assert len(steps) > 10 and all(s["B"] == [1] * len(s["B"]) and len(set(s["S"])) == 1 for s in steps)
@@ -6480,45 +6529,19 @@ def test_example_padding_free_pipeline_rows_share_their_batchs_length(launched):
     assert math.isclose(steps[0]["loss"], first["loss"], rel_tol=1e-5, abs_tol=2e-6)
 
 
-# Stopped and resumed runs of the example, each against the uninterrupted run of its path (the runs above, on
-# ds_config.json): (path, flags, the step it stops at, its checkpoint folder). A stop of None is batch 2 of epoch 1.
-# "ddp" is the README's two commands as it writes them; "pipeline, 2 loader workers" runs ds_config.json with
-# data_sampling.num_workers 2, so that its loader reads ahead (the example once skipped the last batches of every
-# epoch then, and a checkpoint must count the step inputs trained, not those read): stopped and resumed, each must
-# train every step of the uninterrupted run (which trains the plan, above), with the same LRs and losses. One pair
-# of launches checks both the pipeline's resume and the read-ahead's.
-_STOPS = {
-    "ddp": ("ddp", [], 33, "ckpt"),
-    "pipeline, 2 loader workers": (
-        "pipeline",
-        [*_PATHS["pipeline"], "--config", "ds_config_workers.json"],
-        None,
-        "ckpt-pipeline-workers",
-    ),
-}
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(_STOPS))
-def test_example_stop_and_resume_reproduces_the_uninterrupted_run(launched, case):
+def test_example_stop_and_resume_reproduces_the_uninterrupted_run(jobs, case):
     """Stopped mid-epoch and resumed (DDP as the README does it; pipeline with a loader that reads ahead), the run
     trains the same batches with the same LRs and losses."""
-    path, flags, stop, checkpoint = _STOPS[case]
-    full = launched(_example_command(*_PATHS[path]))
-    _check_ok(full)
+    path, _, stop, _ = _STOPS[case]
+    (full,), (first, second) = jobs(f"example: {path}"), jobs(f"example: stopped {case}")
+    for result in (full, first, second):
+        _check_ok(result)
     plans, _, _, _ = _example_plans(_example_config(), path == "pipeline")
     starts = np.cumsum([0] + [p.num_batches for p in plans])  # the steps done before each epoch
-    stop = stop or int(starts[1]) + 2
     epoch = int(np.searchsorted(starts, stop, side="right")) - 1  # the epoch of step stop + 1
     assert 1 <= epoch < len(plans) and stop > starts[epoch], f"step {stop} is not mid-epoch after an epoch's end"
-    if "ds_config_workers.json" in flags:
-        config = _example_config()
-        config["data_efficiency"]["data_sampling"]["num_workers"] = 2
-        (launched.folder / "ds_config_workers.json").write_text(json.dumps(config))
-    first = launched(_example_command(*flags, "--max-steps", str(stop), "--checkpoint-dir", checkpoint))
-    _check_ok(first)
-    second = launched(_example_command(*flags, "--checkpoint-dir", checkpoint, "--resume"))
-    _check_ok(second)
     assert f"at step {stop}; the sampler goes on in epoch {epoch}" in second.stdout, second.stdout[-2000:]
     expected, got = _steps(full.stdout), _steps(first.stdout) + _steps(second.stdout)
     assert [s["step"] for s in got] == [s["step"] for s in expected]
@@ -6532,45 +6555,34 @@ def test_example_stop_and_resume_reproduces_the_uninterrupted_run(launched, case
         )
 
 
-@pytest.mark.slow
-def test_example_pipeline_on_one_process_fails_at_once_with_the_command_that_works():
-    """One process cannot hold 2 stages: the example says which command works, and never hangs."""
-    import concurrent.futures
+def _one_process_pipeline_job():
+    """The example's pipeline on one process, under the launcher and without: each finished run."""
+    launcher = [*_DEEPSPEED_LAUNCHER, "--num_gpus", "1", "--master_port", str(_master_port())]
+    commands = [[*launcher, "example.py", *_PATHS["pipeline"]], [sys.executable, "example.py", *_PATHS["pipeline"]]]
+    return [_run(command, timeout=120) for command in commands]
 
+
+@pytest.mark.slow
+def test_example_pipeline_on_one_process_fails_at_once_with_the_command_that_works(jobs):
+    """One process cannot hold 2 stages: the example says which command works, and never hangs."""
     fix = "deepspeed --num_gpus 2 example.py --pipeline-num-stages 2"
-    launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port"]
-    commands = [
-        [*launcher, str(_free_port()), "example.py", "--pipeline-num-stages", "2"],
-        [sys.executable, "example.py", "--pipeline-num-stages", "2"],
-    ]
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # two 1-process runs side by side, on 2 cores
-        results = list(pool.map(functools.partial(_run, timeout=120), commands))
-    for result in results:
+    for result in jobs("pipeline on one process"):
         assert result.returncode != 0
         assert fix in result.stderr + result.stdout, result.stderr[-2000:]
         assert "needs a multiple of 2 processes" in result.stderr + result.stdout
+
+
+# The stalled job's collective timeout: short, as the test waits for it, but above the ranks' lag at start-up (their
+# collectives before training wait with it too: on a busy machine one rank may lag the other by a few seconds).
+_STALL_TIMEOUT_S = 5
 
 
 @pytest.mark.slow
 def test_example_a_stalled_rank_makes_the_job_fail_within_the_timeout():
     """Rank 1 frozen mid-training: rank 0 fails at its next collective after --dist-timeout, no 30-minute hang."""
     psutil = pytest.importorskip("psutil")  # a DeepSpeed dependency
-    cmd = [
-        sys.executable,
-        "-m",
-        "deepspeed.launcher.runner",
-        "--num_gpus",
-        "2",
-        "--master_port",
-        str(_free_port()),
-        "example.py",
-        "--dist-timeout",
-        "10",
-        "--num-samples",
-        "800",
-        "--epochs",
-        "200",
-    ]
+    cmd = [*_DEEPSPEED_LAUNCHER, "--num_gpus", "2", "--master_port", str(_master_port()), "example.py"]
+    cmd += ["--dist-timeout", str(_STALL_TIMEOUT_S), "--num-samples", "800", "--epochs", "200"]
     proc = subprocess.Popen(
         cmd,
         cwd=_ROOT,
@@ -6580,15 +6592,16 @@ def test_example_a_stalled_rank_makes_the_job_fail_within_the_timeout():
         start_new_session=True,
         env=dict(os.environ, PYTHONUNBUFFERED="1"),
     )
-    frozen, waited = [], None
+    frozen, waited, before = [], None, []
     try:
         for line in proc.stdout:  # wait until training runs
+            before.append(line)
             if _STEP_LINE.match(line.strip()):
                 break
         ranks = [
             p for p in psutil.Process(proc.pid).children(recursive=True) if "--local_rank=1" in " ".join(p.cmdline())
         ]
-        assert ranks, "rank 1's process was not found"
+        assert ranks, "rank 1's process was not found; the job before the freeze:\n" + "".join(before)[-3000:]
         for p in ranks:
             p.suspend()
             frozen.append(p)
@@ -6609,7 +6622,7 @@ def test_example_a_stalled_rank_makes_the_job_fail_within_the_timeout():
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     assert proc.returncode != 0, "the job went on with a frozen rank"
-    assert waited is not None and waited < 120, f"rank 0 took {waited} s to fail with --dist-timeout 10"
+    assert waited is not None and waited < 120, f"rank 0 took {waited} s to fail with --dist-timeout {_STALL_TIMEOUT_S}"
     print(f"rank 0 failed {waited:.1f} s after rank 1 froze")
 
 
@@ -6743,48 +6756,53 @@ torch.distributed.destroy_process_group()  # torch 2.13 may abort at exit (SIGAB
 """
 
 
+def _deepspeed_style_job(folder):
+    """The DeepSpeed-style script, its import line swapped for varbatch's, launched on 2 ranks in ``folder``, DDP then
+    pipeline: {mode: (the finished launch, rank 0's LRs, its seqlen cache's (inode, mtime) after it)}."""
+    script = _DEEPSPEED_STYLE_SCRIPT.replace(
+        "from deepspeed.runtime.data_pipeline.data_sampling.variable_batch_size_and_lr import", "from varbatch import"
+    )
+    assert script != _DEEPSPEED_STYLE_SCRIPT
+    (folder / "train.py").write_text(script)
+    (folder / "varbatch.py").write_text(Path(_ROOT, "varbatch.py").read_text())
+    cache, runs = folder / "metrics" / "varbatch_seqlens.npy", {}
+    for mode, flags in {"ddp": [], "pipeline": ["--pipeline"]}.items():
+        result = _launch("train.py", ["--metrics-path", "metrics", *flags], folder)
+        lrs = json.loads((folder / "lrs.json").read_text()) if result.returncode == 0 else None
+        runs[mode] = result, lrs, (cache.stat().st_ino, cache.stat().st_mtime_ns) if cache.exists() else None
+    return runs
+
+
 @pytest.mark.slow
-def test_deepspeed_style_script_runs_unchanged_on_varbatch_with_zero_stage_1(tmp_path):
+@pytest.mark.parametrize("mode", ["ddp", "pipeline"])
+def test_deepspeed_style_script_runs_unchanged_on_varbatch_with_zero_stage_1(jobs, mode):
     """A script for DeepSpeed's module runs on varbatch (import line swapped): DDP, then pipeline, ZeRO-1."""
     # DeepSpeed 0.19.8's own function fails on this script (its DataAnalyzer crashes on CPU, and it
     # rejects ZeRO's optimizer wrapper). The first run computes the seqlens with batch_seqlens_fn and
     # caches them in metrics_path; the second reads the cache (and leaves it as it is). The LR in
     # ZeRO's optimizer is varbatch's: base LR x B_t / train_batch_size.
-    script = _DEEPSPEED_STYLE_SCRIPT.replace(
-        "from deepspeed.runtime.data_pipeline.data_sampling.variable_batch_size_and_lr import", "from varbatch import"
-    )
-    assert script != _DEEPSPEED_STYLE_SCRIPT
-    (tmp_path / "train.py").write_text(script)
-    (tmp_path / "varbatch.py").write_text(Path(_ROOT, "varbatch.py").read_text())
-    metrics = str(tmp_path / "metrics")
-    cache, written = os.path.join(metrics, "varbatch_seqlens.npy"), None
-    for mode in ([], ["--pipeline"]):
-        result = _launch("train.py", ["--metrics-path", metrics, *mode], cwd=str(tmp_path))
-        _check_ok(result)
-        assert os.path.exists(cache), f"{mode}: no seqlen cache in metrics_path"
-        stat = os.stat(cache)
-        assert written is None or (stat.st_ino, stat.st_mtime_ns) == written, f"{mode}: the cache was not read"
-        written = (stat.st_ino, stat.st_mtime_ns)
-        assert "optimizer DeepSpeedZeroOptimizer" in result.stdout
-        lrs = json.loads((tmp_path / "lrs.json").read_text())
-        assert all(math.isclose(engine_lr, scheduler_lr) for engine_lr, scheduler_lr in lrs), lrs
-        batch_sizes = [lr / 1e-3 * 4 for lr, _ in lrs]  # B_t = lr / base_lr x train_batch_size
-        assert all(abs(b - round(b)) < 1e-6 and b >= 4 for b in batch_sizes), batch_sizes
-        assert len({round(b) for b in batch_sizes}) > 1, "the LR never followed the batch size"
+    runs = jobs("deepspeed style")
+    result, lrs, cache = runs[mode]
+    _check_ok(result)
+    assert cache is not None, "no seqlen cache in metrics_path"
+    if mode == "pipeline":  # the second run
+        assert cache == runs["ddp"][2], "the cache was rewritten, not read"
+    assert "optimizer DeepSpeedZeroOptimizer" in result.stdout
+    assert all(math.isclose(engine_lr, scheduler_lr) for engine_lr, scheduler_lr in lrs), lrs
+    batch_sizes = [lr / 1e-3 * 4 for lr, _ in lrs]  # B_t = lr / base_lr x train_batch_size
+    assert all(abs(b - round(b)) < 1e-6 and b >= 4 for b in batch_sizes), batch_sizes
+    assert len({round(b) for b in batch_sizes}) > 1, "the LR never followed the batch size"
 
 
 # -- README: every command and program in it runs, with the output it shows ------------------------
-# ```bash blocks hold commands: each line runs (installation aside: `pip install
-# X && cmd` runs cmd). Plain ``` blocks whose lines start with `$ ` show a command
-# and its exact output. ```python blocks are complete programs and run (one whose
-# first line is `# run: CMD` is saved as the script CMD names, and CMD runs it,
-# e.g. under torchrun); ```py blocks are fragments of a larger script and are not
-# run. Launchers get a free master port, so runs never collide. The benchmark's
-# commands run with --quick added, and the example's (those without shown output)
-# on smaller sizes, since full runs take minutes: its launches on the example
-# tests' `_SMALL_RUN`, `python example.py` on `_README_SMALL_EXAMPLE`. Every
-# command runs once per test run, through `launched`: the example tests above
-# check the numbers of these same launches.
+# ```bash blocks hold commands: each line runs (installation aside: `pip install X && cmd` runs cmd). Plain ```
+# blocks whose lines start with `$ ` show a command and its exact output. ```python blocks are complete programs and
+# run (one whose first line is `# run: CMD` is saved as the script CMD names, and CMD runs it, e.g. under torchrun);
+# ```py blocks are fragments of a larger script and are not run. Launchers get a free master port, so runs never
+# collide. The benchmark's commands run with --quick added, and the example's (those without shown output) on
+# smaller sizes, since full runs take minutes: its launches on the example tests' `_SMALL_RUN`, `python example.py`
+# on `_README_SMALL_EXAMPLE`. A block's steps run in order, as a reader runs them (one job); every command runs
+# once per test run, through `launched`: the example tests above check the numbers of these same launches.
 
 _README = Path(varbatch.__file__).with_name("README.md")
 _README_TEST_COMMAND = "python -m pytest -q test_varbatch.py test_conformance.py"
@@ -6793,16 +6811,18 @@ _README_SMALL_EXAMPLE = ["--num-samples", "600", "--epochs", "3"]  # `python exa
 _README_RECIPE_NEEDS = {
     "hf_trainer.py": "transformers",
     "trl_sft.py": "trl",
-    "hf_trainer_flat.py": "transformers",  # padding-free (issue 29)
+    "hf_trainer_flat.py": "transformers",  # padding-free
     "trl_sft_flat.py": "trl",
 }
 _README_RECORDED = tuple(_README_RECIPE_NEEDS)
 
 
-def _readme_steps():
-    """``(kind, text, expected_output)`` for every command and program of the README, in order."""
-    steps = []
+def _readme_blocks():
+    """The README's code blocks, in order, each a list of ``(kind, text, expected_output)`` for its commands and
+    programs."""
+    blocks = []
     for lang, body in re.findall(r"^```(\w*)\n(.*?)^```", _README.read_text(), re.S | re.M):
+        steps = []
         if lang == "bash":
             for line in body.splitlines():
                 line = line.strip()
@@ -6821,7 +6841,13 @@ def _readme_steps():
             for chunk in re.split(r"^\$ ", body, flags=re.M)[1:]:
                 command, _, output = chunk.partition("\n")
                 steps.append(("command", command.strip(), output))
-    return steps
+        blocks.append(steps)
+    return blocks
+
+
+def _readme_steps():
+    """``(kind, text, expected_output)`` for every command and program of the README, in order."""
+    return [step for block in _readme_blocks() for step in block]
 
 
 def test_ci_runs_the_readmes_test_command():
@@ -6838,56 +6864,57 @@ def test_ci_runs_the_readmes_test_command():
     assert not missing, f"CI does not run the README's test command: {missing}"
 
 
+def _readme_chains(launched):
+    """The README's commands and programs to run, as ``(command line, expected output)`` chains, one a code block, its
+    steps in order (a checkpoint, then the resume; a lengths file, then its plan). A program is saved in the launch
+    folder: a ``# run:`` program as the script its command names, another as readme_program_N.py."""
+    chains = []
+    for n, block in enumerate(_readme_blocks()):
+        chain = []
+        for kind, text, expected in block:
+            if kind == "launched":
+                text, program = text
+                script = next(word for word in text.split() if word.endswith(".py"))
+                if script in _README_RECORDED:
+                    continue  # run under the recorder by the tests below
+                if (text, program) in (_readme_lightning_recipe(), _readme_accelerate_recipe()):
+                    continue  # run on 2 processes by the lightning and torchrun jobs, which check them
+                (launched.folder / script).write_text(program)
+            elif kind == "program":
+                (launched.folder / f"readme_program_{n}.py").write_text(text)
+                text = f"python readme_program_{n}.py"
+            elif text.startswith("python bench.py") and "--quick" not in text:
+                text = text.replace("python bench.py", "python bench.py --quick", 1)
+            elif (
+                expected is None
+                and re.search(r"\bexample\.py\b", text)
+                and not {"--num-samples", "--epochs"} & set(text.split())
+            ):
+                command, hash_, comment = text.partition(" #")
+                sizes = _SMALL_RUN if text.startswith("deepspeed ") else _README_SMALL_EXAMPLE  # launches: the tests'
+                text = " ".join([command.rstrip(), *sizes]) + (f"  #{comment}" if hash_ else "")
+            if text != _README_TEST_COMMAND:  # this suite itself
+                chain.append((text, expected))
+        chains.append(chain)
+    return [chain for chain in chains if chain]
+
+
 @pytest.mark.slow
-def test_readme_commands_run_and_print_what_it_shows(launched):
+def test_readme_commands_run_and_print_what_it_shows(jobs, launched):
     """Every README command exits 0 (or 2 where it shows an error) and prints exactly the output shown."""
-    folder = launched.folder  # the project's scripts and configs; the example tests launch there too
-    steps = _readme_steps()
-    assert sum(kind == "command" for kind, _, _ in steps) >= 10, "the README lost its commands"
-    seen = set()
-    for kind, text, expected in steps:
-        program = None
-        if kind == "launched":  # the program, saved as the script its `# run:` command names
-            text, program = text
-            script = next(word for word in text.split() if word.endswith(".py"))
-            if script in _README_RECORDED:
-                continue  # run under the recorder by the tests below
-            if (text, program) in (_readme_lightning_recipe(), _readme_accelerate_recipe()):
-                continue  # run on 2 processes by lightning_job and the torchrun DDP test, which check them
-            (folder / script).write_text(program)
-        if text.startswith("python bench.py") and "--quick" not in text:
-            text = text.replace("python bench.py", "python bench.py --quick", 1)
-        if (
-            kind == "command"
-            and expected is None
-            and re.search(r"\bexample\.py\b", text)
-            and not {"--num-samples", "--epochs"} & set(text.split())
-        ):
-            command, hash_, comment = text.partition(" #")
-            sizes = _SMALL_RUN if text.startswith("deepspeed ") else _README_SMALL_EXAMPLE  # launches: the tests'
-            text = " ".join([command.rstrip(), *sizes]) + (f"  #{comment}" if hash_ else "")
-        key = (kind, _command_key(text) if kind == "command" else text, program, expected)
-        if text == _README_TEST_COMMAND or key in seen:
-            continue  # this suite itself; a command shown twice runs once
-        seen.add(key)
-        started = time.perf_counter()
-        if kind == "command":  # each once per test run: the example tests check the example's launches
-            done = launched(text)
-        elif kind == "launched":  # a free port for each launch (the launchers' default one may be taken)
-            line = re.sub(r"^(deepspeed|torchrun)\b(?!.*--master)", rf"\1 --master_port {_free_port()}", text)
-            done = _run(["bash", "-c", line], timeout=600, cwd=folder, env=_readme_env(folder))
-        else:
-            done = _run([sys.executable, "-c", text], timeout=600, cwd=folder, env=_readme_env(folder))
-        print(f"{time.perf_counter() - started:6.1f} s  {text[:100]!r}")
-        shows_error = expected is not None and expected.startswith("varbatch: error:")
-        assert done.returncode == (2 if shows_error else 0), (
-            f"{text!r} exited {done.returncode}:\n{done.stderr[-3000:]}"
-        )
-        if expected is not None:
-            got = (done.stderr if shows_error else done.stdout).rstrip("\n").splitlines()
-            assert [line.rstrip() for line in got] == [line.rstrip() for line in expected.rstrip("\n").splitlines()], (
-                f"README output of {text!r} differs:\n{done.stdout}{done.stderr}"
+    assert sum(kind == "command" for kind, _, _ in _readme_steps()) >= 10, "the README lost its commands"
+    for i, chain in enumerate(_readme_chains(launched)):
+        for (text, expected), done in zip(chain, jobs(f"readme {i}")):
+            shows_error = expected is not None and expected.startswith("varbatch: error:")
+            assert done.returncode == (2 if shows_error else 0), (
+                f"{text!r} exited {done.returncode}:\n{done.stderr[-3000:]}"
             )
+            if expected is not None:
+                got = (done.stderr if shows_error else done.stdout).rstrip("\n").splitlines()
+                want = expected.rstrip("\n").splitlines()
+                assert [line.rstrip() for line in got] == [line.rstrip() for line in want], (
+                    f"README output of {text!r} differs:\n{done.stdout}{done.stderr}"
+                )
 
 
 # The README's HF Trainer and TRL SFTTrainer recipes run as they are under a recorder (`python recorder.py
@@ -7083,7 +7110,7 @@ def test_readme_training_loop_tells_amp_skips_weights_and_resumes_exactly(tmp_pa
     (tmp_path / "train.py").write_text(program)
     (tmp_path / "runner.py").write_text(_LOOP_RUNNER)
     env = dict(os.environ, PYTHONPATH=_ROOT, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1")
-    env.update(MASTER_PORT=str(_free_port()), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", CUDA_VISIBLE_DEVICES="")
+    env.update(MASTER_PORT=str(_master_port()), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", CUDA_VISIBLE_DEVICES="")
     done = _run([sys.executable, "runner.py", "train.py"], timeout=600, cwd=tmp_path, env=env)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     runs = json.loads((tmp_path / "runs.json").read_text())
@@ -7163,42 +7190,19 @@ def _check_resumed_records(first, resumed, done):
     assert resumed["global_step"] == first["global_step"]
 
 
-@pytest.mark.parametrize(
-    "script, resumes",
-    [("hf_trainer.py", True), ("trl_sft.py", False), ("hf_trainer_flat.py", False), ("trl_sft_flat.py", False)],
-)
-def test_readme_hf_recipes_train_every_planned_sample_once(tmp_path, monkeypatch, script, resumes):
-    """The README's HF Trainer and TRL recipes on 1 process (in this process: one transformers import): every
-    planned sample once per epoch at the plan's LRs; the HF one, started again after its checkpoints past one inside
-    epoch 1 were deleted, resumes there by the Trainer's own skip and trains the rest of the run as the first did."""
-    pytest.importorskip("trl" if script == "trl_sft.py" else "transformers")
-    (tmp_path / script).write_text(_readme_recipe(script)[1])
-    (tmp_path / "recorder.py").write_text(_RECIPE_RECORDER)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "argv", ["recorder.py", script, "first"])
-    runpy.run_path("recorder.py", run_name="__main__")
-    (first,) = _check_recipe_records(tmp_path / "first")
-    if not resumes:
-        return
-    done = _resume_inside_epoch_1(tmp_path / "out", len(first["plans"][0]["batch_tokens"]))
-    monkeypatch.setattr(sys, "argv", ["recorder.py", script, "resumed"])
-    runpy.run_path("recorder.py", run_name="__main__")
-    _check_resumed_records(first, json.loads((tmp_path / "resumed" / "rank0.json").read_text()), done)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("script", _README_RECORDED)
-def test_readme_hf_recipes_on_two_processes(hf_two_process_job, script):
+def test_readme_hf_recipes_on_two_processes(jobs, script):
     """The README's HF Trainer and TRL recipes under their `# run:` command (2 processes; the first part of the HF
     job): every planned sample once per epoch, each rank its share, at the plan's LRs."""
     pytest.importorskip(_README_RECIPE_NEEDS[script])
-    done, folder = hf_two_process_job
+    done, folder = jobs("hf")
     records = folder / script.removesuffix(".py") / "records"
     assert records.is_dir(), f"{script} did not finish:\n{done.stderr[-3000:]}"
     assert len(_check_recipe_records(records)) == 2
 
 
-# -- launchers: HF Accelerate and Lightning (issue 11) ---------------------------------------------
+# -- launchers: HF Accelerate and Lightning ---------------------------------------------
 # Each runs 2 real CPU ranks (torchrun, or Lightning's devices=2) on 160 samples whose sample i is
 # a tensor filled with i + 1, records the sample ids and the LR of every step input, and compares the
 # union over the ranks with the plan: every planned sample once, optimizer step b trains the plan's
@@ -7503,22 +7507,11 @@ def _launch_ranks(tmp_path, source, opts, *, torchrun=True, timeout=180):
     out = tmp_path / "out"
     out.mkdir(exist_ok=True)
     env = dict(os.environ, PYTHONPATH=_ROOT, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    cmd = [sys.executable, str(script), str(out), json.dumps(opts)]
     if torchrun:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            "2",
-            "--master-port",
-            str(_free_port()),
-            str(script),
-            str(out),
-            json.dumps(opts),
-        ]
+        cmd[1:1] = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master-port", str(_master_port())]
     else:  # Lightning starts the second rank itself
-        env.update(MASTER_PORT=str(_free_port()))
-        cmd = [sys.executable, str(script), str(out), json.dumps(opts)]
+        env.update(MASTER_PORT=str(_master_port()))
     done = _run(cmd, timeout=timeout, cwd=tmp_path, env=env)
     records, errors = _saved_ranks(out)
     return done.returncode, done.stdout + done.stderr, records, errors
@@ -7556,27 +7549,36 @@ def _check_against_plan(records, *, mbs, gas, epochs):
 # -- plain torchrun DDP and DeepSpeed --------------------------------------------------------------
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("mbs, gas, workers", [(2, 2, 2)])
-def test_torchrun_ddp_trains_every_planned_sample_once(tmp_path, mbs, gas, workers):
-    """torchrun, 2 ranks, DDP with worker processes: every planned sample once, each step the plan's batch and LR.
-    Then, in the same 2 processes, the README's Accelerate recipe runs as it is (the README test leaves it here)."""
+def _torchrun_job(folder):
+    """The DDP worker under torchrun (worker processes, 2 micro-batches a step input, 2 accumulation steps), then the
+    README's Accelerate recipe in the same processes: (exit code, output, records, the ranks whose recipe ended)."""
     command, program = _readme_accelerate_recipe()
     assert command == "torchrun --nproc_per_node 2 recipe.py", command  # this launch
-    (tmp_path / "recipe.py").write_text(program)
-    opts = {"mbs": mbs, "gas": gas, "workers": workers, "recipe": str(tmp_path / "recipe.py")}
-    rc, output, records, _ = _launch_ranks(tmp_path, DDP, opts)
-    assert rc == 0, output[-3000:]
-    _check_against_plan(records, mbs=mbs, gas=gas, epochs=2)
-    assert [r for r in (0, 1) if (tmp_path / "out" / f"recipe{r}.done").exists()] == [0, 1], output[-3000:]
+    (folder / "recipe.py").write_text(program)
+    rc, output, records, _ = _launch_ranks(folder, DDP, {"mbs": 2, "gas": 2, "workers": 2, "recipe": "recipe.py"})
+    return rc, output, records, [r for r in (0, 1) if (folder / "out" / f"recipe{r}.done").exists()]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("io", [True], ids=["deepspeed_io"])
-def test_deepspeed_engine_trains_every_planned_sample_once(tmp_path, io):
-    """A DeepSpeed engine's deepspeed_io() loader from the glue's kwargs trains the plan on 2 ranks."""
+def test_torchrun_ddp_trains_every_planned_sample_once(jobs):
+    """torchrun, 2 ranks, DDP with worker processes: every planned sample once, each step the plan's batch and LR.
+    Then, in the same 2 processes, the README's Accelerate recipe runs as it is (the README test leaves it here)."""
+    rc, output, records, recipe_done = jobs("torchrun")
+    assert rc == 0, output[-3000:]
+    _check_against_plan(records, mbs=2, gas=2, epochs=2)
+    assert recipe_done == [0, 1], output[-3000:]
+
+
+def _deepspeed_engine_job(folder):
+    """The DeepSpeed worker (an engine's deepspeed_io() loader from the glue's kwargs) on 2 ranks."""
     pytest.importorskip("deepspeed")
-    rc, output, records, _ = _launch_ranks(tmp_path, DEEPSPEED, {"mbs": 2, "gas": 2, "io": io})
+    return _launch_ranks(folder, DEEPSPEED, {"mbs": 2, "gas": 2, "io": True})
+
+
+@pytest.mark.slow
+def test_deepspeed_engine_trains_every_planned_sample_once(jobs):
+    """A DeepSpeed engine's deepspeed_io() loader from the glue's kwargs trains the plan on 2 ranks."""
+    rc, output, records, _ = jobs("deepspeed engine")
     assert rc == 0, output[-3000:]
     _check_against_plan(records, mbs=2, gas=2, epochs=2)
 
@@ -7594,19 +7596,17 @@ _ACCELERATE_RUNS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def accelerate_job(tmp_path_factory):
+def _accelerate_job(folder):
     """The Accelerate job of ``_ACCELERATE_RUNS``: (exit code, output, {run name: (records, errors)})."""
     pytest.importorskip("accelerate")
-    tmp_path = tmp_path_factory.mktemp("accelerate")
-    rc, output, _, _ = _launch_ranks(tmp_path, ACCELERATE, {"runs": _ACCELERATE_RUNS})
-    return rc, output, {name: _saved_ranks(tmp_path / "out" / name) for name, _ in _ACCELERATE_RUNS}
+    rc, output, _, _ = _launch_ranks(folder, ACCELERATE, {"runs": _ACCELERATE_RUNS})
+    return rc, output, {name: _saved_ranks(folder / "out" / name) for name, _ in _ACCELERATE_RUNS}
 
 
 @pytest.mark.slow
-def test_accelerate_prepare_trains_every_planned_sample_once(accelerate_job):
+def test_accelerate_prepare_trains_every_planned_sample_once(jobs):
     """HF Accelerate's prepare() on varbatch's loader: every planned sample once, the plan's batches and LRs."""
-    _, output, runs = accelerate_job
+    _, output, runs = jobs("accelerate")
     records, errors = runs["prepare"]
     assert errors == [None, None], (errors, output[-3000:])  # both ranks saved after their loop ended
     _check_against_plan(records, mbs=2, gas=2, epochs=2)
@@ -7618,9 +7618,9 @@ def test_accelerate_prepare_trains_every_planned_sample_once(accelerate_job):
     [("dispatch_batches", "dispatch_batches=False"), ("prepared_scheduler", "out of accelerator.prepare()")],
     ids=["dispatch_batches", "prepared_scheduler"],
 )
-def test_accelerate_settings_that_redeal_are_refused_at_the_first_batch(accelerate_job, run, setting):
+def test_accelerate_settings_that_redeal_are_refused_at_the_first_batch(jobs, run, setting):
     """Accelerate settings that re-deal the loader (or step the scheduler twice) stop at once, naming the setting."""
-    rc, output, runs = accelerate_job
+    rc, output, runs = jobs("accelerate")
     records, errors = runs[run]
     assert rc != 0  # the last run's refusal ended the job
     assert errors and all(error is not None for error in errors), (errors, output[-2000:])  # no rank ran on
@@ -7659,12 +7659,10 @@ torch.distributed.destroy_process_group()
 """
 
 
-@pytest.fixture(scope="module")
-def hf_two_process_job(tmp_path_factory):
-    """The job of ``_HF_TWO_PROCESS_SCRIPT`` (the README's recipes whose libraries are installed): (finished process,
-    the job's folder)."""
+def _hf_two_process_job(tmp_path):
+    """The job of ``_HF_TWO_PROCESS_SCRIPT`` (the README's recipes whose libraries are installed) in ``tmp_path``:
+    (finished process, the job's folder)."""
     pytest.importorskip("transformers")
-    tmp_path = tmp_path_factory.mktemp("hf_two_processes")
     recipes = [script for script in _README_RECORDED if importlib.util.find_spec(_README_RECIPE_NEEDS[script])]
     for script in recipes:
         command, program = _readme_recipe(script)
@@ -7677,21 +7675,19 @@ def hf_two_process_job(tmp_path_factory):
     script.write_text(_HF_TWO_PROCESS_SCRIPT)
     env = dict(os.environ, PYTHONPATH=_ROOT, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master-port"]
-    done = _run([*command, str(_free_port()), str(script), str(tmp_path), *recipes], timeout=600, cwd=tmp_path, env=env)
+    done = _run([*command, str(_master_port()), str(script), str(tmp_path), *recipes], cwd=tmp_path, env=env)
     return done, tmp_path
 
 
 # -- Lightning -----------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def lightning_job(tmp_path_factory):
+def _lightning_job(tmp_path):
     """One Lightning job on 2 ranks for the three tests below (its start-up is most of a run's time): a Trainer with
     default settings and reloading trains 4 epochs, then the README's Lightning recipe runs in the same processes,
     then a second Trainer of ours, without reloading, 5 epochs. Returns (exit code, output, (records, errors) of the
     first Trainer, (records, errors) of the second, the ranks whose recipe run returned)."""
     pytest.importorskip("pytorch_lightning")
-    tmp_path = tmp_path_factory.mktemp("lightning")
     command, program = _readme_lightning_recipe()
     assert command == "python recipe.py", command  # Lightning starts the second process itself, as here
     (tmp_path / "recipe.py").write_text(program)
@@ -7704,27 +7700,27 @@ def lightning_job(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_lightning_ddp_trains_every_planned_sample_once(lightning_job):
+def test_lightning_ddp_trains_every_planned_sample_once(jobs):
     """Lightning DDP with default settings and reloading: every planned sample once in each epoch."""
-    _, output, (records, errors), _, _ = lightning_job
+    _, output, (records, errors), _, _ = jobs("lightning")
     # Each rank saves after its fit() returned: the first Trainer's fit ended without an error on both ranks.
     assert errors == [None, None], (errors, output[-3000:])
     _check_against_plan(records, mbs=1, gas=1, epochs=4)
 
 
 @pytest.mark.slow
-def test_lightning_without_reloading_trains_every_planned_sample_once(lightning_job):
+def test_lightning_without_reloading_trains_every_planned_sample_once(jobs):
     """Lightning without reloading keeps the first len() it read: every epoch has that many step inputs, so all 5
     epochs are trained whole, though their packings differ in length."""
-    rc, output, _, (records, errors), _ = lightning_job
+    rc, output, _, (records, errors), _ = jobs("lightning")
     assert rc == 0 and errors == [None, None], (errors, output[-3000:])
     _check_against_plan(records, mbs=1, gas=1, epochs=5)
 
 
 @pytest.mark.slow
-def test_readme_lightning_recipe_runs_on_two_processes(lightning_job):
+def test_readme_lightning_recipe_runs_on_two_processes(jobs):
     """The README's Lightning recipe runs as it is on 2 DDP processes (the README test leaves it to this job)."""
-    _, output, _, _, recipe_done = lightning_job
+    _, output, _, _, recipe_done = jobs("lightning")
     assert recipe_done == [0, 1], output[-3000:]
 
 
@@ -7746,58 +7742,38 @@ def test_lightning_rebuilding_the_loader_is_refused():
 # -- torchdata StatefulDataLoader ----------------------------------------------------------------
 
 
+def _stateful_job(folder):
+    """The StatefulDataLoader worker (2 loader workers, 2 accumulation steps, the checkpoint after step input 57, an
+    odd count: it cuts a batch) on 2 ranks: (exit code, output, records, each rank's gradient errors)."""
+    pytest.importorskip("torchdata")
+    rc, output, records, _ = _launch_ranks(folder, STATEFUL, {"gas": 2, "workers": 2, "stop_after": 57})
+    saved = [folder / "out" / f"rank{rank}.json" for rank in range(2)]
+    return rc, output, records, [json.loads(path.read_text())["grad_errors"] for path in saved if path.exists()]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("stop_after, workers", [(57, 2)])
-def test_stateful_dataloader_resumes_exactly(tmp_path, stop_after, workers):
+def test_stateful_dataloader_resumes_exactly(jobs):
     """StatefulDataLoader with workers on 2 ranks, stopped mid-epoch inside an accumulation step with a checkpoint
     file and resumed from that file by a loader, sampler and scheduler built afresh (in the same processes: varbatch
     keeps no state outside its objects): the ranks train the plan exactly once, and every update's gradient,
     averaged over the ranks, is its batch's token mean's, by the loader's batch_count (the cut batch's too)."""
-    pytest.importorskip("torchdata")
-    assert stop_after % 2, "the checkpoint should cut a batch of 2 accumulation steps"
-    rc, output, records, _ = _launch_ranks(tmp_path, STATEFUL, {"gas": 2, "workers": workers, "stop_after": stop_after})
+    rc, output, records, grad_errors = jobs("stateful")
     assert rc == 0, output[-3000:]
     _check_against_plan(records, mbs=1, gas=2, epochs=2)
-    for rank in range(2):
-        errors = json.loads((tmp_path / "out" / f"rank{rank}.json").read_text())["grad_errors"]
+    for rank, errors in enumerate(grad_errors):
         assert len(errors) == len(_plan(0, 1, 2).batch_sizes) + len(_plan(1, 1, 2).batch_sizes), len(errors)
         # float32 sums over a batch: 1e-4 relative is rounding, a batch weighted with another's count is off by 0.1 to 1
         assert max(errors) < 1e-4, f"rank {rank}: gradients off their batch's token mean's by up to {max(errors):.2g}"
 
 
-@pytest.mark.parametrize("stop, workers", [(7, 2), (10, 2), (11, 3)])
-def test_stateful_dataloader_resumes_at_any_position_with_workers(stop, workers):
-    """Restored mid-epoch at a position that is not a multiple of the workers: the same batches, none twice."""
-    stateful = pytest.importorskip("torchdata.stateful_dataloader")
-    lengths = torch.randint(5, 61, (300,), generator=torch.Generator().manual_seed(stop)).tolist()
-    dataset = [torch.full((n, 2), float(i)) for i, n in enumerate(lengths)]
-
-    def loader():
-        sampler = varbatch.VariableBatchSampler(lengths, max_tokens=256, budget="padded", order="bucket")
-        return varbatch.make_dataloader(
-            dataset,
-            sampler,
-            collate_fn=varbatch.PaddedCollate(),
-            num_workers=workers,
-            dataloader_class=stateful.StatefulDataLoader,
-        )
-
-    def ids(batch):
-        return batch[0][:, 0, 0].long().tolist()
-
-    first, resumed = loader(), loader()
-    batches = iter(first)
-    head = [ids(next(batches)) for _ in range(stop)]
-    resumed.load_state_dict(first.state_dict())
-    assert head + [ids(batch) for batch in resumed] == [ids(batch) for batch in loader()]
-
-
-@pytest.mark.parametrize("workers", [0, 2])
-@pytest.mark.parametrize("stop", ["mid-epoch 1", "end of epoch 0"])
+@pytest.mark.parametrize(
+    "stop, workers",
+    [("mid-epoch 1", 0), ("mid-epoch 1", 2), ("end of epoch 0", 0), ("end of epoch 0", 2), (7, 2), (10, 2), (11, 3)],
+)
 def test_stateful_dataloader_restores_the_sampler_at_load_state_dict(stop, workers):
     """Right after loader.load_state_dict(), sampler.epoch is the epoch the state was saved in (at an epoch's end:
     its empty rest, torchdata's convention): a loop ranged from it trains exactly the batches of an uninterrupted
-    run."""
+    run, also from a position that is not a multiple of the workers (a number: that many step inputs of epoch 0)."""
     stateful = pytest.importorskip("torchdata.stateful_dataloader")
     lengths = _lengths(300, 5, 60, seed=0)
     dataset = _id_dataset(lengths)
@@ -7825,7 +7801,7 @@ def test_stateful_dataloader_restores_the_sampler_at_load_state_dict(stop, worke
 
     full = train(*build())
     in_epoch_0 = sum(1 for epoch, _ in full if epoch == 0)
-    at = in_epoch_0 + in_epoch_0 // 2 if stop == "mid-epoch 1" else in_epoch_0
+    at = {"mid-epoch 1": in_epoch_0 + in_epoch_0 // 2, "end of epoch 0": in_epoch_0}.get(stop, stop)
     sampler, loader = build()
     head = train(sampler, loader, stop_after=at)
     state = loader.state_dict()
@@ -7840,11 +7816,11 @@ def test_stateful_dataloader_restores_the_sampler_at_load_state_dict(stop, worke
 
 
 @pytest.mark.slow
-def test_readme_hf_recipe_resumes_inside_an_epoch_on_two_processes(hf_two_process_job):
+def test_readme_hf_recipe_resumes_inside_an_epoch_on_two_processes(jobs):
     """The README's HF Trainer recipe on 2 processes (the second part of the HF job), started again after its
     checkpoints past one inside epoch 1 were deleted: each rank trains the rest of its step inputs at the first run's
     LRs, by the Trainer's own skip over the prepared loader."""
-    done, folder = hf_two_process_job
+    done, folder = jobs("hf")
     resumed = folder / "hf_trainer" / "resumed"
     assert resumed.is_dir(), f"the resumed run did not finish:\n{done.stderr[-3000:]}"
     assert done.returncode == 0, done.stdout[-1500:] + done.stderr[-3000:]
