@@ -29,6 +29,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -5917,12 +5918,31 @@ _DEEPSPEED_LAUNCHER = [sys.executable, "-m", "deepspeed.launcher.runner"]  # `de
 # torch 2.13's gloo can abort a CPU process at interpreter exit, after its work is done: a gloo worker
 # thread that releases a tensor needs the GIL while the interpreter shuts down (pytorch/pytorch#179291;
 # seen here in a few percent of 2-rank runs, also of scripts without varbatch). Such an exit is not the
-# program's failure: a launch that ends so runs once more, and the second run must pass.
+# program's failure: a launch that ends so runs once more, and the second run must pass. The second run must find
+# the files the first one found: a launch reads what it wrote (checkpoints it resumes from, a seqlens cache, records),
+# so the folder it may change is copied before the first run and put back before the second.
 _GLOO_EXIT_ABORT = "terminate called without an active exception"
 
 
-def _run(cmd, timeout=_LAUNCH_TIMEOUT_S, cwd=_ROOT, env=None, retry=True):
-    """Runs ``cmd`` in its own process group; on timeout kills the whole group (launcher and ranks)."""
+def _run(cmd, timeout=_LAUNCH_TIMEOUT_S, cwd=_ROOT, env=None, retry=True, restores="cwd"):
+    """Runs ``cmd`` in its own process group; on timeout kills the whole group (launcher and ranks); once more where
+    gloo aborted it at exit (above).
+
+    ``restores``: the folder a second run gets back as the first run found it, or None: nothing to put back. By
+    default ``cwd``, a launch's own folder, unless that is the project's root (its launches write nothing).
+    """
+    if restores == "cwd":
+        restores = None if Path(cwd).resolve() == Path(_ROOT).resolve() else cwd
+    with _kept_as_found(restores if retry else None) as put_back:
+        done = _run_once(cmd, timeout, cwd, env)
+        if retry and done.returncode != 0 and _GLOO_EXIT_ABORT in done.stdout + done.stderr:
+            print(f"gloo aborted a process at exit; running once more from its folder as found: {' '.join(cmd)}")
+            put_back()
+            done = _run_once(cmd, timeout, cwd, env)
+    return done
+
+
+def _run_once(cmd, timeout, cwd, env):
     env = dict(env or os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
         cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
@@ -5933,10 +5953,24 @@ def _run(cmd, timeout=_LAUNCH_TIMEOUT_S, cwd=_ROOT, env=None, retry=True):
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
         pytest.fail(f"{' '.join(cmd)} did not finish in {timeout} s (a hang):\n{out[-3000:]}\n{err[-3000:]}")
-    if retry and proc.returncode != 0 and _GLOO_EXIT_ABORT in out + err:
-        print(f"gloo aborted a process at exit; running once more: {' '.join(cmd)}")
-        return _run(cmd, timeout, cwd, env, retry=False)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+@contextlib.contextmanager
+def _kept_as_found(folder):
+    """Copies ``folder`` (None: nothing; or notes that it is absent) and yields a function that puts it back."""
+    with tempfile.TemporaryDirectory() as keep:
+        copy = Path(keep) / "copy"
+        if folder is not None and Path(folder).exists():
+            shutil.copytree(folder, copy, symlinks=True)
+
+        def put_back():
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
+            if copy.exists():
+                shutil.copytree(copy, folder, symlinks=True)
+
+        yield put_back
 
 
 def _launch(script, args, cwd=_ROOT):
@@ -6438,7 +6472,11 @@ def launched(tmp_path_factory):
             if key not in results:
                 line = re.sub(r"^(deepspeed|torchrun)\b(?!.*--master)", rf"\1 --master_port {_master_port()}", text)
                 try:
-                    results[key] = _run(["bash", "-c", line], cwd=folder, env=_readme_env(folder))
+                    # The folder is shared by the jobs running beside: a second run gets back the checkpoint
+                    # folder the command writes (and resumes from), the one thing of the folder a command reads back.
+                    checkpoints = re.search(r"--checkpoint-dir (\S+)", line)
+                    restores = folder / checkpoints[1] if checkpoints else None
+                    results[key] = _run(["bash", "-c", line], cwd=folder, env=_readme_env(folder), restores=restores)
                 except pytest.fail.Exception as hung:  # kept: later tests that ask for it fail at once
                     results[key] = hung
         if isinstance(results[key], pytest.fail.Exception):
