@@ -6,7 +6,9 @@ command, then the runs launched with several processes (marked ``slow``, at the 
 
 Run: ``python -m pytest -q test_varbatch.py test_conformance.py`` (CI's command: everything, a few minutes on two
 cores) or ``python -m pytest -q -m "not slow" test_varbatch.py`` (about a minute). Comparisons
-with DeepSpeed's own module import DeepSpeed inside the tests and skip where it is missing.
+with DeepSpeed's own module import DeepSpeed inside the tests and skip where it is missing. The launched runs share
+their launches: all of them run, two at a time, when the first slow test asks (about two minutes), so one slow test
+picked with ``-k`` costs as much as all of them.
 """
 
 import ast
