@@ -1823,12 +1823,11 @@ class VariableBatchSampler(Sampler[list[int]]):
         """The pass `__iter__` makes: started at its first step input, closed when its iterator ends or is dropped."""
         current = self._start_pass(iterator=itself[0])
         rank, ranks = self.rank, self.num_replicas
-        total = len(self)  # read once: a step input costs less than len()
         try:
             for steps, ids, bounds in self._runs(current.epoch, current.start):
                 ids = ids.tolist()
                 for t, a, b in zip(steps, bounds[rank::ranks], bounds[rank + 1 :: ranks]):
-                    if not self._hand_out(current, t + 1, total):
+                    if not self._hand_out(current, t + 1):
                         return
                     yield ids[a:b]
         finally:
@@ -1857,19 +1856,27 @@ class VariableBatchSampler(Sampler[list[int]]):
                 f"sample; make it after init_process_group, or pass num_replicas and rank"
             )
         self._passes += 1
-        epoch = self._selected
+        epoch, total = self._selected, len(self)
         training = self._open_training()
         if training is not None:
-            return _Pass(self._passes, training.epoch, 0, self._restores, training=False, iterator=iterator)
+            return _Pass(self._passes, training.epoch, 0, total, self._restores, training=False, iterator=iterator)
         start = 0
         if self._restored is not None and self._restored[0] == epoch:
             start = self._restored[1]
         self._restored = None
         explicit = self._selected_by == "loop"
         self._training = _Pass(
-            self._passes, epoch, start, self._restores, training=True, count=count, explicit=explicit, iterator=iterator
+            self._passes,
+            epoch,
+            start,
+            total,
+            self._restores,
+            training=True,
+            count=count,
+            explicit=explicit,
+            iterator=iterator,
         )
-        if start == len(self):  # the empty rest of an epoch saved at its end: handed out at once
+        if start == total:  # the empty rest of an epoch saved at its end: handed out at once
             self._finish(self._training)
         return self._training
 
@@ -1903,9 +1910,9 @@ class VariableBatchSampler(Sampler[list[int]]):
             return None
         return training if training.epoch == self._selected or self._selected_by == "advance" else None
 
-    def _hand_out(self, current: _Pass, steps_done: int, total: int) -> bool:
-        """Moves the pass ``current`` on to its ``steps_done``-th step input of the epoch's ``total`` (len(self),
-        which the caller reads once per pass); a training pass moves the position.
+    def _hand_out(self, current: _Pass, steps_done: int) -> bool:
+        """Moves the pass ``current`` on to its ``steps_done``-th step input of the epoch; a training pass moves the
+        position.
 
         Returns False, moving nothing, once a `load_state_dict` came after the pass started: it is stale and stops.
         """
@@ -1914,7 +1921,7 @@ class VariableBatchSampler(Sampler[list[int]]):
         current.steps_done = steps_done
         if current.training:
             self._hand_outs += 1
-            if steps_done == total:
+            if steps_done == current.total:
                 self._finish(current)
         return True
 
@@ -2011,6 +2018,8 @@ class _Pass:
         number: the passes started before it, plus one: it marks the keys the pass deals (by which `_LoadStepInput`
             checks the dealing).
         epoch, start: the epoch of the pass and its first step input (of this rank).
+        total: the epoch's step inputs of this rank, ``len(sampler)``: read once, as the pass starts (a step input
+            costs less than ``len()``).
         restores: the sampler's `load_state_dict` calls when it started: after another, it is stale and stops.
         training: the epoch's training pass, or a side pass.
         count: a loader's pass: what it gave the loop (`_LoopCount`); None otherwise.
@@ -2024,6 +2033,7 @@ class _Pass:
     number: int
     epoch: int
     start: int
+    total: int
     restores: int
     training: bool
     count: Any = None  # a loader's `_LoopCount` (Part III)
@@ -3913,7 +3923,6 @@ def _pass_keys(
     rank = sampler.rank
     counts = None if batch_count is None else _batch_counts(plan, batch_count)
     per_batch = ranks * sampler.gradient_accumulation_steps  # step inputs g of a batch, of every rank
-    total = len(sampler)  # read once: a key costs less than len()
     for steps, ids, bounds in sampler._runs(epoch, start):
         first = steps.start * ranks  # the run's first step input g, of any rank
         lens = None if sampler.seqlens is None else sampler.seqlens[ids].tolist()
@@ -3922,7 +3931,7 @@ def _pass_keys(
         for t in steps:
             dealt = range(t * ranks, (t + 1) * ranks) if every_rank else (t * ranks + rank,)
             for g in dealt:
-                if g % ranks == rank and not sampler._hand_out(current, t + 1, total):  # this rank's t-th
+                if g % ranks == rank and not sampler._hand_out(current, t + 1):  # this rank's t-th
                     return
                 a, b = bounds[g - first], bounds[g - first + 1]
                 yield _StepInputKey(
