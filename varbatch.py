@@ -4507,14 +4507,15 @@ def dataloader_for_variable_batch_size(
         settings=settings,
         epoch=0,
     )
-    sampler = _deepspeed_sampler(_Planner(None, settings, fixed=fixed), dataloader_rank, verbose=False)
-    loader = make_dataloader(
+    loader = _deepspeed_loader(
         dataset,
-        sampler,
-        collate_fn=dataloader_collate_fn,
-        sample_padding_fn=sample_padding_fn,
-        num_workers=dataloader_num_workers,
-        pin_memory=dataloader_pin_memory,
+        _Planner(None, settings, fixed=fixed),
+        dataloader_rank,
+        dataloader_collate_fn,
+        sample_padding_fn,
+        dataloader_num_workers,
+        dataloader_pin_memory,
+        verbose=False,
     )
     return loader, _deepspeed_io_kwargs(loader)
 
@@ -4575,15 +4576,17 @@ def get_dataloader_and_lr_scheduler_for_variable_batch_size(
     )
     seqlens = _as_counts(dataset_seqlens, "dataset_seqlens")
     ids = None if dataset_filter_ids is None else _as_sample_ids(dataset_filter_ids, len(seqlens))
-    sampler = _deepspeed_sampler(_Planner(seqlens, settings, ids), dataloader_rank, verbose)
-    loader = make_dataloader(
+    loader = _deepspeed_loader(
         dataset,
-        sampler,
-        collate_fn=dataloader_collate_fn,
-        sample_padding_fn=sample_padding_fn,
-        num_workers=dataloader_num_workers,
-        pin_memory=dataloader_pin_memory,
+        _Planner(seqlens, settings, ids),
+        dataloader_rank,
+        dataloader_collate_fn,
+        sample_padding_fn,
+        dataloader_num_workers,
+        dataloader_pin_memory,
+        verbose=verbose,
     )
+    sampler = loader.variable_batch_sampler
     schedule = lr_scheduler_or_optimizer
     if callable(schedule) and not hasattr(schedule, "step"):  # a function of the sampler that makes the schedule
         schedule = schedule(sampler)
@@ -4602,10 +4605,21 @@ def get_dataloader_and_lr_scheduler_for_variable_batch_size(
     return loader, scheduler, _deepspeed_io_kwargs(loader)
 
 
-def _deepspeed_sampler(planner: _Planner, rank: Any, verbose: bool) -> VariableBatchSampler:
-    """The sampler of the functions above, over ``planner``'s plans, for the data-parallel ``rank``."""
+def _deepspeed_loader(
+    dataset, planner: _Planner, rank: Any, collate_fn, sample_padding_fn, num_workers, pin_memory, *, verbose: bool
+) -> DataLoader:
+    """The loader of the functions above: `make_dataloader`'s, over a sampler of ``planner``'s plans for the
+    data-parallel ``rank``, with the loader arguments of DeepSpeed's signatures (``dataloader_collate_fn``, ...)."""
     rank = _check_int("dataloader_rank", rank, minimum=0, maximum=planner.settings.num_replicas - 1)
-    return VariableBatchSampler._of(planner, rank, verbose)
+    sampler = VariableBatchSampler._of(planner, rank, verbose)
+    return make_dataloader(
+        dataset,
+        sampler,
+        collate_fn=collate_fn,
+        sample_padding_fn=sample_padding_fn,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+    )
 
 
 def _deepspeed_io_kwargs(loader: DataLoader) -> dict:
