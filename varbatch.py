@@ -3173,7 +3173,7 @@ def _collated(columns: list, pad_value: Any, flat_pad: int | None = None) -> lis
     one row that ends in that many padding tokens (``1 x T x ...``)."""
     out = []
     for key, values, column in columns:
-        value = pad_value.get(key, 0) if isinstance(pad_value, Mapping) else pad_value
+        value = _field_pad_value(pad_value, key)
         if any(t is None for t in column):  # not numeric (text): kept as a list
             out.append(values)
         elif column[0].dim() == 0:
@@ -3291,8 +3291,14 @@ def _pad_field(value: Any, length: int, pad_value: Any, key: Any) -> torch.Tenso
             f"cannot pad a sample{where} of seqlen {tensor.shape[0]} to length={length}: the planned length "
             f"is shorter than the sample; the seqlens given to varbatch do not match the dataset"
         )
-    value = pad_value.get(key, 0) if isinstance(pad_value, Mapping) else pad_value
+    value = _field_pad_value(pad_value, key)
     return torch.cat([tensor, tensor.new_full((length - tensor.shape[0], *tensor.shape[1:]), value)])
+
+
+def _field_pad_value(pad_value: Any, key: Any) -> Any:
+    """The padding value of the field ``key``: ``pad_value``, or, where it is a dict, the field's (0 if it names
+    none)."""
+    return pad_value.get(key, 0) if isinstance(pad_value, Mapping) else pad_value
 
 
 def _fields(sample: Any) -> list[tuple[Any, Any]]:
