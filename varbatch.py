@@ -4728,13 +4728,13 @@ def get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
         for group, lr in zip(base.optimizer.param_groups, base._unscaled):
             _set_lr(group, lr)
         base = base._base if base._base is not None else base.optimizer
-    order = plan_options.pop("order", "dataloader")  # sequence_picking_order in DeepSpeed's signature
+    if "order" in plan_options:  # sequence_picking_order in DeepSpeed's signature
+        plan_options["sequence_picking_order"] = plan_options.pop("order")
     loader, scheduler, io_kwargs = get_dataloader_and_lr_scheduler_for_variable_batch_size(
         dataset,
         dataset_seqlens,
         effective_batch_size=k,
         dataset_filter_ids=dataset_filter_ids,
-        sequence_picking_order=order,
         dataloader_batch_size=mbs,
         dataloader_rank=dp_rank,
         dataloader_num_replicas=dp_size,
