@@ -3118,7 +3118,7 @@ class PaddedCollate:
         columns = _columns(samples, "PaddedCollate")
         out = _collated(columns, self.pad_value)
         if seqlens is None:
-            seqlens = self._lengths(columns, out, len(samples))
+            seqlens = self._lengths(columns, len(samples))
         if len(seqlens) != len(samples):
             raise ValueError(f"PaddedCollate got {len(seqlens)} seqlens for {len(samples)} samples")
         lengths = torch.as_tensor(list(seqlens), dtype=torch.int64)
@@ -3128,7 +3128,7 @@ class PaddedCollate:
         return {**batch, self.seqlens_key: lengths} if self.seqlens_key is not None else batch
 
     @staticmethod
-    def _lengths(columns: list, out: list, count: int) -> list[int]:
+    def _lengths(columns: list, count: int) -> list[int]:
         """The plan's lengths of ``count`` samples varbatch padded, else the first sequence field's, measured."""
         planned = _PADDED_SEQLENS.get()
         if planned is not None:
@@ -3139,10 +3139,10 @@ class PaddedCollate:
                     f"lengths; pass seqlens= (a collate_fn with a seqlens parameter gets the step input's)"
                 )
             return list(planned)
-        sequence = next((t for (*_, t), x in zip(columns, out) if isinstance(x, torch.Tensor) and x.dim() > 1), None)
-        if sequence is None:
+        first = next(_sequence_columns(columns), None)
+        if first is None:
             raise ValueError("PaddedCollate found no field with a sequence dimension; pass seqlens")
-        return [len(tensor) for tensor in sequence]
+        return [len(tensor) for tensor in first[1]]
 
     def __repr__(self):
         return f"PaddedCollate(pad_value={self.pad_value!r}, seqlens_key={self.seqlens_key!r})"
@@ -3165,6 +3165,13 @@ def _columns(samples: list, collate: str) -> list[tuple[Any, list, list]]:
         values = [row[key] for row in rows]
         columns.append((key, values, [_as_tensor(value) for value in values]))
     return columns
+
+
+def _sequence_columns(columns: list) -> Iterator[tuple[Any, list]]:
+    """``(key, tensors)`` of each field (`_columns`) with a sequence dimension: numeric, and not one number a sample."""
+    for key, _, column in columns:
+        if not any(t is None or t.dim() == 0 for t in column):
+            yield key, column
 
 
 def _collated(columns: list, pad_value: Any, flat_pad: int | None = None) -> list:
@@ -3514,9 +3521,7 @@ def _check_separator_id(separator_id: Any) -> int:
 def _sequence_lengths(columns: list) -> list[int]:
     """The samples' lengths: those of every field (`_columns`) with a sequence dimension, which must agree."""
     lengths = None
-    for key, _, column in columns:
-        if any(t is None or t.dim() == 0 for t in column):
-            continue
+    for key, column in _sequence_columns(columns):
         if lengths is not None and [len(t) for t in column] != lengths:
             raise ValueError(f"FlatCollate got samples whose field {key!r} has other seqlens than their first")
         lengths = [len(t) for t in column]
