@@ -396,7 +396,9 @@ def _checked_option(field: dataclasses.Field, value: Any) -> Any:
         return None
     if check == "count or None":
         return _check_int(name, value, 1, fix=fix)
-    return _check_real(name, value)
+    if check == "real or None":
+        return _check_real(name, value)
+    raise AssertionError(f"_Settings.{field.name} declares the check {check!r}, which _checked_option does not know")
 
 
 def _check_relations(settings: _Settings) -> None:
