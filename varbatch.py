@@ -55,6 +55,7 @@ import difflib
 import functools
 import hashlib
 import inspect
+import itertools
 import json
 import logging
 import math
@@ -1616,12 +1617,39 @@ def micro_batch_loss_weight(count, batch_count, *, num_replicas=1, gradient_accu
 # =============================================================================
 
 
-# The dealing rule, written once (`VariableBatchSampler.__iter__`): step input g of an
-# epoch is micro-batches g*m .. g*m + m - 1 of the plan (m = micro_batch_size), and
-# rank r trains step inputs r, r + R, r + 2R, ... (R ranks), its t-th being g = t*R + r.
-# A batch is k = m*G*R micro-batches (G = gradient_accumulation_steps), so every rank
-# trains G step inputs of every batch; with m = 1, micro-batch j goes to rank j % R, as
-# in DeepSpeed. The loader deals by this rule itself (NOTE [the loader deals itself]).
+# The dealing rule, written once (`_dealt`): step input g of an epoch is micro-batches g*m .. g*m + m - 1 of the plan
+# (m = micro_batch_size), and rank r trains step inputs r, r + R, r + 2R, ... (R ranks), its t-th being g = t*R + r.
+# A batch is k = m*G*R micro-batches (G = gradient_accumulation_steps), so every rank trains G step inputs of every
+# batch: its step input t is accumulation step t % G of the epoch's batch t // G. With m = 1, micro-batch j goes to
+# rank j % R, as in DeepSpeed. The loader deals by this rule itself (NOTE [the loader deals itself]).
+
+
+class Batch(typing.NamedTuple):
+    """The batch a step input is part of: `make_dataloader` yields it beside each step input where asked.
+
+    It travels with its step input, through loader workers, prefetchers and
+    resumes, so the loop reads where it is from the data instead of counting:
+    it updates after the step input whose record says ``last``, then tells the
+    scheduler ``step(batch)``, and saves ``sampler.state_dict(batch)``.
+
+    Attributes:
+        index: b, the batches of the run before this one, epoch after epoch (every
+            epoch has the same number of batches): ``epoch x batches per epoch`` + its
+            place in its epoch.
+        epoch: the epoch it was planned in.
+        count: the batch's count over all ranks and accumulation steps, in the unit
+            of make_dataloader's ``batch_count``: the denominator of the batch's mean
+            loss (`micro_batch_loss_weight`).
+        last: whether this is this rank's last step input of the batch, after which
+            the loop updates.
+        step_input: t, this rank's step input of the epoch (``0 .. len(sampler) - 1``).
+    """
+
+    index: int
+    epoch: int
+    count: int
+    last: bool
+    step_input: int
 
 
 class VariableBatchSampler(Sampler[list[int]]):
@@ -1633,8 +1661,15 @@ class VariableBatchSampler(Sampler[list[int]]):
     ``micro_batch_size`` consecutive micro-batches, yielded as its sample ids;
     rank r takes step inputs r, r + R, ... Every rank yields ``len(sampler)``,
     so no collective waits forever, in every epoch (NOTE [every epoch the
-    same length]), so a loop that reads ``len()`` once is right; iterating
-    to the end advances the epoch.
+    same length]), so a loop that reads ``len()`` once is right.
+
+    Passes are torch's: ``set_epoch(epoch)`` selects the epoch, as for
+    `DistributedSampler` (call it before each epoch: without it every pass is
+    of the same epoch), and every ``iter()`` is a pass over it from its start,
+    independent of any other: a peek, ``list(sampler)`` or a train-set loss
+    moves nothing, as nothing is tracked. A position restored by
+    `load_state_dict` is taken by the next pass of its epoch, once.
+
     Tune ``max_tokens`` for memory (``budget="padded"``: the padded tensor's
     size, with seqlens that count what the collate adds; `make_dataloader`'s
     loader refuses a tensor over it); ``order="bucket"`` with the padded budget
@@ -1643,15 +1678,17 @@ class VariableBatchSampler(Sampler[list[int]]):
 
     Args:
         seqlens, max_tokens: token count of every sample; budget of one micro-batch.
-        micro_batch_size, gradient_accumulation_steps: micro-batches per step
-            input; step inputs per rank per batch.
+        micro_batch_size: micro-batches collated into one step input (DeepSpeed's
+            ``train_micro_batch_size_per_gpu``, which counts micro-batches here, not
+            samples: a micro-batch holds as many samples as fit ``max_tokens``).
+        gradient_accumulation_steps: step inputs per rank per batch (one update).
         num_replicas, rank: data-parallel size and rank (default: torch.distributed's).
         sample_ids: the samples to use (see `plan_batches`).
-        verbose: log each trained epoch's plan totals (rank 0).
+        verbose: log each epoch's plan totals (rank 0).
         **options: `plan_batches`' options (``budget``, ``order``, ``seed``, ...).
 
     Attributes:
-        epoch: the epoch the next iteration yields; steps_done: its step inputs yielded (or restored).
+        epoch: the epoch the next pass iterates (``set_epoch``'s, or a restored state's).
 
     Example:
         >>> sampler = VariableBatchSampler([3, 5, 2, 6, 4, 1], max_tokens=8)
@@ -1710,20 +1747,11 @@ class VariableBatchSampler(Sampler[list[int]]):
         self.effective_batch_size = settings.effective_batch_size
         self.gradient_accumulation_steps = settings.gradient_accumulation_steps
         self.same_length = settings.same_length
+        self.epoch = 0
+        self._restored: tuple[int, int] | None = None  # (epoch, steps_done) of load_state_dict, until a pass takes it
         self._plans: dict[int, Plan] = {}
         self._logged: set[int] = set()  # the epochs whose plan was logged
-        self._alone = alone  # dealt to 1 rank by default: torch.distributed was not up (see `_start_pass`)
-        # The passes (NOTE [training and side passes]).
-        self._selected = 0  # the epoch the next pass iterates: set_epoch's, or the next once one was handed out
-        # how `_selected` was chosen: "loop" (set_epoch), "advance" (a training pass handed out its epoch's end), or
-        # "default" (made, or restored): see NOTE [training and side passes]
-        self._selected_by = "default"
-        self._restored: tuple[int, int] | None = None  # (epoch, steps_done) of load_state_dict, until a pass starts
-        self._training: _Pass | None = None  # the last training pass
-        self._passes = 0  # passes started (their numbers)
-        self._restores = 0  # load_state_dict calls: a pass started before the last one is stale
-        self._handed_in_full: set[int] = set()  # the epochs a training pass handed out to their end
-        self._hand_outs = 0  # step inputs the training passes handed out (the scheduler checks after one)
+        self._alone = alone  # dealt to 1 rank by default: torch.distributed was not up (see `_Pass`)
         if self.plan_for_epoch(0).num_batches == 0:  # checked before training: every epoch has its batches
             raise ValueError(_empty_plan_message(self._plans[0]))
 
@@ -1736,53 +1764,33 @@ class VariableBatchSampler(Sampler[list[int]]):
             self._plans[epoch] = self._planner(epoch)
         return self._plans[epoch]
 
-    def __getstate__(self) -> dict:
-        """A copy (pickled, or deep-copied) keeps its position, not the loader's iterator a pass reads through."""
-        state = dict(self.__dict__)
-        if self._training is not None:
-            state["_training"] = copy.copy(self._training)
-            state["_training"].count = state["_training"].iterator = None
-        return state
-
     def _batches_per_epoch(self) -> int:
         """The batches of every epoch (see NOTE [every epoch the same length]): ``len(self)`` is G of them each."""
         return self._planner.reference.num_batches
-
-    @property
-    def epoch(self) -> int:
-        """The epoch of the open training pass, else the epoch the next pass iterates."""
-        training = self._open_training()
-        return self._selected if training is None else training.epoch
-
-    @property
-    def steps_done(self) -> int:
-        """Step inputs of `epoch` on this rank handed out by its training pass (or restored): where its next pass
-        starts, or where a state saved now resumes it; 0 for an epoch no pass reached."""
-        epoch, done = self._resume_point()
-        return done if epoch == self.epoch else 0
 
     @property
     def plan(self) -> Plan:
         """The plan of `epoch`."""
         return self.plan_for_epoch(self.epoch)
 
-    def set_epoch(self, epoch: int) -> None:
-        """Selects the epoch the next pass iterates (a new order in ``random``/``bucket``); nothing else moves.
+    @property
+    def steps_done(self) -> int:
+        """Step inputs of `epoch` on this rank that its next pass skips: a restored position until a pass of the
+        epoch takes it, else 0."""
+        return self._restored_at(self.epoch)
 
-        A position restored by `load_state_dict` waits for a pass of its epoch: setting other epochs first (to look
-        at their plans) loses nothing; a pass of another epoch drops it.
-        """
-        self._selected = _check_int("epoch", epoch)
-        self._selected_by = "loop"
+    def set_epoch(self, epoch: int) -> None:
+        """Selects the epoch the next pass iterates (a new order in ``random``/``bucket``); nothing else moves."""
+        self.epoch = _check_int("epoch", epoch)
 
     def __len__(self) -> int:
         """Step inputs per epoch on this rank: the same on every rank and in every epoch."""
         return self._batches_per_epoch() * self.gradient_accumulation_steps
 
     def horizon(self, epochs: int, unit: _Clock) -> int:
-        """Real tokens (``unit="tokens"``) or samples (``"samples"``) from the current position to the end of
-        ``epochs`` epochs: what is left of the current epoch after ``steps_done``, plus the next ``epochs - 1``
-        epochs, from their plans. Optimizer steps need no plan: every epoch has ``len(sampler) // G``.
+        """Real tokens (``unit="tokens"``) or samples (``"samples"``) from where the next pass starts to the end of
+        ``epochs`` epochs: what is left of `epoch` after `steps_done`, plus the next ``epochs - 1`` epochs, from their
+        plans. Optimizer steps need no plan: every epoch has ``len(sampler) // G``.
 
         Example:
             >>> VariableBatchSampler([3, 5, 2, 6, 4, 1], max_tokens=8).horizon(4, "tokens")
@@ -1800,176 +1808,68 @@ class VariableBatchSampler(Sampler[list[int]]):
         def amount(plan, skip):
             return int(plan._amounts(unit)[skip:].sum())
 
-        epoch, done = self._resume_point()
-        if done == len(self) and epoch < self.epoch:  # an epoch handed out whole: the next one is current
-            epoch, done = epoch + 1, 0
-        total = amount(self.plan_for_epoch(epoch), done // self.gradient_accumulation_steps)
+        epoch = self.epoch
+        total = amount(self.plan_for_epoch(epoch), self.steps_done // self.gradient_accumulation_steps)
         if self.settings.order in ("dataloader", "seqlen") or self._planner.fixed is not None:
             return total + (epochs - 1) * amount(self.plan_for_epoch(epoch), 0)  # one plan for every epoch
         return total + sum(amount(self._planner(e), 0) for e in range(epoch + 1, epoch + epochs))
 
     def __iter__(self) -> Iterator[list[int]]:
-        """This rank's step inputs of the epoch, from the resume position, each as its sample ids: its t-th is step
-        input g = t*R + rank (the dealing rule above). A training pass moves the position on as each is handed out;
-        after its last one the sampler is at the next epoch, also when the iterator is not exhausted (trainers stop
-        at len()). A pass started while the epoch's training pass is open is a side pass (NOTE [training and side
-        passes])."""
-        if self._run_empty_rest():
-            return iter(())
-        itself: list = []  # the generator's weak reference to itself, which its pass keeps
-        iterator = self._hand_out_pass(itself)
-        itself.append(weakref.ref(iterator))
-        return iterator
+        """A pass over `epoch`: this rank's step inputs from a restored position (or the start), each as its sample
+        ids; its t-th is step input g = t*R + rank (the dealing rule above)."""
+        return _Pass(self)
 
-    def _hand_out_pass(self, itself: list) -> Iterator[list[int]]:
-        """The pass `__iter__` makes: started at its first step input, closed when its iterator ends or is dropped."""
-        current = self._start_pass(iterator=itself[0])
-        rank, ranks = self.rank, self.num_replicas
-        try:
-            for steps, ids, bounds in self._runs(current.epoch, current.start):
-                ids = ids.tolist()
-                for t, a, b in zip(steps, bounds[rank::ranks], bounds[rank + 1 :: ranks]):
-                    if not self._hand_out(current, t + 1):
-                        return
-                    yield ids[a:b]
-        finally:
-            self._close(current)
+    def state_dict(self, batch: Batch | None = None) -> dict:
+        """The position to resume from (an epoch, and this rank's step inputs of it done) and the settings, as
+        plain data.
 
-    # NOTE [training and side passes]: a pass is one iteration over an epoch
-    # (the sampler's, or its loader's). The first pass still open in an epoch
-    # (neither handed out to its end nor closed) is the epoch's training pass:
-    # `epoch`, `steps_done`, `state_dict()`, the advance to the next epoch and
-    # the scheduler's checks follow it. A pass started while it is open (a peek,
-    # a loss pass over the training set, `list(sampler)` in the middle of an
-    # epoch) is a side pass: the whole epoch from its start, moving none of these.
-    # Torch loops hand out a whole epoch when they read ahead (workers, a list), so
-    # "handed out to its end" is the training pass's end, whatever the loop then
-    # trains. `set_epoch` only selects the next pass's epoch, as torch's
-    # DistributedSampler's does. A restored position waits for the first pass of
-    # its epoch (torchdata's convention); a pass of another epoch drops it.
-    def _start_pass(self, count: Any = None, iterator: Any = None) -> _Pass:
-        """Starts a pass over the selected epoch: a side pass while its training pass is open, else its training
-        pass, from a position restored for that epoch or its start. ``count``: a loader's pass's `_LoopCount`;
-        ``iterator``: a weak reference to the iterator the loop reads the pass through."""
-        if self._alone and _world()[1] > 1:
-            raise RuntimeError(
-                f"this VariableBatchSampler was made before torch.distributed was initialized, so it "
-                f"deals to 1 rank, but the job now has {_world()[1]}: every rank would train every "
-                f"sample; make it after init_process_group, or pass num_replicas and rank"
-            )
-        self._passes += 1
-        epoch, total = self._selected, len(self)
-        training = self._open_training()
-        if training is not None:
-            return _Pass(self._passes, training.epoch, 0, total, self._restores, training=False, iterator=iterator)
-        start = 0
-        if self._restored is not None and self._restored[0] == epoch:
-            start = self._restored[1]
-        self._restored = None
-        explicit = self._selected_by == "loop"
-        self._training = _Pass(
-            self._passes,
-            epoch,
-            start,
-            total,
-            self._restores,
-            training=True,
-            count=count,
-            explicit=explicit,
-            iterator=iterator,
-        )
-        if start == total:  # the empty rest of an epoch saved at its end: handed out at once
-            self._finish(self._training)
-        return self._training
-
-    # NOTE [the empty rest at once]: a pass starts at its iterator's first step
-    # input, so that an iterator made and dropped unread moves nothing. The empty
-    # rest of an epoch restored at its end is the exception: it starts, and ends,
-    # when its iterator is made. torchdata's StatefulDataLoader, restored from a
-    # state saved after its loop ended (its ``_iterator_finished``), restores the
-    # sampler into an iterator, drops that iterator unread and iterates a fresh
-    # one (StatefulDataLoader.__iter__, torchdata/stateful_dataloader/
-    # stateful_dataloader.py), which its own samplers start at the next epoch
-    # (their restore fast-forwards at once). Here the dropped iterator has run
-    # the empty rest, so the fresh one starts the next epoch as well. A loop that
-    # set the epoch after the restore reads the rest itself, at its pass's first
-    # step input: torch's worker iterator makes two iterators of the sampler and
-    # drops the first unread (torch/utils/data/dataloader.py, its `_reset`).
-    def _run_empty_rest(self, count: Any = None) -> bool:
-        """Runs the next pass now if it is the empty rest of an epoch restored at its end and the loop has not set
-        the epoch since (NOTE [the empty rest at once]); ``count``: a loader's pass's `_LoopCount`. Returns whether
-        it did."""
-        if self._restored != (self._selected, len(self)) or self._selected_by == "loop":
-            return False
-        self._start_pass(count)
-        return True
-
-    def _open_training(self) -> _Pass | None:
-        """The training pass, while it is open and the loop has not selected another epoch since (a pass handed
-        out to its end moved the selection on by itself: the loop may still read it)."""
-        training = self._training
-        if training is None or self._is_stale(training) or not training.is_open:
-            return None
-        return training if training.epoch == self._selected or self._selected_by == "advance" else None
-
-    def _hand_out(self, current: _Pass, steps_done: int) -> bool:
-        """Moves the pass ``current`` on to its ``steps_done``-th step input of the epoch; a training pass moves the
-        position.
-
-        Returns False, moving nothing, once a `load_state_dict` came after the pass started: it is stale and stops.
+        ``batch``: the record of the last step input the loop trained (`Batch`): the position after it. Without it,
+        where the next pass starts: `epoch` at `steps_done`; nothing here counts what a loop trained (loader workers
+        read ahead of it).
         """
-        if self._is_stale(current):
-            return False
-        current.steps_done = steps_done
-        if current.training:
-            self._hand_outs += 1
-            if steps_done == current.total:
-                self._finish(current)
-        return True
+        if batch is None:
+            return self._state(self.epoch, self.steps_done)
+        if not isinstance(batch, Batch):
+            raise TypeError(
+                f"state_dict takes the Batch record of the last step input trained (make_dataloader(..., "
+                f"batch_count=...) yields it), or nothing, but got {type(batch).__name__}"
+            )
+        return self._state(batch.epoch, batch.step_input + 1)
 
-    def _finish(self, current: _Pass) -> None:
-        """The training pass ``current`` handed out its epoch's last step input: the next pass iterates the next
-        epoch, unless the loop selected another meanwhile."""
-        current.state = "handed out"
-        self._handed_in_full.add(current.epoch)
-        if self._selected == current.epoch:
-            self._selected = current.epoch + 1
-            self._selected_by = "advance"
+    def load_state_dict(self, state_dict: Mapping) -> None:
+        """Restores a `state_dict`: `epoch` is its epoch, whose next pass continues where it stopped (a state saved
+        after an epoch's last step input: its empty rest, as torchdata's samplers resume)."""
+        self.epoch, steps_done = self._position(state_dict)
+        self._restored = (self.epoch, steps_done)
 
-    def _close(self, current: _Pass) -> None:
-        """Marks a pass whose iterator ended or was closed (a ``break``, a dropped iterator) before its end."""
-        if current.state == "open":
-            current.state = "closed"
+    def _state(self, epoch: int, steps_done: int) -> dict:
+        settings = self._state_settings()
+        return {
+            "version": __version__,
+            "epoch": epoch,
+            "steps_done": steps_done,
+            "rank": self.rank,
+            "settings": settings,
+        }
 
-    def _is_stale(self, current: _Pass) -> bool:
-        return current.restores != self._restores
+    def _position(self, state_dict: Mapping) -> tuple[int, int]:
+        """``(epoch, steps_done)`` of a `state_dict` of this sampler, checked."""
+        _check_state(self, state_dict, set(self._STATE))
+        epoch = _check_int("epoch", state_dict["epoch"], minimum=0)
+        return epoch, _check_int("steps_done", state_dict["steps_done"], minimum=0, maximum=len(self))
 
-    def _runs(self, epoch: int, start: int) -> Iterator[tuple[range, np.ndarray, list[int]]]:
-        """The plan of ``epoch`` from this rank's step input ``start`` on, a run of `_KEY_RUN` steps t at a time: the
-        steps, the sample ids of their step inputs (of every rank), and where each step input g of them starts in
-        those ids, from the run's first ``g = steps.start x R`` (and the end). A numpy call per step input would cost
-        more than the rest of it. Logs the plan once per trained epoch (rank 0)."""
-        plan = self.plan_for_epoch(epoch)
-        m, ranks = self.micro_batch_size, self.num_replicas
-        if epoch not in self._logged and _on_rank_zero(self.rank):  # once per trained epoch, for the whole job
-            self._logged.add(epoch)
-            _log_plan(plan, self.verbose)
-        for run in range(start, len(self), _KEY_RUN):
-            steps = range(run, min(run + _KEY_RUN, len(self)))
-            offsets = plan.microbatch_offsets[steps.start * ranks * m : steps.stop * ranks * m + 1 : m]
-            yield steps, plan.sample_ids[offsets[0] : offsets[-1]], (offsets - offsets[0]).tolist()
+    def _restored_at(self, epoch: int) -> int:
+        """Where the next pass of ``epoch`` starts: at a restored position of that epoch, else at 0."""
+        if self._restored is None or self._restored[0] != epoch:
+            return 0
+        return self._restored[1]
 
-    def _resume_point(self) -> tuple[int, int]:
-        """``(epoch, steps_done)`` where a state saved now resumes: the last training pass's, or a restored one; an
-        epoch handed out to its end is saved as (its epoch, len(self)), torchdata's convention."""
-        if self._restored is not None:
-            return self._restored
-        training = self._training
-        if training is not None and training.state != "closed":  # a closed pass (a peek, a break) moved nothing
-            handed_out = training.state == "handed out" and self._selected == training.epoch + 1
-            if training.epoch == self._selected or handed_out:
-                return training.epoch, training.steps_done
-        return self._selected, 0
+    def _take_restored(self, epoch: int) -> int:
+        """Where a pass of ``epoch`` that begins now starts: a restored position of that epoch is taken, once."""
+        start = self._restored_at(epoch)
+        if self._restored is not None and self._restored[0] == epoch:
+            self._restored = None
+        return start
 
     def _state_settings(self) -> dict:
         """What the plans depend on besides the epoch, as plain data (the data as hashes)."""
@@ -1982,82 +1882,100 @@ class VariableBatchSampler(Sampler[list[int]]):
             }
         return {**dataclasses.asdict(self.settings), **self._data}
 
-    def state_dict(self, steps_done: int | None = None) -> dict:
-        """The position to resume from (epoch, step inputs done in it) and the settings, as plain data.
 
-        ``steps_done`` defaults to ``self.steps_done``, exact without worker
-        processes; with workers the loader prefetches: pass what your loop trained.
-        """
-        epoch, done = self._resume_point()
-        if steps_done is not None:
-            done = _check_int("steps_done", steps_done, 0, len(self), "the step inputs of the epoch trained")
-        state = {"epoch": epoch, "steps_done": done, "rank": self.rank, "settings": self._state_settings()}
-        return {"version": __version__, **state}
+# NOTE [a pass's position]: a pass's epoch is its sampler's as it is made (`iter()`, as `DistributedSampler` reads its
+# epoch), and it starts at its first step input, from a position restored for that epoch or from the epoch's start:
+# an iterator made and dropped unread takes nothing (torch's worker iterator makes two iterators of the sampler and
+# drops the first unread: torch/utils/data/dataloader.py, its `_reset`). Its position, this rank's step inputs it
+# handed out, is its own state, which torchdata's StatefulDataLoader saves as it sends each step input to a worker and
+# gives back beside the step input the loop gets (its sampler-iterator protocol: `state_dict` and `load_state_dict`),
+# so a loader's state is what the loop got, whatever the workers read ahead.
+_PASS_NUMBERS = itertools.count(1)  # a number per pass, by which the loader's dealing check tells passes apart
+
+
+class _Pass:
+    """One pass of a sampler over an epoch: this rank's step inputs (``every_rank``: every rank's, in the order g =
+    0, 1, ...), each as `_item` makes it (here its sample ids); see NOTE [a pass's position]."""
+
+    def __init__(self, sampler: VariableBatchSampler, every_rank: bool = False):
+        self.sampler = sampler
+        self.every_rank = every_rank
+        self.epoch = sampler.epoch
+        self.number = next(_PASS_NUMBERS)
+        self.start: int | None = None  # this rank's first step input: its own restored one, or taken as it begins
+        self.steps_done = 0  # this rank's step inputs of the epoch handed out (counted from 0), once begun
+        self._items: Iterator | None = None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._items is None:
+            self._begin()
+        return next(self._items)
+
+    def _begin(self) -> None:
+        sampler = self.sampler
+        if sampler._alone and _world()[1] > 1:
+            raise RuntimeError(
+                f"this VariableBatchSampler was made before torch.distributed was initialized, so it "
+                f"deals to 1 rank, but the job now has {_world()[1]}: every rank would train every "
+                f"sample; make it after init_process_group, or pass num_replicas and rank"
+            )
+        if self.start is None:
+            self.start = sampler._take_restored(self.epoch)
+        self.steps_done = self.start
+        plan = sampler.plan_for_epoch(self.epoch)
+        if self.epoch not in sampler._logged and _on_rank_zero(sampler.rank):  # once per epoch, for the whole job
+            sampler._logged.add(self.epoch)
+            _log_plan(plan, sampler.verbose)
+        self._items = self._read(plan)
+
+    def _read(self, plan: Plan) -> Iterator:
+        rank, ranks = self.sampler.rank, self.sampler.num_replicas
+        for t, g, ids, lens in _dealt(self.sampler, plan, self.start, self.every_rank):
+            if g % ranks == rank:
+                self.steps_done = t + 1
+            yield self._item(plan, t, g, ids, lens)
+
+    def _item(self, plan: Plan, t: int, g: int, ids: list[int], lens: list[int] | None) -> Any:
+        return ids
+
+    def state_dict(self) -> dict:
+        """The pass's position, in its sampler's state format: where a pass that continues it starts."""
+        if self._items is not None:
+            return self.sampler._state(self.epoch, self.steps_done)
+        start = self.start if self.start is not None else self.sampler._restored_at(self.epoch)
+        return self.sampler._state(self.epoch, start)  # not begun: where it will start
 
     def load_state_dict(self, state_dict: Mapping) -> None:
-        """Restores a `state_dict`: the next pass of its epoch continues where it stopped (a state saved at an
-        epoch's end: its empty rest, after which the next epoch follows)."""
-        _check_state(self, state_dict, set(self._STATE))
-        epoch = _check_int("epoch", state_dict["epoch"], minimum=0)
-        steps = _check_int("steps_done", state_dict["steps_done"], minimum=0, maximum=len(self))
-        self._restores += 1  # an iterator started before goes stale
-        self._restored = (epoch, steps)
-        self._selected = epoch
-        self._selected_by = "default"
-        self._training = None
-        self._handed_in_full |= set(range(epoch))  # by the run that saved it
-
-
-_KEY_RUN = 256  # step inputs (of every rank) whose ids `VariableBatchSampler._runs` reads as one list
-
-
-@dataclasses.dataclass(eq=False)
-class _Pass:
-    """One pass over an epoch (NOTE [training and side passes]), moved on in place by its iterator as it hands out
-    step inputs (a new record per step input would cost more than the rest of it).
-
-    Attributes:
-        number: the passes started before it, plus one: it marks the keys the pass deals (by which `_LoadStepInput`
-            checks the dealing).
-        epoch, start: the epoch of the pass and its first step input (of this rank).
-        total: the epoch's step inputs of this rank, ``len(sampler)``: read once, as the pass starts (a step input
-            costs less than ``len()``).
-        restores: the sampler's `load_state_dict` calls when it started: after another, it is stale and stops.
-        training: the epoch's training pass, or a side pass.
-        count: a loader's pass: what it gave the loop (`_LoopCount`); None otherwise.
-        steps_done: step inputs of this rank of the epoch handed out, ``start <= steps_done <= len(sampler)``.
-        state: "open", "handed out" (all of the epoch's: set at the last one, whatever the loop does next), or
-            "closed" (its iterator ended first).
-        explicit, iterator: whether the loop set its epoch, and a weak reference to the iterator the loop reads it
-            through: a pass handed out to its end stays open while that iterator lives (`is_open`).
-    """
-
-    number: int
-    epoch: int
-    start: int
-    total: int
-    restores: int
-    training: bool
-    count: Any = None  # a loader's `_LoopCount` (Part III)
-    steps_done: int = -1
-    state: str = "open"
-    explicit: bool = False  # the loop selected its epoch with set_epoch
-    iterator: Any = None  # a weak reference to the iterator the loop reads it through (alive: it may still read)
-
-    def __post_init__(self):
+        """Continues the pass of a state (unread: a pass restored once it began is refused by torchdata itself)."""
+        self.epoch, self.start = self.sampler._position(state_dict)
         self.steps_done = self.start
+        self._items = None
 
-    @property
-    def is_open(self) -> bool:
-        """Whether the loop may still be inside the pass: not closed, and not ended. A pass handed out to its end
-        is still open while the loop reads what the loader's workers read ahead, and, where the loop set its epoch,
-        until its iterator ended (a side pass in the loop's last step input of the epoch is one)."""
-        if self.state != "handed out":
-            return self.state == "open"
-        reading = None if self.count is None else self.count.reading(self)
-        if reading is not None:
-            return reading
-        return self.explicit and self.iterator is not None and self.iterator() is not None
+
+_KEY_RUN = 256  # step inputs (of every rank) whose ids `_dealt` reads as one list
+
+
+def _dealt(
+    sampler: VariableBatchSampler, plan: Plan, start: int, every_rank: bool
+) -> Iterator[tuple[int, int, list[int], list[int] | None]]:
+    """The dealing rule over ``plan``: this rank's step inputs t from ``start`` (with ``every_rank``, every rank's
+    of each t), each as ``(t, g, sample ids, their seqlens)``. The plan is read a run of `_KEY_RUN` steps t at a time:
+    a numpy call per step input would cost more than the rest of it."""
+    m, ranks, rank = sampler.micro_batch_size, sampler.num_replicas, sampler.rank
+    for run in range(start, len(sampler), _KEY_RUN):
+        steps = range(run, min(run + _KEY_RUN, len(sampler)))
+        first = steps.start * ranks  # the run's first step input g, of any rank
+        offsets = plan.microbatch_offsets[first * m : steps.stop * ranks * m + 1 : m]
+        run_ids = plan.sample_ids[offsets[0] : offsets[-1]]
+        lens = None if sampler.seqlens is None else sampler.seqlens[run_ids].tolist()
+        ids, bounds = run_ids.tolist(), (offsets - offsets[0]).tolist()
+        for t in steps:
+            for g in range(t * ranks, (t + 1) * ranks) if every_rank else (t * ranks + rank,):
+                a, b = bounds[g - first], bounds[g - first + 1]
+                yield t, g, ids[a:b], None if lens is None else lens[a:b]
 
 
 def _world(group: Any = None) -> tuple[int, int]:
@@ -2097,7 +2015,7 @@ def _log_plan(plan: Plan, verbose: bool) -> None:
 
 def _sampler_world(num_replicas: Any, rank: Any, options: dict) -> tuple[int, int, bool]:
     """A sampler's ``num_replicas`` and ``rank`` (torch.distributed's where None), checked, and whether it deals to
-    1 rank by default (torch.distributed not, or not yet, up: see `_start_pass`); ``options`` may not hold
+    1 rank by default (torch.distributed not, or not yet, up: see `_Pass`); ``options`` may not hold
     ``effective_batch_size``, which the sampler computes."""
     if "effective_batch_size" in options:
         raise TypeError(
@@ -2159,40 +2077,41 @@ def _same_tail_message(plan: Plan) -> str:
 class VariableBatchSizeLR(LRScheduler):
     """Scales any LR schedule by the size of each batch: ``lr = schedule(t) x s(B_b / B_ref)``.
 
-    ``b``: the batches trained since the run began, skipped updates included
-    (its epoch and batch follow, every epoch having one length); ``t``: the
-    updates taken, the wrapped schedule's steps; ``schedule(t)``: the wrapped
-    scheduler's LR there (or the optimizer's constant LR); ``s``: the linear,
-    square-root, none or user rule (`scale_lr`); ``B_b``: the size of batch b,
-    in sequences or real tokens; ``B_ref``: the batch size the schedule was
-    tuned for. The schedule is never restarted.
+    ``b``: the batch the next update trains, counted over the run from 0
+    (skipped updates included; its epoch and place follow, every epoch having
+    one length); ``t``: the updates taken, the wrapped schedule's steps;
+    ``schedule(t)``: the wrapped scheduler's LR there (or the optimizer's
+    constant LR); ``s``: the linear, square-root, none or user rule
+    (`scale_lr`); ``B_b``: the size of batch b, in sequences or real tokens;
+    ``B_ref``: the batch size the schedule was tuned for. The schedule is never
+    restarted.
 
-    NOTE [the contract]: the loop gives the position, as torch's own schedulers
-    are given theirs (nothing here watches parameters, gradients or backward
-    passes):
-    - ``step()`` once per batch, after its update: b and t move on;
-    - ``step(skipped=True)`` for a batch whose update was skipped (AMP found
-      inf/nan): b moves on, t stays, as DeepSpeed and HF Trainer count skipped
-      steps. A loop that steps plainly every iteration, whatever happened
-      (torch's AMP recipe; Lightning with ``"interval": "step"``), moves both:
-      torch's meaning of its own schedule there;
-    - ``step(0)`` (DeepSpeed's idiom at an epoch's start, "point to the beginning
-      of the data iter") moves b to the start of the next epoch if it is inside
-      one: the loop says that it cut the epoch.
-    An epoch whose training pass closed before handing out all its step inputs
-    (``break``, Lightning's ``limit_train_batches``), or that no pass iterated,
-    is squared (b moves to the next epoch's start) at this scheduler's first
-    call after a later epoch's training pass handed out a step input; an epoch
-    handed out to its end (a list, a loader that read past its end) is never
-    squared: a loop that cuts it says so with ``step(0)``. A trainer that skips
-    updates without stepping the scheduler gets an adapter that tells it
-    (DeepSpeed's engine: `_follow_skipped_steps`). Before batch b's update the
-    optimizer holds ``schedule(t) x s(B_b / B_ref)``: written at each step and
-    again by an optimizer step-pre hook (`_param_groups`: also where ZeRO
-    narrows ``optimizer.param_groups`` around its inner step). Queries
-    (``get_last_lr``, `batch_size`, `state_dict`) move nothing; they bring b up
-    to date with what already happened (an engine's skips, an epoch left).
-    The mistakes refused, and what stays unseen: NOTE [what is refused].
+    NOTE [the contract]: the loop gives the position, as torch's schedulers are
+    given theirs; nothing here watches the data, the parameters or the
+    gradients. After each batch's update, taken or skipped (AMP found inf/nan):
+    - told: ``step(batch)``, ``batch`` the `Batch` record beside the batch's last
+      step input (``step(batch, skipped=True)`` for a skipped update): b becomes
+      ``batch.index + 1``. The record sets b at every call, so read-ahead,
+      prefetchers, resumes and other passes cannot shift it; an untold skip or
+      cut costs at most one update at a neighbouring batch's factor;
+    - counted, as torch and DeepSpeed count: ``step()`` (``step(skipped=True)``
+      for a skipped update): b moves on by one; ``step(0)``, DeepSpeed's idiom
+      at an epoch's start, says that the loop cut the epoch: b moves to the next
+      epoch's start. An untold skip or cut shifts b by one batch from there on.
+      Trainers that skip updates without stepping the scheduler tell it through
+      an adapter (the DeepSpeed glue follows the engine's ``skipped_steps``,
+      `hf_trainer_lr_scheduler` HF's ``global_step``).
+    Either way t moves with the updates taken only (a loop that steps plainly
+    after a skipped update, as torch's AMP recipe does, moves it too: torch's
+    meaning of its own schedule there). Before batch b's update the optimizer
+    holds ``schedule(t) x s(B_b / B_ref)``: written at each step and again by an
+    optimizer step-pre hook (`_param_groups`; also where ZeRO narrows
+    ``optimizer.param_groups`` around its inner step). Refused, at the call that
+    shows it: a record that is not its batch's last (the loop accumulates other
+    than the sampler), or whose index goes back (a batch stepped twice, an epoch
+    trained again, a scheduler restored from another point than the sampler);
+    under an adapter whose trainer steps the scheduler after updates only, a
+    ``step()`` with no update since the last (stepped twice per update).
 
     One scheduler per optimizer: a second `VariableBatchSizeLR` on it detaches
     the first, whose next ``step()`` raises (stack schedules with one wrapper
@@ -2231,7 +2150,7 @@ class VariableBatchSizeLR(LRScheduler):
         clock="steps",
         clock_step=1,
     ):
-        self._base, optimizer, in_wrapper = _schedule_to_wrap(lr_scheduler)
+        self._base, optimizer = _schedule_to_wrap(lr_scheduler)
         # (`is None`, never truthiness: a sampler whose epoch is empty has len() 0)
         found = _find_sampler(batch_sizes)
         self._sampler = found if found is not None else _find_sampler(dataloader)
@@ -2250,12 +2169,12 @@ class VariableBatchSizeLR(LRScheduler):
         self._batches = 0  # b, the position (see NOTE [the contract])
         self._seen = 0  # what the clock counted: tokens or samples of the updates taken
         self._skipped, self._skipped_seen = None, 0  # an engine's count of skipped steps (_follow_skipped_steps)
-        self._engine_steps = in_wrapper  # an engine steps this scheduler (its inner updates are not checked)
+        self._updates_precede_steps = False  # an adapter's trainer steps the scheduler after an update only
+        self._updates_since_step = 0  # optimizer updates since the last step()
+        self._just_restored = False  # restored, and no record told since
         self._reported = -1  # the last epoch whose LR factors were logged
         self._groups = list(optimizer.param_groups)  # the dicts the LRs are written into (see `_param_groups`)
         self._unscaled = [_lr_value(group["lr"]) for group in optimizer.param_groups]
-        self._updates_since_step = 0  # optimizer updates since the last step()
-        self._start_checks()
         self._detached = False
         previous = _WRAPPERS.get(optimizer)
         if previous is not None and previous() is not None:
@@ -2351,36 +2270,25 @@ class VariableBatchSizeLR(LRScheduler):
         return self._groups
 
     def _catch_up(self) -> None:
-        """Brings b up to date with what already happened: the steps an engine skipped since the last look, and an
-        epoch the loop left before its end once a later epoch's training pass handed out a step input (NOTE [the
-        contract]). Writes the LRs if b moved."""
-        moved = False
-        if self._skipped is not None:
-            count = self._skipped()
-            if count > self._skipped_seen:
-                self._batches += count - self._skipped_seen
-                moved = True
+        """Brings b up to date with the steps an engine skipped since the last look (`_follow_skipped_steps`),
+        writing the LRs if b moved."""
+        if self._skipped is None:
+            return
+        count = self._skipped()
+        if count > self._skipped_seen:
+            self._batches += count - self._skipped_seen
             self._skipped_seen = count
-        sampler = self._sampler
-        current = None if sampler is None else sampler._training
-        if current is not None and current.steps_done > current.start and sampler._hand_outs > self._floor:
-            per_epoch = self._batches_per_epoch()
-            epoch = self._batches // per_epoch
-            if epoch < current.epoch and epoch not in sampler._handed_in_full:
-                self._batches = current.epoch * per_epoch
-                moved = True
-        if moved:
             self._write()
 
     # -- the contract ---------------------------------------------------------------------------------------------
 
-    def step(self, epoch=None, *, skipped=False):
-        """Moves on to the next batch after an update (``step()``), or after a skipped one (``step(skipped=True)``).
-
-        ``step(0)``: the loop cut the epoch it trains; b moves to the next epoch's start (see NOTE [the contract]).
+    def step(self, batch=None, *, skipped=False):
+        """Moves on after a batch's update, or a skipped one (``skipped=True``): to the batch after ``batch``, a
+        `Batch` record (told), or to the next batch (no argument: counted). ``step(0)``: the loop cut the epoch it
+        trains; b moves to the next epoch's start. See NOTE [the contract].
 
         Raises:
-            ValueError: another argument; RuntimeError: a mistake (see NOTE [what is refused]).
+            ValueError: another argument; RuntimeError: a mistake this call shows (see NOTE [the contract]).
         """
         if self._step_count == 0:  # torch's initial step, from __init__
             return super().step()
@@ -2393,12 +2301,21 @@ class VariableBatchSizeLR(LRScheduler):
         if not isinstance(skipped, bool):
             raise ValueError(f"skipped should be True or False, but got skipped={skipped!r}")
         self._catch_up()
-        if epoch is not None:
-            return self._cut_epoch(epoch)
-        self._check_step()
-        epoch, batch = self._where()
+        if batch is not None and not isinstance(batch, Batch):
+            return self._cut_epoch(batch)
+        if batch is not None:
+            self._check_told(batch)
+            self._batches = batch.index
+            self._just_restored = False
+        elif self._updates_precede_steps and not self._updates_since_step and not skipped:
+            raise RuntimeError(
+                "VariableBatchSizeLR.step() was called again with no optimizer update since the last call (or since "
+                "it was made or restored), but the trainer steps it after each update itself; leave the stepping to "
+                "the trainer (DeepSpeed: delete your own lr_scheduler.step() after engine.step())"
+            )
+        epoch, index = self._where()
         if not skipped:
-            size = int(self._sizes(epoch, "tokens" if self.clock == "tokens" else "sequences")[batch])
+            size = int(self._sizes(epoch, "tokens" if self.clock == "tokens" else "sequences")[index])
             self._step_wrapped(self._clock_ticks(size))
             self._seen += size
             self._step_count += 1
@@ -2408,14 +2325,45 @@ class VariableBatchSizeLR(LRScheduler):
         self._updates_since_step = 0
         self._write()
         if self.verbose:
-            _logger.info("step %d (epoch %d, batch %d): next lr %s", self.last_epoch, epoch, batch, self._last_lr)
+            _logger.info("step %d (epoch %d, batch %d): next lr %s", self.last_epoch, epoch, index, self._last_lr)
+
+    def _check_told(self, batch: Batch) -> None:
+        """Raises where the record ``batch`` shows a mistake (NOTE [the contract]); a refused call moves nothing."""
+        if not batch.last:
+            gas = (
+                ""
+                if self._sampler is None
+                else f" (gradient_accumulation_steps={self._sampler.gradient_accumulation_steps})"
+            )
+            raise RuntimeError(
+                f"step(batch) was told batch {batch.index} at step input {batch.step_input} of epoch {batch.epoch} on "
+                f"this rank, which is not the batch's last: the loop updates before the sampler's batch is trained"
+                f"{gas}; update and step where batch.last is True"
+            )
+        if batch.index >= self._batches:
+            return
+        if self._just_restored:
+            raise RuntimeError(
+                f"step(batch) was told batch {batch.index}, but the scheduler was restored after batch "
+                f"{self._batches - 1}: the sampler resumed from another point than the scheduler; save "
+                f"sampler.state_dict(batch) with the scheduler's state after the same batch, and restore both"
+            )
+        if batch.index == self._batches - 1:
+            raise RuntimeError(
+                f"step(batch) was told batch {batch.index} a second time: call it once per batch, after its update"
+            )
+        raise RuntimeError(
+            f"step(batch) was told batch {batch.index} (epoch {batch.epoch}) after batch {self._batches - 1}: the loop "
+            f"trains an epoch again; call sampler.set_epoch(epoch) before each epoch"
+        )
 
     def _cut_epoch(self, epoch: Any) -> None:
         """``step(0)``: the loop cut the epoch b is in (DeepSpeed's idiom at each epoch start, where b already is)."""
         if isinstance(epoch, bool) or not isinstance(epoch, numbers.Integral) or epoch != 0:
             raise ValueError(
-                f"VariableBatchSizeLR.step takes no argument (the next batch) or 0 (the loop cut an epoch, at the "
-                f"next one's start), but got epoch={epoch!r}; call step() once per batch, after its update"
+                f"VariableBatchSizeLR.step takes a Batch record (the batch stepped), nothing (the next batch) or 0 (the "
+                f"loop cut an epoch, at the next one's start), but got {epoch!r}; call it once per batch, after its "
+                f"update"
             )
         per_epoch = self._batches_per_epoch()
         self._batches = -(-self._batches // per_epoch) * per_epoch
@@ -2465,16 +2413,12 @@ class VariableBatchSizeLR(LRScheduler):
         self._unscaled = [_lr_value(group["lr"]) for group in groups]
 
     def _before_update(self, *hook_args) -> None:
-        """An optimizer step-pre hook: the update of batch b uses its LR (b brought up to date first); a mistake is
-        refused before the optimizer moves a parameter."""
+        """An optimizer step-pre hook: the update of batch b uses its LR (b brought up to date first)."""
         self._catch_up()
-        self._check_update()
         self._write()
 
     def _after_update(self, *hook_args) -> None:
         self._updates_since_step += 1
-        seen = self._loop_got()
-        self._got_at_update = None if seen is None else seen.got
 
     def _before_forward(self, *hook_args) -> None:
         """A forward pre-hook an adapter installs (the DeepSpeed glue's): b brought up to date before the forward."""
@@ -2487,143 +2431,14 @@ class VariableBatchSizeLR(LRScheduler):
             handle.remove()
         self._detached = True
 
-    # -- what is refused ------------------------------------------------------------------------------------------
-
-    # NOTE [what is refused]: a mistake is refused only where nothing else
-    # explains what is seen. "Got": the step inputs of this rank that the
-    # training pass (NOTE [training and side passes]) gave the loop, counted
-    # from the run's start (epoch x len(sampler) + its step inputs): exactly
-    # where the loop iterates make_dataloader's loader itself (torch's iterator
-    # counts what it yielded), else what the sampler handed out, which is an
-    # upper bound. G: the sampler's gradient_accumulation_steps.
-    # - Ahead: batch b's update, and the step() after it, need its G step
-    #   inputs: ``(b + 1) x G <= got``; else the scheduler was stepped before the
-    #   optimizer, more than once per update, or for fewer step inputs than G.
-    #   At once: before the update, or at the step.
-    # - Behind, over make_dataloader's loader alone, where the read-ahead is
-    #   known: at a step, the loop got at most one batch more than it trained
-    #   (plus make_dataloader's ``read_ahead``, a prefetcher's depth); where a
-    #   launcher rebuilt the loader, got is what was handed out less the
-    #   workers' ``num_workers x prefetch_factor``. Untold skips and an
-    #   accumulation other than G fall behind, and are refused past it.
-    # - An update on new step inputs after an update that no step() or
-    #   step(skipped=True) followed (a loop that steps per epoch, or every other
-    #   update): at the second. Two updates of one batch (SAM's) are not
-    #   refused, nor those of an engine that steps the scheduler itself (ZeRO
-    #   steps its inner optimizer once per parameter group).
-    # Unseen: untold skips within the slack (one at G = 1), and any untold skip
-    # or other accumulation over other loaders, a list or the sampler iterated
-    # directly (their read-ahead is unknown); anything before the training
-    # pass hands out a step input after the scheduler was made or restored.
-    def _start_checks(self) -> None:
-        """Checks from now on (made, or restored): what the training passes handed out before is not this run's."""
-        self._floor = 0 if self._sampler is None else self._sampler._hand_outs
-        self._got_at_step = self._got_at_update = None
-
-    def _loop_got(self) -> _Got | None:
-        """What the loop got (NOTE [what is refused]), or None before the training pass handed out a step input
-        after the scheduler was made or restored."""
-        sampler = self._sampler
-        if sampler is None or sampler._hand_outs == self._floor or sampler._training is None:
-            return None
-        current = sampler._training
-        base = current.epoch * len(sampler)
-        handed = base + current.steps_done
-        count = current.count
-        still_handing = current.state != "handed out"
-        if count is None:  # not a loader's pass: no known read-ahead
-            return _Got(handed, None, 0, still_handing)
-        slack = sampler.gradient_accumulation_steps + count.read_ahead
-        yielded = count.yielded()
-        if yielded is None:  # a loader a launcher rebuilt: its workers read ahead
-            at_least = max(base + current.start, handed - count.workers_read_ahead)
-            return _Got(handed, at_least, slack, still_handing and not count.read_ahead)
-        got = min(base + current.start + yielded, handed)
-        return _Got(got, got, slack, not count.read_ahead)
-
-    def _check_update(self) -> None:
-        """Raises before an update that batch b's step inputs have not reached, or an update on new step inputs
-        after an update no step() followed (NOTE [what is refused])."""
-        seen = self._loop_got()
-        if seen is None:
-            return
-        gas = self._sampler.gradient_accumulation_steps
-        needed = (self._batches + 1) * gas  # this rank's step inputs of the batches up to the one updated
-        new_data = self._got_at_update is not None and seen.got > self._got_at_update
-        if self._updates_since_step and new_data and not self._engine_steps:
-            raise RuntimeError(
-                "the optimizer updates on new step inputs, but VariableBatchSizeLR.step() was not called after the "
-                "update before: call scheduler.step() once per batch, after its update (step(skipped=True) after an "
-                "update AMP skipped), not once per epoch or every other update"
-            )
-        self._check_behind(seen, needed)
-        if needed > seen.got:
-            raise RuntimeError(
-                f"the optimizer updates batch {self._batches}, whose {gas} step input(s) on this rank the loop has not "
-                f"got yet (it got {seen.got} since the run began, {needed} needed): scheduler.step() "
-                f"ran before optimizer.step() (call it after the update); or the loop updates after fewer step inputs "
-                f"than gradient_accumulation_steps={gas} ({_SAME_ACCUMULATION}); or the scheduler is stepped more than "
-                f"once per update (HF Accelerate: keep it out of accelerator.prepare(), and under "
-                f"accelerator.accumulate() step it only when accelerator.sync_gradients); or {_RESTORED_APART}"
-            )
-
-    def _check_step(self) -> None:
-        """Raises before a step() past the step inputs the loop got, or too far behind them (NOTE [what is
-        refused]); a refused call leaves everything as it was."""
-        seen = self._loop_got()
-        if seen is None:
-            return
-        got, in_step = seen.got, seen.in_step
-        gas = self._sampler.gradient_accumulation_steps
-        trained = (self._batches + 1) * gas  # this rank's step inputs of the batches trained after this step
-        new = None if self._got_at_step is None else got - self._got_at_step
-        # no update since the last step(), and not a batch's step inputs since: a skipped update explains it only
-        # where the loop may have read them before (a list, workers that read to the epoch's end)
-        again = new is not None and new < gas and in_step
-        if not self._updates_since_step and (trained > got or again):
-            since = "" if new is None else f", and the loop got {new} step inputs"
-            raise RuntimeError(
-                f"VariableBatchSizeLR.step() was called again for one update: no optimizer step ran since the last "
-                f"call (or since the scheduler was made or restored){since}, of a batch's {gas}; call it once per batch, "
-                f"after its update (step(skipped=True) for an update AMP skipped). HF Accelerate: keep the scheduler "
-                f"out of accelerator.prepare() (its wrapper steps it once per process), and under "
-                f"accelerator.accumulate() step it only when accelerator.sync_gradients"
-            )
-        if trained > got:
-            raise RuntimeError(
-                f"VariableBatchSizeLR counts {self._batches + 1} batches, {trained} step inputs on this rank at "
-                f"gradient_accumulation_steps={gas}, but the loop got {got}: it steps the scheduler more than once "
-                f"per update (HF Accelerate: keep it out of accelerator.prepare()), or for fewer step inputs than "
-                f"the sampler's batch ({_SAME_ACCUMULATION}), or {_RESTORED_APART}"
-            )
-        self._check_behind(seen, trained)
-        self._got_at_step = got
-
-    def _check_behind(self, seen: _Got, trained: int) -> None:
-        """Raises when the loop got more than ``slack`` step inputs beyond the ``trained`` ones of the batches
-        trained, or being trained (NOTE [what is refused])."""
-        at_least, slack = seen.at_least, seen.slack
-        gas = self._sampler.gradient_accumulation_steps
-        if at_least is not None and at_least - trained > slack:
-            raise RuntimeError(
-                f"the loop got {at_least} step inputs on this rank but VariableBatchSizeLR counts {trained // gas} "
-                f"batches at gradient_accumulation_steps={gas} ({trained}): {at_least - trained} behind, more than the "
-                f"one batch a loop reads ahead ({slack}). The loop skips updates without telling the scheduler (call "
-                f"step(skipped=True) for them, or step() every iteration; HF Trainer and TRL: varbatch."
-                f"hf_trainer_lr_scheduler; Lightning: 'interval': 'step' in configure_optimizers), or accumulates "
-                f"more step inputs than the sampler's batch ({_SAME_ACCUMULATION}), or cut an epoch it had handed out "
-                f"whole (call step(0) at the next epoch's start), or reads ahead through a prefetcher of its own "
-                f"(declare its depth: make_dataloader(..., read_ahead=step inputs)), or {_RESTORED_APART}"
-            )
-
-    # -- an engine's skips ------------------------------------------------------------------------------------------
-
-    def _follow_skipped_steps(self, skipped: Callable[[], int]) -> None:
+    def _follow_skipped_steps(self, skipped: Callable[[], int], updates_precede_steps: bool) -> None:
         """Takes an adapter's count of the updates a trainer skipped without stepping this scheduler (the DeepSpeed
         glue's): each moves b on, t stays. It is read whenever b is brought up to date (`_catch_up`: before each
-        update and forward, at each `step`, at each query), and `state_dict` saves the last count read."""
+        update and forward, at each `step`, at each query), and `state_dict` saves the last count read.
+        ``updates_precede_steps``: whether the trainer steps this scheduler after an update only (NOTE [the
+        contract])."""
         self._skipped, self._skipped_seen = skipped, skipped()
-        self._engine_steps = True
+        self._updates_precede_steps = updates_precede_steps
 
     # -- state ----------------------------------------------------------------------------------------------------
 
@@ -2663,14 +2478,13 @@ class VariableBatchSizeLR(LRScheduler):
         if self._base is not None:
             self._base.load_state_dict(copy.deepcopy(state_dict["base_lr_scheduler"]))
         super().load_state_dict({key: copy.deepcopy(state_dict[key]) for key in self._STATE})
-        self._start_checks()  # checked again from the step inputs handed out after the restore
         self._updates_since_step = 0
+        self._just_restored = True
         self._write()
 
 
-def _schedule_to_wrap(lr_scheduler: Any) -> tuple[Any, Optimizer, bool]:
-    """The scheduler a `VariableBatchSizeLR` wraps (None for an optimizer: a constant LR), the torch optimizer, and
-    whether that came inside a DeepSpeed-style wrapper (ZeRO steps it once per parameter group)."""
+def _schedule_to_wrap(lr_scheduler: Any) -> tuple[Any, Optimizer]:
+    """The scheduler a `VariableBatchSizeLR` wraps (None for an optimizer: a constant LR), and the torch optimizer."""
     if isinstance(lr_scheduler, VariableBatchSizeLR):
         raise TypeError(
             "lr_scheduler is a VariableBatchSizeLR already: wrapping it would scale the LR twice; wrap "
@@ -2689,7 +2503,7 @@ def _schedule_to_wrap(lr_scheduler: Any) -> tuple[Any, Optimizer, bool]:
         and not hasattr(lr_scheduler, "param_groups")
     )
     given = lr_scheduler.optimizer if wraps else lr_scheduler
-    return (lr_scheduler if wraps else None), _torch_optimizer(given), not isinstance(given, Optimizer)
+    return (lr_scheduler if wraps else None), _torch_optimizer(given)
 
 
 def _torch_optimizer(optimizer: Any) -> Optimizer:
@@ -2822,32 +2636,8 @@ def _warn_if_balance_swings_lr(scheduler: VariableBatchSizeLR, factors: np.ndarr
         )
 
 
-# The fix of a loop that accumulates another number of step inputs per update than the sampler (two messages).
-_SAME_ACCUMULATION = (
-    "make the loop's accumulation the sampler's gradient_accumulation_steps: HF Trainer's TrainingArguments."
-    "gradient_accumulation_steps, Lightning's Trainer(accumulate_grad_batches=...), HF Accelerate's Accelerator("
-    "gradient_accumulation_steps=...)"
-)
-
-
-class _Got(typing.NamedTuple):
-    """What a loop got of the training pass, as `VariableBatchSizeLR._loop_got` sees it (NOTE [what is refused])."""
-
-    got: int  # this rank's step inputs from the run's start: exact, or an upper bound
-    at_least: int | None  # a lower bound over make_dataloader's loader (None elsewhere: no lag check)
-    slack: int  # the step inputs beyond the batch trained that a loop may have read ahead
-    in_step: bool  # whether ``got`` grows with each step input the loop takes (else it may have read to the end)
-
-
 # The optimizer each VariableBatchSizeLR scales, and the last one made on it: a new one detaches the one before.
 _WRAPPERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-# The other cause of a scheduler ahead of or behind the step inputs (three messages).
-_RESTORED_APART = (
-    "the scheduler and the sampler were restored from different points of the run (restore both from one "
-    "checkpoint; HF Accelerate's prepared loader sets the epoch to its own count of passes, 0 after a restart, "
-    "unless you call loader.set_epoch(epoch))"
-)
 
 
 def _lr_value(lr: Any) -> Any:
@@ -3669,7 +3459,6 @@ def make_dataloader(
     num_workers=0,
     pin_memory=False,
     dataloader_class=None,
-    read_ahead=0,
     batch_count=None,
     **dataloader_kwargs,
 ) -> DataLoader:
@@ -3690,28 +3479,25 @@ def make_dataloader(
     ``dataloader_class`` (a DataLoader subclass, e.g. torchdata's
     ``StatefulDataLoader``) replaces torch's; a dataset with ``state_dict`` and
     ``load_state_dict`` (an augmentation RNG) has its state saved and restored by
-    it as without varbatch (see NOTE [the dataset's own state]). ``read_ahead``:
-    the step inputs the loop reads ahead of the batch it trains beyond one batch,
-    through a prefetcher of its own (its depth: NOTE [what is refused]).
+    it as without varbatch (see NOTE [the dataset's own state]), and restores a
+    pass exactly where the loop got to (NOTE [a pass's position]).
     ``loader.variable_batch_sampler`` is ``batch_sampler``. Under torch.distributed with ``num_replicas > 1`` it is
     a collective: every process calls it, and the processes check that they
     planned the same epoch (see `_check_ranks_agree`).
 
-    Loss weights: with ``batch_count`` (default None: each step input as it is)
-    the loader yields ``(step_input, batch_count)``, the count of the step
-    input's whole batch (all ranks and accumulation steps) of what the loss
-    averages over: ``"sequences"``, ``"tokens"`` (the seqlens), ``"label_tokens"``
-    (a causal LM's labels are its shifted inputs: ``L - 1`` per sequence of
-    ``L``, as in a `FlatCollate` row), or one count per sample (label tokens
-    where prompts are masked). Weight the step input's mean loss with
-    ``micro_batch_loss_weight(count, batch_count, ...)``, ``count`` its own
-    denominator. The count comes from the plan with the step input (NOTE [the
-    batch count travels with the step input]): right after a resume anywhere and
-    with workers, whatever the loop counts. Step the optimizer after this rank's
-    step input ``t`` with ``(t + 1) % G == 0``, ``t`` counted from
-    ``sampler.steps_done`` (a resume may start inside a batch):
-    ``enumerate(loader, start=sampler.steps_done)``. Leave it None under HF
-    Trainer and TRL: they weight an HF model's loss themselves.
+    The batch each step input is part of: with ``batch_count`` (default None:
+    each step input as it is) the loader yields ``(step_input, batch)``,
+    ``batch`` its `Batch` record (NOTE [the batch travels with the step
+    input]): its index over the run, its epoch, whether the step input is this
+    rank's last of it (update there, then ``scheduler.step(batch)``), and its
+    ``count`` over all ranks and accumulation steps of what the loss averages
+    over: ``"sequences"``, ``"tokens"`` (the seqlens), ``"label_tokens"`` (a
+    causal LM's labels are its shifted inputs: ``L - 1`` per sequence of ``L``,
+    as in a `FlatCollate` row), or one count per sample (label tokens where
+    prompts are masked). Weight the step input's mean loss with
+    ``micro_batch_loss_weight(count, batch.count, ...)``, ``count`` its own
+    denominator. Leave it None under HF Trainer and TRL: they pass the step
+    input to the model as it is, and weight an HF model's loss themselves.
 
     Raises:
         TypeError, ValueError: another sampler, same-length mode without
@@ -3731,7 +3517,6 @@ def make_dataloader(
         taken.append("in_order")
     if taken:
         raise TypeError(f"make_dataloader got {taken}, which the VariableBatchSampler decides; leave them out")
-    read_ahead = _check_int("read_ahead", read_ahead, fix="the step inputs a prefetcher of the loop reads ahead")
     seqlens = batch_sampler.seqlens
     if hasattr(dataset, "__len__") and seqlens is not None and len(dataset) != len(seqlens):
         raise ValueError(
@@ -3747,30 +3532,24 @@ def make_dataloader(
             "sample_padding_fn is None, but same-length mode pads every sample of a batch to the batch's "
             "max seqlen; pass sample_padding_fn=varbatch.pad_sample or your own fn(sample, length)"
         )
-    if dataloader_class is None:
-        loader_class = _Loader
-    else:  # varbatch's dealing over the given class (and, for a stateful one, a sampler restored at once)
-        bases = (_Loader, dataloader_class)
-        if hasattr(dataloader_class, "load_state_dict"):
-            bases = (_RestoresAtOnce, *bases)
-        loader_class = type(f"_{dataloader_class.__name__}", bases, {})
+    loader_class = _Loader
+    if dataloader_class is not None:  # varbatch's dealing over the given class
+        loader_class = type(f"_{dataloader_class.__name__}", (_Loader, dataloader_class), {})
     load_step_input = _LoadStepInput(dataset, settings, batch_sampler.rank, collate_fn, sample_padding_fn)
-    prefetch_factor = dataloader_kwargs.get("prefetch_factor") or 2 if num_workers else 0
-    read_ahead = {"workers_read_ahead": num_workers * prefetch_factor, "read_ahead": read_ahead}
     # torchdata checks a dataset for state_dict and load_state_dict (its Stateful protocol): see NOTE [the
     # dataset's own state]
     stateful = callable(getattr(dataset, "state_dict", None)) and callable(getattr(dataset, "load_state_dict", None))
     loader = loader_class(
         _StatefulKeyDataset(batch_sampler, dataset) if stateful else _KeyDataset(batch_sampler),
         batch_size=1,
-        sampler=_StepInputKeys(batch_sampler, every_rank=True, batched=False, batch_count=batch_count, **read_ahead),
+        sampler=_StepInputKeys(batch_sampler, every_rank=True, batched=False, batch_count=batch_count),
         num_workers=num_workers,
         pin_memory=pin_memory,
         collate_fn=load_step_input,
         **dataloader_kwargs,
     )
     # see NOTE [the loader deals itself]
-    loader._local = _StepInputKeys(batch_sampler, every_rank=False, batched=True, batch_count=batch_count, **read_ahead)
+    loader._local = _StepInputKeys(batch_sampler, every_rank=False, batched=True, batch_count=batch_count)
     loader.variable_batch_sampler = batch_sampler
     if batch_sampler.num_replicas > 1 and _world()[1] > 1:  # one plan dealt over ranks: every process planned it?
         _check_ranks_agree(batch_sampler)
@@ -3803,35 +3582,6 @@ class _Loader(DataLoader):
     anyway) lacks this rank's keys and refuses to iterate; `_LoadStepInput`
     checks the dealing, so any other re-dealing fails at the first batch.
     """
-
-    def __iter__(self):
-        """Torch's iterator, whose count of what it yielded the loop the pass reads (NOTE [what is refused]).
-
-        With ``persistent_workers`` torch keeps one iterator and restarts it at
-        each ``iter()`` (torch/utils/data/dataloader.py, ``DataLoader.__iter__``):
-        a second pass while one is open would take the training pass's place.
-        """
-        sampler = self.__dict__.get("variable_batch_sampler")  # (absent in a loader rebuilt as its own class)
-        training = None if sampler is None else sampler._open_training()
-        open_here = training is not None and training.count is not None
-        if self.persistent_workers and open_here and training.count.source is self.__dict__.get("_local"):
-            raise RuntimeError(
-                "a second pass over this loader while its training pass is open: with persistent_workers=True "
-                "torch restarts the one iterator, so the training pass would stop where it is; iterate a second "
-                "loader (make_dataloader again, on the same sampler) for a side pass, or set persistent_workers="
-                "False"
-            )
-        restoring = self.__dict__.get("next_iter_state")  # torchdata's: the state its next iterator starts from
-        iterator = super().__iter__()
-        keys = getattr(iterator, "_sampler_iter", None)
-        if isinstance(keys, _KeyIterator):
-            # torchdata's iterator restored from a state saved after its last snapshot has yielded the step inputs
-            # since that snapshot again, to no loop (they were trained before the save), by the time it returns
-            again = 0
-            if isinstance(restoring, Mapping) and not restoring.get("_iterator_finished"):
-                again = restoring.get("_steps_since_snapshot", 0)
-            keys.count.follow(iterator, again)
-        return iterator
 
     @property
     def _index_sampler(self):
@@ -3905,69 +3655,79 @@ class _StepInputKey(typing.NamedTuple):
     seqlens: tuple[int, ...] | None  # the plan's real lengths of the samples (None: given micro-batches)
     pad_to: int  # the batch's longest seqlen in same-length mode, else 0 (no padding)
     epoch: int
-    pass_number: int  # the sampler's pass that dealt it (a new pass over an epoch gets a new number)
+    pass_number: int  # the pass that dealt it (`_Pass.number`)
     pass_start: int  # this rank's step input t that the pass started at
     step_input: int  # g, its index among the epoch's step inputs of all ranks (see the dealing rule)
     every_rank: bool = False  # from the view of every rank's step inputs that launchers deal (see `_StepInputKeys`)
-    batch_count: int | None = None  # its batch's count, yielded beside it (NOTE [the batch count travels ...])
+    batch: Batch | None = None  # its batch, yielded beside it where the loop asked (NOTE [the batch travels ...])
 
 
-def _step_input_keys(
-    sampler: VariableBatchSampler, every_rank: bool, count: _LoopCount, iterator: Any, batch_count: Any
-) -> Iterator[_StepInputKey]:
-    """A pass of ``sampler`` as the loader reads it, started at its first key and closed when the generator is:
-    the `_StepInputKey` of each of this rank's step inputs (with ``every_rank``, of every rank's, in the order g =
-    0, 1, ...), dealt as `VariableBatchSampler.__iter__` deals them; this rank's move the position on as they are
-    handed out. ``count``: the pass's `_LoopCount`; ``iterator``: a weak reference to its `_KeyIterator`."""
-    current = sampler._start_pass(count, iterator)
-    try:
-        yield from _pass_keys(sampler, current, every_rank, batch_count)
-    finally:
-        sampler._close(current)
+class _StepInputKeys(DistributedSampler):
+    """The `_StepInputKey` of each step input of ``sampler``'s passes: every rank's (``every_rank``: the ``sampler``
+    and ``batch_sampler`` launchers see) or this rank's (what the loader iterates); ``[key]`` each when ``batched``
+    (a batch sampler's batch of one), else the keys themselves (a sampler a loader batches by one).
+
+    A `DistributedSampler` in type only (its ``__init__`` is not called): see NOTE [the loader deals itself]. Each
+    ``iter()`` is a `_KeyPass`, whose state torchdata's StatefulDataLoader saves (NOTE [a pass's position]).
+    """
+
+    def __init__(self, sampler: VariableBatchSampler, *, every_rank: bool, batched: bool, batch_count: Any = None):
+        self.variable_batch_sampler = sampler
+        self.every_rank = every_rank
+        self.batched = batched
+        self.batch_count = batch_count  # what the records count per batch (see `make_dataloader`), or None
+
+    def __iter__(self):
+        return _KeyPass(self)
+
+    def __len__(self):
+        sampler = self.variable_batch_sampler
+        return len(sampler) * sampler.num_replicas if self.every_rank else len(sampler)
+
+    def set_epoch(self, epoch):  # a launcher's, through the loader
+        self.variable_batch_sampler.set_epoch(epoch)
 
 
-def _pass_keys(
-    sampler: VariableBatchSampler, current: _Pass, every_rank: bool, batch_count: str | np.ndarray | None
-) -> Iterator[_StepInputKey]:
-    """The keys of the pass ``current`` (see `_step_input_keys`)."""
-    epoch, start = current.epoch, current.start
-    plan = sampler.plan_for_epoch(epoch)
-    m, ranks = sampler.micro_batch_size, sampler.num_replicas
-    rank = sampler.rank
-    counts = None if batch_count is None else _batch_counts(plan, batch_count)
-    per_batch = ranks * sampler.gradient_accumulation_steps  # step inputs g of a batch, of every rank
-    for steps, ids, bounds in sampler._runs(epoch, start):
-        first = steps.start * ranks  # the run's first step input g, of any rank
-        lens = None if sampler.seqlens is None else sampler.seqlens[ids].tolist()
-        ids = ids.tolist()
-        pad_to = plan.padded_seqlens[first * m : steps.stop * ranks * m : m].tolist() if sampler.same_length else None
-        for t in steps:
-            dealt = range(t * ranks, (t + 1) * ranks) if every_rank else (t * ranks + rank,)
-            for g in dealt:
-                if g % ranks == rank and not sampler._hand_out(current, t + 1):  # this rank's t-th
-                    return
-                a, b = bounds[g - first], bounds[g - first + 1]
-                yield _StepInputKey(
-                    sample_ids=tuple(ids[a:b]),
-                    seqlens=None if lens is None else tuple(lens[a:b]),
-                    pad_to=0 if pad_to is None else pad_to[g - first],
-                    epoch=epoch,
-                    pass_number=current.number,
-                    pass_start=start,
-                    step_input=g,
-                    every_rank=every_rank,  # marked, so that the dealing check can tell a view that was not dealt
-                    batch_count=None if counts is None else counts[g // per_batch],
-                )
+# NOTE [the batch travels with the step input]: a step input's loss weight is its own count over its batch's
+# (`micro_batch_loss_weight`), and the scheduler is told the batch it stepped. The loop knows its own count (its
+# loss's denominator), not which batch a step input is part of: after a resume a pass starts inside an epoch (inside a
+# batch, too), and loader workers read ahead. So each step input's `Batch` record is made from the plan into its key,
+# which the loader's workers get (their `_KeyDataset` holds no plan), and yielded beside the step input, as HF Trainer
+# passes `num_items_in_batch` beside each of its step inputs. The count, not the weight: the weight's factors R and G
+# depend on what the engine averages (DDP averages over ranks; DeepSpeed and Accelerate divide the loss by G, a loop
+# that sums its backward calls does not), which the loader cannot see.
+class _KeyPass(_Pass):
+    """A pass of a `_StepInputKeys`: its step inputs as keys (``[key]`` each when batched), with their records."""
+
+    def __init__(self, keys: _StepInputKeys):
+        super().__init__(keys.variable_batch_sampler, keys.every_rank)
+        self.batched = keys.batched
+        self.batch_count = keys.batch_count
+        self._counts: list | None = None
+
+    def _item(self, plan: Plan, t: int, g: int, ids: list[int], lens: list[int] | None) -> Any:
+        sampler = self.sampler
+        gas = sampler.gradient_accumulation_steps
+        batch = None
+        if self.batch_count is not None:
+            if self._counts is None:
+                self._counts = _batch_counts(plan, self.batch_count)
+            index = self.epoch * sampler._batches_per_epoch() + t // gas
+            batch = Batch(index, self.epoch, self._counts[t // gas], t % gas == gas - 1, t)
+        key = _StepInputKey(
+            sample_ids=tuple(ids),
+            seqlens=None if lens is None else tuple(lens),
+            pad_to=int(plan.padded_seqlens[g * sampler.micro_batch_size]) if sampler.same_length else 0,
+            epoch=self.epoch,
+            pass_number=self.number,
+            pass_start=self.start,
+            step_input=g,
+            every_rank=self.every_rank,  # marked, so that the dealing check can tell a view that was not dealt
+            batch=batch,
+        )
+        return [key] if self.batched else key
 
 
-# NOTE [the batch count travels with the step input]: a step input's loss weight is its own count over its
-# batch's (`micro_batch_loss_weight`). The loop knows its own count (its loss's denominator), not which batch a step
-# input is part of: after a resume, `enumerate(loader)` starts at 0 inside the epoch, and loader workers read ahead.
-# So the batch's count comes from the plan inside the step input's key, which the loader's workers get (their
-# `_KeyDataset` holds no plan), and is yielded beside the step input, as HF Trainer passes `num_items_in_batch`
-# beside each of its step inputs. The count, not the weight: the weight's factors R and G depend on what the
-# engine averages (DDP averages over ranks; DeepSpeed and Accelerate divide the loss by G, a loop that sums its
-# backward calls does not), which the loader cannot see.
 def _batch_counts(plan: Plan, batch_count: str | np.ndarray) -> list[int]:
     """Per batch of ``plan``: its sequences, tokens (the seqlens), label tokens (tokens less sequences: a causal
     LM's labels are its shifted inputs), or the sum of the given per-sample counts over its samples."""
@@ -3978,155 +3738,6 @@ def _batch_counts(plan: Plan, batch_count: str | np.ndarray) -> list[int]:
     if batch_count == "label_tokens":
         return (plan.batch_tokens - plan.batch_sizes).tolist()
     return plan._amounts(batch_count).tolist()
-
-
-class _StepInputKeys(DistributedSampler):
-    """The `_StepInputKey` of each step input of ``sampler``'s passes: every rank's (``every_rank``: the ``sampler``
-    and ``batch_sampler`` launchers see) or this rank's (what the loader iterates); ``[key]`` each when ``batched``
-    (a batch sampler's batch of one), else the keys themselves (a sampler a loader batches by one).
-
-    A `DistributedSampler` in type only (its ``__init__`` is not called): see NOTE [the loader deals itself]. Its
-    state is ``sampler``'s, which torchdata's StatefulDataLoader saves with the loader's. ``workers_read_ahead``
-    and ``read_ahead``: what the loader's workers and the loop read ahead (NOTE [what is refused]).
-    """
-
-    def __init__(
-        self,
-        sampler: VariableBatchSampler,
-        *,
-        every_rank: bool,
-        batched: bool,
-        batch_count: Any = None,
-        workers_read_ahead: int = 0,
-        read_ahead: int = 0,
-    ):
-        self.variable_batch_sampler = sampler
-        self.every_rank = every_rank
-        self.batched = batched
-        self.batch_count = batch_count  # what the keys count per batch (see `make_dataloader`)
-        self.workers_read_ahead = workers_read_ahead
-        self.read_ahead = read_ahead
-        self.restored_at_load = None  # the sampler state a stateful loader restored at its load_state_dict
-
-    def __iter__(self):
-        return _KeyIterator(self)
-
-    def __len__(self):
-        sampler = self.variable_batch_sampler
-        return len(sampler) * sampler.num_replicas if self.every_rank else len(sampler)
-
-    def set_epoch(self, epoch):  # a launcher's, through the loader
-        self.variable_batch_sampler.set_epoch(epoch)
-
-    def state_dict(self):
-        return self.variable_batch_sampler.state_dict()
-
-    def load_state_dict(self, state_dict):
-        sampler = self.variable_batch_sampler
-        if state_dict is not self.restored_at_load:
-            return sampler.load_state_dict(state_dict)
-        # torchdata's repeat of the restore `_RestoresAtOnce` made: again, for an iterator it made before (the empty
-        # rest ran there: NOTE [the empty rest at once]), keeping an epoch the loop selected since
-        self.restored_at_load = None
-        selected = None if sampler._selected_by == "advance" else sampler._selected
-        sampler.load_state_dict(state_dict)
-        if selected is not None and selected != sampler._selected:
-            sampler.set_epoch(selected)
-
-
-class _KeyIterator:
-    """An iterator over the keys of one pass of a `_StepInputKeys` (``[key]`` each when batched), with the pass's
-    `_LoopCount`. It holds the keys' generator and nothing holds it back: when torch drops it (a ``break``), the
-    generator closes and the pass with it."""
-
-    def __init__(self, keys: _StepInputKeys):
-        self.batched = keys.batched
-        self.count = _LoopCount(keys)
-        sampler = keys.variable_batch_sampler
-        if sampler._run_empty_rest(self.count):  # see NOTE [the empty rest at once]
-            self._keys = iter(())
-        else:  # (a weak reference to itself: nothing may hold the keys' generator back from closing)
-            self._keys = _step_input_keys(sampler, keys.every_rank, self.count, weakref.ref(self), keys.batch_count)
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        key = next(self._keys)
-        return [key] if self.batched else key
-
-
-class _LoopCount:
-    """What a loader's pass gave the loop: what torch's iterator over make_dataloader's loader yielded since the
-    pass started (`_Loader.__iter__` makes it follow that iterator), unknown in a loader a launcher rebuilt; and
-    what the loader's workers and the loop read ahead. Holds no reference to the pass's keys (see `_KeyIterator`)."""
-
-    def __init__(self, keys: _StepInputKeys):
-        self.source = keys
-        self.workers_read_ahead = keys.workers_read_ahead
-        self.read_ahead = keys.read_ahead
-        self._iterator = None  # a weak reference to torch's iterator, and its count of yields when the pass started
-
-    def follow(self, iterator: Any, again: int = 0) -> None:
-        """Counts from now what ``iterator`` yields, and the ``again`` step inputs of the pass it yielded before."""
-        self._iterator = (weakref.ref(iterator), iterator._num_yielded - again)
-
-    def reading(self, current: Any) -> bool | None:
-        """Whether the loop may still read the pass ``current``, handed out to its end, through torch's iterator:
-        no once that iterator is gone; yes while it has yielded less than the pass; with workers (not persistent),
-        while it has not ended (torch shuts its workers down as it raises StopIteration). None where unknown."""
-        if self._iterator is None:
-            return None
-        iterator = self._iterator[0]()
-        if iterator is None:
-            return False
-        yielded = self.yielded()
-        if yielded is not None and current.start + yielded < current.steps_done:
-            return True
-        if getattr(iterator, "_persistent_workers", False):  # torch keeps it for the next pass: given in full, done
-            return False
-        if getattr(iterator, "_num_workers", 0):
-            return current.explicit and not getattr(iterator, "_shutdown", True)
-        return None
-
-    def yielded(self) -> int | None:
-        """Step inputs the loader's iterator gave the loop since the pass started; None where unknown, and once the
-        iterator restarted on another pass (persistent workers: torch resets its count to 0 before that pass
-        starts, so the count would read as this pass's yields)."""
-        iterator = None if self._iterator is None else self._iterator[0]()
-        if iterator is None or getattr(getattr(iterator, "_sampler_iter", None), "count", None) is not self:
-            return None
-        return iterator._num_yielded - self._iterator[1]
-
-
-class _RestoresAtOnce:
-    """A stateful loader's ``load_state_dict`` that also restores the sampler at once, not only when the next
-    iterator starts (torchdata's does that), so that ``sampler.epoch`` right after it is the epoch to resume.
-
-    torchdata restores the sampler again as its next iterator starts, from the same state: that second restore
-    keeps an epoch the loop selected in between (`_StepInputKeys.load_state_dict`), so that a loop that skips the
-    empty rest of an epoch saved at its end starts the next epoch, as over the sampler alone. A state saved after
-    the loader's loop ended (torchdata's ``_iterator_finished``) resumes, in torchdata, at the next epoch: the empty
-    rest runs here, so ``sampler.epoch`` is that epoch, and torchdata's second restore runs it again in the
-    iterator it drops (NOTE [the empty rest at once]).
-    """
-
-    def load_state_dict(self, state_dict):
-        super().load_state_dict(state_dict)
-        pending = [state_dict]
-        while pending:  # the sampler's state, wherever the loader's format nests it
-            node = pending.pop()
-            if isinstance(node, Mapping) and set(node) == {*VariableBatchSampler._STATE, "version"}:
-                break
-            pending += list(node.values()) if isinstance(node, Mapping) else []
-        else:
-            return
-        sampler = self.variable_batch_sampler
-        sampler.load_state_dict(node)
-        if state_dict.get("_iterator_finished"):
-            sampler._run_empty_rest()
-        else:
-            self.__dict__["_local"].restored_at_load = node
 
 
 class _LoadStepInput:
@@ -4219,7 +3830,7 @@ class _LoadStepInput:
                     f"{wrong[0][1]} for sample {wrong[0][0]}; it must pad the first dimension to `length`"
                 )
         if self.collate_fn is None:
-            return _with_batch_count(samples, key)
+            return _with_batch(samples, key)
         padded = _PADDED_SEQLENS.set(key.seqlens if key.pad_to and not self.padding_free else None)
         row = _FLAT_ROW.set(key.pad_to if self.padding_free else 0)  # NOTE [same-length ...], NOTE [the flat row]
         try:
@@ -4232,7 +3843,7 @@ class _LoadStepInput:
             _PADDED_SEQLENS.reset(padded)
         if self.step_input_bound is not None:
             self._check_budget(batch, key)
-        return _with_batch_count(batch, key)
+        return _with_batch(batch, key)
 
     def _check_budget(self, batch: Any, key: _StepInputKey) -> None:
         """Raises when the collated step input's ``B x S`` tensor is over the padded budget's bound.
@@ -4270,9 +3881,9 @@ class _LoadStepInput:
         )
 
 
-def _with_batch_count(step_input: Any, key: _StepInputKey) -> Any:
-    """``(step_input, batch_count)`` where the loader counts (see `make_dataloader`), else the step input."""
-    return step_input if key.batch_count is None else (step_input, key.batch_count)
+def _with_batch(step_input: Any, key: _StepInputKey) -> Any:
+    """``(step_input, batch)`` where the loop asked for the record (see `make_dataloader`), else the step input."""
+    return step_input if key.batch is None else (step_input, key.batch)
 
 
 def _check_ranks_agree(sampler: VariableBatchSampler) -> None:
@@ -4367,8 +3978,8 @@ def hf_trainer_lr_scheduler(trainer, lr_scheduler, base_batch_size, batch_sizes,
             f"self.args.gradient_accumulation_steps"
         )
     scheduler = VariableBatchSizeLR(lr_scheduler, base_batch_size, batch_sizes, **options)
-    # Under DeepSpeed the engine steps the scheduler, and ZeRO its inner optimizer once per parameter group.
-    scheduler._engine_steps = bool(getattr(trainer, "is_deepspeed_enabled", False))
+    # The Trainer steps the scheduler after each update it takes (under DeepSpeed the engine does: see its glue).
+    scheduler._updates_precede_steps = not getattr(trainer, "is_deepspeed_enabled", False)
 
     class TellSkippedUpdates(transformers.TrainerCallback):
         """Moves b on to ``state.global_step`` (see NOTE [HF Trainer's skipped updates])."""
@@ -4765,7 +4376,9 @@ def get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
         # optimizer nor this scheduler, but the data moves on; engine.load_checkpoint restores skipped_steps. The
         # engine steps the scheduler itself. Before each forward the scheduler catches up with the skips, so that
         # engine.get_lr() between a forward and its step shows the LR that step applies.
-        scheduler._follow_skipped_steps(lambda: int(getattr(engine, "skipped_steps", 0)))
+        # With torch's autocast and a GradScaler (ZeRO 0) the engine steps it after an update the scaler skipped too.
+        autocast_scaler = getattr(engine, "torch_autocast_z0_gradscaler", None) is not None
+        scheduler._follow_skipped_steps(lambda: int(getattr(engine, "skipped_steps", 0)), not autocast_scaler)
         module = getattr(engine, "module", None)
         if isinstance(module, torch.nn.Module):
             module.register_forward_pre_hook(_weakly(scheduler._before_forward))
