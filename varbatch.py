@@ -1,5 +1,5 @@
 # varbatch.py -- token-budget ("dynamic") batching with batch-size-aware LR scaling
-# Version 0.4.0. Licence: Apache-2.0.
+# Version 0.5.0. Licence: Apache-2.0.
 # Vendored from the varbatch project: copy this one file into your code base.
 """Token-budget batching with learning-rate scaling for PyTorch and DeepSpeed.
 
@@ -15,8 +15,9 @@ Public names: DeepSpeed's ``batch_by_seqlens``, ``scale_lr``,
 ``get_dataloader_and_lr_scheduler_for_variable_batch_size[_deepspeed]`` (with
 DeepSpeed's signatures); ``plan_batches`` -> ``Plan``, ``VariableBatchSampler``,
 ``make_dataloader``, ``PaddedCollate``, ``pad_sample``, ``seqlens_from_padded``,
-``micro_batch_loss_weight``, HF Trainer's adapter ``hf_trainer_lr_scheduler``, and
-for padding-free step inputs ``FlatCollate`` and ``check_padding_free``.
+``micro_batch_loss_weight``, the record ``Batch``, HF Trainer's adapter
+``hf_trainer_lr_scheduler``, and for padding-free step inputs ``FlatCollate``
+and ``check_padding_free``.
 Guarantees: no micro-batch costs more than ``max_tokens`` (in the seqlens
 given: they count what the collate adds); every sample is trained once per
 epoch or listed in ``Plan.dropped`` with a reason; every rank computes the same
@@ -26,16 +27,18 @@ Tests: ``python -m pytest test_varbatch.py``.
 
 The contract with a training loop:
 - make the sampler (``VariableBatchSampler``) after torch.distributed is up, and
-  the loader with ``make_dataloader``; every epoch has ``len(sampler)`` step inputs;
-- wrap the LR schedule in ``VariableBatchSizeLR`` and call ``scheduler.step()``
-  once per batch, after its update, and ``scheduler.step(skipped=True)`` after an
-  update AMP skipped (or step plainly every iteration, as torch's AMP recipe does);
-- save and restore the sampler's and the scheduler's states from one checkpoint;
+  the loader with ``make_dataloader``; every epoch has ``len(sampler)`` step
+  inputs; call ``sampler.set_epoch(epoch)`` before each epoch, as torch asks;
+- the data carries its batch: ``make_dataloader(..., batch_count=unit)`` yields
+  ``(step_input, batch)``, a `Batch` record; update after the step input whose
+  record says ``last``, then tell the scheduler ``step(batch)`` (or
+  ``step(batch, skipped=True)`` after an update AMP skipped); without records,
+  ``step()`` once per batch, as torch and DeepSpeed count;
+- save ``sampler.state_dict(batch)`` and the scheduler's state in one checkpoint;
 - HF Trainer and TRL: ``hf_trainer_lr_scheduler``; DeepSpeed's engine:
   ``get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed``.
-Nothing watches the model; queries (len, plans, state_dict, a peek, a side
-pass over the epoch) move nothing; a mistake is refused only where nothing else
-explains what the loop got (NOTE [what is refused]), naming the fix.
+Nothing watches the model or the loader; every ``iter()`` is a pass of its own;
+a mistake is refused only where one call shows it (NOTE [the contract]).
 
 The file has four parts. Part I is the technique in plain code, read top-down:
 the settings and the plan, the orders, the greedy rule, the equal epochs, the LR
@@ -89,11 +92,12 @@ __all__ = [  # DeepSpeed's names (deepspeed.runtime.data_pipeline.data_sampling.
     "pad_sample",
     "seqlens_from_padded",
     "micro_batch_loss_weight",
+    "Batch",
     "hf_trainer_lr_scheduler",
     "FlatCollate",
     "check_padding_free",
 ]
-__version__ = "0.4.0"
+__version__ = "0.5.0"
 _logger = logging.getLogger("varbatch")
 
 _Budget = Literal["sum", "padded"]
@@ -311,7 +315,8 @@ class _Settings:
 
     max_tokens: int = _option("count", maximum=_MAX_TOKENS_LIMIT, fix="it is the token budget of one micro-batch")
     effective_batch_size: int = _option("count", 1, fix="it is train_batch_size, micro-batches per optimizer step")
-    micro_batch_size: int = _option("count", 1, fix="it is train_micro_batch_size_per_gpu")
+    # Micro-batches per step input: DeepSpeed's train_micro_batch_size_per_gpu in its module's sense, not samples.
+    micro_batch_size: int = _option("count", 1, fix="it counts micro-batches per step input, not samples")
     num_replicas: int = _option("count", 1, fix="the data-parallel size")
     budget: _Budget = _option("choice", "sum", choices=_Budget)
     order: _Order = _option("choice", "dataloader", choices=_Order, name="sequence_picking_order")
@@ -736,7 +741,8 @@ def _microbatches(lens: np.ndarray, settings: _Settings) -> tuple[np.ndarray, np
 
 
 # The greedy rule (DeepSpeed's). A micro-batch of n samples costs the sum of their seqlens (budget "sum") or n x the
-# longest of them (budget "padded"), and max_tokens bounds that cost. Both grow with every sample added, so from each
+# longest of them (budget "padded", with one micro-batch per step input; with more, n x the longest of its padding
+# group: `_pack_rows`), and max_tokens bounds that cost. Both grow with every sample added, so from each
 # position in picking order the packer adds samples while the cost stays within max_tokens; the first sample that
 # does not fit starts the next micro-batch.
 
@@ -4171,6 +4177,7 @@ def get_dataloader_and_lr_scheduler_for_variable_batch_size(
     lr_scaling_reference=None,
     lr_clock="steps",
     lr_clock_step=1,
+    batch_count=None,
     **options,
 ):
     """The loader and LR scheduler of a token-budget plan (DeepSpeed's signature).
@@ -4180,7 +4187,8 @@ def get_dataloader_and_lr_scheduler_for_variable_batch_size(
     ``B_ref`` (None: ``effective_batch_size``, DeepSpeed's; a number; ``"mean"``);
     ``lr_clock``/``lr_clock_step``: what drives the schedule (`VariableBatchSizeLR`);
     ``lr_scheduler_or_optimizer`` may also be a function of the sampler that makes
-    the schedule (see the DeepSpeed glue's ``lr_scheduler_fn``);
+    the schedule (see the DeepSpeed glue's ``lr_scheduler_fn``); ``batch_count``:
+    the loader yields each step input beside its `Batch` record (`make_dataloader`);
     ``**options``: plan options (``budget``, ``bucket_size``, ...).
 
     Returns ``(dataloader, lr_scheduler, deepspeed_io_kwargs)``; no scheduler without ``lr_scheduler_or_optimizer``.
@@ -4209,6 +4217,7 @@ def get_dataloader_and_lr_scheduler_for_variable_batch_size(
         dataloader_num_workers,
         dataloader_pin_memory,
         verbose=verbose,
+        batch_count=batch_count,
     )
     sampler = loader.variable_batch_sampler
     schedule = lr_scheduler_or_optimizer
@@ -4230,7 +4239,16 @@ def get_dataloader_and_lr_scheduler_for_variable_batch_size(
 
 
 def _deepspeed_loader(
-    dataset, planner: _Planner, rank: Any, collate_fn, sample_padding_fn, num_workers, pin_memory, *, verbose: bool
+    dataset,
+    planner: _Planner,
+    rank: Any,
+    collate_fn,
+    sample_padding_fn,
+    num_workers,
+    pin_memory,
+    *,
+    verbose: bool,
+    batch_count: Any = None,
 ) -> DataLoader:
     """The loader of the functions above: `make_dataloader`'s, over a sampler of ``planner``'s plans for the
     data-parallel ``rank``, with the loader arguments of DeepSpeed's signatures (``dataloader_collate_fn``, ...)."""
@@ -4243,6 +4261,7 @@ def _deepspeed_loader(
         sample_padding_fn=sample_padding_fn,
         num_workers=num_workers,
         pin_memory=pin_memory,
+        batch_count=batch_count,
     )
 
 
@@ -4298,6 +4317,7 @@ def get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
     batch_seqlens_fn=None,
     *,
     lr_scheduler_fn=None,
+    batch_count=None,
 ):
     """The dataloader and LR scheduler for a DeepSpeed engine, from its config (DeepSpeed's signature).
 
@@ -4315,7 +4335,9 @@ def get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
     ``batch_seqlens_fn``, each rank a shard, and cached there. ``lr_scheduler_fn``,
     if given, makes the schedule to scale from the sampler, so that it can be
     sized by it: ``len(sampler) // gradient_accumulation_steps`` optimizer steps every epoch
-    (e.g. ``lambda sampler: OneCycleLR(...)``).
+    (e.g. ``lambda sampler: OneCycleLR(...)``). ``batch_count``: the loader yields each step
+    input beside its `Batch` record (`make_dataloader`); tell the scheduler through
+    ``engine.step(lr_kwargs={"batch": batch})``, or let the engine count.
 
     Returns:
         ``(dataloader, lr_scheduler, deepspeed_io_kwargs)``; ``lr_scheduler`` is
@@ -4365,6 +4387,7 @@ def get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
         required_microbatches_of_same_seqlen=pipeline,
         sample_padding_fn=sample_padding_fn,
         verbose=other["verbose"],
+        batch_count=batch_count,
         **lr_options,
         **plan_options,
     )
