@@ -1825,20 +1825,24 @@ class VariableBatchSampler(Sampler[list[int]]):
         ids; its t-th is step input g = t*R + rank (the dealing rule above)."""
         return _Pass(self)
 
-    def state_dict(self, batch: Batch | None = None) -> dict:
+    def state_dict(self, batch: Batch | None = None, *, steps_done: int | None = None) -> dict:
         """The position to resume from (an epoch, and this rank's step inputs of it done) and the settings, as
-        plain data.
+        plain data: where the next pass starts (`epoch` at `steps_done`), or after what the loop says it trained.
 
-        ``batch``: the record of the last step input the loop trained (`Batch`): the position after it. Without it,
-        where the next pass starts: `epoch` at `steps_done`; nothing here counts what a loop trained (loader workers
-        read ahead of it).
+        Nothing here counts what a loop trained (loader workers read ahead of it): a loop tells it, by the `Batch`
+        record of the last step input it trained (``batch``: the position after it, in its epoch), or by its count
+        of the step inputs of `epoch` it trained (``steps_done``).
         """
+        if batch is not None and steps_done is not None:
+            raise TypeError("state_dict takes batch or steps_done, not both: the record holds its step input")
+        if steps_done is not None:
+            return self._state(self.epoch, _check_int("steps_done", steps_done, 0, len(self), "step inputs trained"))
         if batch is None:
             return self._state(self.epoch, self.steps_done)
         if not isinstance(batch, Batch):
             raise TypeError(
                 f"state_dict takes the Batch record of the last step input trained (make_dataloader(..., "
-                f"batch_count=...) yields it), or nothing, but got {type(batch).__name__}"
+                f"batch_count=...) yields it), but got {type(batch).__name__}"
             )
         return self._state(batch.epoch, batch.step_input + 1)
 
