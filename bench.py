@@ -53,7 +53,7 @@ DeepSpeed and matplotlib are optional: without DeepSpeed its columns are left
 out; matplotlib is imported only by --plot (``pip install matplotlib``). The
 peers of section 6 are optional dependencies of the benchmark alone (varbatch
 and its tests never import them): lhotse (``pip install lhotse``) and
-transformers (in requirements.txt, for the README's recipes) each add a row,
+transformers (in requirements-dev.txt, for the README's recipes) each add a row,
 and where one is missing the section says so and leaves its row out.
 """
 
