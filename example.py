@@ -127,7 +127,8 @@ def token_loss(pred, labels):
 
 
 def weigh(step_inputs, batch_tokens, num_replicas, accumulation):
-    """Each step input's loss weight, so the engine's average over ranks and steps is the batch's token mean."""
+    """Each step input's loss weight, so the engine's average over ranks and steps is the batch's token mean
+    (``batch_tokens``: the batch's real tokens over all ranks and steps, its record's count)."""
     return [
         (
             inputs,
@@ -205,7 +206,8 @@ def build_engine(args, pipeline):
 
 
 def build_loader(args, dataset, engine, optimizer):
-    """2. varbatch's loader and LR scheduler (as engine.lr_scheduler), sized exactly: every epoch has len(sampler)."""
+    """2. varbatch's loader and LR scheduler (as engine.lr_scheduler), sized exactly: every epoch has len(sampler).
+    The loader yields each step input with its batch's record (`varbatch.Batch`): its real tokens, its end."""
 
     def schedule(sampler):
         steps = len(sampler) // sampler.gradient_accumulation_steps * args.epochs
@@ -219,6 +221,7 @@ def build_loader(args, dataset, engine, optimizer):
         batch_seqlens_fn=batch_seqlens,
         dataset_seqlens=dataset.seqlens.tolist() if args.padding_free else None,  # flat: no padded batch to measure
         lr_scheduler_fn=schedule,
+        batch_count="tokens",  # each step input as (step input, its Batch record), the count in real tokens
     )
     return dataloader, lr_scheduler
 
@@ -316,37 +319,39 @@ def main(args):
         f"rank(s), device {engine.device}"
     )
 
-    # 4. Train. Each batch is `gas` step inputs per rank, weighted to the batch's token mean.
+    # 4. Train. Each batch is `gas` step inputs per rank, gathered up to the one its record marks last, and
+    # weighted to the batch's token mean; the engine steps the scheduler (its fp16 skips followed).
     tally, shape = Tally(engine.global_steps, total_steps), None
-    trained, epochs_done = sampler.steps_done, sampler.epoch  # step inputs of the epoch trained, epochs done
+    trained, epochs_done = None, sampler.epoch  # the record of the last step input trained; epochs done
     for epoch in range(sampler.epoch, args.epochs):
         if engine.global_steps >= total_steps:
             break
-        sampler.set_epoch(epoch)
-        plan, b0, batches = sampler.plan, sampler.steps_done // gas, iter(dataloader)  # b0 first: workers read ahead
+        sampler.set_epoch(epoch)  # a state saved at an epoch's end resumes as its empty rest: then the next
+        plan, step_inputs = sampler.plan, []
         tally.dropped.update({reason: len(ids) for reason, ids in plan.dropped.items()})
-        for b in range(b0, plan.num_batches):
-            step_inputs = weigh([next(batches) for _ in range(gas)], int(plan.batch_tokens[b]), ranks, gas)
+        for step_input, batch in dataloader:
+            step_inputs.append(step_input)
+            if not batch.last:
+                continue
+            step_inputs = weigh(step_inputs, batch.count, ranks, gas)
             shapes, lr = [tuple(inputs[0].shape[:2]) for inputs, _ in step_inputs], lr_scheduler.get_last_lr()[0]
             loss, shape = train_batch(engine, step_inputs, pipeline, shape, ranks * gas)
             tokens, slots, total_loss = batch_totals(engine, step_inputs, shapes, loss, ranks)
             loss = loss if pipeline else total_loss
-            trained, epochs_done = (b + 1) * gas, epoch + (b + 1) / plan.num_batches  # step inputs of the epoch
+            trained, epochs_done, step_inputs = batch, epoch + (batch.step_input + 1) / len(sampler), []
             print0(
                 f"step {engine.global_steps:4d} | epoch {epoch} | B {','.join(str(n) for n, _ in shapes)} | "
                 f"S {','.join(str(s) for _, s in shapes)} | tokens {tokens} | padding "
                 f"{100 * (1 - tokens / slots):.1f}% | lr {lr:.6e} | loss {loss:.6f}"
             )
-            tally.add(int(plan.batch_sizes[b]), tokens, slots, engine.global_steps)
+            tally.add(int(plan.batch_sizes[batch.step_input // gas]), tokens, slots, engine.global_steps)
             if engine.global_steps >= total_steps:
                 break
 
-    # 5. Save the engine and the sampler's position (the step inputs trained: a loader may read ahead).
+    # 5. Save the engine and the sampler's position after the last step input trained (a loader reads ahead).
     summary = tally.summary(epochs_done, engine.global_steps)  # the wall time of the training alone
     if args.checkpoint_dir:
-        engine.save_checkpoint(
-            args.checkpoint_dir, client_state={"varbatch_sampler": sampler.state_dict(steps_done=trained)}
-        )
+        engine.save_checkpoint(args.checkpoint_dir, client_state={"varbatch_sampler": sampler.state_dict(trained)})
         print0(f"saved checkpoint at step {engine.global_steps} in {args.checkpoint_dir}")
     print0(summary)
     torch.distributed.destroy_process_group()
