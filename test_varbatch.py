@@ -6011,7 +6011,7 @@ def _check_ok(result):
 # The section's launches, each a job of `_jobs`: a function of no argument whose result the tests read.
 def _jobs(launched, tmp_path_factory):
     """The jobs by name: the example's launches and the README's commands (chains of commands run in order; the
-    example's first, as the README's ask for the same launches), the launcher runs, the 2-rank scripts, the
+    example's first, as the README's ask for the same launches), the launcher runs, the 2-rank checks, the
     DeepSpeed-style script and the example's pipeline on one process."""
     chains = {f"example: {name}": chain for name, chain in _example_chains().items()}
     chains.update({f"readme {i}": [text for text, _ in chain] for i, chain in enumerate(_readme_chains(launched))})
@@ -6019,7 +6019,7 @@ def _jobs(launched, tmp_path_factory):
     in_folders = {
         "hf": _hf_two_process_job,
         "lightning": _lightning_job,
-        "two ranks": _two_rank_job,
+        "rank checks": _rank_checks_job,
         "accelerate": _accelerate_job,
         "stateful": _stateful_job,
         "deepspeed style": _deepspeed_style_job,
@@ -6060,105 +6060,68 @@ def jobs(launched, tmp_path_factory):
     return result
 
 
-# The 2-rank scripts of the tests below run in one pair of gloo processes, one script after another (torch
-# imported once per rank): each as a program of its own (``sys.argv`` its rank and its own port), its output and
-# exit code (SystemExit's, or 1 with the traceback) kept apart, a process group it left open ended after it, and
-# the folder's files listed (the scripts share the folder: a script run twice finds what the first run left).
-_TWO_RANK_RUNNER = """
-import contextlib, io, json, os, runpy, sys, traceback
-import torch.distributed as dist
-rank, ports, names = int(sys.argv[1]), sys.argv[2].split(","), sys.argv[3:]
-for name, port in zip(names, ports):
-    out, err, code = io.StringIO(), io.StringIO(), 0
-    sys.argv = [name + ".py", str(rank), port]
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            runpy.run_path(name + ".py", run_name="__main__")
-        except SystemExit as done:
-            code = done.code if isinstance(done.code, int) else int(done.code is not None)
-        except BaseException:
-            traceback.print_exc()
-            code = 1
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    files = sorted(os.path.relpath(os.path.join(d, f)) for d, _, fs in os.walk(".") for f in fs)
-    with open(f"{name}.{rank}.json", "w") as file:
-        json.dump({"code": code, "out": out.getvalue(), "err": err.getvalue(), "files": files}, file)
-"""
-
-
-def _two_rank_scripts():
-    """The scripts `_two_rank_job` runs, by name, in the order it runs them."""
-    mismatched = {
-        case.replace(" ", "_"): _MISMATCHED_RANKS_SCRIPT.format(case=case) for case, _ in _MISMATCHED_RANKS_CASES
-    }
-    return {
-        **mismatched,
-        "per_rank_cache_first": _PER_RANK_CACHE_SCRIPT,  # leaves rank 0 a cache
-        "per_rank_cache": _PER_RANK_CACHE_SCRIPT,
-    }
-
-
-def _two_rank_job(folder):
-    """Runs the scripts of `_two_rank_scripts` in ``folder`` (see `_TWO_RANK_RUNNER`); returns ``run(name)``: each
-    rank's (exit code, stdout, stderr, the folder's files after it) of the script ``name``."""
-    scripts = _two_rank_scripts()
-    for name, source in scripts.items():
-        (folder / f"{name}.py").write_text(source)
-    ports = [str(_master_port()) for _ in scripts]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _TWO_RANK_RUNNER, str(rank), ",".join(ports), *scripts],
-            cwd=folder,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=dict(os.environ, PYTHONPATH=_ROOT, OMP_NUM_THREADS="1"),
-        )
-        for rank in range(2)
-    ]
-    try:
-        ends = [proc.communicate(timeout=420) for proc in procs]
-    except subprocess.TimeoutExpired:
-        for proc in procs:
-            proc.kill()
-        pytest.fail("the ranks hung")
-
-    def run(name):
-        paths = [folder / f"{name}.{rank}.json" for rank in range(2)]
-        assert all(path.exists() for path in paths), (
-            f"the ranks ended before {name}: {[end[1][-2000:] for end in ends]}"
-        )
-        return [tuple(json.loads(path.read_text()).values()) for path in paths]
-
-    return run
-
-
-_MISMATCHED_RANKS_SCRIPT = """
-import datetime, sys
+# The checks that need the 2 processes of one job, before any training: processes that deal one plan differently
+# (seqlens that differ, one rank given twice, a sampler made before torch.distributed was up) and a seqlen cache
+# only some ranks have. One torchrun job runs each case in turn on one process group (a refusal is raised on every
+# rank alike, so the ranks stay in step); each rank saves what each case raised, and what the glue measured and
+# planned the second time it read the seqlens, when rank 0's folder held a cache and rank 1's none.
+_RANK_CHECKS_SCRIPT = """
+import datetime, json, os, sys, types
 import torch
 import varbatch
-CASE = {case!r}
-rank, seqlens = int(sys.argv[1]), [10] * 100
-if CASE == "made before init_process_group":
-    sampler = varbatch.VariableBatchSampler(seqlens, 64)  # 1 rank by default: torch.distributed is not up
-torch.distributed.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=rank, world_size=2,
-                                     timeout=datetime.timedelta(seconds=30))
-if CASE == "different seqlens":
-    seqlens = [10] * 100 if rank == 0 else [5] * 100  # e.g. each rank tokenized its own way
-    sampler = varbatch.VariableBatchSampler(seqlens, 64, order="bucket")
-elif CASE == "one rank twice":
-    sampler = varbatch.VariableBatchSampler(seqlens, 64, num_replicas=2, rank=0)
-try:
-    loader = varbatch.make_dataloader([torch.ones(n) for n in seqlens], sampler, collate_fn=varbatch.PaddedCollate())
-    trained = sum(1 for _ in loader)
-except RuntimeError as error:
-    print(f"rank {{rank}}: {{error}}", flush=True)
-    torch.distributed.destroy_process_group()
-    sys.exit(3)
-print(f"rank {{rank}}: trained {{trained}} step inputs of {{sampler.plan.num_batches}} batches, no error", flush=True)
+out, rank = sys.argv[1], int(os.environ["RANK"])
+early = varbatch.VariableBatchSampler([10] * 100, 64)  # made before init_process_group: it deals to 1 rank
+torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+samplers = {
+    "different seqlens": lambda: varbatch.VariableBatchSampler([10 if rank == 0 else 5] * 100, 64, order="bucket"),
+    "one rank twice": lambda: varbatch.VariableBatchSampler([10] * 100, 64, num_replicas=2, rank=0),
+    "made before init_process_group": lambda: early,
+}
+refused = {}
+for case, make in samplers.items():
+    try:
+        sampler = make()
+        dataset = [torch.ones(n) for n in sampler.seqlens]
+        loader = varbatch.make_dataloader(dataset, sampler, collate_fn=varbatch.PaddedCollate())
+        refused[case] = f"trained {sum(1 for _ in loader)} step inputs, no error"
+    except RuntimeError as error:
+        refused[case] = str(error)
+
+
+def glue(measured):
+    # The DeepSpeed glue on a stand-in engine, the seqlen cache in this rank's own folder (node-local disks).
+    section = {"enabled": True, "max_tokens": 64, "metrics_path": os.path.abspath(f"metrics{rank}")}
+    config = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 1,
+              "data_efficiency": {"data_sampling": {"dynamic_batching": section}}}
+    engine = types.SimpleNamespace(_config=types.SimpleNamespace(_param_dict=config), optimizer=None,
+                                   lr_scheduler=None, data_parallel_group=None, train_batch_size=lambda: 2,
+                                   train_micro_batch_size_per_gpu=lambda: 1, gradient_accumulation_steps=lambda: 1)
+
+    def batch_seqlens(batch):
+        measured.append(len(batch[1]))
+        return batch[1]
+
+    loader, _, _ = varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
+        [torch.ones(3 + (7 * i) % 29) for i in range(200)], engine, dataloader_collate_fn=varbatch.PaddedCollate(),
+        batch_seqlens_fn=batch_seqlens)
+    return [list(map(int, m)) for m in loader.variable_batch_sampler.plan.microbatches()]
+
+
+glue([])  # computes the seqlens, and leaves a cache in one folder
+cached = [os.path.exists(f"metrics{r}/varbatch_seqlens.npy") for r in range(2)]
+measured = []
+plan = glue(measured)
+with open(os.path.join(out, f"rank{rank}.json"), "w") as file:
+    json.dump(dict(refused=refused, cached=cached, measured=sum(measured), plan=plan), file)
 torch.distributed.destroy_process_group()
 """
+
+
+def _rank_checks_job(folder):
+    """The job of ``_RANK_CHECKS_SCRIPT`` on 2 ranks: (exit code, output, what each rank saved)."""
+    rc, output, _, _ = _launch_ranks(folder, _RANK_CHECKS_SCRIPT, {})
+    saved = [folder / "out" / f"rank{rank}.json" for rank in range(2)]
+    return rc, output, [json.loads(path.read_text()) for path in saved if path.exists()]
 
 
 _MISMATCHED_RANKS_CASES = [
@@ -6175,63 +6138,26 @@ _MISMATCHED_RANKS_CASES = [
 @pytest.mark.parametrize("case, names", _MISMATCHED_RANKS_CASES)
 def test_processes_that_deal_one_plan_differently_fail_at_once_on_every_rank(jobs, case, names):
     """2 gloo processes that planned apart, deal to one rank twice or made the sampler too early: RuntimeError on
-    both (the DeepSpeed glue checks through make_dataloader)."""
-    for code, out, err, _ in jobs("two ranks")(case.replace(" ", "_")):
-        assert code == 3, f"exit code {code}\n{out}\n{err[-2000:]}"
+    both, naming the cause and the fix (the DeepSpeed glue checks through make_dataloader)."""
+    rc, output, ranks = jobs("rank checks")
+    assert rc == 0 and len(ranks) == 2, output[-3000:]
+    for rank, saved in enumerate(ranks):
         for name in names:
-            assert name in out, f"{name!r} not in {out!r}"
-
-
-_PER_RANK_CACHE_SCRIPT = """
-import datetime, json, os, sys, types
-import torch
-import varbatch
-rank = int(sys.argv[1])
-torch.distributed.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=rank, world_size=2,
-                                     timeout=datetime.timedelta(seconds=30))
-seqlens = [3 + (7 * i) % 29 for i in range(200)]
-section = {"enabled": True, "max_tokens": 64, "metrics_path": os.path.abspath(f"metrics{rank}")}  # node-local disks
-config = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 1,
-          "data_efficiency": {"data_sampling": {"dynamic_batching": section}}}
-engine = types.SimpleNamespace(_config=types.SimpleNamespace(_param_dict=config), optimizer=None,
-                               lr_scheduler=None, data_parallel_group=None, train_batch_size=lambda: 2,
-                               train_micro_batch_size_per_gpu=lambda: 1, gradient_accumulation_steps=lambda: 1)
-measured = []
-
-def batch_seqlens(batch):
-    measured.append(len(batch[1]))
-    return batch[1]
-
-loader, _, _ = varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
-    [torch.ones(n) for n in seqlens], engine, dataloader_collate_fn=varbatch.PaddedCollate(),
-    batch_seqlens_fn=batch_seqlens)
-plan = loader.variable_batch_sampler.plan
-print(json.dumps({"rank": rank, "measured": sum(measured),
-                  "microbatches": [list(map(int, m)) for m in plan.microbatches()]}))
-torch.distributed.destroy_process_group()
-"""
+            assert name in saved["refused"][case], f"rank {rank}: {name!r} not in {saved['refused'][case]!r}"
 
 
 @pytest.mark.slow
 def test_a_seqlen_cache_only_some_ranks_have_makes_every_rank_compute(jobs):
     """Per-rank metrics_path folders (node-local disks), a cache in rank 0's only: both ranks compute the seqlens and
     plan alike (rank 0 read its cache while rank 1 computed: mismatched collectives, "too many values to unpack")."""
-    first = jobs("two ranks")("per_rank_cache_first")  # leaves rank 0 a cache
-    for code, out, err, _ in first:
-        assert code == 0, f"{out}\n{err[-2000:]}"
-    cache, files = "varbatch_seqlens.npy", first[0][3]  # the folder after rank 0's run
-    assert f"metrics0/{cache}" in files and f"metrics1/{cache}" not in files, (
-        "rank 0's folder has no cache, or rank 1's has one: the test could not fail"
-    )
-    outs = []
-    for code, out, err, _ in jobs("two ranks")("per_rank_cache"):
-        assert code == 0, f"exit code {code}\n{out}\n{err[-2000:]}"
-        outs.append(json.loads(out.strip().splitlines()[-1]))
-    for rank, out in enumerate(outs):
-        assert out["measured"] >= len(range(rank, 200, 2)), f"rank {rank} measured {out['measured']} samples"
+    rc, output, ranks = jobs("rank checks")
+    assert rc == 0 and len(ranks) == 2, output[-3000:]
+    assert ranks[0]["cached"] == [True, False], "rank 0's folder has no cache, or rank 1's has one: it could not fail"
+    for rank, saved in enumerate(ranks):
+        assert saved["measured"] >= len(range(rank, 200, 2)), f"rank {rank} measured {saved['measured']} samples"
     seqlens = [3 + (7 * i) % 29 for i in range(200)]
     expected = plan_batches(seqlens, 64, effective_batch_size=2, num_replicas=2, seed=1234).microbatches()
-    assert outs[0]["microbatches"] == outs[1]["microbatches"] == [list(map(int, m)) for m in expected]
+    assert ranks[0]["plan"] == ranks[1]["plan"] == [list(map(int, m)) for m in expected]
 
 
 # -- the example under the DeepSpeed launcher ------------------------------------------------------
@@ -6319,9 +6245,8 @@ _FLAT_RUN = "--num-samples 300 --epochs 3"
 # Stopped and resumed runs of the example, each against the uninterrupted run of its path (on ds_config.json):
 # (path, flags, the step it stops at, its checkpoint folder). "ddp" is the README's two commands as it writes them;
 # "pipeline, 2 loader workers" runs ds_config.json with data_sampling.num_workers 2, so that its loader reads ahead
-# (a checkpoint must save the record of the last step input trained, not where the workers read), and ZeRO-1 (its
-# optimizer wrapper, whose LRs varbatch writes), stopped at batch 2 of epoch 1 (10 batches an epoch). One pair of
-# launches checks the pipeline's resume, the read-ahead's and ZeRO-1's.
+# (a checkpoint must save the record of the last step input trained, not where the workers read), stopped at batch 2
+# of epoch 1 (10 batches an epoch). One pair of launches checks both the pipeline's resume and the read-ahead's.
 _STOPS = {
     "ddp": ("ddp", [], 33, "ckpt"),
     "pipeline, 2 loader workers": (
@@ -6362,13 +6287,12 @@ def _command_key(text):
 
 def _copy_project(folder):
     """Copies the project's scripts and configs (not this file) into ``folder``, where the README's commands run, and
-    the config of the example's run with 2 loader workers and ZeRO-1."""
+    the config of the example's run with 2 loader workers."""
     for path in [*Path(_ROOT).glob("*.py"), *Path(_ROOT).glob("*.json")]:
         if path.name != Path(__file__).name:
             (folder / path.name).write_bytes(path.read_bytes())
     config = _example_config()
     config["data_efficiency"]["data_sampling"]["num_workers"] = 2
-    config["zero_optimization"] = {"stage": 1}
     (folder / "ds_config_workers.json").write_text(json.dumps(config))
 
 
