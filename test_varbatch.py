@@ -6531,16 +6531,9 @@ deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no JIT build o
 deepspeed.init_distributed()
 
 
-class Sequences(torch.utils.data.Dataset):
-    def __init__(self, count, seed=0):
-        rng = random.Random(seed)
-        self.items = [torch.ones(rng.randrange(2, 13), 4) for _ in range(count)]
-
-    def __len__(self):
-        return len(self.items)
-
-    def __getitem__(self, i):
-        return self.items[i], len(self.items[i])
+rng = random.Random(0)
+sequences = [torch.ones(rng.randrange(2, 13), 4) for _ in range(200)]
+dataset = [(sequence, len(sequence)) for sequence in sequences]  # (sequence, label)
 
 
 def collate(batch):
@@ -6576,7 +6569,7 @@ config = {
 }
 engine, optimizer, _, _ = deepspeed.initialize(config=config, model=model, model_parameters=model.parameters())
 dataloader, lr_scheduler, deepspeed_io_kwargs = get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
-    dataset=Sequences(200), engine=engine, dataloader_collate_fn=collate, batch_seqlens_fn=seqlens)
+    dataset=dataset, engine=engine, dataloader_collate_fn=collate, batch_seqlens_fn=seqlens)
 engine.training_dataloader = engine.deepspeed_io(**deepspeed_io_kwargs)
 lrs = []
 for epoch in range(2):
@@ -6811,15 +6804,15 @@ def _readme_lightning_recipe():
     return _readme_launched("import pytorch_lightning", "Lightning")
 
 
-# The README's training loop (train.py) on 1 process, three times in one interpreter (`python runner.py RECIPE`):
-# run through; run again and stopped right after its second checkpoint (a preemption); started again, resuming from
-# that checkpoint. A real GradScaler, turned on (the recipe turns it on with CUDA), finds an inf in the gradients of
+# The README's training loop (train.py) on 1 process, twice in one interpreter (`python runner.py RECIPE`): run
+# through, each of its checkpoints kept; then started again in a folder that holds its second checkpoint (a run
+# preempted right after it), resuming from there. A real GradScaler, turned on (the recipe turns it on with CUDA), finds an inf in the gradients of
 # the batches in SKIPPED and skips their updates, as AMP does; it counts the batches in its own state, which the
 # recipe checkpoints. Each run notes, per batch, whether its update was skipped, the LR its update applied, and how
 # far the accumulated gradient is from the gradient of the batch's token mean (the oracle: the recipe's model, a
 # Linear(4, 1), on the plan's samples of the batch, whose loss is the mean squared output over their tokens).
 _LOOP_RUNNER = textwrap.dedent("""
-    import json, os, runpy, sys
+    import json, os, runpy, shutil, sys
     import torch
     from torch.optim.optimizer import register_optimizer_step_pre_hook
     import varbatch
@@ -6877,18 +6870,14 @@ _LOOP_RUNNER = textwrap.dedent("""
         if record_lr not in optimizer._optimizer_step_pre_hooks.values():
             optimizer.register_step_pre_hook(record_lr)
 
-    class Preempted(Exception):
-        pass
-
-    def run(folder, stop_after_saves=None):
+    def run(folder):
         global batches, lrs, errors
         batches, lrs, errors, saves, save = [], [], [], [], torch.save
 
-        def saving(state, path):
+        def saving(state, path):  # each checkpoint kept as well, as checkpoint.pt.N
             save(state, path)
             saves.append(path)
-            if len(saves) == stop_after_saves:
-                raise Preempted
+            save(state, f"{path}.{len(saves)}")
 
         os.makedirs(folder, exist_ok=True)
         os.chdir(folder)
@@ -6897,9 +6886,6 @@ _LOOP_RUNNER = textwrap.dedent("""
         hook = register_optimizer_step_pre_hook(hook_optimizer)
         try:
             namespace = runpy.run_path(recipe, run_name="__main__")
-        except Preempted:
-            torch.distributed.destroy_process_group()
-            return {"batches": batches}
         finally:
             torch.amp.GradScaler, torch.save = Overflowing.__bases__[0], save
             varbatch.make_dataloader = make_dataloader
@@ -6915,7 +6901,10 @@ _LOOP_RUNNER = textwrap.dedent("""
             "parameters": [p.tolist() for p in model.parameters()],
         }
 
-    runs = {"full": run("full"), "stopped": run("resumed", stop_after_saves=2), "resumed": run("resumed")}
+    runs = {"full": run("full")}
+    os.makedirs("resumed")  # a run stopped right after its second checkpoint, started again
+    shutil.copy("full/checkpoint.pt.2", "resumed/checkpoint.pt")
+    runs["resumed"] = run("resumed")
     with open("runs.json", "w") as f:
         json.dump(runs, f)
 """)
@@ -6937,7 +6926,7 @@ def test_readme_training_loop_tells_amp_skips_weights_and_resumes_exactly(tmp_pa
     done = _run([sys.executable, "runner.py", "train.py"], timeout=600, cwd=tmp_path, env=env)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     runs = json.loads((tmp_path / "runs.json").read_text())
-    full, stopped, resumed = runs["full"], runs["stopped"], runs["resumed"]
+    full, resumed = runs["full"], runs["resumed"]
     planned = [tokens for epoch in full["batch_tokens"] for tokens in epoch]
     means = [np.mean(epoch) for epoch in full["batch_tokens"] for _ in epoch]
     assert len(full["batches"]) == len(planned), f"{len(full['batches'])} batches trained, {len(planned)} planned"
@@ -6951,7 +6940,7 @@ def test_readme_training_loop_tells_amp_skips_weights_and_resumes_exactly(tmp_pa
         cosine = 0.5 * (1 + math.cos(math.pi * updates / len(planned)))
         assert lr == pytest.approx(full["lr"] * cosine * math.sqrt(planned[b] / means[b]), rel=1e-9), f"batch {b}"
         updates += 1
-    assert resumed["start"] == 40 and stopped["batches"] == full["batches"][:40]
+    assert resumed["start"] == 40
     assert resumed["batches"] == full["batches"][40:], "the resumed run is not the rest of the uninterrupted one"
     assert resumed["errors"] == full["errors"][40:]
     assert resumed["parameters"] == full["parameters"]
