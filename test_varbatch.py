@@ -6696,7 +6696,7 @@ def _readme_chains(launched):
                 script = next(word for word in text.split() if word.endswith(".py"))
                 if script in _README_RECORDED:
                     continue  # run under the recorder by the tests below
-                if (text, program) == _readme_lightning_recipe():
+                if script == "lightning_recipe.py":
                     continue  # run on 2 processes by the lightning job, which checks it
                 (launched.folder / script).write_text(program)
             elif kind == "program":
@@ -6790,18 +6790,6 @@ def _readme_recipe(script):
         if kind == "launched" and script in text[0].split():
             return text
     raise AssertionError(f"the README lost its {script} recipe")
-
-
-def _readme_launched(marker, name):
-    """The ``# run:`` command and the program of the README's one launched program that holds ``marker``."""
-    found = [text for kind, text, _ in _readme_steps() if kind == "launched" and marker in text[1]]
-    assert len(found) == 1, f"the README has {len(found)} {name} recipes, not one"
-    return found[0]
-
-
-def _readme_lightning_recipe():
-    """The README's Lightning recipe (the lightning job runs it)."""
-    return _readme_launched("import pytorch_lightning", "Lightning")
 
 
 # The README's training loop (train.py) on 1 process, twice in one interpreter (`python runner.py RECIPE`): run
@@ -6992,14 +6980,6 @@ def _resume_inside_epoch_1(out, per_epoch):
         if step > inside[-1]:
             shutil.rmtree(Path(out) / f"checkpoint-{step}")
     return inside[-1]
-
-
-def _check_resumed_records(first, resumed, done):
-    """A run resumed after ``done`` updates trained the first run's step inputs and LRs from there, no more."""
-    rest = first["inputs"][done * first["gradient_accumulation_steps"] :]
-    assert resumed["inputs"] == rest, f"resumed after {done} updates: not the rest of the run"
-    assert np.array(resumed["lrs"]) == pytest.approx(np.array(first["lrs"][done:]), rel=1e-12), "LRs differ"
-    assert resumed["global_step"] == first["global_step"]
 
 
 @pytest.mark.slow
@@ -7384,10 +7364,10 @@ def _lightning_job(tmp_path):
     epoch trains 4 epochs, whose packings differ in length (see SEED), then the README's Lightning recipe runs in the
     same processes. Returns (exit code, output, records, errors, the ranks whose recipe run returned)."""
     pytest.importorskip("pytorch_lightning")
-    command, program = _readme_lightning_recipe()
-    assert command == "python recipe.py", command  # Lightning starts the second process itself, as here
-    (tmp_path / "recipe.py").write_text(program)
-    opts = {"epochs": 4, "recipe": str(tmp_path / "recipe.py")}
+    command, program = _readme_recipe("lightning_recipe.py")
+    assert command == "python lightning_recipe.py", command  # Lightning starts the second process itself, as here
+    (tmp_path / "lightning_recipe.py").write_text(program)
+    opts = {"epochs": 4, "recipe": str(tmp_path / "lightning_recipe.py")}
     rc, output, records, errors = _launch_ranks(tmp_path, LIGHTNING, opts, torchrun=False)
     return rc, output, records, errors, [r for r in (0, 1) if (tmp_path / "out" / f"recipe{r}.done").exists()]
 
@@ -7506,7 +7486,10 @@ def test_readme_hf_recipe_resumes_inside_an_epoch_on_two_processes(jobs):
     resumed = folder / "hf_trainer" / "resumed"
     assert resumed.is_dir(), f"the resumed run did not finish:\n{done.stderr[-3000:]}"
     assert done.returncode == 0, done.stdout[-1500:] + done.stderr[-3000:]
-    step = int((folder / "hf_trainer" / "resumed_from").read_text())
-    first = _check_recipe_records(folder / "hf_trainer" / "records")
-    for rank, record in enumerate(first):
-        _check_resumed_records(record, json.loads((resumed / f"rank{rank}.json").read_text()), step)
+    updates = int((folder / "hf_trainer" / "resumed_from").read_text())  # before the resume
+    for rank, first in enumerate(_check_recipe_records(folder / "hf_trainer" / "records")):
+        again = json.loads((resumed / f"rank{rank}.json").read_text())
+        rest = first["inputs"][updates * first["gradient_accumulation_steps"] :]
+        assert again["inputs"] == rest, f"rank {rank}, resumed after {updates} updates: not the rest of the run"
+        assert np.array(again["lrs"]) == pytest.approx(np.array(first["lrs"][updates:]), rel=1e-12), "LRs differ"
+        assert again["global_step"] == first["global_step"]
