@@ -1959,8 +1959,10 @@ class _Pass:
         return self.sampler._state(self.epoch, start)  # not begun: where it will start
 
     def load_state_dict(self, state_dict: Mapping) -> None:
-        """Continues the pass of a state (unread: a pass restored once it began is refused by torchdata itself)."""
+        """Continues the pass of a state, in place of a position restored into the sampler for its epoch (torchdata
+        restores a batch sampler's state, then its new iterator's)."""
         self.epoch, self.start = self.sampler._position(state_dict)
+        self.sampler._take_restored(self.epoch)
         self.steps_done = self.start
         self._items = None
 
