@@ -1868,16 +1868,13 @@ class VariableBatchSampler(Sampler[list[int]]):
         epoch = _check_int("epoch", state_dict["epoch"], minimum=0)
         return epoch, _check_int("steps_done", state_dict["steps_done"], minimum=0, maximum=len(self))
 
-    def _restored_at(self, epoch: int) -> int:
-        """Where the next pass of ``epoch`` starts: at a restored position of that epoch, else at 0."""
+    def _restored_at(self, epoch: int, take: bool = False) -> int:
+        """Where the next pass of ``epoch`` starts: at a restored position of that epoch, else at 0; with ``take``,
+        the pass that begins now takes the position (once)."""
         if self._restored is None or self._restored[0] != epoch:
             return 0
-        return self._restored[1]
-
-    def _take_restored(self, epoch: int) -> int:
-        """Where a pass of ``epoch`` that begins now starts: a restored position of that epoch is taken, once."""
-        start = self._restored_at(epoch)
-        if self._restored is not None and self._restored[0] == epoch:
+        start = self._restored[1]
+        if take:
             self._restored = None
         return start
 
@@ -1933,7 +1930,7 @@ class _Pass:
                 f"sample; make it after init_process_group, or pass num_replicas and rank"
             )
         if self.start is None:
-            self.start = sampler._take_restored(self.epoch)
+            self.start = sampler._restored_at(self.epoch, take=True)
         self.steps_done = self.start
         plan = sampler.plan_for_epoch(self.epoch)
         if self.epoch not in sampler._logged and _on_rank_zero(sampler.rank):  # once per epoch, for the whole job
@@ -1962,7 +1959,7 @@ class _Pass:
         """Continues the pass of a state, in place of a position restored into the sampler for its epoch (torchdata
         restores a batch sampler's state, then its new iterator's)."""
         self.epoch, self.start = self.sampler._position(state_dict)
-        self.sampler._take_restored(self.epoch)
+        self.sampler._restored_at(self.epoch, take=True)
         self.steps_done = self.start
         self._items = None
 
