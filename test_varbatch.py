@@ -84,6 +84,7 @@ PUBLIC_NAMES = {
     "get_dataloader_and_lr_scheduler_for_variable_batch_size",
     "get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed",
     # varbatch's own
+    "Batch",
     "Plan",
     "plan_batches",
     "VariableBatchSampler",
@@ -92,8 +93,8 @@ PUBLIC_NAMES = {
     "pad_sample",
     "seqlens_from_padded",
     "micro_batch_loss_weight",
-    "hf_trainer_lr_scheduler",  # issue 28: the one adapter factory
-    "FlatCollate",  # issue 29: padding-free step inputs
+    "hf_trainer_lr_scheduler",
+    "FlatCollate",
     "check_padding_free",
 }
 _ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -201,9 +202,9 @@ def test_import_defines_names_only():
     assert done.stdout == ""
 
 
-def test_public_api_is_the_eighteen_names():
-    """__all__ is exactly the 18 public names, and every other name varbatch defines starts with '_'."""
-    assert sorted(varbatch.__all__) == sorted(PUBLIC_NAMES) and len(varbatch.__all__) == 18
+def test_public_api_is_the_nineteen_names():
+    """__all__ is exactly the 19 public names, and every other name varbatch defines starts with '_'."""
+    assert sorted(varbatch.__all__) == sorted(PUBLIC_NAMES) and len(varbatch.__all__) == 19
     own = [
         name
         for name, value in vars(varbatch).items()
@@ -228,7 +229,7 @@ def _evaluated_at_import(node):
 
 def test_varbatch_runs_no_name_before_its_definition():
     """Every module-level statement of varbatch.py uses only names defined above it (what Python needs to import
-    it); function bodies may call what a part defines below them, so each part reads top-down (issue 26)."""
+    it); function bodies may call what a part defines below them, so each part reads top-down."""
     tree = ast.parse(Path(_ROOT, "varbatch.py").read_text(encoding="utf-8"))
     defined = {}  # module-level name -> the line of its first definition
     for node in tree.body:
@@ -440,13 +441,13 @@ def _assert_valid_plan(plan, case):
 
 
 # the audit's padded case: one long sample per step input of 33 samples
-_ISSUE_PADDED = [1] * 64 + [64] + [1] * 64 + [64]
+_LONG_AMONG_SHORT = [1] * 64 + [64] + [1] * 64 + [64]
 
 
 @given(case=plan_cases(orders=ORDERS))
 # a step input of two micro-batches shares one S
-@example(case=_case(_ISSUE_PADDED, 64, effective_batch_size=2, micro_batch_size=2, budget="padded"))
-@example(case=_case(_ISSUE_PADDED, 64, effective_batch_size=4, micro_batch_size=2, budget="padded", order="random"))
+@example(case=_case(_LONG_AMONG_SHORT, 64, effective_batch_size=2, micro_batch_size=2, budget="padded"))
+@example(case=_case(_LONG_AMONG_SHORT, 64, effective_batch_size=4, micro_batch_size=2, budget="padded", order="random"))
 # same length: every micro-batch padded to its batch's longest
 @example(case=_case([1, 1, 1, 8, 1, 1], 8, effective_batch_size=2, budget="padded", same_size=True, same_length=True))
 def test_every_plan_holds_its_budget_and_bounds(case):
@@ -981,7 +982,7 @@ def _samplers(seqlens, max_tokens, num_replicas, **options):
 )
 # the audit's case: 65 x 64 slots per step input before, 2 x 64 allowed
 @example(
-    seqlens=_ISSUE_PADDED,
+    seqlens=_LONG_AMONG_SHORT,
     max_tokens=64,
     micro_batch_size=2,
     gas=1,
@@ -1143,6 +1144,61 @@ def _step_inputs_oracle(plan, micro_batch_size):
     return [[i for mb in mbs[g * m : (g + 1) * m] for i in mb] for g in range(len(mbs) // m)]
 
 
+# The views of a sampler's passes: what the loop iterates, and the views launchers see and deal themselves.
+_VIEWS = {
+    "the sampler": lambda sampler, loader: sampler,
+    "the loader": lambda sampler, loader: loader,
+    "loader.sampler": lambda sampler, loader: loader.sampler,  # every rank's keys (Lightning's and Accelerate's)
+    "loader.batch_sampler": lambda sampler, loader: loader.batch_sampler,  # every rank's, by one (Accelerate deals it)
+    "deepspeed_io's data_sampler": lambda sampler, loader: varbatch._deepspeed_io_kwargs(loader)["data_sampler"],
+}
+_EVERY_RANK_VIEWS = ("loader.sampler", "loader.batch_sampler")
+
+
+def _dealing_oracle(sampler, every_input, start, every_rank):
+    """A pass over the sampler's epoch from this rank's step input ``start``, by the dealing rule: ``(g, sample ids,
+    Batch record counting sequences)`` of each step input g = t*R + rank (``every_rank``: every g from t = start)."""
+    ranks, gas, epoch = sampler.num_replicas, sampler.gradient_accumulation_steps, sampler.epoch
+    plan = sampler.plan_for_epoch(epoch)
+    first = start * ranks if every_rank else start * ranks + sampler.rank
+    dealt = []
+    for g in range(first, len(every_input), 1 if every_rank else ranks):
+        t = g // ranks
+        batch = t // gas
+        count = int(plan.batch_sizes[batch])
+        record = varbatch.Batch(epoch * plan.num_batches + batch, epoch, count, t % gas == gas - 1, t)
+        dealt.append((g, every_input[g], record))
+    return dealt
+
+
+def _as_dealt(view, item, seqlens):
+    """An item of ``view`` as `_dealing_oracle`'s ``(g, ids, record)``, None where the view does not show it."""
+    if view == "the sampler":
+        return None, item, None
+    if view == "the loader":  # (the samples of the dataset list(range(N)), the record)
+        return None, *item
+    key = item[0] if view == "loader.batch_sampler" else item
+    assert key.seqlens == tuple(seqlens[i] for i in key.sample_ids), f"key {key} carries other lengths"
+    return key.step_input, list(key.sample_ids), key.batch
+
+
+def _read(view, items, seqlens):
+    """``items`` of ``view``, each as `_as_dealt` reads it."""
+    return [_as_dealt(view, item, seqlens) for item in items]
+
+
+def _shown(view, dealt):
+    """The oracle's ``dealt`` as ``view`` shows it (see `_as_dealt`)."""
+    return [
+        (
+            None if view in ("the sampler", "the loader") else g,
+            ids,
+            None if view in ("the sampler", "deepspeed_io's data_sampler") else record,
+        )
+        for g, ids, record in dealt
+    ]
+
+
 @given(
     seqlens=st.lists(st.integers(1, 30), min_size=1, max_size=120),
     micro_batch_size=st.integers(1, 3),
@@ -1154,44 +1210,55 @@ def _step_inputs_oracle(plan, micro_batch_size):
     key_run=st.integers(1, 5),
     data=st.data(),
 )
-@settings(max_examples=60)
-def test_every_view_of_a_pass_deals_the_one_rule_and_moves_the_position_per_step_input(
+@settings(max_examples=40)
+def test_every_view_of_a_pass_deals_the_one_rule_and_passes_are_independent(
     seqlens, micro_batch_size, gas, num_replicas, order, budget, epoch, key_run, data
 ):
     """Rank r trains step inputs r, r + R, ... of the epoch set; step input g is micro-batches g*m .. g*m + m - 1.
-    `__iter__`'s ids, this rank's keys and every rank's keys hold them from any resume position, the plan read in
-    runs of any length; each of this rank's step inputs moves the position on as it is handed out (before a later
-    rank's key of the same t), the epoch's last one to the next epoch."""
-    m, ranks = micro_batch_size, num_replicas
-    rank = data.draw(st.integers(0, ranks - 1))
-    options = dict(micro_batch_size=m, gradient_accumulation_steps=gas, order=order, budget=budget, seed=3)
-    sampler = _samplers(seqlens, 45, ranks, **options)[rank]
+    Every view of a pass deals them (the sampler, make_dataloader's loader with each step input's Batch record, the
+    keys launchers see), the plan read in runs of any length. A position restored into the sampler is taken by the
+    next pass of its epoch, once (not by a pass of another epoch, nor by an iterator left unread). A pass started in
+    the middle of another yields the whole epoch, and the first goes on as it was; a pass's state_dict() in
+    mid-pass, loaded into a fresh pass, continues this rank's step inputs exactly."""
+    ranks, rank = num_replicas, data.draw(st.integers(0, num_replicas - 1))
+    options = dict(micro_batch_size=micro_batch_size, gradient_accumulation_steps=gas, order=order, budget=budget)
+    sampler = _samplers(seqlens, 45, ranks, seed=3, **options)[rank]
+    loader = make_dataloader(list(range(len(seqlens))), sampler, batch_count="sequences")
+    sampler.set_epoch(epoch + 1)
+    next_epoch = _step_inputs_oracle(sampler.plan, micro_batch_size)
     sampler.set_epoch(epoch)
-    every_input = _step_inputs_oracle(sampler.plan, m)  # step input g of every rank
-    total = len(sampler)
-    assert total == sampler.plan.num_batches * gas and len(every_input) == total * ranks
-    start = data.draw(st.integers(0, total - 1))
-    state = {**sampler.state_dict(), "steps_done": start}
+    every_input = _step_inputs_oracle(sampler.plan, micro_batch_size)
+    assert len(sampler) == sampler.plan.num_batches * gas and len(every_input) == len(sampler) * ranks
+    start = data.draw(st.integers(0, len(sampler) - 1))
+    state = sampler.state_dict(steps_done=start)
+    sampler.load_state_dict(state)
+    sampler.set_epoch(epoch + 1)
+    assert next(iter(sampler)) == next_epoch[rank], "a pass of another epoch started at the restored position"
+    sampler.set_epoch(epoch)
+    iter(sampler)  # made and left unread
+    assert sampler.steps_done == start
     with unittest.mock.patch.object(varbatch, "_KEY_RUN", key_run):
-        for view in ("ids", "keys", "every rank's keys"):
+        for view, of in _VIEWS.items():
+            every_rank = view in _EVERY_RANK_VIEWS
             sampler.load_state_dict(state)
-            if view == "ids":
-                dealt = iter(sampler)
-            else:
-                dealt = iter(varbatch._StepInputKeys(sampler, every_rank=view == "every rank's keys", batched=False))
-            steps = range(start * ranks, total * ranks) if view == "every rank's keys" else range(start, total)
-            for step, got in zip(steps, dealt):
-                g = step if view == "every rank's keys" else step * ranks + rank
-                t = g // ranks
-                done = t + 1 if g % ranks >= rank else t  # this rank's t-th step input comes at g = t*R + rank
-                if view == "ids":
-                    assert got == every_input[g]
-                else:
-                    where = (got.step_input, got.pass_start, got.every_rank)
-                    assert (list(got.sample_ids), *where) == (every_input[g], g, start, view == "every rank's keys")
-                    assert got.seqlens == tuple(seqlens[i] for i in got.sample_ids)
-                assert (sampler.epoch, sampler.steps_done) == ((epoch + 1, 0) if done == total else (epoch, done))
-            assert next(dealt, None) is None
+            source = of(sampler, loader)
+            first = iter(source)
+            expected = _shown(view, _dealing_oracle(sampler, every_input, start, every_rank))
+            got = _read(view, itertools.islice(first, data.draw(st.integers(1, len(expected)), label=view)), seqlens)
+            assert sampler.steps_done == 0, f"{view}: the restored position was not taken"
+            saved = first.state_dict() if hasattr(first, "state_dict") else None  # torch's iterators keep none
+            whole = _read(view, source, seqlens)
+            rest = _read(view, first, seqlens)
+            assert got + rest == expected, view
+            assert whole == _shown(view, _dealing_oracle(sampler, every_input, 0, every_rank)), view
+            if saved is None:
+                continue
+            again = iter(source)
+            again.load_state_dict(saved)
+            continued = _read(view, again, seqlens)
+            if every_rank:  # a state is this rank's position: every rank's keys from the t it reached
+                continued, rest = ([d for d in dealt if d[0] % ranks == rank] for dealt in (continued, rest))
+            assert continued == rest, view
 
 
 @pytest.mark.parametrize("num_replicas, gas", [(2, 2), (3, 1), (2, 3)])
@@ -1218,21 +1285,28 @@ def test_sampler_interleaving_matches_deepspeed(num_replicas, gas):
         assert list(sampler) == [list(step) for step in loader]
 
 
-def test_make_dataloader_with_workers():
-    """make_dataloader with two worker processes yields the sampler's step inputs, epoch after epoch."""
+def test_passes_of_a_loader_with_workers_are_independent():
+    """make_dataloader with two worker processes yields the sampler's passes, epoch after epoch (set_epoch); a pass
+    started in the middle of another (two iterators, each with its workers) yields the whole epoch, and the first
+    goes on as it was."""
     seqlens = _lengths(40, 1, 10, seed=6)
     options = dict(micro_batch_size=2, order="random", seed=2)
     reference = VariableBatchSampler(seqlens, 25, **options)
-    loader = make_dataloader(
-        _id_dataset(seqlens), VariableBatchSampler(seqlens, 25, **options), collate_fn=PaddedCollate(), num_workers=2
-    )
-    for _ in range(2):
-        expected = list(reference)
-        got = list(loader)
-        assert len(got) == len(expected) == len(loader)
-        for ids, (x, lens) in zip(expected, got):
-            assert _ids_of(x) == ids
-            assert lens.tolist() == [seqlens[i] for i in ids]
+    sampler = VariableBatchSampler(seqlens, 25, **options)
+    loader = make_dataloader(_id_dataset(seqlens), sampler, collate_fn=PaddedCollate(), num_workers=2)
+    epochs = []
+    for epoch in range(2):
+        reference.set_epoch(epoch)
+        sampler.set_epoch(epoch)
+        epochs.append(list(reference))
+        first = iter(loader)
+        got = [next(first) for _ in range(3)]
+        whole = list(loader)
+        got += list(first)
+        for batches in (got, whole):
+            assert [_ids_of(x) for x, _ in batches] == epochs[-1]
+            assert [lens.tolist() for _, lens in batches] == [[seqlens[i] for i in ids] for ids in epochs[-1]]
+    assert epochs[0] != epochs[1]
 
 
 _STOPS_MID_EPOCH = """
@@ -1744,7 +1818,7 @@ def _assert_matches_oracle(case):
 @example(case=_case([1] * 9, 20, effective_batch_size=4))
 @example(case=_case([2, 2, 2, 2, 2, 5, 5], 10, effective_batch_size=2, order="seqlen"))
 # step inputs of two micro-batches packed as one block under the padded budget
-@example(case=_case(_ISSUE_PADDED, 64, effective_batch_size=2, micro_batch_size=2, budget="padded"))
+@example(case=_case(_LONG_AMONG_SHORT, 64, effective_batch_size=2, micro_batch_size=2, budget="padded"))
 @example(case=_case([2, 2, 2, 2, 2, 2, 2, 2, 2, 9], 12, effective_batch_size=4, micro_batch_size=2, budget="padded"))
 @settings(max_examples=300)
 def test_plan_matches_oracle(case):
@@ -5299,8 +5373,8 @@ def test_balanced_pipeline_batches_keep_their_step_inputs(case):
         assert after == before
 
 
-def _issue_lengths(num_samples, seed=0):
-    """Issue 30's long-tailed set: lognormal lengths, mean about 760, 6 to 8,000 tokens."""
+def _long_sample_lengths(num_samples, seed=0):
+    """A long-tailed set of long samples: lognormal lengths, mean about 760, 6 to 8,000 tokens."""
     rng = np.random.default_rng(seed)
     return np.clip(np.round(rng.lognormal(6.15, 1.0, num_samples)), 6, 8_000).astype(np.int64)
 
@@ -5336,7 +5410,7 @@ def test_one_rank_and_padded_pipeline_batches_are_left_as_they_are():
 def test_the_balanced_sampler_deals_the_plan_and_resumes_mid_epoch():
     """Every rank's sampler yields its share of `plan_batches`' balanced plan, each sample once an epoch; a
     sampler restored mid-epoch yields what the uninterrupted one does."""
-    seqlens = _issue_lengths(3_000, seed=2)
+    seqlens = _long_sample_lengths(3_000, seed=2)
     options = dict(num_replicas=4, order="bucket", seed=3, balance_ranks=True, quadratic_tokens=2_000)
     samplers = [
         VariableBatchSampler(seqlens, 8_192, rank=r, gradient_accumulation_steps=2, **options) for r in range(4)
@@ -5365,7 +5439,7 @@ def test_balance_ranks_from_the_config_section_reaches_the_sampler():
 
 def test_balanced_ranks_with_lr_in_sequences_warn_that_the_lr_swings():
     """Balancing with the LR scaled by sequences warns, with the swing in both units; by tokens it does not."""
-    seqlens = _issue_lengths(4_000, seed=4)
+    seqlens = _long_sample_lengths(4_000, seed=4)
     options = dict(num_replicas=8, rank=0, order="bucket", balance_ranks=True, quadratic_tokens=2_000)
     messages = {}
     for unit in ("sequences", "tokens"):
