@@ -1952,33 +1952,6 @@ def test_deepspeed_loses_data_where_varbatch_does_not():
     assert plan.microbatches() == [[0, 1, 2, 3], [4, 5, 6, 7], [8], [9]] and plan.num_dropped == 0
 
 
-def test_deepspeed_drops_a_dict_sample_that_varbatch_trains():
-    """The audit's dict example through DeepSpeed's own function: it yields (2,5),(2,7),(1,6) and loses a sample."""
-    module = _deepspeed_module()
-    lens = [5, 3, 7, 2, 6, 4]
-    data = [{"input_ids": torch.arange(1, n + 1)} for n in lens]
-
-    def collate(samples):
-        return torch.nn.utils.rnn.pad_sequence([s["input_ids"] for s in samples], batch_first=True)
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # DeepSpeed's own scheduler's PyTorch warnings
-        theirs, _, _ = module.get_dataloader_and_lr_scheduler_for_variable_batch_size(
-            data,
-            lens,
-            max_tokens=10,
-            effective_batch_size=1,
-            dataloader_collate_fn=collate,
-            dataloader_num_workers=0,
-            lr_scheduler_or_optimizer=_optimizer(),
-        )
-    ours, _, _ = varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size(
-        data, lens, max_tokens=10, effective_batch_size=1, dataloader_collate_fn=collate
-    )
-    assert [tuple(x.shape) for x in theirs] == [(2, 5), (2, 7), (1, 6)]
-    assert [tuple(x.shape) for x in ours] == [(2, 5), (2, 7), (2, 6)]
-
-
 def test_batch_by_seqlens_returns_deepspeed_shapes():
     """batch_by_seqlens returns (batch_id, ids) per micro-batch, batch sizes and batch max seqlens."""
     seqlens = [3, 5, 2, 6, 4, 1]
@@ -2205,45 +2178,36 @@ def _packings_differ(lengths, max_tokens, epochs, **options):
     raise AssertionError("no seed whose packings differ in length")
 
 
-_LEN_READS = ["len(loader) once", "len(loader), set_epoch", "a new loader", "len(sampler) once", "deepspeed_io"]
-
-
-@pytest.mark.parametrize("reads", _LEN_READS)
+@pytest.mark.parametrize(
+    "reads", ["len(loader)", "len(loader), a new loader each epoch", "len(sampler)", "deepspeed_io"]
+)
 def test_a_loop_that_stops_at_the_len_it_read_once_trains_every_epoch_whole(reads):
-    """A loop that read len() in epoch 0 and stops every epoch there trains each of 3 epochs whole on each of 2
-    ranks, though their packings differ in length: every planned sample once, then the sampler is at the next."""
+    """A loop that read len() in epoch 0, sets each epoch and stops it there trains each of 3 epochs whole on each of
+    2 ranks, though their packings differ in length: every planned sample once, and the pass ends there."""
     lengths = _lengths(120, 1, 40, seed=8)
     seed = _packings_differ(lengths, 70, range(3), order="random", effective_batch_size=2)
     for rank in (0, 1):
         sampler = VariableBatchSampler(lengths, 70, order="random", seed=seed, num_replicas=2, rank=rank)
-        loaders = [make_dataloader(_id_dataset(lengths), sampler, collate_fn=varbatch.PaddedCollate())]
-        deepspeed_sampler = varbatch._StepInputKeys(sampler, every_rank=False, batched=False)
-        read = len({"len(sampler) once": sampler, "deepspeed_io": deepspeed_sampler}.get(reads, loaders[0]))
+        loader = make_dataloader(_id_dataset(lengths), sampler, collate_fn=varbatch.PaddedCollate())
+        deepspeed_sampler = varbatch._deepspeed_io_kwargs(loader)["data_sampler"]
+        source = {"len(sampler)": sampler, "deepspeed_io": deepspeed_sampler}.get(reads, loader)
+        read = len(source)
         for epoch in range(3):
-            if reads == "len(loader), set_epoch":
-                sampler.set_epoch(epoch)
-            if reads == "a new loader" and epoch:
-                loaders.append(make_dataloader(_id_dataset(lengths), sampler, collate_fn=varbatch.PaddedCollate()))
-            source = deepspeed_sampler if reads == "deepspeed_io" else loaders[-1]
-            got = list(itertools.islice(source, read))
-            trained = [key.sample_ids for key in got] if reads == "deepspeed_io" else [_ids_of(x) for x, _ in got]
+            sampler.set_epoch(epoch)
+            if reads == "len(loader), a new loader each epoch":
+                source = make_dataloader(_id_dataset(lengths), sampler, collate_fn=varbatch.PaddedCollate())
+            step_inputs = iter(source)
+            got = list(itertools.islice(step_inputs, read))
+            assert next(step_inputs, None) is None, f"epoch {epoch} has more step inputs than len() said"
+            if reads == "len(sampler)":
+                trained = got
+            elif reads == "deepspeed_io":
+                trained = [list(key.sample_ids) for key in got]
+            else:
+                trained = [_ids_of(x) for x, _ in got]
             plan = sampler.plan_for_epoch(epoch)
             mine = [plan.microbatch(g).tolist() for g in range(rank, plan.num_microbatches, 2)]
-            assert [list(ids) for ids in trained] == mine, f"epoch {epoch} on rank {rank}"
-            assert sampler.epoch == epoch + 1
-
-
-def test_hf_trainer_trains_every_epoch_whole_at_its_batches_lrs(tmp_path):
-    """HF Trainer reads len(loader) once, before epoch 0: with num_train_epochs=2 and no other setting both epochs,
-    whose packings differ in length, are trained whole, each update at its batch's LR."""
-    pytest.importorskip("transformers")
-    lengths = _hf_lengths()
-    seed = _packings_differ(lengths, 256, (0, 1), budget="padded", order="random")
-    trainer, sampler, record = _hf_trainer(tmp_path, lengths, order="random", seed=seed)
-    trainer.train()
-    assert _hf_never_and_twice(sampler, record.trained, (0, 1)) == (0, 0)
-    assert trainer.state.global_step == 2 * sampler._batches_per_epoch()
-    assert _hf_updates_off(sampler, record) == 0
+            assert trained == mine, f"epoch {epoch} on rank {rank}"
 
 
 def _quiet_lightning_trainer(pl, **options):
@@ -2316,30 +2280,35 @@ def test_lightning_amp_steps_the_scheduler_after_every_update_skipped_or_not():
         _check_lr(b, 0.1 * 0.9**b * sizes[batch] / sizes.mean(), lr)
 
 
-# -- drops are logged once per trained epoch -------------------------------------------------------
+# -- drops are logged once per epoch -------------------------------------------------------------------
 
 
 def _messages(caplog, text):
     return [r.getMessage() for r in caplog.records if r.name == "varbatch" and text in r.getMessage()]
 
 
-def test_drops_are_logged_once_per_trained_epoch_on_rank_0(caplog):
-    """Drops are logged when an epoch starts training, once, on rank 0; planning ahead logs nothing."""
+def test_drops_and_verbose_totals_are_logged_once_per_epoch_on_rank_0(caplog):
+    """An epoch's drops, and with verbose=True its plan's totals as one line of JSON, are logged as its first pass
+    begins, once, on rank 0; planning ahead, an iterator left unread, another pass and other ranks log nothing."""
     seqlens = [*_lengths(60, 1, 20, seed=15), 99, 98]  # two samples over budget in every epoch
     with caplog.at_level("INFO", logger="varbatch"):
-        sampler = VariableBatchSampler(seqlens, 40, order="random", seed=2)
-        other_rank = VariableBatchSampler(seqlens, 40, order="random", seed=2, num_replicas=2, rank=1)
-        sampler.plan_for_epoch(1), sampler.plan_for_epoch(2), len(sampler)
-        assert _messages(caplog, "dropped") == []
-        list(sampler)
-        sampler.set_epoch(0)
-        list(sampler)
-        list(sampler)  # epoch 1
-        list(other_rank), list(other_rank)
-    assert _messages(caplog, "dropped") == [
+        sampler = VariableBatchSampler(seqlens, 40, order="random", seed=2, verbose=True)
+        other_rank = VariableBatchSampler(seqlens, 40, order="random", seed=2, num_replicas=2, rank=1, verbose=True)
+        sampler.plan_for_epoch(1), sampler.plan_for_epoch(2), len(sampler), iter(sampler)
+        assert _messages(caplog, "epoch") == []
+        for epoch in (0, 0, 1, 0):
+            sampler.set_epoch(epoch)
+            other_rank.set_epoch(epoch)
+            list(sampler), list(other_rank)
+    assert _messages(caplog, ": dropped") == [
         "epoch 0: dropped 2 samples (ids 60, 61) as over_budget",
         "epoch 1: dropped 2 samples (ids 60, 61) as over_budget",
     ]
+    lines = _messages(caplog, "plan totals")
+    assert [line.partition(": ")[0] for line in lines] == ["epoch 0 plan totals", "epoch 1 plan totals"], lines
+    for epoch, line in enumerate(lines):
+        assert "\n" not in line
+        assert json.loads(line.partition(": ")[2]) == sampler.plan_for_epoch(epoch).totals(), line
 
 
 def test_a_tail_dropped_in_every_epoch_is_warned_of_once_with_its_fix(monkeypatch):
@@ -2359,7 +2328,9 @@ def test_a_tail_dropped_in_every_epoch_is_warned_of_once_with_its_fix(monkeypatc
         assert len(sampler.plan.dropped["tail"]) > 0  # the case has a tail
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            for _ in range(3):
+            for epoch in range(3):
+                sampler.set_epoch(epoch)
+                other_rank.set_epoch(epoch)
                 list(sampler), list(other_rank)
                 with warnings.catch_warnings():
                     pass
@@ -2378,19 +2349,6 @@ def test_drop_log_lines_are_bounded(caplog):
         list(VariableBatchSampler([1] * 10 + [50] * 1000, 10))
     (line,) = _messages(caplog, "dropped")
     assert "1000 samples" in line and len(line) < 200, line
-
-
-def test_verbose_logs_each_trained_epochs_totals_as_one_line_of_json(caplog):
-    """verbose=True logs, once per trained epoch, one line whose JSON is exactly the plan's totals."""
-    with caplog.at_level("INFO", logger="varbatch"):
-        sampler = VariableBatchSampler([*_lengths(60, 1, 20, seed=15), 99], 40, order="random", seed=2, verbose=True)
-        list(sampler)  # epoch 0
-        list(sampler)  # epoch 1
-    lines = _messages(caplog, "plan totals")
-    assert [line.partition(": ")[0] for line in lines] == ["epoch 0 plan totals", "epoch 1 plan totals"], lines
-    for epoch, line in enumerate(lines):
-        assert "\n" not in line
-        assert json.loads(line.partition(": ")[2]) == sampler.plan_for_epoch(epoch).totals(), line
 
 
 # =============================================================================
