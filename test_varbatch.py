@@ -4548,7 +4548,15 @@ _BAD_SAMPLER = [
     _refusal(
         "horizon in tokens, no seqlens", ValueError, "make_dataloader", lambda: _given_sampler().horizon(2, "tokens")
     ),
-    _refusal("state_dict at step -1", ValueError, "steps_done", lambda: _four_samples().state_dict(steps_done=-1)),
+    _refusal("state_dict of no Batch", TypeError, "Batch str", lambda: _four_samples().state_dict("batch 0")),
+    _refusal(
+        "state_dict of a Batch and a count",
+        TypeError,
+        "batch steps_done",
+        lambda: _four_samples().state_dict(varbatch.Batch(0, 0, 4, True, 0), steps_done=1),
+    ),
+    _refusal("state_dict at step -1", ValueError, "steps_done=-1", lambda: _four_samples().state_dict(steps_done=-1)),
+    _refusal("state_dict past the end", ValueError, "steps_done=2", lambda: _four_samples().state_dict(steps_done=2)),
     _refusal("load_state_dict not a dict", TypeError, "dict", lambda: _four_samples().load_state_dict("state")),
     _refusal(
         "load_state_dict past the epoch's end",
@@ -4590,6 +4598,7 @@ _BAD_MAKE_DATALOADER = [
     _refusal("what the sampler decides", TypeError, "VariableBatchSampler", _three_samples_loader, batch_size=2),
     _refusal("out of the plan's order", TypeError, "VariableBatchSampler", _three_samples_loader, in_order=False),
     _refusal("collate_fn not callable", TypeError, "collate_fn", _three_samples_loader, collate_fn=3),
+    _refusal("an unknown keyword", TypeError, "'read_ahead'", _three_samples_loader, read_ahead=1),
     _refusal("batch_count of another size", ValueError, "batch_count", _three_samples_loader, batch_count=[1, 1]),
     _refusal(
         "seqlens of another size", ValueError, "seqlen", make_dataloader, [[2]] * 4, VariableBatchSampler([2, 2, 2], 4)
@@ -4683,7 +4692,15 @@ _BAD_SCHEDULER = [
     _refusal(
         "last_epoch, no initial_lr", ValueError, "last_epoch load_state_dict", _scheduler, 2, [2, 2], last_epoch=3
     ),
-    _refusal("step with an epoch", ValueError, "step()", lambda: _scheduler(2, [2, 2]).step(5)),
+    # step() takes a Batch record, nothing or 0 (DeepSpeed's epoch start)
+    _refusal("step with an epoch", ValueError, "Batch 7", lambda: _scheduler(2, [2, 2]).step(7)),
+    _refusal(
+        "step with a plain tuple",
+        ValueError,
+        "Batch (0, 0, 2, True, 0)",
+        lambda: _scheduler(2, [2, 2]).step((0, 0, 2, True, 0)),
+    ),
+    _refusal("step skipped=1", ValueError, "skipped=1", lambda: _scheduler(2, [2, 2]).step(skipped=1)),
     _refusal(
         "no scheduler nor optimizer",
         TypeError,
