@@ -474,16 +474,22 @@ def _bos_eos_collate(samples):
 
 
 @pytest.mark.parametrize(
-    "kind", ["dicts", "text tokenized in the collate", "(label, tokens) tuples", "BOS/EOS collate"]
+    "kind", ["dicts, in pipeline mode", "text tokenized in the collate", "(label, tokens) tuples", "BOS/EOS collate"]
 )
 def test_a_samples_len_means_nothing(kind):
-    """Samples whose len() is not their token count are planned by their seqlens and all trained once."""
+    """Samples whose len() is not their token count are planned by their seqlens and all trained once; in pipeline
+    mode dict samples are padded field by field (labels with -100) and their real lengths reported."""
     seqlens = _lengths(30, 1, 9, seed=12)
-    if kind == "dicts":  # the audit's example: len() counts the keys
+    sampler = VariableBatchSampler(seqlens, 20, order="random", seed=2)
+    padding = None
+    if kind == "dicts, in pipeline mode":  # the audit's example: len() counts the keys
         data = [
             {"input_ids": torch.full((n,), i + 1), "labels": torch.arange(n), "id": i} for i, n in enumerate(seqlens)
         ]
         collate = PaddedCollate()
+        padding = functools.partial(pad_sample, pad_value={"labels": -100})
+        pipeline = dict(gradient_accumulation_steps=2, budget="padded", same_size=True, same_length=True)
+        sampler = VariableBatchSampler(seqlens, 20, order="random", seed=2, **pipeline)
     elif kind == "text tokenized in the collate":
         data = [" ".join(["w" * (i % 5 + 1)] * n) for i, n in enumerate(seqlens)]
         collate = _text_collate
@@ -493,14 +499,17 @@ def test_a_samples_len_means_nothing(kind):
     else:
         data = [list(range(1, n + 1)) for n in seqlens]
         collate = _bos_eos_collate
-    sampler = VariableBatchSampler(seqlens, 20, order="random", seed=2)
-    planned = [list(step) for step in sampler.plan.microbatches()]
-    batches = list(make_dataloader(data, sampler, collate_fn=collate))
+    plan = sampler.plan
+    planned = [list(step) for step in plan.microbatches()]
+    batches = list(make_dataloader(data, sampler, collate_fn=collate, sample_padding_fn=padding))
     assert len(batches) == len(planned)
-    for ids, batch in zip(planned, batches):
-        if kind == "dicts":
-            assert batch["id"].tolist() == ids and batch["seqlens"].tolist() == [seqlens[i] for i in ids]
-            assert (batch["input_ids"] != 0).sum(dim=1).tolist() == batch["seqlens"].tolist()
+    for j, (ids, batch) in enumerate(zip(planned, batches)):
+        if kind == "dicts, in pipeline mode":
+            lens = batch["seqlens"].tolist()
+            assert batch["id"].tolist() == ids and lens == [seqlens[i] for i in ids]
+            assert batch["input_ids"].shape[1] == batch["labels"].shape[1] == plan.batch_max_seqlens[j // 2]
+            for row, n in zip(batch["labels"], lens):
+                assert row[:n].tolist() == list(range(n)) and (row[n:] == -100).all()
         elif kind == "text tokenized in the collate":
             assert batch.shape == (len(ids), max(seqlens[i] for i in ids))
         elif kind == "(label, tokens) tuples":
@@ -1106,33 +1115,6 @@ def test_padded_collate_refuses_to_guess_the_lengths_of_other_samples_than_the_s
     batches = list(make_dataloader(_id_dataset(seqlens), VariableBatchSampler(seqlens, 12), collate_fn=eos))
     assert [n.tolist() for _, n in batches] == [[seqlens[i] + 1 for i in _ids_of(x)] for x, _ in batches]
     assert _wrap([torch.ones(3), torch.ones(5)])[1].tolist() == [3, 5]
-
-
-def test_dict_samples_in_pipeline_mode():
-    """Same-length mode pads dict samples field by field (labels with -100) and reports their real lengths."""
-    seqlens = _lengths(24, 1, 10, seed=13)
-    data = [{"input_ids": torch.full((n,), i + 1), "labels": torch.arange(n), "id": i} for i, n in enumerate(seqlens)]
-    padding = functools.partial(pad_sample, pad_value={"labels": -100})
-    sampler = VariableBatchSampler(
-        seqlens,
-        24,
-        gradient_accumulation_steps=2,
-        budget="padded",
-        same_size=True,
-        same_length=True,
-        order="random",
-        seed=1,
-    )
-    plan, trained = sampler.plan, []
-    for t, batch in enumerate(make_dataloader(data, sampler, collate_fn=PaddedCollate(), sample_padding_fn=padding)):
-        b = t // 2
-        ids, lens = batch["id"].tolist(), batch["seqlens"].tolist()
-        assert batch["input_ids"].shape[1] == batch["labels"].shape[1] == plan.batch_max_seqlens[b]
-        assert lens == [seqlens[i] for i in ids]
-        for row, n in zip(batch["labels"], lens):
-            assert row[:n].tolist() == list(range(n)) and (row[n:] == -100).all()
-        trained += ids
-    assert sorted(trained) == sorted(plan.sample_ids.tolist())
 
 
 # -- step inputs and ranks -------------------------------------------------------------------------
