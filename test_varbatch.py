@@ -1137,48 +1137,38 @@ _VIEWS = {
 _EVERY_RANK_VIEWS = ("loader.sampler", "loader.batch_sampler")
 
 
-def _dealing_oracle(sampler, every_input, start, every_rank):
-    """A pass over the sampler's epoch from this rank's step input ``start``, by the dealing rule: ``(g, sample ids,
-    Batch record counting sequences)`` of each step input g = t*R + rank (``every_rank``: every g from t = start)."""
+def _dealing_oracle(view, sampler, every_input, start):
+    """A pass of ``view`` over the sampler's epoch from this rank's step input ``start``, by the dealing rule: ``(g,
+    sample ids, Batch record counting sequences)`` of this rank's step inputs g = t*R + rank (every rank's views:
+    every g from t = start on), None where the view does not show it."""
     ranks, gas, epoch = sampler.num_replicas, sampler.gradient_accumulation_steps, sampler.epoch
     plan = sampler.plan_for_epoch(epoch)
-    first = start * ranks if every_rank else start * ranks + sampler.rank
+    every_rank = view in _EVERY_RANK_VIEWS
     dealt = []
-    for g in range(first, len(every_input), 1 if every_rank else ranks):
+    for g in range(start * ranks, len(every_input)):
         t = g // ranks
-        batch = t // gas
-        count = int(plan.batch_sizes[batch])
-        record = varbatch.Batch(epoch * plan.num_batches + batch, epoch, count, t % gas == gas - 1, t)
-        dealt.append((g, every_input[g], record))
+        b = t // gas
+        record = varbatch.Batch(epoch * plan.num_batches + b, epoch, int(plan.batch_sizes[b]), t % gas == gas - 1, t)
+        if every_rank or g % ranks == sampler.rank:
+            shown_g = None if view in ("the sampler", "the loader") else g
+            shown_record = None if view in ("the sampler", "deepspeed_io's data_sampler") else record
+            dealt.append((shown_g, every_input[g], shown_record))
     return dealt
 
 
-def _as_dealt(view, item, seqlens):
-    """An item of ``view`` as `_dealing_oracle`'s ``(g, ids, record)``, None where the view does not show it."""
-    if view == "the sampler":
-        return None, item, None
-    if view == "the loader":  # (the samples of the dataset list(range(N)), the record)
-        return None, *item
-    key = item[0] if view == "loader.batch_sampler" else item
-    assert key.seqlens == tuple(seqlens[i] for i in key.sample_ids), f"key {key} carries other lengths"
-    return key.step_input, list(key.sample_ids), key.batch
-
-
 def _read(view, items, seqlens):
-    """``items`` of ``view``, each as `_as_dealt` reads it."""
-    return [_as_dealt(view, item, seqlens) for item in items]
-
-
-def _shown(view, dealt):
-    """The oracle's ``dealt`` as ``view`` shows it (see `_as_dealt`)."""
-    return [
-        (
-            None if view in ("the sampler", "the loader") else g,
-            ids,
-            None if view in ("the sampler", "deepspeed_io's data_sampler") else record,
-        )
-        for g, ids, record in dealt
-    ]
+    """The ``items`` of ``view`` as `_dealing_oracle` gives them (a key's seqlens checked)."""
+    dealt = []
+    for item in items:
+        if view == "the sampler":
+            dealt.append((None, item, None))
+        elif view == "the loader":  # (the samples of the dataset list(range(N)), the record)
+            dealt.append((None, *item))
+        else:
+            key = item[0] if view == "loader.batch_sampler" else item
+            assert key.seqlens == tuple(seqlens[i] for i in key.sample_ids), f"key {key} carries other lengths"
+            dealt.append((key.step_input, list(key.sample_ids), key.batch))
+    return dealt
 
 
 @given(
@@ -1221,24 +1211,23 @@ def test_every_view_of_a_pass_deals_the_one_rule_and_passes_are_independent(
     assert sampler.steps_done == start
     with unittest.mock.patch.object(varbatch, "_KEY_RUN", key_run):
         for view, of in _VIEWS.items():
-            every_rank = view in _EVERY_RANK_VIEWS
             sampler.load_state_dict(state)
             source = of(sampler, loader)
             first = iter(source)
-            expected = _shown(view, _dealing_oracle(sampler, every_input, start, every_rank))
+            expected = _dealing_oracle(view, sampler, every_input, start)
             got = _read(view, itertools.islice(first, data.draw(st.integers(1, len(expected)), label=view)), seqlens)
             assert sampler.steps_done == 0, f"{view}: the restored position was not taken"
             saved = first.state_dict() if hasattr(first, "state_dict") else None  # torch's iterators keep none
             whole = _read(view, source, seqlens)
             rest = _read(view, first, seqlens)
             assert got + rest == expected, view
-            assert whole == _shown(view, _dealing_oracle(sampler, every_input, 0, every_rank)), view
+            assert whole == _dealing_oracle(view, sampler, every_input, 0), view
             if saved is None:
                 continue
             again = iter(source)
             again.load_state_dict(saved)
             continued = _read(view, again, seqlens)
-            if every_rank:  # a state is this rank's position: every rank's keys from the t it reached
+            if view in _EVERY_RANK_VIEWS:  # a state is this rank's position: every rank's keys from the t it reached
                 continued, rest = ([d for d in dealt if d[0] % ranks == rank] for dealt in (continued, rest))
             assert continued == rest, view
 
@@ -1510,10 +1499,7 @@ def _packs_an_empty_epoch(seed):
 
 @given(case=plan_cases(orders=ORDERS), order=st.permutations(range(6)))
 # an epoch whose packing has no batch (drawn again, or epoch 0's batches reshuffled)
-@example(
-    case=_case(**_UNLUCKY, effective_batch_size=2, seed=_first_seed(_packs_an_empty_epoch)),
-    order=list(range(6)),
-)
+@example(case=_case(**_UNLUCKY, effective_batch_size=2, seed=_first_seed(_packs_an_empty_epoch)), order=list(range(6)))
 @example(case=_case(_lengths(60, 1, 20, seed=2), 30, effective_batch_size=2, order="random"), order=list(range(6)))
 @example(
     case=_case(
@@ -2037,18 +2023,7 @@ def _tiny_llama_config():
     )
 
 
-def _hf_trainer(
-    tmp_path,
-    lengths,
-    *,
-    order,
-    seed,
-    epochs=2,
-    prepared=True,
-    sampler_options=(),
-    skips=(),
-    **arguments,
-):
+def _hf_trainer(tmp_path, lengths, *, order, seed, epochs=2, prepared=True, sampler_options=(), skips=(), **arguments):
     """An HF Trainer subclass over varbatch's loader (``prepared``: as the README's recipe returns it) and the
     Trainer's own schedule (``lr_scheduler_type``, constant by default) scaled by B_b / mean(B) through
     `hf_trainer_lr_scheduler`, ``epochs`` epochs; the loss is inf at the updates ``skips`` (give its accelerator a
@@ -4710,14 +4685,7 @@ _BAD_DEEPSPEED_FUNCTIONS = [
     _refusal(
         "unequal batches", ValueError, "microbatch_ids batch_by_seqlens", _given_loader, [(0, [0]), (0, [1]), (1, [2])]
     ),
-    _refusal(
-        "given, rank 2",
-        ValueError,
-        "dataloader_rank",
-        _given_loader,
-        [(0, [0]), (1, [1])],
-        dataloader_rank=2,
-    ),
+    _refusal("given, rank 2", ValueError, "dataloader_rank", _given_loader, [(0, [0]), (1, [1])], dataloader_rank=2),
     _refusal("planned, rank 1", ValueError, "dataloader_rank", _planned_loader, 1, dataloader_rank=1),
     _refusal("batch geometry", ValueError, "train_batch_size", _planned_loader, 3, dataloader_num_replicas=2),
 ]
@@ -4775,11 +4743,7 @@ _BAD_GLUE = [
     _refusal("verbose not a bool", TypeError, "verbose", _glue_over, _glue_config(verbose="yes")),
     _refusal("num_workers negative", ValueError, "num_workers", _glue_over, _glue_config(num_workers=-1)),
     _refusal(
-        "overlong",
-        ValueError,
-        "max_tokens on_overlong",
-        _glue_over,
-        _glue_config(max_tokens=7, on_overlong="error"),
+        "overlong", ValueError, "max_tokens on_overlong", _glue_over, _glue_config(max_tokens=7, on_overlong="error")
     ),
     # the engine, its batch sizes and the seqlens
     _refusal(
@@ -4794,14 +4758,7 @@ _BAD_GLUE = [
         ),
     ),
     _refusal("no source of seqlens", ValueError, "dataset_seqlens batch_seqlens_fn", _glue, _glue_config()),
-    _refusal(
-        "miscounts",
-        ValueError,
-        "batch_seqlens_fn",
-        _glue,
-        _glue_config(),
-        batch_seqlens_fn=lambda b: [2],
-    ),
+    _refusal("miscounts", ValueError, "batch_seqlens_fn", _glue, _glue_config(), batch_seqlens_fn=lambda b: [2]),
 ]
 
 
