@@ -1304,7 +1304,7 @@ print("stopped")
 
 def test_a_loop_that_stops_mid_epoch_exits_cleanly():
     """Iterators alive at interpreter exit (without and with workers, the sampler's own, a DeepSpeed-style
-    stop at a step count) close silently (no 'Exception ignored in: <generator ... _iter_keys>')."""
+    stop at a step count) close silently (no 'Exception ignored in: <generator ...>')."""
     done = subprocess.run(
         [sys.executable, "-c", _STOPS_MID_EPOCH], cwd=_ROOT, capture_output=True, text=True, timeout=120
     )
@@ -1987,7 +1987,7 @@ class _HFRecorder:
             "attention_mask": mask.T,
             "labels": ids.masked_fill(mask.T == 0, -100),
             "idx": torch.tensor([s["idx"] for s in samples]),
-            "epoch": torch.tensor(self.sampler.state_dict()["epoch"]),
+            "epoch": torch.tensor(self.sampler.epoch),
         }
 
     def hook(self, optimizer, args, kwargs):  # a torch optimizer pre-step hook: one per real update
@@ -2178,7 +2178,7 @@ def test_lightning_amp_steps_the_scheduler_after_every_update_skipped_or_not():
             return make_dataloader(data, sampler, collate_fn=varbatch.PaddedCollate())
 
         def training_step(self, batch, index):
-            trained.extend((sampler.state_dict()["epoch"], int(v)) for v in batch[0][:, 0, 0])
+            trained.extend((sampler.epoch, int(v)) for v in batch[0][:, 0, 0])
             loss = (self.layer(batch[0] * 0) ** 2).mean() + 1
             return loss * math.inf if batches[0] in skips else loss
 
