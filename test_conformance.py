@@ -6,9 +6,9 @@ does not apply where one does not. The tests are written for varbatch; no upstre
 - HF transformers' ``DataCollatorWithFlattening`` (tests/trainer/test_data_collator.py): `FlatCollate`.
 - torch's scheduler protocol (test/optim/test_lrscheduler.py): `VariableBatchSizeLR` over torch's schedulers.
 - torchdata's StatefulDataLoader (test/stateful_dataloader/test_state_dict.py): a dataset that has its own state,
-  and the resume cases (0, 3 and spawned workers, persistent workers, snapshots, the end of an epoch), over
-  `make_dataloader(..., dataloader_class=StatefulDataLoader)`, the sampler passed as ``batch_sampler`` and the
-  sampler's own ``state_dict``.
+  and the resume cases (0, 3 and spawned workers, persistent workers, snapshots, the end of an epoch, a state saved
+  before the first iter()), over `make_dataloader(..., dataloader_class=StatefulDataLoader)`, the sampler passed as
+  ``batch_sampler`` and the sampler's own ``state_dict``.
 
 Run: ``python -m pytest -q test_conformance.py`` (the workers' runs are marked ``slow``).
 """
@@ -315,16 +315,6 @@ def test_wrapped_scheduler_lrs_follow_the_schedule_times_the_batch_factor(name, 
         _step(scheduler, t, told)
 
 
-def test_chained_scheduler_wrapped_once_before_any_step():
-    """torch's chained `get_last_lr` before a step is its last scheduler's: wrapped once, times batch 0's factor."""
-    optimizer = _two_groups()
-    schedulers = [LinearLR(optimizer, start_factor=0.4, total_iters=3), MultiStepLR(optimizer, [4, 8, 10], 0.1)]
-    chained = ChainedScheduler(schedulers)
-    unscaled = [float(lr) for lr in schedulers[-1].get_last_lr()]
-    scheduler = VariableBatchSizeLR(chained, _REFERENCE, _SIZES)
-    _check_lrs(0, [lr * _SIZES[0] / _REFERENCE for lr in unscaled], scheduler.get_last_lr())
-
-
 def _same(first, second):
     """Equal plain data, tensors compared by value (torch's assertEqual, as far as states go)."""
     if isinstance(first, torch.Tensor) or isinstance(second, torch.Tensor):
@@ -495,14 +485,8 @@ class _AugmentedDataset(torch.utils.data.Dataset):
         self.rng.bit_generator.state = state_dict["rng"]
 
 
-class _StateDictOnly(torch.utils.data.Dataset):
+class _StateDictOnly(list):
     """A dataset with state_dict but no load_state_dict: not Stateful to torchdata."""
-
-    def __len__(self):
-        return len(_SEQLENS)
-
-    def __getitem__(self, index):
-        return torch.ones(_SEQLENS[index])
 
     def state_dict(self):
         return {}
@@ -665,7 +649,7 @@ def test_spawned_workers_resume_the_datasets_own_state():
 
 @pytest.mark.parametrize(
     "dataset",
-    [_AugmentedDataset(), [torch.ones(n) for n in _SEQLENS], _StateDictOnly()],
+    [_AugmentedDataset(), [torch.ones(n) for n in _SEQLENS], _StateDictOnly(torch.ones(n) for n in _SEQLENS)],
     ids=["stateful", "plain", "state_dict only"],
 )
 def test_make_dataloader_saves_the_datasets_own_state_as_it_is(dataset):
