@@ -545,7 +545,9 @@ def _td_resumes_exactly(build, *stops, set_epoch=True):
     """Stopped at each of ``stops`` in turn, each run resumed from the state the one before saved, the runs read the
     samples and the dataset's draws of the uninterrupted run, none twice."""
     full, _ = _td_run(build, set_epoch)
-    trained, state, start = [], None, 0
+    trained = []
+    state = None
+    start = 0
     for stop in stops:
         batches, state = _td_run(build, set_epoch, state, start, stop)
         trained += batches
