@@ -264,10 +264,11 @@ def _wrapped(name, tensor_lr=False, schedulers=_SCHEDULERS):
 
 def _step(scheduler, t, told):
     """After update t: told by batch t's record (its last step input; an epoch is one cycle of _SIZES), or counted."""
-    if not told:
-        return scheduler.step()
-    per_epoch = len(_SIZES)
-    scheduler.step(varbatch.Batch(t, t // per_epoch, _SIZES[t % per_epoch], True, t % per_epoch))
+    if told:
+        epoch, place = divmod(t, len(_SIZES))
+        scheduler.step(varbatch.Batch(index=t, epoch=epoch, count=_SIZES[place], last=True, step_input=place))
+    else:
+        scheduler.step()
 
 
 def _schedule(name, steps):
