@@ -1754,6 +1754,7 @@ class VariableBatchSampler(Sampler[list[int]]):
         self.gradient_accumulation_steps = settings.gradient_accumulation_steps
         self.same_length = settings.same_length
         self.epoch = 0
+        self._selected_epoch = 0  # set_epoch's, which a pass restored from its own state leaves (see `_Pass`)
         self._restored: tuple[int, int] | None = None  # (epoch, steps_done) of load_state_dict, until a pass takes it
         self._plans: dict[int, Plan] = {}
         self._logged: set[int] = set()  # the epochs whose plan was logged
@@ -1788,6 +1789,7 @@ class VariableBatchSampler(Sampler[list[int]]):
     def set_epoch(self, epoch: int) -> None:
         """Selects the epoch the next pass iterates (a new order in ``random``/``bucket``); nothing else moves."""
         self.epoch = _check_int("epoch", epoch)
+        self._selected_epoch = self.epoch
 
     def __len__(self) -> int:
         """Step inputs per epoch on this rank: the same on every rank and in every epoch."""
@@ -1896,7 +1898,10 @@ class VariableBatchSampler(Sampler[list[int]]):
 # drops the first unread: torch/utils/data/dataloader.py, its `_reset`). Its position, this rank's step inputs it
 # handed out, is its own state, which torchdata's StatefulDataLoader saves as it sends each step input to a worker and
 # gives back beside the step input the loop gets (its sampler-iterator protocol: `state_dict` and `load_state_dict`),
-# so a loader's state is what the loop got, whatever the workers read ahead.
+# so a loader's state is what the loop got, whatever the workers read ahead. A pass restored from its state is the whole
+# position: torchdata restores a batch sampler's own state when the loader's next iterator starts, after the loop's
+# set_epoch, then the state of the pass it makes, so that pass takes the position restored into the sampler and leaves
+# the sampler at the epoch set_epoch selected (a fresh pass after a state saved once the loop ended is of that epoch).
 _PASS_NUMBERS = itertools.count(1)  # a number per pass, by which the loader's dealing check tells passes apart
 
 
@@ -1956,10 +1961,11 @@ class _Pass:
         return self.sampler._state(self.epoch, start)  # not begun: where it will start
 
     def load_state_dict(self, state_dict: Mapping) -> None:
-        """Continues the pass of a state, in place of a position restored into the sampler for its epoch (torchdata
-        restores a batch sampler's state, then its new iterator's)."""
+        """Continues the pass of a state, in place of a position and an epoch restored into the sampler (torchdata
+        restores a batch sampler's state, then its new iterator's: NOTE [a pass's position])."""
         self.epoch, self.start = self.sampler._position(state_dict)
         self.sampler._restored_at(self.epoch, take=True)
+        self.sampler.epoch = self.sampler._selected_epoch
         self.steps_done = self.start
         self._items = None
 
