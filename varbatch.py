@@ -1754,8 +1754,8 @@ class VariableBatchSampler(Sampler[list[int]]):
         self.gradient_accumulation_steps = settings.gradient_accumulation_steps
         self.same_length = settings.same_length
         self.epoch = 0
-        self._selected_epoch = 0  # set_epoch's, which a pass restored from its own state leaves (see `_Pass`)
-        self._restored: tuple[int, int] | None = None  # (epoch, steps_done) of load_state_dict, until a pass takes it
+        # (epoch, steps_done) of load_state_dict, until a pass takes it, and the epoch selected before (see `_Pass`)
+        self._restored: tuple[int, int, int] | None = None
         self._plans: dict[int, Plan] = {}
         self._logged: set[int] = set()  # the epochs whose plan was logged
         self._alone = alone  # dealt to 1 rank by default: torch.distributed was not up (see `_Pass`)
@@ -1789,7 +1789,6 @@ class VariableBatchSampler(Sampler[list[int]]):
     def set_epoch(self, epoch: int) -> None:
         """Selects the epoch the next pass iterates (a new order in ``random``/``bucket``); nothing else moves."""
         self.epoch = _check_int("epoch", epoch)
-        self._selected_epoch = self.epoch
 
     def __len__(self) -> int:
         """Step inputs per epoch on this rank: the same on every rank and in every epoch."""
@@ -1851,8 +1850,9 @@ class VariableBatchSampler(Sampler[list[int]]):
     def load_state_dict(self, state_dict: Mapping) -> None:
         """Restores a `state_dict`: `epoch` is its epoch, whose next pass continues where it stopped (a state saved
         after an epoch's last step input: its empty rest, as torchdata's samplers resume)."""
-        self.epoch, steps_done = self._position(state_dict)
-        self._restored = (self.epoch, steps_done)
+        epoch, steps_done = self._position(state_dict)
+        self._restored = (epoch, steps_done, self.epoch)
+        self.epoch = epoch
 
     def _state(self, epoch: int, steps_done: int) -> dict:
         settings = self._state_settings()
@@ -1900,8 +1900,8 @@ class VariableBatchSampler(Sampler[list[int]]):
 # gives back beside the step input the loop gets (its sampler-iterator protocol: `state_dict` and `load_state_dict`),
 # so a loader's state is what the loop got, whatever the workers read ahead. A pass restored from its state is the whole
 # position: torchdata restores a batch sampler's own state when the loader's next iterator starts, after the loop's
-# set_epoch, then the state of the pass it makes, so that pass takes the position restored into the sampler and leaves
-# the sampler at the epoch set_epoch selected (a fresh pass after a state saved once the loop ended is of that epoch).
+# set_epoch, then the state of the pass it makes, so that pass replaces the sampler's restore and puts back the epoch
+# selected before it (a fresh pass after a state saved once the loop ended is of the epoch the loop set since).
 _PASS_NUMBERS = itertools.count(1)  # a number per pass, by which the loader's dealing check tells passes apart
 
 
@@ -1964,8 +1964,10 @@ class _Pass:
         """Continues the pass of a state, in place of a position and an epoch restored into the sampler (torchdata
         restores a batch sampler's state, then its new iterator's: NOTE [a pass's position])."""
         self.epoch, self.start = self.sampler._position(state_dict)
-        self.sampler._restored_at(self.epoch, take=True)
-        self.sampler.epoch = self.sampler._selected_epoch
+        restored = self.sampler._restored
+        if restored is not None:  # the sampler's own restore, which this one replaces: its epoch goes back
+            self.sampler.epoch = restored[2]
+            self.sampler._restored = None
         self.steps_done = self.start
         self._items = None
 
