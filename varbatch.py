@@ -1837,7 +1837,10 @@ class VariableBatchSampler(Sampler[list[int]]):
         if batch is not None and steps_done is not None:
             raise TypeError("state_dict takes batch or steps_done, not both: the record holds its step input")
         if steps_done is not None:
-            return self._state(self.epoch, _check_int("steps_done", steps_done, 0, len(self), "step inputs trained"))
+            return self._state(
+                self.epoch,
+                _check_int("steps_done", steps_done, 0, len(self), "pass the step inputs of the epoch trained"),
+            )
         if batch is None:
             return self._state(self.epoch, self.steps_done)
         if not isinstance(batch, Batch):
