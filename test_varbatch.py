@@ -3559,15 +3559,6 @@ def test_clock_lr_is_the_closed_form(schedule, clock, clock_step):
 # =============================================================================
 
 
-def _token_dataset(seqlens, dim=3, seed=0):
-    """Sample i: (inputs L_i x dim, targets L_i), float64."""
-    gen = torch.Generator().manual_seed(seed)
-    return [
-        (torch.randn(n, dim, generator=gen, dtype=torch.float64), torch.randn(n, generator=gen, dtype=torch.float64))
-        for n in seqlens
-    ]
-
-
 @given(
     seqlens=st.lists(st.integers(1, 30), min_size=40, max_size=240),  # epochs of several batches
     micro_batch_size=st.integers(1, 2),
@@ -3579,12 +3570,13 @@ def _token_dataset(seqlens, dim=3, seed=0):
     data=st.data(),
 )
 @settings(max_examples=40)
-def test_the_loader_yields_each_step_input_beside_its_batchs_count(
+def test_the_loader_yields_each_step_input_beside_its_batchs_record(
     seqlens, micro_batch_size, gas, num_replicas, order, budget, unit, data
 ):
-    """With batch_count, every rank's loader yields each step input beside the count of its whole batch (every rank,
-    every accumulation step; oracle: the sum over the plan's micro-batches of the batch), from any resume position,
-    balanced or not; the loop's own index, counted from steps_done, names the batch."""
+    """With batch_count, every rank's loader yields each step input beside its batch's record, from any resume
+    position, balanced or not (oracle: the dealing rule over the plan): rank r's t-th step input is step input g = t R
+    + r (micro-batches g m .. g m + m - 1), of batch t // G, its index epoch x batches per epoch + t // G, its last
+    where t % G = G - 1, its count the sum over the batch's k micro-batches."""
     options = dict(micro_batch_size=micro_batch_size, gradient_accumulation_steps=gas, num_replicas=num_replicas)
     options.update(order=order, budget=budget, seed=3)
     try:
@@ -3605,92 +3597,56 @@ def test_the_loader_yields_each_step_input_beside_its_batchs_count(
     start = data.draw(st.integers(0, len(sampler) - 1), label="resumed at")
     sampler = VariableBatchSampler(seqlens, 45, rank=rank, **options)
     sampler.load_state_dict({**sampler.state_dict(), "epoch": epoch, "steps_done": start})
-    plan, k = sampler.plan, sampler.effective_batch_size
+    plan, k, m = sampler.plan, sampler.effective_batch_size, micro_batch_size
     loader = make_dataloader(
         list(range(len(seqlens))), sampler, batch_count=per_sample if unit == "per sample" else unit
     )
-    seen = 0
-    for t, (ids, batch_count) in enumerate(loader, start=sampler.steps_done):
-        b = t // gas
-        batch = [i for j in range(b * k, (b + 1) * k) for i in plan.microbatch(j).tolist()]
-        assert set(ids) <= set(batch), f"step input {t} is not part of batch {b}"
-        assert batch_count == sum(per_sample[i] for i in batch), f"step input {t}: batch {b}'s count is wrong"
-        seen += 1
-    assert seen == len(sampler) - start
+    got = list(loader)
+    assert [batch.step_input for _, batch in got] == list(range(start, len(sampler)))
+    for ids, batch in got:
+        t, b = batch.step_input, batch.step_input // gas
+        g = t * num_replicas + rank
+        assert ids == [i for j in range(g * m, (g + 1) * m) for i in plan.microbatch(j).tolist()], f"step input {t}"
+        count = sum(per_sample[i] for j in range(b * k, (b + 1) * k) for i in plan.microbatch(j).tolist())
+        expected = varbatch.Batch(epoch * len(sampler) // gas + b, epoch, count, t % gas == gas - 1, t)
+        assert batch == expected, f"step input {t}: {batch} != {expected}"
+
+
+# Worked by hand: 15 samples in the dataloader order, micro-batches of at most 8 tokens (the greedy rule), 2 ranks x 2
+# accumulation steps: batch 0 is micro-batches [0, 1] [2, 3] [4, 5, 6] [7, 8] (9 sequences, 29 tokens, 20 label
+# tokens), batch 1 is [9] [10, 11] [12] [13, 14] (6 sequences, 27 tokens, 21 label tokens). Rank r's t-th step input
+# is micro-batch 2t + r: rank 0 trains [0, 1] [4, 5, 6] [9] [12], rank 1 [2, 3] [7, 8] [10, 11] [13, 14].
+_WORKED_SEQLENS = [4, 4, 3, 5, 2, 2, 2, 6, 1, 7, 3, 3, 8, 2, 4]
+_WORKED_STEPS = {  # rank: (its step input's samples, its batch in the epoch, whether the batch's last) for t = 0 .. 3
+    0: [([0, 1], 0, False), ([4, 5, 6], 0, True), ([9], 1, False), ([12], 1, True)],
+    1: [([2, 3], 0, False), ([7, 8], 0, True), ([10, 11], 1, False), ([13, 14], 1, True)],
+}
 
 
 @pytest.mark.parametrize(
-    "unit, workers, accumulation",
-    [("sequences", 0, "sums"), ("tokens", 0, "averages"), ("sequences", 2, "averages"), ("tokens", 2, "sums")],
+    "unit, counts",
+    [
+        ("sequences", [9, 6]),
+        ("tokens", [29, 27]),
+        ("label_tokens", [20, 21]),  # a causal LM's labels are its tokens shifted: one less per sequence
+        (list(range(15)), [0 + 1 + 2 + 3 + 4 + 5 + 6 + 7 + 8, 9 + 10 + 11 + 12 + 13 + 14]),  # sample i counts i
+    ],
+    ids=["sequences", "tokens", "label_tokens", "per sample"],
 )
-def test_loss_weights_from_the_loader_give_the_full_batch_gradient_after_a_resume(unit, workers, accumulation):
-    """Step-input losses weighted by the loader's batch_count, averaged over 2 ranks and summed over 3 accumulation
-    steps (a plain loop) or averaged over them (DeepSpeed divides each loss by them; the weight is told), give each
-    batch mean's gradient, also for the batch that a resume inside an accumulation step cuts in two (the accumulated
-    gradient kept, as a checkpoint inside a batch keeps it; the loop's own count restarts)."""
-    num_replicas, gas = 2, 3
-    engine_gas = gas if accumulation == "averages" else 1
-    seqlens = _lengths(80, 1, 12, seed=4)
-    data = _token_dataset(seqlens)
-    model = torch.nn.Linear(3, 1, dtype=torch.float64)
-
-    def sampler_of(rank):
-        return VariableBatchSampler(
-            seqlens, 24, gradient_accumulation_steps=gas, num_replicas=num_replicas, rank=rank, order="random", seed=1
-        )
-
-    def loader_of(sampler):
-        return make_dataloader(data, sampler, collate_fn=PaddedCollate(), num_workers=workers, batch_count=unit)
-
-    def step_loss(x, y, lengths):
-        """The step input's mean loss (over its sequences, or its real tokens) and its own count."""
-        mask = torch.arange(x.shape[1]) < lengths[:, None]  # B x S: the real tokens
-        errors = (model(x).squeeze(-1) - y) ** 2 * mask  # B x S
-        if unit == "sequences":
-            return (errors.sum(dim=1) / lengths).mean(), len(lengths)
-        return errors.sum() / mask.sum(), mask.sum()
-
-    def train(sampler, grads, stop=None):
-        """The loop: the optimizer's step after step input t with (t + 1) % gas == 0, t counted from steps_done."""
-        old_weights_differ = False  # the batch counts a loop indexing the plan by its own count would have used
-        plan_counts = sampler.plan.batch_sizes if unit == "sequences" else sampler.plan.batch_tokens
-        for i, (t, ((x, y, lengths), batch_count)) in enumerate(
-            enumerate(loader_of(sampler), start=sampler.steps_done)
-        ):
-            loss, count = step_loss(x, y, lengths)
-            weight = micro_batch_loss_weight(
-                count, batch_count, num_replicas=num_replicas, gradient_accumulation_steps=engine_gas
-            )
-            (loss * weight / engine_gas).backward()
-            old_weights_differ |= int(plan_counts[i // gas]) != batch_count
-            if (t + 1) % gas == 0:
-                grads[t // gas] = [p.grad.clone() for p in model.parameters()]
-                model.zero_grad()
-            if t + 1 == stop:
-                break
-        return old_weights_differ
-
-    probe = sampler_of(0)
-    stop = len(probe) // 2 // gas * gas + 1  # inside the accumulation of a batch
-    assert stop % gas and 0 < stop < len(probe)
-    grads = [{} for _ in range(num_replicas)]
-    for rank in range(num_replicas):
-        model.zero_grad()
-        sampler = sampler_of(rank)
-        train(sampler, grads[rank], stop=stop)
-        resumed = sampler_of(rank)
-        resumed.load_state_dict(sampler.state_dict(steps_done=stop))  # with workers, steps_done runs ahead
-        assert train(resumed, grads[rank]), "a loop's own count would weight right here: the test proves nothing"
-    plan = probe.plan
-    for b in range(plan.num_batches):
-        k = plan.effective_batch_size
-        ids = [i for j in range(b * k, (b + 1) * k) for i in plan.microbatch(j).tolist()]
-        batch = PaddedCollate()([data[i] for i in ids])
-        model.zero_grad()
-        step_loss(*batch)[0].backward()  # the whole batch's mean
-        averaged = [sum(rank[b][p] for rank in grads) / num_replicas for p in range(2)]  # DDP averages over ranks
-        for got, p in zip(averaged, model.parameters()):
-            assert torch.allclose(got, p.grad, rtol=1e-10, atol=1e-12), f"batch {b}: {got} != {p.grad}"
+def test_each_records_count_and_place_on_a_case_worked_by_hand(unit, counts):
+    """On the case worked by hand above, each rank's records in epochs 0 and 1: the batch's count in each unit, its
+    index epoch x 2 + its batch in the epoch, its epoch, whether the step input is the rank's last of it, and t."""
+    for rank, steps in _WORKED_STEPS.items():
+        sampler = VariableBatchSampler(_WORKED_SEQLENS, 8, gradient_accumulation_steps=2, num_replicas=2, rank=rank)
+        assert sampler.plan.microbatches()[:3] == [[0, 1], [2, 3], [4, 5, 6]], "the greedy rule changed"
+        loader = make_dataloader(list(range(15)), sampler, batch_count=unit)
+        for epoch in (0, 1):
+            sampler.set_epoch(epoch)
+            expected = [
+                (ids, varbatch.Batch(2 * epoch + b, epoch, counts[b], last, t))
+                for t, (ids, b, last) in enumerate(steps)
+            ]
+            assert list(loader) == expected, f"rank {rank}, epoch {epoch}"
 
 
 def _causal_lm_collate(samples):
