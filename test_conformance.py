@@ -6,9 +6,9 @@ does not apply where one does not. The tests are written for varbatch; no upstre
 - HF transformers' ``DataCollatorWithFlattening`` (tests/trainer/test_data_collator.py): `FlatCollate`.
 - torch's scheduler protocol (test/optim/test_lrscheduler.py): `VariableBatchSizeLR` over torch's schedulers.
 - torchdata's StatefulDataLoader (test/stateful_dataloader/test_state_dict.py): a dataset that has its own state,
-  and the resume cases (0, 3 and spawned workers, persistent workers, snapshots, the end of an epoch), over
-  `make_dataloader(..., dataloader_class=StatefulDataLoader)`, the sampler passed as ``batch_sampler`` and the
-  sampler's own ``state_dict``.
+  and the resume cases (0, 3 and spawned workers, persistent workers, snapshots, the end of an epoch, a state saved
+  before the first iter()), over `make_dataloader(..., dataloader_class=StatefulDataLoader)`, the sampler passed as
+  ``batch_sampler`` and the sampler's own ``state_dict``.
 
 Run: ``python -m pytest -q test_conformance.py`` (the workers' runs are marked ``slow``).
 """
@@ -17,7 +17,6 @@ import copy
 import gc
 import io
 import json
-import pickle
 import warnings
 import weakref
 from functools import partial
@@ -195,12 +194,17 @@ def test_flat_collate_refuses_by_name(call, error, message):
 # Not applicable, one line each:
 # - ReduceLROnPlateau: it steps on a validation metric, not once per batch; wrapping it is refused (as is wrapping
 #   a VariableBatchSizeLR, which would scale the LR twice): test_varbatch.py's test_bad_input_VariableBatchSizeLR.
-# - step(epoch) (deprecated in torch; "LR is constant for a constant epoch", the closed forms): the position is given
-#   by one step() per batch; step(0) only marks an epoch start (DESIGN.md, item 5).
-# - the "old pattern" warning (scheduler.step() before optimizer.step()): varbatch silences torch's step-order check
-#   and finds misuse from the step inputs its loader handed out (DESIGN.md, item 5).
-# - resuming by constructing with last_epoch=N (test_lr_scheduler_checkpoint): the batches trained, b, cannot be told
-#   from torch's last_epoch once updates are skipped; a run resumes with load_state_dict.
+# - step(epoch) (deprecated in torch; "LR is constant for a constant epoch", the closed forms): the position is told
+#   by a Batch record, step(batch), or counted, one step() per update; step(0) is DeepSpeed's mark of a cut epoch and
+#   any other argument is refused (DESIGN.md, item 5).
+# - the "old pattern" warning (scheduler.step() before optimizer.step()): varbatch silences torch's step-order check;
+#   its order is torch's documented one, and nothing is inferred from the data the loop was given (DESIGN.md, item 5).
+# - resuming by constructing with last_epoch=N (test_lr_scheduler_checkpoint, test_cos_anneal_lr_continue): the
+#   batches trained, b, cannot be told from torch's last_epoch once updates are skipped; a run resumes with
+#   load_state_dict.
+# - compound schedulers (test_compound_*: several schedulers stepping one optimizer): one VariableBatchSizeLR per
+#   optimizer, wrapping ChainedScheduler([...]) where schedules stack; a second one detaches the first
+#   (test_varbatch.py's test_a_second_wrapper_on_an_optimizer_detaches_the_first).
 # - a subclass whose get_lr takes an epoch (test_error_when_getlr_has_epoch): about torch's base class, not a wrapper.
 
 _BASE_LR = 0.05
@@ -242,9 +246,29 @@ def _two_groups(tensor_lr=False):
     return torch.optim.SGD([{"params": [net.weight]}, {"params": [net.bias], "lr": second}], lr=_BASE_LR)
 
 
-def _wrapped(name, tensor_lr=False):
+# torch's per-scheduler state_dict tests load a state into the scheduler made with other hyperparameters (but
+# SWALR's: its swa_lr lives in the optimizer's param groups, which the optimizer's own state restores).
+_OTHERWISE = {
+    "StepLR": partial(StepLR, step_size=1, gamma=0.005),
+    "MultiStepLR": partial(MultiStepLR, milestones=[1, 4, 6], gamma=0.01),
+    "ExponentialLR": partial(ExponentialLR, gamma=0.01),
+    "CosineAnnealingLR": partial(CosineAnnealingLR, T_max=5, eta_min=0.001),
+    "CosineAnnealingWarmRestarts": partial(CosineAnnealingWarmRestarts, T_0=100),
+}
+
+
+def _wrapped(name, tensor_lr=False, schedulers=_SCHEDULERS):
     optimizer = _two_groups(tensor_lr)
-    return optimizer, VariableBatchSizeLR(_SCHEDULERS[name](optimizer), _REFERENCE, _SIZES)
+    return optimizer, VariableBatchSizeLR(schedulers[name](optimizer), _REFERENCE, _SIZES)
+
+
+def _step(scheduler, t, told):
+    """After update t: told by batch t's record (its last step input; an epoch is one cycle of _SIZES), or counted."""
+    if told:
+        epoch, place = divmod(t, len(_SIZES))
+        scheduler.step(varbatch.Batch(index=t, epoch=epoch, count=_SIZES[place], last=True, step_input=place))
+    else:
+        scheduler.step()
 
 
 def _schedule(name, steps):
@@ -279,26 +303,17 @@ def _check_lrs(t, expected, got):
         *((name, True) for name in ("StepLR", "ExponentialLR", "optimizer (constant)")),
     ],
 )
-def test_wrapped_scheduler_lrs_follow_the_schedule_times_the_batch_factor(name, tensor_lr):
+@pytest.mark.parametrize("told", [False, True], ids=["counted", "told"])
+def test_wrapped_scheduler_lrs_follow_the_schedule_times_the_batch_factor(name, tensor_lr, told):
     """torch's `_test`: before each update the optimizer holds the wrapped schedule's LR at that step times the batch's
-    factor, in every param group (a tensor LR as a float's); `_test_get_last_lr`: get_last_lr() before each step is
-    that LR."""
+    factor, in every param group (a tensor LR as a float's), the position counted or told; `_test_get_last_lr`:
+    get_last_lr() before each step is that LR."""
     optimizer, scheduler = _wrapped(name, tensor_lr)
     for t, expected in enumerate(_expected(name, _STEPS)):
         _check_lrs(t, expected, [group["lr"] for group in optimizer.param_groups])
         _check_lrs(t, expected, scheduler.get_last_lr())
         optimizer.step()
-        scheduler.step()
-
-
-def test_chained_scheduler_wrapped_once_before_any_step():
-    """torch's chained `get_last_lr` before a step is its last scheduler's: wrapped once, times batch 0's factor."""
-    optimizer = _two_groups()
-    schedulers = [LinearLR(optimizer, start_factor=0.4, total_iters=3), MultiStepLR(optimizer, [4, 8, 10], 0.1)]
-    chained = ChainedScheduler(schedulers)
-    unscaled = [float(lr) for lr in schedulers[-1].get_last_lr()]
-    scheduler = VariableBatchSizeLR(chained, _REFERENCE, _SIZES)
-    _check_lrs(0, [lr * _SIZES[0] / _REFERENCE for lr in unscaled], scheduler.get_last_lr())
+        _step(scheduler, t, told)
 
 
 def _same(first, second):
@@ -327,24 +342,26 @@ def _reloaded(scheduler, other, weights_only):
     assert _same(other.state_dict(), state)
 
 
+@pytest.mark.parametrize("told", [False, True], ids=["counted", "told"])
 @pytest.mark.parametrize("tensor_lr", [False, True], ids=["float LRs", "a tensor LR"])
 @pytest.mark.parametrize("weights_only", [True, False])
 @pytest.mark.parametrize("name", list(_SCHEDULERS))
-def test_state_dict_round_trips_through_torch_save_and_load(name, weights_only, tensor_lr):
-    """torch's state_dict load test: a state saved mid-run loads through torch.save/torch.load (weights_only True
-    and False) unchanged; a new wrapper that loads it has the same state and LRs, and steps on as the first."""
+def test_state_dict_round_trips_through_torch_save_and_load(name, weights_only, tensor_lr, told):
+    """torch's state_dict tests: a state saved mid-run loads through torch.save/torch.load (weights_only True and
+    False) unchanged; a new wrapper (around the scheduler made with other hyperparameters where torch's suite does
+    so) that loads it has the same state and LRs, and steps on as the first, counted or told."""
     optimizer, scheduler = _wrapped(name, tensor_lr)
-    for _ in range(5):
+    for t in range(5):
         optimizer.step()
-        scheduler.step()
-    other_optimizer, other = _wrapped(name, tensor_lr)
+        _step(scheduler, t, told)
+    other_optimizer, other = _wrapped(name, tensor_lr, {**_SCHEDULERS, **_OTHERWISE})
     _reloaded(scheduler, other, weights_only)
     for t in range(5, _STEPS):
         _check_lrs(t, [float(lr) for lr in scheduler.get_last_lr()], other.get_last_lr())
         _check_lrs(t, [float(lr) for lr in scheduler.get_last_lr()], [g["lr"] for g in other_optimizer.param_groups])
         for opt, sched in ((optimizer, scheduler), (other_optimizer, other)):
             opt.step()
-            sched.step()
+            _step(sched, t, told)
 
 
 @pytest.mark.parametrize("weights_only", [True, False])
@@ -364,14 +381,17 @@ def test_state_dict_of_a_sampler_driven_wrapper_loads_with_weights_only(base_bat
     _reloaded(scheduler, other, weights_only)
 
 
-def test_the_loop_torch_recommends_raises_no_warning():
-    """torch's new-pattern test: construction and 35 of optimizer.step(); scheduler.step() warn nothing."""
+@pytest.mark.parametrize("told", [False, True], ids=["counted", "told"])
+@pytest.mark.parametrize("name", list(_SCHEDULERS))
+def test_the_loop_torch_recommends_raises_no_warning(name, told):
+    """torch's new-pattern and SequentialLR no-warning tests: construction, then optimizer.step() and
+    scheduler.step() after each update, warn nothing."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        optimizer, scheduler = _wrapped("StepLR")
-        for _ in range(35):
+        optimizer, scheduler = _wrapped(name)
+        for t in range(_STEPS):
             optimizer.step()
-            scheduler.step()
+            _step(scheduler, t, told)
     assert [str(warning.message) for warning in caught] == []
 
 
@@ -425,50 +445,39 @@ def test_a_tensor_lr_is_not_aliased(name):
 # =============================================================================
 # torchdata's StatefulDataLoader (test/stateful_dataloader/test_state_dict.py)
 # =============================================================================
-# Two loader modes: make_dataloader(..., dataloader_class=StatefulDataLoader) ("make") and
-# StatefulDataLoader(dataset, batch_sampler=sampler) ("direct"); the sampler's own state_dict where the promise is
-# the sampler's. The loop is torchdata's tests': it counts its epochs itself (calling set_epoch(epoch), or not) and
-# saves its count with the loader's state. The dataset draws from its own generator (`_AugmentedDataset`): its
-# state is saved and restored with the loader's, so a resumed run must read the same samples and the same draws.
-# Worker cases are marked slow.
+# Two loaders over varbatch's sampler: make_dataloader(..., dataloader_class=StatefulDataLoader) ("make") and
+# StatefulDataLoader(dataset, batch_sampler=sampler) ("direct"); each pass is an iterator whose state torchdata saves
+# with the loader's. The loop is torchdata's tests' own: it counts its epochs (calling sampler.set_epoch(epoch), or
+# not) and keeps its count beside the loader's state. The dataset draws from its own generator, which torchdata saves
+# with the loader: a resumed run must read the samples and the draws of the uninterrupted one. States go through JSON.
 # Not applicable, one line each:
 # - iterable-style datasets (the Iterable, Generator, dynamic-state and iter()-count tests): varbatch plans the ids
 #   of a map-style dataset; an iterable one has no ids to plan.
 # - in_order=False (the out-of-order tests): make_dataloader refuses it, the plan's order is the order trained.
-# - a sampler that is not stateful, fast-forwarded (TestNotStatefulSamplerSDL): varbatch's sampler is stateful.
-# - num_workers changed between save and load (TestNumWorkersMismatch): torchdata's assertion on its own format,
-#   which varbatch leaves as it is (the sampler's own state, epoch and steps_done, loads with any worker count).
+# - a sampler that is not stateful, fast-forwarded (TestNotStatefulSamplerSDL): varbatch's passes are stateful.
+# - num_workers changed between save and load (TestNumWorkersMismatch): torchdata's assertion on its own format.
 # - worker init and iteration errors: torch's error propagation, which varbatch's loader does not touch.
-# - torch's global RNG as a dataset's state (DummyMapDataset): a dataset's own generator stands for it; the global
-#   RNG of workers is seeded by torch from the loader's base seed, which torchdata saves, not varbatch.
-# - set_epoch(e + 1) right after a direct loader's load_state_dict: torchdata restores the sampler only when its
-#   next iterator starts, after that set_epoch, so the loop gets the saved epoch's rest first (as with torchdata's
-#   own StatefulDistributedSampler); make_dataloader's loader restores at load_state_dict and keeps it.
+# - torch's global RNG as a dataset's state (DummyMapDataset): a dataset's own generator stands for it.
+# - set_epoch(e + 1) right after load_state_dict, as if the saved epoch were done: the loader's next pass continues
+#   the saved one (its epoch and place) whatever set_epoch said, as torchdata restores a sampler's iterator; the
+#   sampler's epoch is left as the loop set it (test_the_next_pass_continues_the_loaded_one_whatever_set_epoch_said).
 
 _TD_EPOCHS = 3
 _SEQLENS = [int(n) for n in np.random.default_rng(0).integers(1, 30, 120)]
 
 
-class _Samples:
-    """A map-style dataset of ``len(seqlens)`` samples, sample i of ``seqlens[i]`` tokens."""
+class _AugmentedDataset(torch.utils.data.Dataset):
+    """Sample i is ``_SEQLENS[i]`` copies of ``1000 i + noise``, the noise drawn from the dataset's own generator at
+    each read (an augmentation): its state is what torchdata saves for it."""
 
-    def __init__(self, seqlens):
-        self.seqlens = seqlens
+    def __init__(self):
+        self.rng = np.random.default_rng(7)
 
     def __len__(self):
-        return len(self.seqlens)
-
-
-class _AugmentedDataset(_Samples):
-    """Sample i is ``seqlens[i]`` copies of ``1000 i + noise``, the noise drawn from the dataset's own RNG at each
-    read (an augmentation): its state is what torchdata saves for it."""
-
-    def __init__(self, seqlens, seed=7):
-        super().__init__(seqlens)
-        self.rng = np.random.default_rng(seed)
+        return len(_SEQLENS)
 
     def __getitem__(self, index):
-        return torch.full((self.seqlens[index],), 1000 * index + int(self.rng.integers(1000)))
+        return torch.full((_SEQLENS[index],), 1000 * index + int(self.rng.integers(1000)))
 
     def state_dict(self):
         return {"rng": self.rng.bit_generator.state}
@@ -477,50 +486,24 @@ class _AugmentedDataset(_Samples):
         self.rng.bit_generator.state = state_dict["rng"]
 
 
-class _CountingDataset(_Samples):
-    """Counts its reads; a sample is the count at its read: the state is one number."""
-
-    def __init__(self, seqlens):
-        super().__init__(seqlens)
-        self.reads = 0
-
-    def __getitem__(self, index):
-        self.reads += 1
-        return torch.full((self.seqlens[index],), self.reads)
-
-    def state_dict(self):
-        return {"reads": self.reads}
-
-    def load_state_dict(self, state_dict):
-        self.reads = state_dict["reads"]
-
-
-class _StateDictOnly(_Samples):
+class _StateDictOnly(list):
     """A dataset with state_dict but no load_state_dict: not Stateful to torchdata."""
-
-    def __getitem__(self, index):
-        return torch.ones(self.seqlens[index])
 
     def state_dict(self):
         return {}
 
 
-def _td_sampler(**options):
-    return VariableBatchSampler(_SEQLENS, 64, order="random", num_replicas=1, rank=0, **options)
+def _td_sampler():
+    return VariableBatchSampler(_SEQLENS, 64, order="random", num_replicas=1, rank=0)
 
 
 def _td_build(arm, workers=0, dataset=None, **options):
-    """A dataset (by default a fresh `_AugmentedDataset`, its generator at its seed), sampler and stateful loader:
-    varbatch's sampler through make_dataloader ("make") or passed as batch_sampler ("direct"), or torchdata's own
-    BatchSampler over its RandomSampler ("torchdata", the reference: its sampler is None to the loop)."""
+    """A fresh dataset (by default an `_AugmentedDataset`), sampler and stateful loader: varbatch's sampler through
+    make_dataloader ("make") or passed as batch_sampler ("direct")."""
     stateful = pytest.importorskip("torchdata.stateful_dataloader")
-    dataset = _AugmentedDataset(_SEQLENS) if dataset is None else dataset
-    options = dict(collate_fn=varbatch.PaddedCollate(), num_workers=workers, **options)
-    if arm == "torchdata":
-        order = stateful.sampler.RandomSampler(dataset, generator=torch.Generator().manual_seed(5))
-        batches = stateful.sampler.BatchSampler(order, 4, drop_last=False)
-        return None, stateful.StatefulDataLoader(dataset, batch_sampler=batches, **options)
+    dataset = _AugmentedDataset() if dataset is None else dataset
     sampler = _td_sampler()
+    options = dict(collate_fn=varbatch.PaddedCollate(), num_workers=workers, **options)
     if arm == "make":
         return sampler, make_dataloader(dataset, sampler, dataloader_class=stateful.StatefulDataLoader, **options)
     return sampler, stateful.StatefulDataLoader(dataset, batch_sampler=sampler, **options)
@@ -536,275 +519,151 @@ def _ids(batches):
     return [[row // 1000 for row in rows] for _, rows in batches]
 
 
-def _td_loop(sampler, loader, epochs, set_epoch=True):
-    """torchdata's tests' loop, counting its epochs: yields (epoch, rows) per batch, and (epoch, None) once each
-    epoch's ``for`` over the loader has ended."""
-    for epoch in epochs:
-        if set_epoch and sampler is not None:
+def _td_run(build, set_epoch=True, state=None, start=0, stop=None):
+    """torchdata's tests' loop from epoch ``start`` over a new dataset, sampler and loader (restored from ``state``
+    if given), counting its epochs: its batches as ``(epoch, rows)``, and the loader's state through JSON where it
+    stops, at ``stop = (epoch, at)``: after the ``at``-th batch of that epoch it read ("last": the epoch's last,
+    inside its loop), or once the epoch's loop ended (``at="end"``)."""
+    sampler, loader = build()
+    if state is not None:
+        loader.load_state_dict(state)
+    if stop is not None and stop[1] == "last":
+        stop = (stop[0], len(loader))
+    batches = []
+    for epoch in range(start, _TD_EPOCHS):
+        if set_epoch:
             sampler.set_epoch(epoch)
         for batch in loader:
-            yield epoch, _rows(batch)
-        yield epoch, None
+            batches.append((epoch, _rows(batch)))
+            if stop == (epoch, sum(e == epoch for e, _ in batches)):
+                return batches, json.loads(json.dumps(loader.state_dict()))
+        if stop == (epoch, "end"):
+            return batches, json.loads(json.dumps(loader.state_dict()))
+    return batches, None
 
 
-def _td_full(build, set_epoch=True):
-    return [(e, rows) for e, rows in _td_loop(*build(), range(_TD_EPOCHS), set_epoch) if rows is not None]
-
-
-def _td_head(sampler, loader, epoch, stop, set_epoch=True):
-    """The batches up to a save, and the loader's state saved there: inside epoch ``epoch``'s loop after its
-    ``stop``-th batch ("last": its last, before the loop ends), or once its loop ended (``stop="end"``)."""
-    head, loop = [], _td_loop(sampler, loader, range(_TD_EPOCHS), set_epoch)
-    stop = len(loader) if stop == "last" else stop
-    for e, rows in loop:
-        if rows is not None:
-            head.append((e, rows))
-        if e == epoch and (rows is None if stop == "end" else sum(x == e for x, _ in head) == stop):
-            break
-    state = loader.state_dict()
-    loop.close()
-    return head, state
-
-
-def _td_resumed(build, head, state, epoch, stop, set_epoch=True):
-    """The rest of the run from ``state``, in a new dataset, sampler and loader: the loop's count resumes at the
-    epoch it saved (the next one once the epoch's loop had ended)."""
-    sampler, loader = build()
-    loader.load_state_dict(state)
-    start = epoch + 1 if stop == "end" else epoch
-    return [(e, rows) for e, rows in _td_loop(sampler, loader, range(start, _TD_EPOCHS), set_epoch) if rows is not None]
-
-
-def _check_resumed(full, head, rest, where):
-    assert len(head) + len(rest) == len(full), f"{where}: {len(head)} + {len(rest)} batches for {len(full)}"
-    assert _ids(head + rest) == _ids(full), f"{where}: the resumed run read other samples than the uninterrupted one"
-    assert head + rest == full, f"{where}: the same samples, but the dataset's own draws differ"
-
-
-def _td_resumes_exactly(arm, epoch, stop, set_epoch=True, workers=0, full=None, **options):
-    build = partial(_td_build, arm, workers)
-    full = _td_full(build, set_epoch) if full is None else full
-    head, state = _td_head(*_td_build(arm, workers, **options), epoch, stop, set_epoch)
-    rest = _td_resumed(partial(_td_build, arm, workers, **options), head, state, epoch, stop, set_epoch)
-    _check_resumed(full, head, rest, f"{arm}, saved in epoch {epoch} at {stop}")
-
-
-def test_the_loader_saves_the_datasets_state_as_it_is():
-    """The wrapper adds no keys: the loader's dataset_state is the dataset's state_dict(), after the reads so far."""
-    dataset = _CountingDataset(_SEQLENS)
-    _, loader = _td_build("make", dataset=dataset)
-    batches = iter(loader)
-    for _ in range(3):
-        next(batches)
-    assert dataset.reads > 0
-    assert loader.state_dict()["dataset_state"] == dataset.state_dict() == {"reads": dataset.reads}
-
-
-@pytest.mark.parametrize(
-    "dataset", [[torch.ones(n) for n in _SEQLENS], _StateDictOnly(_SEQLENS)], ids=["plain", "state_dict only"]
-)
-def test_a_dataset_without_state_gives_the_wrapper_none(dataset):
-    """torchdata checks for both methods: a dataset lacking one gets a wrapper with neither, and torchdata saves no
-    dataset state, as without varbatch."""
-    _, loader = _td_build("make", dataset=dataset)
-    assert not hasattr(loader.dataset, "state_dict") and not hasattr(loader.dataset, "load_state_dict")
-    next(iter(loader))
-    assert loader.state_dict()["dataset_state"] is None
-
-
-def test_a_pickled_wrapper_reaches_the_dataset_its_collate_reads():
-    """A spawned worker unpickles the loader's dataset and collate together: the wrapper's state then follows the
-    reads the collate makes, and a state loaded through it is the one the collate reads with."""
-    _, loader = _td_build("make", dataset=_CountingDataset(_SEQLENS))
-    (key,) = next(iter(loader.batch_sampler))
-    wrapper, collate = pickle.loads(pickle.dumps((loader.dataset, loader.collate_fn)))
-    assert wrapper.state_dict() == {"reads": 0}
-    wrapper.load_state_dict({"reads": 100})
-    x, _ = collate([key])
-    assert x[:, 0].tolist() == list(range(101, 101 + len(key.sample_ids)))
-    assert wrapper.state_dict() == {"reads": 100 + len(key.sample_ids)}
-
-
-@pytest.mark.slow
-def test_spawned_workers_resume_the_datasets_own_state():
-    """Spawned, persistent workers each unpickle the wrapper with the collate that reads through it: stopped in
-    epoch 1 and resumed, the run reads the samples and every worker's dataset draws of the uninterrupted one."""
-    full = _td_full(partial(_td_build, "make", 2, persistent_workers=True))  # forked workers draw alike, started sooner
-    _td_resumes_exactly("make", 1, 7, workers=2, full=full, multiprocessing_context="spawn", persistent_workers=True)
+def _td_resumes_exactly(build, *stops, set_epoch=True):
+    """Stopped at each of ``stops`` in turn, each run resumed from the state the one before saved, the runs read the
+    samples and the dataset's draws of the uninterrupted run, none twice."""
+    full, _ = _td_run(build, set_epoch)
+    trained = []
+    state = None
+    start = 0
+    for stop in stops:
+        batches, state = _td_run(build, set_epoch, state, start, stop)
+        trained += batches
+        start = stop[0] + 1 if stop[1] == "end" else stop[0]
+    trained += _td_run(build, set_epoch, state, start)[0]
+    where = f"stopped at {stops}"
+    assert _ids(trained) == _ids(full), f"{where}: the resumed runs read other samples than the uninterrupted one"
+    assert trained == full, f"{where}: the same samples, but the dataset's own draws differ"
 
 
 @pytest.mark.parametrize("set_epoch", [True, False], ids=["set_epoch", "no set_epoch"])
 @pytest.mark.parametrize(
-    "epoch, stop",
+    "stop",
     [(0, 1), (0, 10), (1, 7), (0, "last"), (1, "last"), (0, "end"), (1, "end")],
     ids=["first batch", "batch 10", "epoch 1", "end, in the loop", "end of 1, in", "end, loop ended", "end of 1"],
 )
 @pytest.mark.parametrize("arm", ["make", "direct"])
-def test_a_loop_counting_its_epochs_resumes_exactly(arm, epoch, stop, set_epoch):
-    """torchdata's interrupted-run, multi-epoch and end-of-epoch resumes, 0 workers: saved after any batch, after an
-    epoch's last batch inside its loop, or after its loop ended, and resumed by a loop that counts its epochs itself,
-    the run reads the samples and the dataset's draws of the uninterrupted run, none twice."""
-    _td_resumes_exactly(arm, epoch, stop, set_epoch)
-
-
-@pytest.mark.parametrize("arm", ["make", "direct", "torchdata"])
-def test_an_end_of_epoch_state_resumes_as_torchdata_says(arm):
-    """TestEndOfEpochBehavior: a state saved after an epoch's last batch, inside its loop, resumes as an empty pass
-    (then the next epoch); one saved after the loop ended, as the next epoch's full pass. varbatch's arms as
-    torchdata's own sampler."""
-    _, loader = _td_build(arm)
-    for _ in loader:
-        inside = loader.state_dict()
-    after = loader.state_dict()
-    next_epoch = [_rows(batch) for batch in loader]
-    for state, passes in ((inside, [[], next_epoch]), (after, [next_epoch])):
-        _, resumed = _td_build(arm)
-        resumed.load_state_dict(state)
-        assert [[_rows(batch) for batch in resumed] for _ in passes] == passes
-
-
-@pytest.mark.parametrize("then", ["set_epoch(e)", "no set_epoch", "set_epoch(e + 1)"])
-def test_a_make_dataloader_loader_restores_an_epochs_end_as_the_sampler_does(then):
-    """Right after loader.load_state_dict() of a state saved after epoch e's last batch, sampler.epoch is e and
-    steps_done len(sampler); set_epoch(e) (or none) gives the empty rest, then e + 1 follows; set_epoch(e + 1)
-    starts e + 1. Saved after the loop ended, sampler.epoch is e + 1 at once, steps_done 0."""
-    full = _td_full(partial(_td_build, "make"))
-    epoch_2 = [rows for e, rows in full if e == 2]
-    sampler, loader = _td_build("make")
-    _, inside = _td_head(sampler, loader, 1, "last")
-    sampler, loader = _td_build("make")
-    loader.load_state_dict(inside)
-    assert (sampler.epoch, sampler.steps_done) == (1, len(sampler))
-    if then != "no set_epoch":
-        sampler.set_epoch(1 if then == "set_epoch(e)" else 2)
-    passes = [[_rows(batch) for batch in loader] for _ in range(1 if then == "set_epoch(e + 1)" else 2)]
-    assert passes == ([epoch_2] if then == "set_epoch(e + 1)" else [[], epoch_2])
-    _, after = _td_head(*_td_build("make"), 1, "end")
-    sampler, loader = _td_build("make")
-    loader.load_state_dict(after)
-    assert (sampler.epoch, sampler.steps_done) == (2, 0)
-
-
-def _sampler_epochs(sampler, epochs):
-    return {e: list(sampler) for e in epochs if sampler.set_epoch(e) is None}
-
-
-@pytest.mark.parametrize("then", ["set_epoch(e)", "no set_epoch", "set_epoch(e + 1)"])
-@pytest.mark.parametrize("epoch", [0, 1])
-def test_the_samplers_own_state_at_an_epochs_end_restores_its_empty_rest(epoch, then):
-    """The sampler's state_dict after epoch e's last step input, through JSON, loads as epoch e with steps_done
-    len(sampler) (and saves as it loaded); set_epoch(e) or none gives the empty rest, then e + 1; set_epoch(e + 1)
-    starts e + 1; a loop that counts its epochs trains exactly the uninterrupted run's step inputs."""
-
-    build = _td_sampler
-    full = _sampler_epochs(build(), range(3))
-    sampler = build()
-    _sampler_epochs(sampler, range(epoch + 1))
-    state = json.loads(json.dumps(sampler.state_dict()))
-    resumed = build()
-    resumed.load_state_dict(state)
-    assert (resumed.epoch, resumed.steps_done) == (epoch, len(resumed))
-    assert resumed.state_dict() == state
-    if then == "set_epoch(e + 1)":
-        resumed.set_epoch(epoch + 1)
-        assert list(resumed) == full[epoch + 1]
-    else:
-        if then == "set_epoch(e)":
-            resumed.set_epoch(epoch)
-        assert list(resumed) == []
-        assert (resumed.epoch, resumed.steps_done) == (epoch + 1, 0)
-        assert list(resumed) == full[epoch + 1]
-    counted = build()
-    counted.load_state_dict(state)
-    assert _sampler_epochs(counted, range(epoch, 3)) == {epoch: [], **{e: full[e] for e in range(epoch + 1, 3)}}
-
-
-@pytest.mark.parametrize("unit", ["tokens", "samples"])
-def test_horizon_after_an_end_of_epoch_restore_counts_the_epochs_left(unit):
-    """Restored at epoch 1's end (epoch 1, nothing left of it), horizon(E - epoch) is the plans of epochs 2 .. E-1,
-    as the uninterrupted sampler's (already at epoch 2) horizon(E - epoch); at the next epoch's start, the same."""
-    epochs = 5
-    sampler = _td_sampler()
-    plans = [sampler.plan_for_epoch(e) for e in range(epochs)]
-    left = sum(int(plan._amounts(unit).sum()) for plan in plans[2:])
-    _sampler_epochs(sampler, range(2))
-    resumed = _td_sampler()
-    resumed.load_state_dict(sampler.state_dict())
-    assert (sampler.epoch, resumed.epoch) == (2, 1)
-    for owner in (sampler, resumed):
-        assert owner.horizon(epochs - owner.epoch, unit) == left, f"epoch {owner.epoch}"
-    assert list(resumed) == []
-    assert resumed.horizon(epochs - resumed.epoch, unit) == left
-
-
-def _example_run(sampler, loader, gas, epochs, max_steps, steps=0):
-    """example.py's loop as it keeps the sampler's position (its section 4 and 5): per epoch from sampler.epoch,
-    set_epoch, the batches from sampler.steps_done // gas, `gas` step inputs each, the step inputs trained
-    counted; its checkpoint, sampler.state_dict(steps_done=trained). Each batch as its step inputs' sample ids (the
-    example saves no dataset state)."""
-    trained, batches_trained = sampler.steps_done, []
-    for epoch in range(sampler.epoch, epochs):
-        if steps >= max_steps:
-            break
-        sampler.set_epoch(epoch)
-        plan, b0, batches = sampler.plan, sampler.steps_done // gas, iter(loader)
-        for b in range(b0, plan.num_batches):
-            step_inputs = [_rows(next(batches)) for _ in range(gas)]
-            batches_trained.append((epoch, [[row // 1000 for row in rows] for rows in step_inputs]))
-            trained, steps = (b + 1) * gas, steps + 1
-            if steps >= max_steps:
-                break
-    return batches_trained, steps, sampler.state_dict(steps_done=trained)
-
-
-@pytest.mark.parametrize("stop", ["end of epoch 0", "end of epoch 1", "inside epoch 1"])
-def test_the_examples_resume_at_an_epochs_end_trains_the_uninterrupted_batches(stop):
-    """example.py's stop and resume (its loop and checkpoint, over make_dataloader's loader): stopped by max-steps at
-    an epoch's end or inside one, the resumed run trains the batches of the uninterrupted one."""
-    gas, epochs = 2, 3
-
-    def build():
-        sampler = _td_sampler(gradient_accumulation_steps=gas)
-        return sampler, make_dataloader(_AugmentedDataset(_SEQLENS), sampler, collate_fn=varbatch.PaddedCollate())
-
-    sampler, loader = build()
-    per_epoch = len(sampler) // gas
-    full, _, _ = _example_run(sampler, loader, gas, epochs, 10**9)
-    at = {"end of epoch 0": per_epoch, "end of epoch 1": 2 * per_epoch, "inside epoch 1": per_epoch + 3}[stop]
-    head, steps, state = _example_run(*build(), gas, epochs, at)
-    sampler, loader = build()
-    sampler.load_state_dict(state)
-    rest, _, _ = _example_run(sampler, loader, gas, epochs, 10**9, steps)
-    assert len(head) + len(rest) == len(full), f"{len(head)} + {len(rest)} batches for {len(full)}"
-    assert head + rest == full
+def test_a_loop_counting_its_epochs_resumes_exactly(arm, stop, set_epoch):
+    """torchdata's interrupted-run, multi-epoch, end-of-epoch and JSON resumes, 0 workers: saved after any batch,
+    after an epoch's last batch inside its loop (resumed as the epoch's empty rest) or after its loop ended (as a
+    fresh pass), through JSON, and resumed by a loop that counts its epochs, the run reads the samples and the
+    dataset's draws of the uninterrupted run, none twice."""
+    _td_resumes_exactly(partial(_td_build, arm), stop, set_epoch=set_epoch)
 
 
 @pytest.mark.parametrize("arm", ["make", "direct"])
-def test_a_loader_state_loads_anywhere_and_through_json(arm):
-    """TestSnapshotZero, TestSnapshotEnd, the interrupted-shuffle and JSON tests, and load-then-state: a state saved
-    right after iter() resumes the whole epoch, also loaded into a loader in the middle of its own epoch; a state
-    loaded into the loader that saved it, after it moved on, rewinds it; a state through json.dumps/loads resumes
-    exactly; right after load_state_dict the loader's state_dict is the loaded one."""
-    _, loader = _td_build(arm)
-    batches = iter(loader)
-    at_start = loader.state_dict()
-    epoch_0 = [_rows(batch) for batch in batches]
-    _, other = _td_build(arm)
-    moved = iter(other)
-    next(moved), next(moved)
-    other.load_state_dict(at_start)
-    assert [_rows(batch) for batch in other] == epoch_0
-    _, loader = _td_build(arm)
-    batches = iter(loader)
-    head = [_rows(next(batches)) for _ in range(4)]
-    state = loader.state_dict()
-    tail = [_rows(batch) for batch in batches]
+def test_the_next_pass_continues_the_loaded_one_whatever_set_epoch_said(arm):
+    """Loaded from a state saved inside epoch 1, then set_epoch(2): the loader's next pass is the rest of epoch 1,
+    its draws too, and the sampler stays at epoch 2, whose pass follows in full."""
+    full, _ = _td_run(partial(_td_build, arm))
+    _, state = _td_run(partial(_td_build, arm), stop=(1, 5))
+    sampler, loader = _td_build(arm)
     loader.load_state_dict(state)
+    sampler.set_epoch(2)
+    rest = [_rows(batch) for batch in loader]
+    assert sampler.epoch == 2
+    assert rest == [rows for e, rows in full if e == 1][5:]
+    assert [_rows(batch) for batch in loader] == [rows for e, rows in full if e == 2]
+
+
+def _check_states_anywhere(build):
+    """TestInitialState, TestSnapshotZero and the load-then-state test, a loop that calls no set_epoch: a state saved
+    before the first iter() restores the passes that followed it, also into a loader in the middle of a pass, and is
+    the loader's state right after the load; a state saved mid-pass resumes its rest, loaded into the loader that
+    saved it after it moved on, and into a new loader with its state asked before or after the load."""
+    _, loader = build()
+    initial = loader.state_dict()
+    passes = [[_rows(batch) for batch in loader] for _ in range(2)]
+    moved = iter(loader)
+    next(moved)
+    next(moved)
+    loader.load_state_dict(initial)
+    assert loader.state_dict() == initial
+    assert [[_rows(batch) for batch in loader] for _ in range(2)] == passes, "from a state before the first iter()"
+    _, loader = build()
+    batches = iter(loader)
+    for _ in range(4):
+        next(batches)
+    middle = json.loads(json.dumps(loader.state_dict()))
+    tail = [_rows(batch) for batch in batches]
+    loader.load_state_dict(middle)
     assert [_rows(batch) for batch in loader] == tail, "loaded into the loader that saved it"
-    _, fresh = _td_build(arm)
-    fresh.load_state_dict(json.loads(json.dumps(state)))
-    assert fresh.state_dict() == json.loads(json.dumps(state))
-    assert head + [_rows(batch) for batch in fresh] == epoch_0
+    for asked_first in (True, False):
+        _, fresh = build()
+        if asked_first:
+            fresh.state_dict()
+        fresh.load_state_dict(middle)
+        if not asked_first:
+            assert fresh.state_dict() == middle
+        assert [_rows(batch) for batch in fresh] == tail, f"loaded into a new loader, state asked first: {asked_first}"
+
+
+@pytest.mark.parametrize("arm", ["make", "direct"])
+def test_states_saved_before_the_first_iter_or_mid_pass_resume_anywhere(arm):
+    """`_check_states_anywhere`, 0 workers."""
+    _check_states_anywhere(partial(_td_build, arm))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("persistent", [False, True], ids=["workers", "persistent workers"])
+@pytest.mark.parametrize("arm", ["make", "direct"])
+def test_workers_resume_exactly(arm, persistent):
+    """torchdata's worker resumes, 3 workers and snapshots every 3 steps: saved at a batch that is no multiple of
+    either, after an epoch's last batch inside its loop, after its loop ended, and 2 batches after a restore
+    (TestFastStateDictRequest), the runs read the samples and every worker's draws of the uninterrupted one; and
+    `_check_states_anywhere` (TestInitialState with persistent workers)."""
+    build = partial(_td_build, arm, 3, persistent_workers=persistent, snapshot_every_n_steps=3)
+    for stop in [(0, 10), (0, "last"), (1, "end")]:
+        _td_resumes_exactly(build, stop)
+    _td_resumes_exactly(build, (0, 10), (0, 2))
+    _check_states_anywhere(build)
+
+
+@pytest.mark.slow
+def test_spawned_workers_resume_the_datasets_own_state():
+    """Spawned, persistent workers each unpickle make_dataloader's dataset wrapper with the collate that reads through
+    it: stopped in epoch 1 and resumed, the run reads the samples and every worker's draws of the uninterrupted one."""
+    options = dict(multiprocessing_context="spawn", persistent_workers=True)
+    _td_resumes_exactly(partial(_td_build, "make", 2, **options), (1, 7))
+
+
+@pytest.mark.parametrize(
+    "dataset",
+    [_AugmentedDataset(), [torch.ones(n) for n in _SEQLENS], _StateDictOnly(torch.ones(n) for n in _SEQLENS)],
+    ids=["stateful", "plain", "state_dict only"],
+)
+def test_make_dataloader_saves_the_datasets_own_state_as_it_is(dataset):
+    """torchdata saves a dataset's state_dict() with the loader's where it has load_state_dict too, else None:
+    make_dataloader's loader as torchdata's own, with no keys added."""
+    _, loader = _td_build("make", dataset=dataset)
+    batches = iter(loader)
+    for _ in range(3):
+        next(batches)
+    expected = dataset.state_dict() if isinstance(dataset, _AugmentedDataset) else None
+    assert loader.state_dict()["dataset_state"] == expected
 
 
 def test_a_stateful_loader_reads_what_torchs_loader_reads():
@@ -814,41 +673,38 @@ def test_a_stateful_loader_reads_what_torchs_loader_reads():
     for loader_class in (None, stateful.StatefulDataLoader):
         sampler = _td_sampler()
         loader = make_dataloader(
-            _AugmentedDataset(_SEQLENS), sampler, collate_fn=varbatch.PaddedCollate(), dataloader_class=loader_class
+            _AugmentedDataset(), sampler, collate_fn=varbatch.PaddedCollate(), dataloader_class=loader_class
         )
-        runs.append([_rows(batch) for epoch in range(2) if sampler.set_epoch(epoch) is None for batch in loader])
+        runs.append([])
+        for epoch in range(2):
+            sampler.set_epoch(epoch)
+            runs[-1] += [_rows(batch) for batch in loader]
     assert runs[0] == runs[1]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("persistent", [False, True], ids=["workers", "persistent workers"])
-@pytest.mark.parametrize("arm", ["make", "direct", "torchdata"])
-def test_resumes_with_3_workers_read_what_the_uninterrupted_run_reads(arm, persistent):
-    """torchdata's worker resumes, 3 workers, a loop that calls no set_epoch: the uninterrupted run trains each
-    epoch's plan; saved mid-epoch (snapshots every 3 steps), after an epoch's last batch inside its loop, after its
-    loop ended, and 2 batches after a restore (the fast state request), the resumed run reads the samples and every
-    worker's dataset draws of the uninterrupted one, varbatch's arms as torchdata's own sampler. In make mode,
-    set_epoch(e + 1) after an end-of-epoch restore starts e + 1."""
-    build = partial(_td_build, arm, 3, persistent_workers=persistent)
-    full = _td_full(build, set_epoch=False)
-    if arm != "torchdata":  # each epoch's plan (not epoch 0's again: a persistent iterator restarts on each pass)
-        epochs = _sampler_epochs(_td_sampler(), range(_TD_EPOCHS))
-        assert _ids(full) == [ids for e in range(_TD_EPOCHS) for ids in epochs[e]]
-    for epoch, stop, snapshots in [(0, 10, 3), (0, "last", 1), (1, "end", 1)]:
-        saving = partial(build, snapshot_every_n_steps=snapshots)
-        head, state = _td_head(*saving(), epoch, stop, set_epoch=False)
-        rest = _td_resumed(saving, head, state, epoch, stop, set_epoch=False)
-        _check_resumed(full, head, rest, f"saved in epoch {epoch} at {stop}")
-    head, state = _td_head(*build(), 0, 10, set_epoch=False)
-    _, loader = build()
-    loader.load_state_dict(state)
-    batches = iter(loader)
-    head += [(0, _rows(next(batches))) for _ in range(2)]
-    rest = _td_resumed(build, head, loader.state_dict(), 0, 12, set_epoch=False)
-    _check_resumed(full, head, rest, "saved 2 batches after a restore")
-    if arm == "make":
-        _, inside = _td_head(*build(), 0, "last", set_epoch=False)
-        sampler, loader = build()
-        loader.load_state_dict(inside)
-        sampler.set_epoch(1)
-        assert _ids([(1, _rows(batch)) for batch in loader]) == _ids([b for b in full if b[0] == 1])
+def _passes(sampler, epochs):
+    """A loop that counts its epochs over the sampler alone: each epoch's pass, by epoch."""
+    passes = {}
+    for epoch in epochs:
+        sampler.set_epoch(epoch)
+        passes[epoch] = list(sampler)
+    return passes
+
+
+@pytest.mark.parametrize("epoch", [0, 1])
+def test_the_samplers_state_at_an_epochs_end_resumes_as_its_empty_rest(epoch):
+    """torchdata's end-of-epoch convention for the sampler's own state: saved after epoch e's last step input (the
+    loop's count, steps_done=len(sampler)) and loaded through JSON, the sampler is at epoch e with nothing left of it
+    (and saves that again), its horizon counts the epochs after e, and a loop that counts its epochs trains e's empty
+    rest, then the uninterrupted run's epochs."""
+    full = _passes(_td_sampler(), range(_TD_EPOCHS))
+    sampler = _td_sampler()
+    sampler.set_epoch(epoch)
+    state = json.loads(json.dumps(sampler.state_dict(steps_done=len(sampler))))
+    resumed = _td_sampler()
+    resumed.load_state_dict(state)
+    assert (resumed.epoch, resumed.steps_done) == (epoch, len(resumed))
+    assert resumed.state_dict() == state
+    later = range(epoch + 1, _TD_EPOCHS)
+    assert resumed.horizon(_TD_EPOCHS - epoch, "samples") == sum(len(ids) for e in later for ids in full[e])
+    assert _passes(resumed, range(epoch, _TD_EPOCHS)) == {epoch: [], **{e: full[e] for e in later}}

@@ -24,7 +24,6 @@ import json
 import math
 import os
 import pickle
-import queue
 import re
 import shutil
 import signal
@@ -45,7 +44,6 @@ import pytest
 import torch
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 import plan as plan_command  # plan.py, the plan command beside varbatch.py (`plan` names plans in the tests)
 import varbatch
@@ -84,6 +82,7 @@ PUBLIC_NAMES = {
     "get_dataloader_and_lr_scheduler_for_variable_batch_size",
     "get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed",
     # varbatch's own
+    "Batch",
     "Plan",
     "plan_batches",
     "VariableBatchSampler",
@@ -92,8 +91,8 @@ PUBLIC_NAMES = {
     "pad_sample",
     "seqlens_from_padded",
     "micro_batch_loss_weight",
-    "hf_trainer_lr_scheduler",  # issue 28: the one adapter factory
-    "FlatCollate",  # issue 29: padding-free step inputs
+    "hf_trainer_lr_scheduler",
+    "FlatCollate",
     "check_padding_free",
 }
 _ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -201,9 +200,9 @@ def test_import_defines_names_only():
     assert done.stdout == ""
 
 
-def test_public_api_is_the_eighteen_names():
-    """__all__ is exactly the 18 public names, and every other name varbatch defines starts with '_'."""
-    assert sorted(varbatch.__all__) == sorted(PUBLIC_NAMES) and len(varbatch.__all__) == 18
+def test_public_api_is_the_nineteen_names():
+    """__all__ is exactly the 19 public names, and every other name varbatch defines starts with '_'."""
+    assert sorted(varbatch.__all__) == sorted(PUBLIC_NAMES) and len(varbatch.__all__) == 19
     own = [
         name
         for name, value in vars(varbatch).items()
@@ -228,7 +227,7 @@ def _evaluated_at_import(node):
 
 def test_varbatch_runs_no_name_before_its_definition():
     """Every module-level statement of varbatch.py uses only names defined above it (what Python needs to import
-    it); function bodies may call what a part defines below them, so each part reads top-down (issue 26)."""
+    it); function bodies may call what a part defines below them, so each part reads top-down."""
     tree = ast.parse(Path(_ROOT, "varbatch.py").read_text(encoding="utf-8"))
     defined = {}  # module-level name -> the line of its first definition
     for node in tree.body:
@@ -440,13 +439,13 @@ def _assert_valid_plan(plan, case):
 
 
 # the audit's padded case: one long sample per step input of 33 samples
-_ISSUE_PADDED = [1] * 64 + [64] + [1] * 64 + [64]
+_LONG_AMONG_SHORT = [1] * 64 + [64] + [1] * 64 + [64]
 
 
 @given(case=plan_cases(orders=ORDERS))
 # a step input of two micro-batches shares one S
-@example(case=_case(_ISSUE_PADDED, 64, effective_batch_size=2, micro_batch_size=2, budget="padded"))
-@example(case=_case(_ISSUE_PADDED, 64, effective_batch_size=4, micro_batch_size=2, budget="padded", order="random"))
+@example(case=_case(_LONG_AMONG_SHORT, 64, effective_batch_size=2, micro_batch_size=2, budget="padded"))
+@example(case=_case(_LONG_AMONG_SHORT, 64, effective_batch_size=4, micro_batch_size=2, budget="padded", order="random"))
 # same length: every micro-batch padded to its batch's longest
 @example(case=_case([1, 1, 1, 8, 1, 1], 8, effective_batch_size=2, budget="padded", same_size=True, same_length=True))
 def test_every_plan_holds_its_budget_and_bounds(case):
@@ -473,16 +472,22 @@ def _bos_eos_collate(samples):
 
 
 @pytest.mark.parametrize(
-    "kind", ["dicts", "text tokenized in the collate", "(label, tokens) tuples", "BOS/EOS collate"]
+    "kind", ["dicts, in pipeline mode", "text tokenized in the collate", "(label, tokens) tuples", "BOS/EOS collate"]
 )
 def test_a_samples_len_means_nothing(kind):
-    """Samples whose len() is not their token count are planned by their seqlens and all trained once."""
+    """Samples whose len() is not their token count are planned by their seqlens and all trained once; in pipeline
+    mode dict samples are padded field by field (labels with -100) and their real lengths reported."""
     seqlens = _lengths(30, 1, 9, seed=12)
-    if kind == "dicts":  # the audit's example: len() counts the keys
+    sampler = VariableBatchSampler(seqlens, 20, order="random", seed=2)
+    padding = None
+    if kind == "dicts, in pipeline mode":  # the audit's example: len() counts the keys
         data = [
             {"input_ids": torch.full((n,), i + 1), "labels": torch.arange(n), "id": i} for i, n in enumerate(seqlens)
         ]
         collate = PaddedCollate()
+        padding = functools.partial(pad_sample, pad_value={"labels": -100})
+        pipeline = dict(gradient_accumulation_steps=2, budget="padded", same_size=True, same_length=True)
+        sampler = VariableBatchSampler(seqlens, 20, order="random", seed=2, **pipeline)
     elif kind == "text tokenized in the collate":
         data = [" ".join(["w" * (i % 5 + 1)] * n) for i, n in enumerate(seqlens)]
         collate = _text_collate
@@ -492,14 +497,17 @@ def test_a_samples_len_means_nothing(kind):
     else:
         data = [list(range(1, n + 1)) for n in seqlens]
         collate = _bos_eos_collate
-    sampler = VariableBatchSampler(seqlens, 20, order="random", seed=2)
-    planned = [list(step) for step in sampler.plan.microbatches()]
-    batches = list(make_dataloader(data, sampler, collate_fn=collate))
+    plan = sampler.plan
+    planned = [list(step) for step in plan.microbatches()]
+    batches = list(make_dataloader(data, sampler, collate_fn=collate, sample_padding_fn=padding))
     assert len(batches) == len(planned)
-    for ids, batch in zip(planned, batches):
-        if kind == "dicts":
-            assert batch["id"].tolist() == ids and batch["seqlens"].tolist() == [seqlens[i] for i in ids]
-            assert (batch["input_ids"] != 0).sum(dim=1).tolist() == batch["seqlens"].tolist()
+    for j, (ids, batch) in enumerate(zip(planned, batches)):
+        if kind == "dicts, in pipeline mode":
+            lens = batch["seqlens"].tolist()
+            assert batch["id"].tolist() == ids and lens == [seqlens[i] for i in ids]
+            assert batch["input_ids"].shape[1] == batch["labels"].shape[1] == plan.batch_max_seqlens[j // 2]
+            for row, n in zip(batch["labels"], lens):
+                assert row[:n].tolist() == list(range(n)) and (row[n:] == -100).all()
         elif kind == "text tokenized in the collate":
             assert batch.shape == (len(ids), max(seqlens[i] for i in ids))
         elif kind == "(label, tokens) tuples":
@@ -981,7 +989,7 @@ def _samplers(seqlens, max_tokens, num_replicas, **options):
 )
 # the audit's case: 65 x 64 slots per step input before, 2 x 64 allowed
 @example(
-    seqlens=_ISSUE_PADDED,
+    seqlens=_LONG_AMONG_SHORT,
     max_tokens=64,
     micro_batch_size=2,
     gas=1,
@@ -1107,33 +1115,6 @@ def test_padded_collate_refuses_to_guess_the_lengths_of_other_samples_than_the_s
     assert _wrap([torch.ones(3), torch.ones(5)])[1].tolist() == [3, 5]
 
 
-def test_dict_samples_in_pipeline_mode():
-    """Same-length mode pads dict samples field by field (labels with -100) and reports their real lengths."""
-    seqlens = _lengths(24, 1, 10, seed=13)
-    data = [{"input_ids": torch.full((n,), i + 1), "labels": torch.arange(n), "id": i} for i, n in enumerate(seqlens)]
-    padding = functools.partial(pad_sample, pad_value={"labels": -100})
-    sampler = VariableBatchSampler(
-        seqlens,
-        24,
-        gradient_accumulation_steps=2,
-        budget="padded",
-        same_size=True,
-        same_length=True,
-        order="random",
-        seed=1,
-    )
-    plan, trained = sampler.plan, []
-    for t, batch in enumerate(make_dataloader(data, sampler, collate_fn=PaddedCollate(), sample_padding_fn=padding)):
-        b = t // 2
-        ids, lens = batch["id"].tolist(), batch["seqlens"].tolist()
-        assert batch["input_ids"].shape[1] == batch["labels"].shape[1] == plan.batch_max_seqlens[b]
-        assert lens == [seqlens[i] for i in ids]
-        for row, n in zip(batch["labels"], lens):
-            assert row[:n].tolist() == list(range(n)) and (row[n:] == -100).all()
-        trained += ids
-    assert sorted(trained) == sorted(plan.sample_ids.tolist())
-
-
 # -- step inputs and ranks -------------------------------------------------------------------------
 
 
@@ -1141,6 +1122,51 @@ def _step_inputs_oracle(plan, micro_batch_size):
     """Every rank's step inputs in the order dealt: step input g is micro-batches g*m .. g*m + m - 1."""
     mbs, m = plan.microbatches(), micro_batch_size
     return [[i for mb in mbs[g * m : (g + 1) * m] for i in mb] for g in range(len(mbs) // m)]
+
+
+# The views of a sampler's passes: what the loop iterates, and the views launchers see and deal themselves.
+_VIEWS = {
+    "the sampler": lambda sampler, loader: sampler,
+    "the loader": lambda sampler, loader: loader,
+    "loader.sampler": lambda sampler, loader: loader.sampler,  # every rank's keys (Lightning's and Accelerate's)
+    "loader.batch_sampler": lambda sampler, loader: loader.batch_sampler,  # every rank's, by one (Accelerate deals it)
+    "deepspeed_io's data_sampler": lambda sampler, loader: varbatch._deepspeed_io_kwargs(loader)["data_sampler"],
+}
+_EVERY_RANK_VIEWS = ("loader.sampler", "loader.batch_sampler")
+
+
+def _dealing_oracle(view, sampler, every_input, start):
+    """A pass of ``view`` over the sampler's epoch from this rank's step input ``start``, by the dealing rule: ``(g,
+    sample ids, Batch record counting sequences)`` of this rank's step inputs g = t*R + rank (every rank's views:
+    every g from t = start on), None where the view does not show it."""
+    ranks, gas, epoch = sampler.num_replicas, sampler.gradient_accumulation_steps, sampler.epoch
+    plan = sampler.plan_for_epoch(epoch)
+    every_rank = view in _EVERY_RANK_VIEWS
+    dealt = []
+    for g in range(start * ranks, len(every_input)):
+        t = g // ranks
+        b = t // gas
+        record = varbatch.Batch(epoch * plan.num_batches + b, epoch, int(plan.batch_sizes[b]), t % gas == gas - 1, t)
+        if every_rank or g % ranks == sampler.rank:
+            shown_g = None if view in ("the sampler", "the loader") else g
+            shown_record = None if view in ("the sampler", "deepspeed_io's data_sampler") else record
+            dealt.append((shown_g, every_input[g], shown_record))
+    return dealt
+
+
+def _read(view, items, seqlens):
+    """The ``items`` of ``view`` as `_dealing_oracle` gives them (a key's seqlens checked)."""
+    dealt = []
+    for item in items:
+        if view == "the sampler":
+            dealt.append((None, item, None))
+        elif view == "the loader":  # (the samples of the dataset list(range(N)), the record)
+            dealt.append((None, *item))
+        else:
+            key = item[0] if view == "loader.batch_sampler" else item
+            assert key.seqlens == tuple(seqlens[i] for i in key.sample_ids), f"key {key} carries other lengths"
+            dealt.append((key.step_input, list(key.sample_ids), key.batch))
+    return dealt
 
 
 @given(
@@ -1154,44 +1180,54 @@ def _step_inputs_oracle(plan, micro_batch_size):
     key_run=st.integers(1, 5),
     data=st.data(),
 )
-@settings(max_examples=60)
-def test_every_view_of_a_pass_deals_the_one_rule_and_moves_the_position_per_step_input(
+@settings(max_examples=40)
+def test_every_view_of_a_pass_deals_the_one_rule_and_passes_are_independent(
     seqlens, micro_batch_size, gas, num_replicas, order, budget, epoch, key_run, data
 ):
     """Rank r trains step inputs r, r + R, ... of the epoch set; step input g is micro-batches g*m .. g*m + m - 1.
-    `__iter__`'s ids, this rank's keys and every rank's keys hold them from any resume position, the plan read in
-    runs of any length; each of this rank's step inputs moves the position on as it is handed out (before a later
-    rank's key of the same t), the epoch's last one to the next epoch."""
-    m, ranks = micro_batch_size, num_replicas
-    rank = data.draw(st.integers(0, ranks - 1))
-    options = dict(micro_batch_size=m, gradient_accumulation_steps=gas, order=order, budget=budget, seed=3)
-    sampler = _samplers(seqlens, 45, ranks, **options)[rank]
+    Every view of a pass deals them (the sampler, make_dataloader's loader with each step input's Batch record, the
+    keys launchers see), the plan read in runs of any length. A position restored into the sampler is taken by the
+    next pass of its epoch, once (not by a pass of another epoch, nor by an iterator left unread). A pass started in
+    the middle of another yields the whole epoch, and the first goes on as it was; a pass's state_dict() in
+    mid-pass, loaded into a fresh pass, continues this rank's step inputs exactly."""
+    ranks, rank = num_replicas, data.draw(st.integers(0, num_replicas - 1))
+    options = dict(micro_batch_size=micro_batch_size, gradient_accumulation_steps=gas, order=order, budget=budget)
+    sampler = _samplers(seqlens, 45, ranks, seed=3, **options)[rank]
+    loader = make_dataloader(list(range(len(seqlens))), sampler, batch_count="sequences")
+    sampler.set_epoch(epoch + 1)
+    next_epoch = _step_inputs_oracle(sampler.plan, micro_batch_size)
     sampler.set_epoch(epoch)
-    every_input = _step_inputs_oracle(sampler.plan, m)  # step input g of every rank
-    total = len(sampler)
-    assert total == sampler.plan.num_batches * gas and len(every_input) == total * ranks
-    start = data.draw(st.integers(0, total - 1))
-    state = {**sampler.state_dict(), "steps_done": start}
+    every_input = _step_inputs_oracle(sampler.plan, micro_batch_size)
+    assert len(sampler) == sampler.plan.num_batches * gas and len(every_input) == len(sampler) * ranks
+    start = data.draw(st.integers(0, len(sampler) - 1))
+    state = sampler.state_dict(steps_done=start)
+    sampler.load_state_dict(state)
+    sampler.set_epoch(epoch + 1)
+    assert next(iter(sampler)) == next_epoch[rank], "a pass of another epoch started at the restored position"
+    sampler.set_epoch(epoch)
+    iter(sampler)  # made and left unread
+    assert sampler.steps_done == start
     with unittest.mock.patch.object(varbatch, "_KEY_RUN", key_run):
-        for view in ("ids", "keys", "every rank's keys"):
+        for view, of in _VIEWS.items():
             sampler.load_state_dict(state)
-            if view == "ids":
-                dealt = iter(sampler)
-            else:
-                dealt = iter(varbatch._StepInputKeys(sampler, every_rank=view == "every rank's keys", batched=False))
-            steps = range(start * ranks, total * ranks) if view == "every rank's keys" else range(start, total)
-            for step, got in zip(steps, dealt):
-                g = step if view == "every rank's keys" else step * ranks + rank
-                t = g // ranks
-                done = t + 1 if g % ranks >= rank else t  # this rank's t-th step input comes at g = t*R + rank
-                if view == "ids":
-                    assert got == every_input[g]
-                else:
-                    where = (got.step_input, got.pass_start, got.every_rank)
-                    assert (list(got.sample_ids), *where) == (every_input[g], g, start, view == "every rank's keys")
-                    assert got.seqlens == tuple(seqlens[i] for i in got.sample_ids)
-                assert (sampler.epoch, sampler.steps_done) == ((epoch + 1, 0) if done == total else (epoch, done))
-            assert next(dealt, None) is None
+            source = of(sampler, loader)
+            first = iter(source)
+            expected = _dealing_oracle(view, sampler, every_input, start)
+            got = _read(view, itertools.islice(first, data.draw(st.integers(1, len(expected)), label=view)), seqlens)
+            assert sampler.steps_done == 0, f"{view}: the restored position was not taken"
+            saved = first.state_dict() if hasattr(first, "state_dict") else None  # torch's iterators keep none
+            whole = _read(view, source, seqlens)
+            rest = _read(view, first, seqlens)
+            assert got + rest == expected, view
+            assert whole == _dealing_oracle(view, sampler, every_input, 0), view
+            if saved is None:
+                continue
+            again = iter(source)
+            again.load_state_dict(saved)
+            continued = _read(view, again, seqlens)
+            if view in _EVERY_RANK_VIEWS:  # a state is this rank's position: every rank's keys from the t it reached
+                continued, rest = ([d for d in dealt if d[0] % ranks == rank] for dealt in (continued, rest))
+            assert continued == rest, view
 
 
 @pytest.mark.parametrize("num_replicas, gas", [(2, 2), (3, 1), (2, 3)])
@@ -1218,21 +1254,28 @@ def test_sampler_interleaving_matches_deepspeed(num_replicas, gas):
         assert list(sampler) == [list(step) for step in loader]
 
 
-def test_make_dataloader_with_workers():
-    """make_dataloader with two worker processes yields the sampler's step inputs, epoch after epoch."""
+def test_passes_of_a_loader_with_workers_are_independent():
+    """make_dataloader with two worker processes yields the sampler's passes, epoch after epoch (set_epoch); a pass
+    started in the middle of another (two iterators, each with its workers) yields the whole epoch, and the first
+    goes on as it was."""
     seqlens = _lengths(40, 1, 10, seed=6)
     options = dict(micro_batch_size=2, order="random", seed=2)
     reference = VariableBatchSampler(seqlens, 25, **options)
-    loader = make_dataloader(
-        _id_dataset(seqlens), VariableBatchSampler(seqlens, 25, **options), collate_fn=PaddedCollate(), num_workers=2
-    )
-    for _ in range(2):
-        expected = list(reference)
-        got = list(loader)
-        assert len(got) == len(expected) == len(loader)
-        for ids, (x, lens) in zip(expected, got):
-            assert _ids_of(x) == ids
-            assert lens.tolist() == [seqlens[i] for i in ids]
+    sampler = VariableBatchSampler(seqlens, 25, **options)
+    loader = make_dataloader(_id_dataset(seqlens), sampler, collate_fn=PaddedCollate(), num_workers=2)
+    epochs = []
+    for epoch in range(2):
+        reference.set_epoch(epoch)
+        sampler.set_epoch(epoch)
+        epochs.append(list(reference))
+        first = iter(loader)
+        got = [next(first) for _ in range(3)]
+        whole = list(loader)
+        got += list(first)
+        for batches in (got, whole):
+            assert [_ids_of(x) for x, _ in batches] == epochs[-1]
+            assert [lens.tolist() for _, lens in batches] == [[seqlens[i] for i in ids] for ids in epochs[-1]]
+    assert epochs[0] != epochs[1]
 
 
 _STOPS_MID_EPOCH = """
@@ -1259,7 +1302,7 @@ print("stopped")
 
 def test_a_loop_that_stops_mid_epoch_exits_cleanly():
     """Iterators alive at interpreter exit (without and with workers, the sampler's own, a DeepSpeed-style
-    stop at a step count) close silently (no 'Exception ignored in: <generator ... _iter_keys>')."""
+    stop at a step count) close silently (no 'Exception ignored in: <generator ...>')."""
     done = subprocess.run(
         [sys.executable, "-c", _STOPS_MID_EPOCH], cwd=_ROOT, capture_output=True, text=True, timeout=120
     )
@@ -1454,10 +1497,7 @@ def _packs_an_empty_epoch(seed):
 
 @given(case=plan_cases(orders=ORDERS), order=st.permutations(range(6)))
 # an epoch whose packing has no batch (drawn again, or epoch 0's batches reshuffled)
-@example(
-    case=_case(**_UNLUCKY, effective_batch_size=2, seed=_first_seed(_packs_an_empty_epoch)),
-    order=list(range(6)),
-)
+@example(case=_case(**_UNLUCKY, effective_batch_size=2, seed=_first_seed(_packs_an_empty_epoch)), order=list(range(6)))
 @example(case=_case(_lengths(60, 1, 20, seed=2), 30, effective_batch_size=2, order="random"), order=list(range(6)))
 @example(
     case=_case(
@@ -1599,33 +1639,6 @@ def test_no_sample_is_left_over_more_often_than_its_possible_tails_allow(case, t
         assert left_over[i] <= most, f"sample {i} left over in {left_over[i]} of {epochs} epochs, chance {chances[i]}"
 
 
-def _always_leaves_over(seed, max_tokens):
-    """Whether the plans of epochs 0-3 of 300 seqlens drawn from ``seed`` (one bucket window, padded budget, one
-    process, G = 2) leave a sample over in each before their tails move: the old planner's plans."""
-    seqlens = np.random.default_rng(seed).integers(1, 200, 300)
-    settings = varbatch._Settings.of(max_tokens=max_tokens, budget="padded", order="bucket", effective_batch_size=2)
-    reference = varbatch._reference_plan(seqlens, settings, None)
-    tails = [set(varbatch._drawn_plan(seqlens, settings, None, e, reference).dropped["tail"]) for e in range(4)]
-    return bool(set.intersection(*tails))
-
-
-@pytest.mark.parametrize("max_tokens", [256, 512], ids=["vendoring recipe", "HF Trainer recipe"])
-def test_no_sample_of_a_small_bucket_set_is_left_out_of_every_epoch(max_tokens):
-    """300 samples, order="bucket" (a set this small is one sorted window), one process, G = 2, 4 epochs, seqlens
-    whose old plans left the same sample over in every epoch: every sample trains in 2 of the 4 epochs at least."""
-    seed = _first_seed(functools.partial(_always_leaves_over, max_tokens=max_tokens))
-    seqlens = np.random.default_rng(seed).integers(1, 200, 300).tolist()
-    sampler = VariableBatchSampler(
-        seqlens, max_tokens, budget="padded", order="bucket", gradient_accumulation_steps=2, num_replicas=1, rank=0
-    )
-    trained = collections.Counter()
-    for epoch in range(4):
-        sampler.set_epoch(epoch)
-        trained.update(i for step_input in sampler for i in step_input)
-    assert min(trained[i] for i in range(300)) >= 2, {i: n for i, n in trained.items() if n < 2}
-    assert max(trained.values()) == 4
-
-
 # -- the planner against a slow, obviously correct oracle ------------------------------------------
 
 
@@ -1744,7 +1757,7 @@ def _assert_matches_oracle(case):
 @example(case=_case([1] * 9, 20, effective_batch_size=4))
 @example(case=_case([2, 2, 2, 2, 2, 5, 5], 10, effective_batch_size=2, order="seqlen"))
 # step inputs of two micro-batches packed as one block under the padded budget
-@example(case=_case(_ISSUE_PADDED, 64, effective_batch_size=2, micro_batch_size=2, budget="padded"))
+@example(case=_case(_LONG_AMONG_SHORT, 64, effective_batch_size=2, micro_batch_size=2, budget="padded"))
 @example(case=_case([2, 2, 2, 2, 2, 2, 2, 2, 2, 9], 12, effective_batch_size=4, micro_batch_size=2, budget="padded"))
 @settings(max_examples=300)
 def test_plan_matches_oracle(case):
@@ -1878,33 +1891,6 @@ def test_deepspeed_loses_data_where_varbatch_does_not():
     assert plan.microbatches() == [[0, 1, 2, 3], [4, 5, 6, 7], [8], [9]] and plan.num_dropped == 0
 
 
-def test_deepspeed_drops_a_dict_sample_that_varbatch_trains():
-    """The audit's dict example through DeepSpeed's own function: it yields (2,5),(2,7),(1,6) and loses a sample."""
-    module = _deepspeed_module()
-    lens = [5, 3, 7, 2, 6, 4]
-    data = [{"input_ids": torch.arange(1, n + 1)} for n in lens]
-
-    def collate(samples):
-        return torch.nn.utils.rnn.pad_sequence([s["input_ids"] for s in samples], batch_first=True)
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # DeepSpeed's own scheduler's PyTorch warnings
-        theirs, _, _ = module.get_dataloader_and_lr_scheduler_for_variable_batch_size(
-            data,
-            lens,
-            max_tokens=10,
-            effective_batch_size=1,
-            dataloader_collate_fn=collate,
-            dataloader_num_workers=0,
-            lr_scheduler_or_optimizer=_optimizer(),
-        )
-    ours, _, _ = varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size(
-        data, lens, max_tokens=10, effective_batch_size=1, dataloader_collate_fn=collate
-    )
-    assert [tuple(x.shape) for x in theirs] == [(2, 5), (2, 7), (1, 6)]
-    assert [tuple(x.shape) for x in ours] == [(2, 5), (2, 7), (2, 6)]
-
-
 def test_batch_by_seqlens_returns_deepspeed_shapes():
     """batch_by_seqlens returns (batch_id, ids) per micro-batch, batch sizes and batch max seqlens."""
     seqlens = [3, 5, 2, 6, 4, 1]
@@ -1999,7 +1985,7 @@ class _HFRecorder:
             "attention_mask": mask.T,
             "labels": ids.masked_fill(mask.T == 0, -100),
             "idx": torch.tensor([s["idx"] for s in samples]),
-            "epoch": torch.tensor(self.sampler.state_dict()["epoch"]),
+            "epoch": torch.tensor(self.sampler.epoch),
         }
 
     def hook(self, optimizer, args, kwargs):  # a torch optimizer pre-step hook: one per real update
@@ -2035,18 +2021,7 @@ def _tiny_llama_config():
     )
 
 
-def _hf_trainer(
-    tmp_path,
-    lengths,
-    *,
-    order,
-    seed,
-    epochs=2,
-    prepared=True,
-    sampler_options=(),
-    skips=(),
-    **arguments,
-):
+def _hf_trainer(tmp_path, lengths, *, order, seed, epochs=2, prepared=True, sampler_options=(), skips=(), **arguments):
     """An HF Trainer subclass over varbatch's loader (``prepared``: as the README's recipe returns it) and the
     Trainer's own schedule (``lr_scheduler_type``, constant by default) scaled by B_b / mean(B) through
     `hf_trainer_lr_scheduler`, ``epochs`` epochs; the loss is inf at the updates ``skips`` (give its accelerator a
@@ -2131,45 +2106,36 @@ def _packings_differ(lengths, max_tokens, epochs, **options):
     raise AssertionError("no seed whose packings differ in length")
 
 
-_LEN_READS = ["len(loader) once", "len(loader), set_epoch", "a new loader", "len(sampler) once", "deepspeed_io"]
-
-
-@pytest.mark.parametrize("reads", _LEN_READS)
+@pytest.mark.parametrize(
+    "reads", ["len(loader)", "len(loader), a new loader each epoch", "len(sampler)", "deepspeed_io"]
+)
 def test_a_loop_that_stops_at_the_len_it_read_once_trains_every_epoch_whole(reads):
-    """A loop that read len() in epoch 0 and stops every epoch there trains each of 3 epochs whole on each of 2
-    ranks, though their packings differ in length: every planned sample once, then the sampler is at the next."""
+    """A loop that read len() in epoch 0, sets each epoch and stops it there trains each of 3 epochs whole on each of
+    2 ranks, though their packings differ in length: every planned sample once, and the pass ends there."""
     lengths = _lengths(120, 1, 40, seed=8)
     seed = _packings_differ(lengths, 70, range(3), order="random", effective_batch_size=2)
     for rank in (0, 1):
         sampler = VariableBatchSampler(lengths, 70, order="random", seed=seed, num_replicas=2, rank=rank)
-        loaders = [make_dataloader(_id_dataset(lengths), sampler, collate_fn=varbatch.PaddedCollate())]
-        deepspeed_sampler = varbatch._StepInputKeys(sampler, every_rank=False, batched=False)
-        read = len({"len(sampler) once": sampler, "deepspeed_io": deepspeed_sampler}.get(reads, loaders[0]))
+        loader = make_dataloader(_id_dataset(lengths), sampler, collate_fn=varbatch.PaddedCollate())
+        deepspeed_sampler = varbatch._deepspeed_io_kwargs(loader)["data_sampler"]
+        source = {"len(sampler)": sampler, "deepspeed_io": deepspeed_sampler}.get(reads, loader)
+        read = len(source)
         for epoch in range(3):
-            if reads == "len(loader), set_epoch":
-                sampler.set_epoch(epoch)
-            if reads == "a new loader" and epoch:
-                loaders.append(make_dataloader(_id_dataset(lengths), sampler, collate_fn=varbatch.PaddedCollate()))
-            source = deepspeed_sampler if reads == "deepspeed_io" else loaders[-1]
-            got = list(itertools.islice(source, read))
-            trained = [key.sample_ids for key in got] if reads == "deepspeed_io" else [_ids_of(x) for x, _ in got]
+            sampler.set_epoch(epoch)
+            if reads == "len(loader), a new loader each epoch":
+                source = make_dataloader(_id_dataset(lengths), sampler, collate_fn=varbatch.PaddedCollate())
+            step_inputs = iter(source)
+            got = list(itertools.islice(step_inputs, read))
+            assert next(step_inputs, None) is None, f"epoch {epoch} has more step inputs than len() said"
+            if reads == "len(sampler)":
+                trained = got
+            elif reads == "deepspeed_io":
+                trained = [list(key.sample_ids) for key in got]
+            else:
+                trained = [_ids_of(x) for x, _ in got]
             plan = sampler.plan_for_epoch(epoch)
             mine = [plan.microbatch(g).tolist() for g in range(rank, plan.num_microbatches, 2)]
-            assert [list(ids) for ids in trained] == mine, f"epoch {epoch} on rank {rank}"
-            assert sampler.epoch == epoch + 1
-
-
-def test_hf_trainer_trains_every_epoch_whole_at_its_batches_lrs(tmp_path):
-    """HF Trainer reads len(loader) once, before epoch 0: with num_train_epochs=2 and no other setting both epochs,
-    whose packings differ in length, are trained whole, each update at its batch's LR."""
-    pytest.importorskip("transformers")
-    lengths = _hf_lengths()
-    seed = _packings_differ(lengths, 256, (0, 1), budget="padded", order="random")
-    trainer, sampler, record = _hf_trainer(tmp_path, lengths, order="random", seed=seed)
-    trainer.train()
-    assert _hf_never_and_twice(sampler, record.trained, (0, 1)) == (0, 0)
-    assert trainer.state.global_step == 2 * sampler._batches_per_epoch()
-    assert _hf_updates_off(sampler, record) == 0
+            assert trained == mine, f"epoch {epoch} on rank {rank}"
 
 
 def _quiet_lightning_trainer(pl, **options):
@@ -2210,7 +2176,7 @@ def test_lightning_amp_steps_the_scheduler_after_every_update_skipped_or_not():
             return make_dataloader(data, sampler, collate_fn=varbatch.PaddedCollate())
 
         def training_step(self, batch, index):
-            trained.extend((sampler.state_dict()["epoch"], int(v)) for v in batch[0][:, 0, 0])
+            trained.extend((sampler.epoch, int(v)) for v in batch[0][:, 0, 0])
             loss = (self.layer(batch[0] * 0) ** 2).mean() + 1
             return loss * math.inf if batches[0] in skips else loss
 
@@ -2242,30 +2208,35 @@ def test_lightning_amp_steps_the_scheduler_after_every_update_skipped_or_not():
         _check_lr(b, 0.1 * 0.9**b * sizes[batch] / sizes.mean(), lr)
 
 
-# -- drops are logged once per trained epoch -------------------------------------------------------
+# -- drops are logged once per epoch -------------------------------------------------------------------
 
 
 def _messages(caplog, text):
     return [r.getMessage() for r in caplog.records if r.name == "varbatch" and text in r.getMessage()]
 
 
-def test_drops_are_logged_once_per_trained_epoch_on_rank_0(caplog):
-    """Drops are logged when an epoch starts training, once, on rank 0; planning ahead logs nothing."""
+def test_drops_and_verbose_totals_are_logged_once_per_epoch_on_rank_0(caplog):
+    """An epoch's drops, and with verbose=True its plan's totals as one line of JSON, are logged as its first pass
+    begins, once, on rank 0; planning ahead, an iterator left unread, another pass and other ranks log nothing."""
     seqlens = [*_lengths(60, 1, 20, seed=15), 99, 98]  # two samples over budget in every epoch
     with caplog.at_level("INFO", logger="varbatch"):
-        sampler = VariableBatchSampler(seqlens, 40, order="random", seed=2)
-        other_rank = VariableBatchSampler(seqlens, 40, order="random", seed=2, num_replicas=2, rank=1)
-        sampler.plan_for_epoch(1), sampler.plan_for_epoch(2), len(sampler)
-        assert _messages(caplog, "dropped") == []
-        list(sampler)
-        sampler.set_epoch(0)
-        list(sampler)
-        list(sampler)  # epoch 1
-        list(other_rank), list(other_rank)
-    assert _messages(caplog, "dropped") == [
+        sampler = VariableBatchSampler(seqlens, 40, order="random", seed=2, verbose=True)
+        other_rank = VariableBatchSampler(seqlens, 40, order="random", seed=2, num_replicas=2, rank=1, verbose=True)
+        sampler.plan_for_epoch(1), sampler.plan_for_epoch(2), len(sampler), iter(sampler)
+        assert _messages(caplog, "epoch") == []
+        for epoch in (0, 0, 1, 0):
+            sampler.set_epoch(epoch)
+            other_rank.set_epoch(epoch)
+            list(sampler), list(other_rank)
+    assert _messages(caplog, ": dropped") == [
         "epoch 0: dropped 2 samples (ids 60, 61) as over_budget",
         "epoch 1: dropped 2 samples (ids 60, 61) as over_budget",
     ]
+    lines = _messages(caplog, "plan totals")
+    assert [line.partition(": ")[0] for line in lines] == ["epoch 0 plan totals", "epoch 1 plan totals"], lines
+    for epoch, line in enumerate(lines):
+        assert "\n" not in line
+        assert json.loads(line.partition(": ")[2]) == sampler.plan_for_epoch(epoch).totals(), line
 
 
 def test_a_tail_dropped_in_every_epoch_is_warned_of_once_with_its_fix(monkeypatch):
@@ -2285,7 +2256,9 @@ def test_a_tail_dropped_in_every_epoch_is_warned_of_once_with_its_fix(monkeypatc
         assert len(sampler.plan.dropped["tail"]) > 0  # the case has a tail
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            for _ in range(3):
+            for epoch in range(3):
+                sampler.set_epoch(epoch)
+                other_rank.set_epoch(epoch)
                 list(sampler), list(other_rank)
                 with warnings.catch_warnings():
                     pass
@@ -2306,19 +2279,6 @@ def test_drop_log_lines_are_bounded(caplog):
     assert "1000 samples" in line and len(line) < 200, line
 
 
-def test_verbose_logs_each_trained_epochs_totals_as_one_line_of_json(caplog):
-    """verbose=True logs, once per trained epoch, one line whose JSON is exactly the plan's totals."""
-    with caplog.at_level("INFO", logger="varbatch"):
-        sampler = VariableBatchSampler([*_lengths(60, 1, 20, seed=15), 99], 40, order="random", seed=2, verbose=True)
-        list(sampler)  # epoch 0
-        list(sampler)  # epoch 1
-    lines = _messages(caplog, "plan totals")
-    assert [line.partition(": ")[0] for line in lines] == ["epoch 0 plan totals", "epoch 1 plan totals"], lines
-    for epoch, line in enumerate(lines):
-        assert "\n" not in line
-        assert json.loads(line.partition(": ")[2]) == sampler.plan_for_epoch(epoch).totals(), line
-
-
 # =============================================================================
 # 5. LR
 # =============================================================================
@@ -2333,11 +2293,12 @@ def _check_lr(t, expected, got):
 
 
 def _train(sampler, scheduler, optimizer, epochs, realign=False):
-    """A training loop over ``epochs`` epochs; returns (t, epoch, batch, lr) at each optimizer step."""
+    """A training loop over ``epochs`` epochs, each set before its pass; returns (t, epoch, batch, lr) at each
+    optimizer step."""
     gas = sampler.gradient_accumulation_steps
     seen, t = [], 0
     for epoch in range(epochs):
-        assert sampler.epoch == epoch
+        sampler.set_epoch(epoch)
         if realign:
             scheduler.step(0)
         for i, _ in enumerate(sampler):
@@ -2363,20 +2324,9 @@ def _mean_size(sampler, unit="sequences"):
     return float((plan.batch_tokens if unit == "tokens" else plan.batch_sizes).mean())
 
 
-_WARMUP = 5
-
-
-def _warmup(t):
-    return min(1.0, (t + 1) / _WARMUP)
-
-
 _SCHEDULES = {
-    # name: (make the wrapped scheduler, its closed form schedule(t) / base lr)
-    "LambdaLR warmup": (lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, _warmup), _warmup),
-    "LinearLR warmup": (
-        lambda opt: torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.2, total_iters=4),
-        lambda t: 0.2 + 0.8 * min(t, 4) / 4,
-    ),
+    # name: (make the wrapped scheduler, its closed form schedule(t) / base lr); each of torch's schedulers wrapped, in
+    # two param groups: test_conformance.py
     "SequentialLR": (
         lambda opt: torch.optim.lr_scheduler.SequentialLR(
             opt,
@@ -2387,15 +2337,6 @@ _SCHEDULES = {
             milestones=[4],
         ),
         lambda t: 0.25 + 0.75 * t / 4 if t < 4 else 0.9 ** (t - 4),
-    ),
-    "ChainedScheduler": (
-        lambda opt: torch.optim.lr_scheduler.ChainedScheduler(
-            [
-                torch.optim.lr_scheduler.ConstantLR(opt, factor=0.5, total_iters=3),
-                torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.95),
-            ]
-        ),
-        lambda t: (0.5 if t < 3 else 1.0) * 0.95**t,
     ),
     "constant (optimizer)": (lambda opt: opt, lambda t: 1.0),
 }
@@ -2424,8 +2365,7 @@ def test_lr_closed_form_over_epochs(schedule, method, unit):
     """lr_t = schedule(t) x s(B_t / B_ref) at every step of 3 epochs, with a new plan each epoch; B_t counts the
     batch's sequences or its real tokens. step(0) at each epoch's start (DeepSpeed's example) changes nothing and never
     restarts the schedule; building, stepping and restoring the scheduler warn nothing (PyTorch's warnings included).
-    (B_ref "mean" and each unit under the optimizer's constant LR: the property
-    test_the_lr_follows_the_batches_trained_or_a_loop_that_leaves_them_is_refused.)"""
+    (B_ref "mean", cut epochs and skipped updates: test_every_loop_trains_each_batch_once_at_its_lr.)"""
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         sampler = _sampler()
@@ -2446,130 +2386,10 @@ def test_lr_closed_form_over_epochs(schedule, method, unit):
         _check_lr(t, _BASE_LR * closed_form(t) * scale(size / reference), lr)
 
 
-def test_step_zero_inside_an_epoch_squares_an_epoch_cut():
-    """step(0) inside an epoch says the loop cut it: b moves to the next epoch's start, t stays. (At an epoch's start
-    it changes nothing: test_lr_closed_form_over_epochs.)"""
-    sampler = _sampler()
-    optimizer = _optimizer()
-    base = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup)
-    scheduler = VariableBatchSizeLR(base, _mean_size(sampler), sampler)
-    _train(sampler, scheduler, optimizer, epochs=1)
-    scheduler.step(0)
-    assert scheduler.steps_in_epoch == 0 and scheduler.batch_size == sampler.plan_for_epoch(1).batch_sizes[0]
-    for _ in zip(range(sampler.gradient_accumulation_steps), sampler):  # epoch 1's first batch
-        pass
-    optimizer.step()
-    scheduler.step()
-    scheduler.step(0)
-    per_epoch = len(sampler) // sampler.gradient_accumulation_steps
-    assert scheduler.batches_trained == 2 * per_epoch
-    assert scheduler.batch_size == sampler.plan_for_epoch(2).batch_sizes[0]
-    assert base.last_epoch == scheduler.last_epoch == per_epoch + 1
-
-
-# -- the LR follows the batches the loop trains, or the loop is refused --------------------------------------
-
-_PASS_SEQLENS = _lengths(48, 1, 30, seed=23)  # 10 to 21 batches an epoch
-
-
-@st.composite
-def pass_schedules(draw):
-    """The passes a loop trains: (the epoch it sets, or None to set none; the batches it trains, or None for all)."""
-    count = draw(st.integers(1, 4))
-    if draw(st.booleans()):  # increasing epoch numbers from any first one, some maybe skipped
-        epochs = [draw(st.integers(0, 2))]
-        for gap in draw(st.lists(st.integers(1, 3), min_size=count - 1, max_size=count - 1)):
-            epochs.append(epochs[-1] + gap)
-    else:  # any epoch numbers, repeated or going back, or the sampler's own next epoch
-        epochs = draw(st.lists(st.one_of(st.none(), st.integers(0, 6)), min_size=count, max_size=count))
-    cuts = draw(st.lists(st.one_of(st.none(), st.integers(1, 8)), min_size=count, max_size=count))
-    return list(zip(epochs, cuts))
-
-
-@given(
-    passes=pass_schedules(),
-    order=st.sampled_from(["random", "bucket"]),
-    gas=st.sampled_from([1, 2]),
-    method=st.sampled_from(["linear", "sqrt"]),
-    unit=st.sampled_from(["sequences", "tokens"]),
-    reference=st.one_of(st.just("mean"), st.floats(1, 200)),
-)
-# a loop numbering its epochs from 1, the scheduler made before it: epoch 0, never iterated, is squared
-@example(passes=[(1, None), (2, None)], order="random", gas=1, method="linear", unit="sequences", reference="mean")
-# an epoch cut short, then the next one: squared
-@example(passes=[(0, 3), (1, None)], order="bucket", gas=2, method="sqrt", unit="tokens", reference=60.0)
-# epochs skipped: the loop sets epoch 3 where b is at epoch 1's start, then 5 after a cut: squared each time
-@example(passes=[(0, None), (3, None), (5, 2)], order="random", gas=1, method="linear", unit="sequences", reference=3.0)
-# an epoch trained whole, then set again: its data where b is in the next epoch, refused
-@example(passes=[(0, None), (0, None)], order="random", gas=1, method="linear", unit="sequences", reference=3.0)
-# an epoch cut short, then iterated again without set_epoch: its start replayed, refused
-@example(passes=[(0, 3), (None, None)], order="random", gas=2, method="linear", unit="sequences", reference="mean")
-@settings(max_examples=60)
-def test_the_lr_follows_the_batches_trained_or_a_loop_that_leaves_them_is_refused(
-    passes, order, gas, method, unit, reference
-):
-    """At every update lr = base_lr x s(B_b / B_ref) of batch b, the b-th the loop trains (an epoch cut short or never
-    iterated is squared at the first update of a later epoch); a pass whose data is not batch b's (an epoch set
-    twice, replayed after a cut) is refused at its first update, before the optimizer steps."""
-    sampler = VariableBatchSampler(
-        _PASS_SEQLENS, 40, gradient_accumulation_steps=gas, num_replicas=1, order=order, seed=3
-    )
-    loader = make_dataloader(_id_dataset(_PASS_SEQLENS), sampler)
-    param = torch.nn.Parameter(torch.zeros(2))
-    optimizer = torch.optim.SGD([param], lr=_BASE_LR)
-    scheduler = VariableBatchSizeLR(optimizer, reference, sampler, lr_scaling_method=method, lr_scaling_unit=unit)
-    applied = []  # registered after the scheduler's pre-step hook: the LR each update uses
-    optimizer.register_step_pre_hook(lambda opt, args, kwargs: applied.append(opt.param_groups[0]["lr"]))
-    scale = (lambda r: r) if method == "linear" else math.sqrt
-    per_epoch = len(sampler) // gas
-    b = 0  # the oracle's count of the batches trained
-    selected, whole = 0, set()  # the oracle's epoch of the next pass, and the epochs handed out to their end
-    for epoch, cut in passes:
-        if epoch is not None:
-            sampler.set_epoch(epoch)
-            selected = epoch
-        plan = sampler.plan  # of the epoch this pass iterates
-        assert plan.epoch == selected
-        if b // per_epoch < selected and b // per_epoch not in whole:  # cut short or never iterated: squared
-            b = selected * per_epoch
-        consistent = b == selected * per_epoch
-        sizes = plan.batch_tokens if unit == "tokens" else plan.batch_sizes
-        b_ref = float(sizes.mean()) if reference == "mean" else reference
-        batch_of = {
-            i: j // gas for j in range(plan.num_batches * gas) for i in plan.microbatch(j).tolist()
-        }  # sample -> its batch (micro_batch_size 1)
-        batches = set()  # the batches of the step inputs trained since the last optimizer step
-        for i, samples in enumerate(loader):
-            ids = [int(sample[0]) - 1 for sample in samples]
-            batches |= {batch_of[k] for k in ids}
-            (param.sum() * len(ids)).backward()
-            if i % gas < gas - 1:
-                continue
-            assert len(batches) == 1, f"batch {b}: the step inputs of one update are of batches {batches}"
-            trained = batches.pop()
-            if not consistent:
-                before = param.detach().clone()
-                with pytest.raises(RuntimeError, match=r"has not got yet"):
-                    optimizer.step()
-                assert torch.equal(param, before)
-                return
-            assert plan.epoch * per_epoch + trained == b
-            optimizer.step()
-            _check_lr(b, _BASE_LR * scale(sizes[trained] / b_ref), applied[-1])
-            optimizer.zero_grad()
-            scheduler.step()
-            b += 1
-            if cut is not None and trained + 1 == cut:
-                break
-        if cut is None or cut >= per_epoch:  # handed out to its end: the next pass iterates the next epoch
-            whole.add(selected)
-            selected += 1
-        assert scheduler.batches_trained == b
-
-
-def test_lr_factors_are_logged_once_per_trained_epoch_and_the_unit_trap_is_warned_for_the_default_reference(caplog):
+def test_lr_factors_are_logged_once_per_trained_epoch_and_the_unit_trap_is_warned_on_rank_0(caplog):
     """Each epoch's LR factors are logged once, when its first batch has been stepped, never for an untrained epoch; a
-    B_ref far off the mean batch warns, naming the fix, only where it is the default (given, it is logged only)."""
+    B_ref far off the mean batch warns, naming the fix, only where it is the default (given, it is logged only). Rank 1
+    neither warns nor logs: one report per job, not one per rank."""
     sampler = _sampler(gradient_accumulation_steps=1)
     assert _mean_size(sampler) > 2 * sampler.effective_batch_size  # train_batch_size is far off the mean batch
     optimizer = _optimizer()
@@ -2578,6 +2398,7 @@ def test_lr_factors_are_logged_once_per_trained_epoch_and_the_unit_trap_is_warne
         scheduler = VariableBatchSizeLR(optimizer, sampler.effective_batch_size, sampler)
         assert _messages(caplog, "LR factor") == []
         for epoch in range(2):
+            sampler.set_epoch(epoch)
             for _ in sampler:
                 optimizer.step()
                 scheduler.step()
@@ -2585,15 +2406,12 @@ def test_lr_factors_are_logged_once_per_trained_epoch_and_the_unit_trap_is_warne
                 assert logged == [f"epoch {e}" for e in range(epoch + 1)]
     with pytest.warns(UserWarning, match="lr_scaling_reference"):
         VariableBatchSizeLR(_optimizer(), None, sampler)
-
-
-def test_lr_factor_report_only_on_rank_0(caplog):
-    """Rank 1 neither warns nor logs the LR factors: one report per job, not one per rank."""
-    sampler = _sampler(gradient_accumulation_steps=1, num_replicas=2, rank=1)
+    caplog.clear()
+    rank_1 = _sampler(gradient_accumulation_steps=1, num_replicas=2, rank=1)
     with warnings.catch_warnings(record=True) as caught, caplog.at_level("INFO", logger="varbatch"):
         warnings.simplefilter("always")
         optimizer = _optimizer()
-        _train(sampler, VariableBatchSizeLR(optimizer, None, sampler), optimizer, epochs=1)
+        _train(rank_1, VariableBatchSizeLR(optimizer, None, rank_1), optimizer, epochs=1)
     assert caught == [] and _messages(caplog, "LR factor") == []
 
 
@@ -2646,8 +2464,8 @@ def test_the_lr_reaches_the_param_groups_the_optimizer_steps(case):
 
 def test_deepspeed_glue_called_again_replaces_the_scheduler_and_detaches_the_old_one():
     """The glue's scheduler becomes engine.lr_scheduler. Called again on one engine, it scales the original LR, not the
-    scaled one; the replaced scheduler's hooks are gone and it no longer follows its sampler, so the LR an update uses
-    is the new scheduler's (after skipped steps, and when the old loader runs)."""
+    scaled one; the replaced scheduler's hooks are gone, so the LR an update uses is the new scheduler's (after skipped
+    steps too)."""
     seqlens = _lengths(40, 1, 8, seed=31)
 
     def lr_differs(seed):  # batch 1's LR under the old (8 samples) and the new (40) plans of one seed
@@ -2679,25 +2497,22 @@ def test_deepspeed_glue_called_again_replaces_the_scheduler_and_detaches_the_old
     _check_lr(1, expected, new.get_last_lr()[0])  # read before the update, as example.py's loop does
     optimizer.step()
     _check_lr(1, expected, applied[0])
-    old_loader.variable_batch_sampler.set_epoch(1)
-    next(iter(old_loader))  # a pass of the old sampler: the old scheduler no longer points its LR at it
-    _check_lr(1, expected, optimizer.param_groups[0]["lr"])
+
+
+def test_a_second_wrapper_on_an_optimizer_detaches_the_first():
+    """Two VariableBatchSizeLR on one optimizer (as torch's tests stack two schedulers): the second detaches the
+    first, whose next step() raises naming ChainedScheduler (one wrapper over ChainedScheduler trains both decays:
+    test_conformance.py)."""
+    sampler = _sampler()
+    optimizer = _optimizer()
+    first = VariableBatchSizeLR(torch.optim.lr_scheduler.StepLR(optimizer, 2, 0.5), "mean", sampler)
+    second = VariableBatchSizeLR(torch.optim.lr_scheduler.ExponentialLR(optimizer, 0.9), "mean", sampler)
+    with pytest.raises(RuntimeError, match=re.escape("ChainedScheduler([first, second])")):
+        first.step()
+    second.step()
 
 
 # -- an exception from the wrapped schedule reaches the caller ------------------------------------------
-
-
-def _fails_once(at):
-    """A schedule function (0.9 ** t) that raises the first time it reaches step ``at``."""
-    failed = []
-
-    def schedule(t):
-        if t == at and not failed:
-            failed.append(t)
-            raise RuntimeError(f"schedule failed at step {t}")
-        return 0.9**t
-
-    return schedule
 
 
 def _first_error(make_schedule):
@@ -2713,9 +2528,7 @@ def _first_error(make_schedule):
     raise AssertionError("the schedule never raised: the test could not fail")
 
 
-@pytest.mark.parametrize(
-    "case", ["OneCycleLR past total_steps", "OneCycleLR past total_steps, token clock", "a schedule that raises once"]
-)
+@pytest.mark.parametrize("case", ["OneCycleLR past total_steps", "OneCycleLR past total_steps, token clock"])
 def test_an_exception_from_the_wrapped_schedule_reaches_the_caller(case):
     """A wrapped schedule that raises in step(): its exception reaches the caller, with the schedule's own message."""
     sampler = _sampler(gradient_accumulation_steps=1)
@@ -2729,7 +2542,6 @@ def test_an_exception_from_the_wrapped_schedule_reaches_the_caller(case):
             1,
             lambda opt: lr_scheduler.OneCycleLR(opt, max_lr=1.0, total_steps=int(tokens[0] + tokens[1] // 2)),
         ),
-        "a schedule that raises once": (2, lambda opt: lr_scheduler.LambdaLR(opt, _fails_once(at=3))),
     }[case]
     expected = _first_error(make)
     optimizer = _optimizer()
@@ -2747,8 +2559,7 @@ def test_an_exception_from_the_wrapped_schedule_reaches_the_caller(case):
 
 _OVERFLOW_SEQLENS = [5, 3, 7, 2, 6, 4, 1, 8, 3, 3, 2, 6, 5, 1, 7, 2, 4, 4, 6, 3]
 # Global batch indices whose step overflows (5 batches an epoch): one alone, then two in a row across the epoch end, in
-# a loop that never asks the scheduler (the engine's skip count is read when epoch 1 is set, so epoch 0 is not taken
-# for a cut one and squared, and before each update: each skip is counted once).
+# a loop that never asks the scheduler (the glue reads the engine's skip count before each forward and update).
 _OVERFLOW_AT = [1, 4, 5]
 _OVERFLOW_CONFIG = {
     "train_batch_size": 2,
@@ -2856,646 +2667,377 @@ def test_fp16_overflow_lr_and_position_follow_the_batch_trained(monkeypatch):
         _check_lr(j, expected[j] if j in _OVERFLOW_AT else expected[j + 1], engine_lr)
 
 
-# -- gradient accumulation: one scheduler step per optimizer step ---------------------------------
+# -- every loop, told or counted: each batch once, at its LR, its loss weighted to the batch mean ------------------
 
-
-_ACCUMULATE_SCRIPT = """
-import json, warnings
-import torch
-import varbatch
-from accelerate import Accelerator
-warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\\.step\\(\\)` before")
-accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
-lengths = torch.randint(5, 61, (200,), generator=torch.Generator().manual_seed(0)).tolist()
-model = torch.nn.Linear(1, 1)
-optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-sampler = varbatch.VariableBatchSampler(lengths, 256, budget="padded", order="bucket", gradient_accumulation_steps=2)
-loader = varbatch.make_dataloader([torch.randn(n, 1) for n in lengths], sampler, collate_fn=varbatch.PaddedCollate())
-scheduler = varbatch.VariableBatchSizeLR(optimizer, "mean", sampler)
-model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-calls, error = 0, None
-try:
-    for x, _ in loader:
-        with accelerator.accumulate(model):
-            accelerator.backward(model(x).pow(2).mean())
-            optimizer.step()  # Accelerate's wrapper updates only when accelerator.sync_gradients
-            calls += 1
-            scheduler.step()  # the mistake: once per step input
-            optimizer.zero_grad()
-except RuntimeError as caught:
-    error = str(caught)
-print(json.dumps(dict(calls=calls, batches=sampler.plan_for_epoch(0).num_batches, error=error)))
-"""
-
-
-# The README Accelerate recipe's idiom under AMP: accumulate() over 2 step inputs, a real GradScaler (Accelerate makes
-# none on CPU) skipping the updates of the batches in SKIPS, the scheduler stepped when sync_gradients, told of skips.
-_ACCELERATE_AMP_SCRIPT = """
-import json, math, warnings
-import torch
-import varbatch
-from accelerate import Accelerator
-warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\\.step\\(\\)` before")
-accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
-accelerator.scaler = torch.amp.GradScaler("cpu")  # before prepare(): the prepared optimizer steps through it
-lengths = torch.randint(5, 61, (200,), generator=torch.Generator().manual_seed(0)).tolist()
-model = torch.nn.Linear(1, 1)
-optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-sampler = varbatch.VariableBatchSampler(lengths, 256, budget="padded", order="random", gradient_accumulation_steps=2)
-loader = varbatch.make_dataloader([torch.randn(n, 1) for n in lengths], sampler, collate_fn=varbatch.PaddedCollate())
-schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: 0.9**t)
-scheduler = varbatch.VariableBatchSizeLR(schedule, "mean", sampler)
-SKIPS, batch, applied = {2, 9, 10}, 0, []
-optimizer.register_step_pre_hook(lambda opt, args, kwargs: applied.append([batch, opt.param_groups[0]["lr"]]))
-model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-for epoch in range(2):
-    loader.set_epoch(epoch)
-    for x, _ in loader:
-        with accelerator.accumulate(model):
-            accelerator.backward(model(x).pow(2).mean() * (math.inf if batch in SKIPS else 1.0))
-            optimizer.step()
-            if accelerator.sync_gradients:
-                scheduler.step(skipped=accelerator.optimizer_step_was_skipped)
-                batch += 1
-            optimizer.zero_grad()
-sizes = [sampler.plan_for_epoch(epoch).batch_sizes.tolist() for epoch in range(2)]
-print(json.dumps(dict(applied=applied, skips=sorted(SKIPS), sizes=sizes, b=scheduler.batches_trained,
-                      t=scheduler.last_epoch, batches=batch)))
-"""
-
-
-# Each script runs as a program of its own; one Python process runs them one after another (Accelerate imported once).
-_ONE_PROCESS_RUNNER = """
-import contextlib, runpy, sys
-for name in sys.argv[1:]:
-    with open(name + ".out", "w") as out, contextlib.redirect_stdout(out):
-        runpy.run_path(name + ".py", run_name="__main__")
-"""
-
-
-@pytest.fixture(scope="module")
-def accelerate_one_process(tmp_path_factory):
-    """The one-process HF Accelerate scripts of the tests that use this, in one subprocess: {name: the JSON of the
-    script's last line of output}."""
-    pytest.importorskip("accelerate")
-    folder = tmp_path_factory.mktemp("accelerate_one_process")
-    scripts = {
-        "accumulate": _ACCUMULATE_SCRIPT,
-        "amp_skips": _ACCELERATE_AMP_SCRIPT,
-    }
-    for name, source in scripts.items():
-        (folder / f"{name}.py").write_text(source)
-    done = subprocess.run(
-        [sys.executable, "-c", _ONE_PROCESS_RUNNER, *scripts],
-        cwd=folder,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=dict(os.environ, PYTHONPATH=_ROOT),
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return {name: json.loads((folder / f"{name}.out").read_text().strip().splitlines()[-1]) for name in scripts}
-
-
-def test_a_scheduler_stepped_per_step_input_under_accelerate_accumulate_stops_at_once(accelerate_one_process):
-    """HF Accelerate (one CPU process), accumulate() with 2 steps, scheduler.step() per step input: RuntimeError
-    naming accelerator.sync_gradients by its second call, at the first update (the prepared loader reads one step
-    input ahead, so the first call, before any update, looks like the step after a skipped one)."""
-    out = accelerate_one_process["accumulate"]
-    assert out["error"] is not None, f"{out['calls']} scheduler steps for {out['batches']} batches, and no error"
-    assert "accelerator.sync_gradients" in out["error"], out["error"]
-    assert out["calls"] <= 2, f"raised at call {out['calls']}"
-
-
-def test_accelerate_amp_skips_told_by_the_recipes_idiom_give_every_update_its_batchs_lr(accelerate_one_process):
-    """HF Accelerate (one CPU process), accumulate() over 2 step inputs, a real GradScaler skipping 3 updates,
-    ``if accelerator.sync_gradients: scheduler.step(skipped=accelerator.optimizer_step_was_skipped)``: every update
-    at 0.1 x 0.9^t x B_b / mean(B), t the updates taken before it; b counts every batch, t the updates taken."""
-    out = accelerate_one_process["amp_skips"]
-    skips, sizes = set(out["skips"]), out["sizes"]
-    per_epoch = len(sizes[0])
-    assert out["b"] == out["batches"] == 2 * per_epoch
-    assert out["t"] == out["batches"] - len(skips), "the wrapped schedule moved on skipped updates"
-    assert [b for b, _ in out["applied"]] == [b for b in range(out["batches"]) if b not in skips], "no skip happened"
-    for b, lr in out["applied"]:
-        epoch, batch = divmod(b, per_epoch)
-        t = b - sum(1 for skip in skips if skip < b)
-        _check_lr(t, 0.1 * 0.9**t * sizes[epoch][batch] / np.mean(sizes[epoch]), lr)
-
-
-# -- the contract: skipped updates told, or stepped plainly; misuse refused -----------------------------------
-
-
-def _batch_of_samples(sampler, epoch):
-    """Sample id -> its batch in the plan of ``epoch``."""
-    plan = sampler.plan_for_epoch(epoch)
-    k = plan.effective_batch_size
-    return {int(i): j // k for j, ids in enumerate(plan.microbatches()) for i in ids}
-
-
-def _updates_off(sampler, updates, base_lr=_BASE_LR, schedule=None):
-    """Of ``updates`` [(LR applied, [(epoch, sample id) trained], and optionally t)], those not at base_lr x
-    schedule(t) x B_b / mean(B) of the one batch b whose samples they trained (``schedule`` None: constant)."""
-    off = []
-    for u, (applied, trained, *t) in enumerate(updates):
-        assert len({epoch for epoch, _ in trained}) == 1, f"update {u} trained samples of two epochs"
-        epoch = trained[0][0]
-        batches = {_batch_of_samples(sampler, epoch)[i] for _, i in trained}
-        assert len(batches) == 1, f"update {u} trained samples of batches {sorted(batches)}"
-        sizes = sampler.plan_for_epoch(epoch).batch_sizes
-        factor = 1.0 if schedule is None else schedule(*t)
-        if not math.isclose(applied, base_lr * factor * sizes[batches.pop()] / sizes.mean(), rel_tol=1e-6):
-            off.append(u)
-    return off
-
-
-_DECAY = 0.97  # the wrapped schedule of the AMP loops: lr x 0.97**t, so that t, the updates taken, shows
-
-
-_AMP_SEQLENS = _lengths(200, 3, 40)  # 40 batches an epoch at G = 1
-
-
-def _amp_sampler(gradient_accumulation_steps=1):
-    """The sampler of the AMP loops."""
-    return VariableBatchSampler(
-        _AMP_SEQLENS, 128, order="bucket", seed=0, gradient_accumulation_steps=gradient_accumulation_steps
-    )
-
-
-def _amp_passes(loader, sampler, epochs, prefetching):
-    """``(epoch, step input)`` of ``epochs`` passes over ``loader``, set_epoch first; ``prefetching``: one stream over
-    the run, read one step input ahead (what a prefetching wrapper does), set_epoch never called."""
-    if prefetching:
-        stream = ((epoch, samples) for epoch in range(epochs) for samples in loader)
-        ahead = next(stream)
-        for item in stream:
-            yield ahead
-            ahead = item
-        yield ahead
-        return
-    for epoch in range(epochs):
-        sampler.set_epoch(epoch)
-        for samples in loader:
-            yield epoch, samples
-
-
-def _amp_loop(
-    skips,
-    *,
-    telling,
-    fused=False,
-    sampler_gas=1,
-    loop_gas=1,
-    loop="plain",
-    epochs=2,
-    workers=0,
-):
-    """A plain torch AMP loop over ``epochs`` epochs (a new loader pass each, set_epoch first): the loss is inf at the
-    updates ``skips`` (GradScaler skips them). ``telling``: "skipped" calls ``scheduler.step(skipped=<the scale
-    dropped>)``, "always" steps plainly after every update (torch's AMP recipe), "untold" steps only after updates
-    taken. ``loop``: "plain"; "two backward passes" (two losses a step input, each backward'ed); "frozen first
-    parameter" (the optimizer's first parameter never gets a gradient); "two optimizer steps" (SAM as people copy
-    it: a forward, backward and step, zero_grad, then the update's own); "prefetching" (one `while True` stream over
-    the loader, read one step input ahead, across the epochs' ends, set_epoch never called).
-    Returns (sampler, [(LR applied, [(epoch, sample id) it trains], t the loop's contract says)], the RuntimeError a
-    call raised or None, the updates the loop began)."""
-    sampler = _amp_sampler(sampler_gas)
-    dataset = [torch.full((n, 1), float(i)) for i, n in enumerate(_AMP_SEQLENS)]
-    loader = make_dataloader(dataset, sampler, collate_fn=lambda samples: samples, num_workers=workers)
-    frozen = torch.nn.Parameter(torch.zeros(1), requires_grad=loop != "frozen first parameter")
-    model = torch.nn.Linear(1, 1)
-    parameters = [frozen, *model.parameters()]
-    optimizer = torch.optim.Adam(parameters, lr=_BASE_LR, fused=fused)  # fused: steps on an overflow too
-    scheduler = VariableBatchSizeLR(torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: _DECAY**t), "mean", sampler)
-    scaler = torch.amp.GradScaler("cpu")
-    updates, trained, state = [], [], {"t": 0}
-    optimizer.register_step_pre_hook(
-        lambda opt, args, kwargs: updates.append((opt.param_groups[0]["lr"], trained[:], state["t"]))
-    )
-
-    def loss_of(samples, inf):
-        return model(torch.cat(samples) / 200).pow(2).mean() * (math.inf if inf else 1.0) + frozen.sum()
-
-    update = 0
-    try:
-        for i, (epoch, samples) in enumerate(_amp_passes(loader, sampler, epochs, loop == "prefetching")):
-            trained.extend((epoch, int(sample[0, 0])) for sample in samples)
-            if loop == "two optimizer steps":  # SAM's first step, an update of its own, then the real one below
-                loss_of(samples, False).backward()
-                optimizer.step()
-                optimizer.zero_grad()
-            for _ in range(2 if loop == "two backward passes" else 1):
-                scaler.scale(loss_of(samples, update in skips)).backward()
-            if (i + 1) % loop_gas:
-                continue
-            scale = scaler.get_scale()
-            scaler.step(optimizer)
-            scaler.update()
-            skipped = scaler.get_scale() < scale
-            if telling == "always" or not skipped:
-                state["t"] += 1
-            if telling != "untold" or not skipped:
-                scheduler.step(skipped=skipped and telling == "skipped")
-            optimizer.zero_grad()
-            trained.clear()
-            update += 1
-    except RuntimeError as error:
-        return sampler, updates, error, update + 1
-    return sampler, updates, None, update
-
-
-@settings(max_examples=10, deadline=None)
-@given(
-    skips=st.sets(st.integers(0, 40), max_size=4),
-    telling=st.sampled_from(["skipped", "always"]),
-    fused=st.booleans(),
-    loop=st.sampled_from(["plain", "two backward passes", "frozen first parameter", "two optimizer steps"]),
-    gas=st.sampled_from([1, 2]),
+_LOOP_SEQLENS = _lengths(32, 2, 12, seed=31)  # every sample has a label token
+_LOOP_DATASET = _id_dataset(_LOOP_SEQLENS)
+_LOOP_COUNTS = _lengths(32, 1, 5, seed=32)  # a count per sample (label tokens where prompts are masked)
+_LOOP_FEATURES = torch.randn(32, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+_LOOP_KINDS = (
+    "told, make_dataloader",
+    "told, make_dataloader, each loss divided by G",  # as DeepSpeed and Accelerate average accumulation steps
+    "counted, make_dataloader",
+    "counted, torch's DataLoader",
+    "counted, a list of the pass",
+    "counted, the sampler",
 )
-@example(skips={0, 1, 2, 3}, telling="skipped", fused=False, loop="plain", gas=1)  # a fresh GradScaler skips in a row
-@example(skips={3}, telling="skipped", fused=True, loop="plain", gas=1)
-@example(skips={3, 5, 7}, telling="skipped", fused=False, loop="plain", gas=1)  # one update between skips
-@example(skips={2}, telling="always", fused=False, loop="two backward passes", gas=1)
-@example(skips={2}, telling="skipped", fused=False, loop="frozen first parameter", gas=1)
-@example(skips=set(), telling="skipped", fused=False, loop="two optimizer steps", gas=1)
-# accumulating 2 step inputs an update (20 batches an epoch): batch 3 skipped, and epoch 1's first batch
-@example(skips={3, 20}, telling="always", fused=False, loop="plain", gas=2)
-def test_amp_skips_told_or_stepped_give_every_update_its_batchs_lr(skips, telling, fused, loop, gas):
-    """GradScaler skips ``skips``; the loop says so (step(skipped=True)) or steps plainly every iteration: every
-    optimizer step's LR is base_lr x 0.97**t x B_b / mean(B), b the batch it trains and t the updates taken (or, stepped
-    plainly, the batches before it), whatever the loop does with its parameters and backward passes, accumulating the
-    sampler's G step inputs an update or not."""
-    assume(gas == 1 or loop != "two optimizer steps")  # SAM's first step updates on each step input: G = 1 only
-    sampler, updates, error, _ = _amp_loop(
-        skips, telling=telling, fused=fused, loop=loop, sampler_gas=gas, loop_gas=gas
-    )
-    assert error is None, error
-    batches = 2 * len(sampler) // sampler.gradient_accumulation_steps
-    steps_per_update = 2 if loop == "two optimizer steps" else 1
-    assert len(updates) == steps_per_update * batches - (0 if fused else len(skips & set(range(batches))))
-    off = _updates_off(sampler, updates, schedule=lambda t: _DECAY**t)
-    assert not off, f"skips {sorted(skips)}: updates {off} of {len(updates)} at another batch's LR"
+# What a loop may do after a step input (after its update, where it ends a batch) besides training: a peek at a new
+# pass, a train-set loss pass over the same loader or sampler, set_epoch of the next epoch (its plan read) and back, a
+# break out of the epoch (said with step(0) at the next one's start), a checkpoint (the sampler's and scheduler's
+# states saved after the last update), a crash (a fresh run restored from the last checkpoint).
+_LOOP_EVENTS = ("peek", "side pass", "look", "cut", "checkpoint", "crash")
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_a_prefetching_stream_across_epoch_ends_gives_every_update_its_batchs_lr(workers):
-    """One `while True`-style stream over the loader read one step input ahead across the epochs' ends (set_epoch never
-    called), loader workers reading further, skips told: every update at its batch's LR."""
-    sampler, updates, error, _ = _amp_loop({4, 11}, telling="skipped", loop="prefetching", workers=workers, epochs=3)
-    assert error is None, error
-    assert len(updates) == 3 * len(sampler) - 2
-    assert not _updates_off(sampler, updates, schedule=lambda t: _DECAY**t)
+def _loop_count(unit, i):
+    """Sample i's count in ``unit``: what its loss sums over (a causal LM's labels: its tokens shifted by one)."""
+    seqlen = _LOOP_SEQLENS[i]
+    return {"sequences": 1, "tokens": seqlen, "label_tokens": seqlen - 1, "per sample": _LOOP_COUNTS[i]}[unit]
 
 
-@pytest.mark.parametrize("from_end", [1, 2], ids=["last batch", "second-last batch"])
-def test_an_amp_skipped_update_near_an_epochs_end_is_not_a_double_step(from_end):
-    """GradScaler skips an update near epoch 0's end while 2 workers have read the epoch to its end (no new step input
-    reaches the loop's step): told or stepped plainly, it is a skip, not a second step(); two step() calls with no
-    optimizer step and no step input between them still raise."""
-    skip = _amp_sampler().plan_for_epoch(0).num_batches - from_end
-    for telling in ("skipped", "always"):
-        sampler, updates, error, _ = _amp_loop({skip}, telling=telling, workers=2)
-        assert error is None, error
-        assert not _updates_off(sampler, updates, schedule=lambda t: _DECAY**t)
-    sampler = _amp_sampler()
-    scheduler = VariableBatchSizeLR(_optimizer(), "mean", sampler)
-    for _ in zip(range(2), sampler):
-        pass
-    scheduler.step()
-    with pytest.raises(RuntimeError, match=re.escape("VariableBatchSizeLR.step() was called again for one update")):
-        scheduler.step()
+class _Loop:
+    """One rank's training loop of one of `_LOOP_KINDS`: a linear model whose loss sums ``w . v_i`` over the counted
+    items of each sample i (``v_i``: its row of `_LOOP_FEATURES`), so the batch mean's gradient is ``sum(c_i v_i) /
+    sum(c_i)``; the LR 0.1 x 0.9^t x B_b / mean(B), t the updates taken (on a token or sample clock, their tokens // 16
+    or samples // 2). Each update is checked as it happens: its step inputs are its batch's on this rank, in order, its
+    LR is its batch's; told, each record is its step input's and the gradient is the rank's share of the batch mean's,
+    R x ``sum(c_i v_i)`` over the rank's samples / the batch's count (DDP averages the R shares to the batch mean's).
+    ``timeline``: the run's updates, ``(taken or skipped, epoch, batch)``, and cuts, ``("cut", epoch, None)``, as the
+    resumes leave it."""
 
+    def __init__(self, kind, gas, world, unit, clock, workers, events, skips):
+        self.kind = kind
+        self.gas = gas
+        self.num_replicas, self.rank = world
+        self.unit = unit
+        self.clock = clock
+        self.workers = workers
+        self.events = events  # the number of a step input the loop got (over the run) -> what it does after it
+        self.skips = skips  # the numbers of the updates (over the run) that AMP skips
+        self.got = 0
+        self.reached = 0
+        self.timeline = []
+        self.checkpoint = None
+        self.build()
 
-@pytest.mark.parametrize("workers", [0, 2])
-@pytest.mark.parametrize("sampler_gas, loop_gas", [(1, 2), (1, 3), (2, 1), (3, 2)])
-def test_accumulation_other_than_the_samplers_is_refused_within_a_few_updates(sampler_gas, loop_gas, workers):
-    """The loop accumulates G' step inputs per update where the sampler's batch has G: RuntimeError within ceil(W /
-    |G - G'|) + 2 updates (W: what the loader reads ahead; b drifts |G - G'| step inputs an update from what the
-    loader hands out), naming gradient_accumulation_steps and the settings that set it."""
-    _, updates, error, began = _amp_loop(
-        set(), telling="skipped", sampler_gas=sampler_gas, loop_gas=loop_gas, workers=workers
-    )
-    assert error is not None, f"{len(updates)} updates and no error"
-    ahead = 2 * workers + 1
-    assert began <= math.ceil(ahead / abs(sampler_gas - loop_gas)) + 2, f"refused at update {began}: {error}"
-    message = str(error)
-    assert f"gradient_accumulation_steps={sampler_gas}" in message and "accumulate_grad_batches" in message, message
+    def build(self):
+        """The loop's start: fresh objects, restored from the last checkpoint (the timeline cut back to it)."""
+        self.sampler = VariableBatchSampler(
+            _LOOP_SEQLENS,
+            16,
+            gradient_accumulation_steps=self.gas,
+            num_replicas=self.num_replicas,
+            rank=self.rank,
+            order="random",
+            seed=5,
+        )
+        self.param = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
+        self.optimizer = torch.optim.SGD([self.param], lr=_BASE_LR)
+        schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda t: 0.9**t)
+        clock_step = {"steps": 1, "tokens": 16, "samples": 2}[self.clock]
+        self.scheduler = VariableBatchSizeLR(schedule, "mean", self.sampler, clock=self.clock, clock_step=clock_step)
+        self.applied = []  # registered after the scheduler's step-pre hook: the LR each update uses
+        self.optimizer.register_step_pre_hook(lambda opt, args, kwargs: self.applied.append(opt.param_groups[0]["lr"]))
+        if self.kind == "counted, torch's DataLoader":
+            self.loader = torch.utils.data.DataLoader(_LOOP_DATASET, batch_sampler=self.sampler, collate_fn=list)
+        elif "make_dataloader" in self.kind:
+            told = self.kind.startswith("told")
+            count = _LOOP_COUNTS if self.unit == "per sample" else self.unit
+            self.loader = make_dataloader(
+                _LOOP_DATASET, self.sampler, num_workers=self.workers, batch_count=count if told else None
+            )
+        self.pending = []  # (epoch, t, sample ids, record) of the step inputs since the last update
+        self.saved = None  # the states after the last update
+        updates = 0
+        if self.checkpoint is not None:
+            sampler_state, scheduler_state, updates = self.checkpoint
+            self.sampler.load_state_dict(sampler_state)
+            self.scheduler.load_state_dict(scheduler_state)
+        del self.timeline[updates:]
 
+    def passes(self):
+        """A new pass over the selected epoch: (each step input's samples, its record or None)."""
+        if self.kind.startswith("told"):
+            return iter(self.loader)
+        if self.kind == "counted, a list of the pass":
+            steps = list(self.sampler)
+            return (([_LOOP_DATASET[i] for i in ids], None) for ids in steps)
+        if self.kind == "counted, the sampler":
+            return (([_LOOP_DATASET[i] for i in ids], None) for ids in self.sampler)
+        return ((samples, None) for samples in self.loader)
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_skips_never_told_are_refused_once_they_outrun_the_read_ahead(workers):
-    """A loop that steps the scheduler only for updates taken and never says skipped: refused, naming
-    step(skipped=True), by the update after the first untold skip beyond what the loader reads ahead (W + 1 of them
-    at G = 1; fewer cannot be seen, see NOTE [misuse, seen from the loader])."""
-    ahead = 2 * workers + 1
-    skips = set(range(3, 3 + 3 * (ahead + 3), 3))  # every third update, more than W + 1 of them
-    _, _, error, began = _amp_loop(skips, telling="untold", workers=workers)
-    assert error is not None and "step(skipped=True)" in str(error), error
-    seen_at = sorted(skips)[ahead] + 1  # the update after the (W + 1)-th untold skip
-    assert began <= seen_at + 1, f"refused at update {began}, the {ahead + 1}-th untold skip was at {seen_at - 1}"
+    def run(self, epochs):
+        """Trains ``epochs`` epochs, resuming after each crash."""
+        while self.train(epochs) == "crash":
+            self.build()
 
+    def train(self, epochs):
+        """The loop, from where the sampler's state says; returns "crash" where it crashed."""
+        cut = False
+        for epoch in range(self.sampler.epoch, epochs):
+            self.sampler.set_epoch(epoch)
+            if cut:  # the loop broke out of the last epoch: it says so, as DeepSpeed's loops do at each epoch's start
+                self.scheduler.step(0)
+            cut = False
+            start = self.sampler.steps_done  # the loop's own count of the epoch's step inputs starts there
+            for t, (samples, batch) in enumerate(self.passes(), start=start):
+                event = self.step_input(epoch, t, samples, batch)
+                if event == "crash":
+                    return event
+                # A cut before the epoch's first update leaves b at the epoch's start, where step(0) moves nothing: it
+                # cannot tell that from the end of the epoch before, so the loop cuts after an update only.
+                if event == "cut" and t + 1 >= self.gas:  # a batch left half-accumulated is not trained
+                    self.optimizer.zero_grad()
+                    self.pending.clear()
+                    self.timeline.append(("cut", epoch, None))
+                    cut = True
+                    break
+        return "done"
 
-# -- correct loops train exactly: training and side passes (NOTE [training and side passes]) ----------------------
+    def step_input(self, epoch, t, samples, batch):
+        """Trains on step input t, updates where it ends its batch, then does the drawn event; returns the event."""
+        ids = [int(sample[0]) - 1 for sample in samples]
+        self.pending.append((epoch, t, ids, batch))
+        counts = [_loop_count(self.unit, i) for i in ids]
+        loss = sum(c * (self.param @ _LOOP_FEATURES[i]) for c, i in zip(counts, ids)) / sum(counts)  # its own mean
+        if batch is not None:
+            averaged = self.gas if self.kind.endswith("divided by G") else 1  # the weight undoes the engine's average
+            weight = micro_batch_loss_weight(
+                sum(counts), batch.count, num_replicas=self.num_replicas, gradient_accumulation_steps=averaged
+            )
+            loss = loss * weight / averaged
+        loss.backward()
+        ends = (t + 1) % self.gas == 0 if batch is None else batch.last  # told: where the record says
+        if ends:
+            self.update(epoch, t // self.gas, batch)
+        event = self.events.get(self.got)
+        self.got += 1
+        self.between(event)
+        return event
 
-_LOOP_SEQLENS = _lengths(90, 2, 30, seed=31)
-
-
-def _loop_sampler(**options):
-    """The sampler of the loops below: `_LOOP_SEQLENS`, 64 tokens, one rank, seed 5."""
-    return VariableBatchSampler(_LOOP_SEQLENS, 64, num_replicas=1, seed=5, **options)
-
-
-class _Prefetcher:
-    """A loop's own prefetcher: a thread reads ``depth`` items ahead of the loop from ``source`` (what people write to
-    overlap loading with compute)."""
-
-    def __init__(self, source, depth):
-        self.source, self.depth = source, depth
-
-    def __iter__(self):
-        items = queue.Queue(self.depth)
-        done = object()
-
-        def fill():
-            for item in self.source:
-                items.put(item)
-            items.put(done)
-
-        thread = threading.Thread(target=fill, daemon=True)
-        thread.start()
-        while (item := items.get()) is not done:
-            yield item
-        thread.join()
-
-
-def _loop_source(source, sampler, dataset, workers):
-    """The loop's source of step inputs (each a list of samples) and the extra make_dataloader arguments it needs."""
-    if source == "list(sampler)":
-        return lambda: [[dataset[i] for i in ids] for ids in list(sampler)]
-    if source == "the sampler":
-        return lambda: ([dataset[i] for i in ids] for ids in sampler)
-    if source == "torch's DataLoader":
-        loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=workers, collate_fn=list)
-        return lambda: loader
-    depth = 3 if source == "a prefetcher" else 0
-    loader = make_dataloader(dataset, sampler, num_workers=workers, read_ahead=depth)
-    if depth:
-        return lambda: _Prefetcher(loader, depth)
-    return lambda: loader
-
-
-def _correct_loop(source, *, workers=0, gas=1, epochs=2, peeks=(), between=(), cut=None, tell_cut=False):
-    """A correct loop over ``source``: it sets each epoch before its pass, accumulates the sampler's G step inputs an
-    update and steps the scheduler after each. ``peeks``: epochs set (and their plans read) before training;
-    ``between``: what the loop does after each update, in turn (see `_between_updates`); ``cut``: the updates of
-    epoch 0 after which the loop breaks (told with step(0) where ``tell_cut``).
-    Returns (sampler, [(LR applied, [(epoch, sample id)])], the samples trained per epoch)."""
-    sampler = _loop_sampler(gradient_accumulation_steps=gas, order="random")
-    dataset = _id_dataset(_LOOP_SEQLENS)
-    passes = _loop_source(source, sampler, dataset, workers)
-    param = torch.nn.Parameter(torch.zeros(1))
-    optimizer = torch.optim.SGD([param], lr=_BASE_LR)
-    scheduler = VariableBatchSizeLR(optimizer, "mean", sampler)
-    updates, trained = [], []
-    optimizer.register_step_pre_hook(lambda opt, args, kwargs: updates.append((opt.param_groups[0]["lr"], trained[:])))
-    for epoch in peeks:  # queries: they move nothing
-        sampler.set_epoch(epoch)
-        assert sampler.plan.epoch == epoch and len(sampler) > 0 and sampler.horizon(1, "samples") > 0
-    per_epoch = {}
-    for epoch in range(epochs):
-        sampler.set_epoch(epoch)
-        if tell_cut:
-            scheduler.step(0)
-        for i, samples in enumerate(passes()):
-            ids = [int(sample[0]) - 1 for sample in samples]
-            trained.extend((epoch, k) for k in ids)
-            per_epoch.setdefault(epoch, []).extend(ids)
-            (param * len(ids)).sum().backward()
-            if (i + 1) % gas:
-                continue
-            optimizer.step()
-            optimizer.zero_grad()
-            scheduler.step()
-            trained.clear()
-            if between:
-                _between_updates(between[len(updates) % len(between)], sampler, scheduler, passes, epoch, source)
-            if epoch == 0 and cut is not None and len(updates) == cut:
-                break
-    return sampler, updates, per_epoch
-
-
-def _between_updates(action, sampler, scheduler, passes, epoch, source):
-    """What a correct loop may do between two updates: a query, a peek at a new pass, a whole side pass (a train-set
-    loss) through the loop's own source (of the whole epoch over make_dataloader's loader), or set_epoch of another epoch
-    and back ("len" and "peek": loaders only)."""
-    if action == "len":
-        assert len(sampler) == len(passes())
-    elif action == "plan":
-        sampler.plan_for_epoch(epoch + 1)
-    elif action == "horizon":
-        sampler.horizon(2, "samples")
-    elif action == "state_dict":
-        sampler.state_dict(), scheduler.state_dict()
-    elif action == "get_last_lr":
-        scheduler.get_last_lr()
-    elif action == "peek":
-        next(iter(passes()))
-    elif action == "side pass":
-        with torch.no_grad():
-            side = sum(len(samples) for samples in passes())
-        assert source != "make_dataloader" or side == sum(sampler.plan.batch_sizes)
-    else:
-        sampler.set_epoch(epoch + 2)
-        sampler.set_epoch(epoch)
-
-
-def _assert_exact(sampler, updates, per_epoch, cut=None):
-    """Every update at its batch's LR (of one batch), and every planned sample of each epoch trained once."""
-    assert not _updates_off(sampler, updates), "updates at another batch's LR"
-    for epoch, ids in per_epoch.items():
-        planned = sampler.plan_for_epoch(epoch).sample_ids.tolist()
-        if epoch == 0 and cut is not None:
-            assert len(ids) == len(set(ids)) and set(ids) <= set(planned)
+    def update(self, epoch, j, batch):
+        """The update of batch j of ``epoch``, or its skip, checked; the states after it kept."""
+        plan = self.sampler.plan_for_epoch(epoch)
+        steps = range(j * self.gas, (j + 1) * self.gas)  # the batch's step inputs on this rank
+        assert [(e, t) for e, t, _, _ in self.pending] == [(epoch, t) for t in steps], "not one batch's step inputs"
+        for _, t, ids, _ in self.pending:  # step input t is micro-batch t R + r (micro_batch_size 1)
+            expected = plan.microbatch(t * self.num_replicas + self.rank).tolist()
+            assert ids == expected, f"epoch {epoch}, step input {t}: not the plan's samples"
+        if batch is not None:
+            self.check_told(plan, j)
+        skipped = self.reached in self.skips
+        self.reached += 1
+        if not skipped:
+            self.optimizer.step()
+            sizes = plan.batch_sizes
+            expected = _BASE_LR * 0.9 ** self.schedule_step() * sizes[j] / sizes.mean()
+            _check_lr(len(self.timeline), expected, self.applied[-1])
+        self.optimizer.zero_grad()
+        if batch is not None:
+            self.scheduler.step(batch, skipped=skipped)
+            position = self.sampler.state_dict(batch)
         else:
-            assert sorted(ids) == sorted(planned), f"epoch {epoch}: trained {len(ids)} of {len(planned)} planned"
+            self.scheduler.step(skipped=skipped)
+            position = self.sampler.state_dict(steps_done=steps.stop)
+        self.timeline.append(("skipped" if skipped else "taken", epoch, j))
+        self.pending.clear()
+        self.saved = (position, self.scheduler.state_dict(), len(self.timeline))
 
+    def check_told(self, plan, j):
+        """Each record of batch j is its step input's, and the gradient is the rank's share of the batch mean's."""
+        k = plan.effective_batch_size
+        count = sum(_loop_count(self.unit, i) for g in range(j * k, (j + 1) * k) for i in plan.microbatch(g).tolist())
+        index = plan.epoch * len(self.sampler) // self.gas + j
+        for epoch, t, _, batch in self.pending:
+            assert batch == varbatch.Batch(index, epoch, count, t % self.gas == self.gas - 1, t), batch
+        mine = [i for _, _, ids, _ in self.pending for i in ids]
+        share = sum(_loop_count(self.unit, i) * _LOOP_FEATURES[i] for i in mine) / count * self.num_replicas
+        assert torch.allclose(self.param.grad, share, rtol=1e-10, atol=0), f"batch {index}: not the batch mean's"
 
-_SOURCES = ["make_dataloader", "torch's DataLoader", "list(sampler)", "the sampler", "a prefetcher"]
-# A train-set loss pass every 5 updates, queries between (but through a prefetcher, which may have read the training
-# pass to its end: the README says to use a sampler of its own there).
-_SIDE_PASSES = ("side pass", "get_last_lr", "horizon", "plan", "state_dict")
+    def schedule_step(self):
+        """The wrapped schedule's t before the next update: the updates taken, or their tokens // 16 (samples // 2)."""
+        taken = [(epoch, j) for kind, epoch, j in self.timeline if kind == "taken"]
+        if self.clock == "steps":
+            return len(taken)
+        unit, step = ("batch_tokens", 16) if self.clock == "tokens" else ("batch_sizes", 2)
+        return sum(int(getattr(self.sampler.plan_for_epoch(epoch), unit)[j]) for epoch, j in taken) // step
 
-
-@pytest.mark.parametrize("source", _SOURCES)
-@pytest.mark.parametrize("gas", [1, 2])
-def test_correct_loops_over_every_source_train_exactly(source, gas):
-    """A textbook loop over make_dataloader's loader, torch's DataLoader over the sampler, an epoch made a list first,
-    the sampler iterated directly, or a prefetcher of its own (read_ahead declared): every update at its batch's LR,
-    every sample once, with epochs peeked at first (set_epoch(1..3)) and a train-set loss pass every 5 updates."""
-    between = () if source == "a prefetcher" else _SIDE_PASSES
-    sampler, updates, per_epoch = _correct_loop(source, gas=gas, peeks=(1, 3, 2), between=between)
-    assert len(updates) == 2 * len(sampler) // gas
-    _assert_exact(sampler, updates, per_epoch)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "source, cut",
-    [("make_dataloader", None), ("torch's DataLoader", None), ("a prefetcher", None), ("make_dataloader", 2)],
-)
-def test_correct_loops_with_workers_train_exactly(source, cut):
-    """The same loops with 2 loader workers reading ahead, a train-set loss pass every 7 updates: exact; a ``break``
-    out of epoch 0 is squared at the next epoch's first update."""
-    between = () if source == "a prefetcher" or cut else ("side pass", *["get_last_lr"] * 6)
-    sampler, updates, per_epoch = _correct_loop(source, workers=2, gas=2, peeks=(2,), between=between, cut=cut)
-    assert len(updates) == (cut or len(sampler) // 2) + len(sampler) // 2
-    _assert_exact(sampler, updates, per_epoch, cut=cut)
-
-
-def test_an_epoch_cut_of_a_list_is_told_and_the_next_trains_exactly():
-    """A loop that breaks out of epoch 0 made a list, handed out whole, says so with step(0) at the next epoch's start:
-    the next epochs train exactly. (Over make_dataloader's loader the cut is squared untold: the pass property
-    test_the_lr_follows_the_batches_trained_or_a_loop_that_leaves_them_is_refused, and the slow workers loops.)"""
-    sampler, updates, per_epoch = _correct_loop("list(sampler)", epochs=3, cut=3, tell_cut=True)
-    _assert_exact(sampler, updates, per_epoch, cut=3)
-    assert len(updates) == 3 + 2 * len(sampler)
+    def between(self, event):
+        """A peek, a side pass, a look at the next epoch's plan or a checkpoint (see `_LOOP_EVENTS`)."""
+        epoch = self.sampler.epoch
+        if event == "peek":
+            next(self.passes())
+        elif event == "side pass":
+            with torch.no_grad():
+                assert sum(1 for _ in self.passes()) == len(self.sampler)
+        elif event == "look":
+            self.sampler.set_epoch(epoch + 1)
+            assert self.sampler.plan.epoch == epoch + 1
+            self.sampler.set_epoch(epoch)
+        elif event == "checkpoint" and self.saved is not None:
+            self.checkpoint = json.loads(json.dumps(self.saved))  # plain data, as a checkpoint file holds
 
 
 @given(
-    actions=st.lists(
-        st.sampled_from(["len", "plan", "horizon", "state_dict", "get_last_lr", "peek", "side pass", "set other"]),
-        max_size=6,
-    ),
+    kind=st.sampled_from(_LOOP_KINDS),
     gas=st.sampled_from([1, 2]),
+    world=st.sampled_from([(1, 0), (2, 1)]),
+    unit=st.sampled_from(["sequences", "tokens", "label_tokens", "per sample"]),
+    clock=st.sampled_from(["steps", "tokens", "samples"]),
+    workers=st.just(0),
     epochs=st.integers(1, 3),
+    events=st.dictionaries(st.integers(0, 40), st.sampled_from(_LOOP_EVENTS), max_size=6),
+    skips=st.sets(st.integers(0, 20), max_size=3),
 )
-@settings(max_examples=25, deadline=None)
-def test_queries_and_side_passes_between_updates_change_nothing(actions, gas, epochs):
-    """A correct loop over make_dataloader's loader that sets each epoch before its pass, with any queries and side
-    passes between its updates (len, plans, horizon, state_dict, get_last_lr, a peek, a whole pass, set_epoch of
-    another epoch and back): every update at its batch's LR and every sample once."""
-    sampler, updates, per_epoch = _correct_loop("make_dataloader", gas=gas, epochs=epochs, between=actions or ["len"])
-    assert len(updates) == epochs * len(sampler) // gas
-    _assert_exact(sampler, updates, per_epoch)
+# loader workers reading ahead of a told loop whose engine divides each loss by G: a peek and a side pass, a crash
+# inside an accumulation step
+@example(
+    kind="told, make_dataloader, each loss divided by G",
+    gas=2,
+    world=(1, 0),
+    unit="label_tokens",
+    clock="steps",
+    workers=2,
+    epochs=2,
+    events={1: "peek", 3: "checkpoint", 4: "side pass", 6: "crash"},
+    skips={1},
+)
+# loader workers, a count-path loop of rank 1 of 2: a cut epoch, a checkpoint at an epoch's end, a crash in the next
+@example(
+    kind="counted, make_dataloader",
+    gas=1,
+    world=(2, 1),
+    unit="sequences",
+    clock="tokens",
+    workers=2,
+    epochs=3,
+    events={2: "cut", 11: "checkpoint", 12: "crash"},
+    skips={4},
+)
+def test_every_loop_trains_each_batch_once_at_its_lr(kind, gas, world, unit, clock, workers, epochs, events, skips):
+    """Loops that tell the scheduler each batch's record, and loops on the count path over make_dataloader, torch's
+    DataLoader, a list of the pass and the sampler, with peeks, side passes, looks at other epochs, cuts (said with
+    step(0)), AMP skips (step(..., skipped=True)), checkpoints and crashes between their step inputs: every update
+    trains its batch at schedule(t) x B_b / mean(B), told loops weight each step input's loss to the batch mean's
+    gradient, and every epoch trains its batches once each, in order, all of them unless the loop cut it."""
+    loop = _Loop(kind, gas, world, unit, clock, workers, events, skips)
+    loop.run(epochs)
+    per_epoch = len(loop.sampler) // gas
+    assert [epoch for _, epoch, _ in loop.timeline] == sorted(epoch for _, epoch, _ in loop.timeline)
+    for epoch in range(epochs):
+        batches = [j for kind, e, j in loop.timeline if e == epoch and kind != "cut"]
+        assert batches == list(range(len(batches))), f"epoch {epoch}: batches {batches}"
+        if ("cut", epoch, None) not in loop.timeline:
+            assert len(batches) == per_epoch, f"epoch {epoch}: {len(batches)} of {per_epoch} batches trained"
 
 
-@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
-def test_a_peek_or_a_break_moves_nothing_a_state_saves(workers):
-    """A peek (next(iter(loader))) before training, or a pass left by a break, moves neither steps_done nor what
-    state_dict() saves: the next pass starts the epoch, and a state saved then resumes it whole."""
-    sampler = _loop_sampler(gradient_accumulation_steps=3)
-    loader = make_dataloader(_id_dataset(_LOOP_SEQLENS), sampler, num_workers=workers)
-    sampler.set_epoch(0)
-    next(iter(loader))
-    assert (sampler.epoch, sampler.steps_done) == (0, 0)
-    assert (sampler.state_dict()["epoch"], sampler.state_dict()["steps_done"]) == (0, 0)
-    for i, _ in enumerate(loader):
-        if i == 4:
-            break
-    assert sampler.state_dict()["steps_done"] == 0 and sampler.steps_done == 0
-    restored = _loop_sampler(gradient_accumulation_steps=3)
-    restored.load_state_dict(sampler.state_dict())
-    assert list(restored) == list(sampler.plan_for_epoch(0).microbatches()) == list(sampler)
+# -- refused at the call that shows the mistake; what the count path cannot see ------------------------------------
 
 
-@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
-def test_a_side_pass_and_a_checkpoint_at_an_epochs_last_step_input_resume_exactly(workers):
-    """The README loop's pattern at an epoch's last step input: a train-set pass over the training loader, then a
-    checkpoint (sampler.state_dict(steps_done=t + 1)): the side pass moves nothing (the state is the epoch's end),
-    and a run resumed from it, setting each epoch from sampler.epoch, trains the uninterrupted run's step inputs."""
-
-    def build():
-        sampler = _loop_sampler(gradient_accumulation_steps=2)
-        return sampler, make_dataloader(_id_dataset(_LOOP_SEQLENS), sampler, num_workers=workers)
-
-    def run(sampler, loader, stop_after_epoch=None):
-        trained, state = [], None
-        for epoch in range(sampler.epoch, 3):
-            sampler.set_epoch(epoch)
-            for t, samples in enumerate(loader, start=sampler.steps_done):
-                trained.append((epoch, sorted(int(sample[0]) - 1 for sample in samples)))
-                if t + 1 == len(sampler):  # the epoch's last step input: a side pass, then a checkpoint
-                    assert sum(len(step_input) for step_input in loader) == sum(sampler.plan.batch_sizes)
-                    state = sampler.state_dict(steps_done=t + 1)
-            if epoch == stop_after_epoch:
-                return trained, state
-        return trained, state
-
-    full, _ = run(*build())
-    head, state = run(*build(), stop_after_epoch=0)
-    assert (state["epoch"], state["steps_done"]) == (0, len(build()[0]))
-    sampler, loader = build()
-    sampler.load_state_dict(state)
-    rest, _ = run(sampler, loader)
-    assert head + rest == full
-
-
-def _misused_loop(workers=0):
-    """The loops below that misuse the scheduler: (their make_dataloader loader, the parameter, its optimizer, the
-    scheduler), the parameter given a gradient (an update would move it)."""
-    sampler = _loop_sampler()
-    param = torch.nn.Parameter(torch.zeros(1))
-    param.grad = torch.ones(1)
-    optimizer = torch.optim.SGD([param], lr=_BASE_LR)
-    scheduler = VariableBatchSizeLR(optimizer, "mean", sampler)
-    return make_dataloader(_id_dataset(_LOOP_SEQLENS), sampler, num_workers=workers), param, optimizer, scheduler
-
-
-@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
-def test_the_scheduler_stepped_before_the_optimizer_is_refused_at_the_first_update(workers):
-    """scheduler.step() before optimizer.step() over make_dataloader's loader, workers reading ahead or not: refused at
-    the first update, before the optimizer moves, naming the order."""
-    loader, param, optimizer, scheduler = _misused_loop(workers)
-    batches = iter(loader)
-    next(batches)
-    scheduler.step()
-    with pytest.raises(RuntimeError, match=re.escape("scheduler.step() ran before optimizer.step()")):
-        optimizer.step()
-    assert param.item() == 0
-
-
-def test_a_scheduler_stepped_once_per_epoch_is_refused_at_the_second_update():
-    """scheduler.step() once per epoch, not once per update: refused at the second update, before it moves a
-    parameter; two updates of one batch (SAM's) are not refused."""
-    loader, param, optimizer, scheduler = _misused_loop()
-    batches = iter(loader)
-    next(batches)
-    for _ in range(2):  # SAM: two updates of one batch
-        optimizer.step()
-    next(batches)
-    before = param.item()
-    with pytest.raises(RuntimeError, match=re.escape("not once per epoch or every other update")):
-        optimizer.step()
-    assert param.item() == before and scheduler.batches_trained == 0
-
-
-def test_a_second_wrapper_on_an_optimizer_detaches_the_first():
-    """Two VariableBatchSizeLR on one optimizer (as torch's tests stack two schedulers): the second detaches the
-    first, whose next step() raises naming ChainedScheduler (one wrapper over ChainedScheduler trains both decays:
-    test_lr_closed_form_over_epochs)."""
-    sampler = _loop_sampler()
+def _told(gas=1):
+    """A sampler over `_LOOP_SEQLENS`, its loader yielding each step input's record, an optimizer and its scheduler."""
+    sampler = VariableBatchSampler(_LOOP_SEQLENS, 24, gradient_accumulation_steps=gas, order="random", seed=5)
+    loader = make_dataloader(_LOOP_DATASET, sampler, batch_count="sequences")
     optimizer = _optimizer()
-    first = VariableBatchSizeLR(torch.optim.lr_scheduler.StepLR(optimizer, 2, 0.5), "mean", sampler)
-    second = VariableBatchSizeLR(torch.optim.lr_scheduler.ExponentialLR(optimizer, 0.9), "mean", sampler)
-    with pytest.raises(RuntimeError, match=re.escape("ChainedScheduler([first, second])")):
-        first.step()
-    second.step()
+    return sampler, loader, optimizer, VariableBatchSizeLR(optimizer, "mean", sampler)
 
 
-def test_persistent_workers_refuse_a_second_pass_while_one_is_open():
-    """persistent_workers=True: torch restarts its one iterator at each iter(), so a side pass over the training
-    loader is refused while its training pass is open, naming a second loader; one loader per pass works."""
-    sampler = _loop_sampler()
-    dataset = _id_dataset(_LOOP_SEQLENS)
-    loader = make_dataloader(dataset, sampler, num_workers=1, persistent_workers=True)
-    training = iter(loader)
-    next(training)
-    with pytest.raises(RuntimeError, match="iterate a second loader"):
-        iter(loader)
-    side = make_dataloader(dataset, sampler)
-    assert sum(len(samples) for samples in side) == sum(sampler.plan.batch_sizes)
-    assert 1 + sum(1 for _ in training) == len(sampler) and sampler.epoch == 1
-    del training
+def _told_until(records, scheduler, index):
+    """Steps the scheduler with the records of ``records`` (a pass) up to batch ``index``; returns that record."""
+    for _, batch in records:
+        scheduler.step(batch)
+        if batch.index == index:
+            return batch
+    raise AssertionError(f"the pass has no batch {index}")
+
+
+@pytest.mark.parametrize("case", ["not its batch's last", "told twice", "restored from another point", "epoch again"])
+def test_a_record_that_is_not_its_batchs_last_or_goes_back_is_refused_naming_the_cause(case):
+    """step(batch) is refused at once, naming the record and the fix, the scheduler unmoved, where the record is not
+    its batch's last (the loop updates after each step input, the sampler's batch has 2), or its batch is before
+    the scheduler's position: told a second time; the first after a restore, the sampler restored from an earlier
+    point than the scheduler; an epoch trained again without set_epoch."""
+    sampler, loader, _, scheduler = _told(gas=2 if case == "not its batch's last" else 1)
+    records = iter(loader)
+    if case == "not its batch's last":
+        _, batch = next(records)
+        names = ["batch 0 at step input 0 of epoch 0", "gradient_accumulation_steps=2", "where batch.last is True"]
+    elif case == "told twice":
+        batch = _told_until(records, scheduler, 1)
+        names = ["told batch 1 a second time", "once per batch"]
+    elif case == "restored from another point":
+        early = sampler.state_dict(_told_until(records, scheduler, 0))
+        _told_until(records, scheduler, 2)
+        sampler, loader, _, restored = _told()
+        sampler.load_state_dict(early)
+        restored.load_state_dict(scheduler.state_dict())
+        scheduler = restored
+        _, batch = next(iter(loader))
+        names = ["told batch 1", "restored after batch 2", "save sampler.state_dict(batch)"]
+    else:
+        _told_until(records, scheduler, len(sampler) - 1)  # epoch 0 whole
+        _, batch = next(iter(loader))  # the next pass: epoch 0 again
+        names = [f"told batch 0 (epoch 0) after batch {len(sampler) - 1}", "call sampler.set_epoch(epoch)"]
+    position = (scheduler.batches_trained, scheduler.last_epoch)
+    with pytest.raises(RuntimeError) as refused:
+        scheduler.step(batch)
+    assert all(name in str(refused.value) for name in names), refused.value
+    assert (scheduler.batches_trained, scheduler.last_epoch) == position
+
+
+@pytest.mark.parametrize("trainer", ["HF Trainer", "DeepSpeed engine"])
+def test_a_plain_step_with_no_update_since_the_last_is_refused_where_the_trainer_steps(trainer):
+    """Where the trainer steps the scheduler after each update (HF Trainer without DeepSpeed, the DeepSpeed glue's
+    engine), a step() with no optimizer update since the last one, or since it was made, is refused naming the fix; a
+    step after an update, and a skipped update told, go on."""
+    if trainer == "HF Trainer":
+        pytest.importorskip("transformers")
+        hf_trainer = _fake_trainer(gradient_accumulation_steps=2)  # the sampler's
+        scheduler = varbatch.hf_trainer_lr_scheduler(hf_trainer, _optimizer(), "mean", _sampler())
+        fix = "leave the stepping to the trainer"
+    else:
+        _, (_, scheduler, _) = _glue(_glue_config(), dataset_seqlens=_GLUE_SEQLENS)
+        fix = "delete your own lr_scheduler.step() after engine.step()"
+    with pytest.raises(RuntimeError, match=re.escape(fix)):
+        scheduler.step()
+    scheduler.optimizer.step()
+    scheduler.step()
+    scheduler.step(skipped=True)
+    with pytest.raises(RuntimeError, match=r"called again with no optimizer update since the last call") as refused:
+        scheduler.step()
+    assert fix in str(refused.value)
+    assert scheduler.batches_trained == 2
+
+
+@pytest.mark.parametrize("told", [False, True], ids=["counted", "told"])
+def test_an_untold_skip_shifts_the_count_path_and_costs_a_told_loop_one_update(told):
+    """AMP skips the update of batch 2 and the loop steps the scheduler after updates taken only (no skipped=True).
+    Counted (as torch's and DeepSpeed's schedulers count), every later update is at the factor of the batch before
+    its own, across the epoch's end too; told, the next update is at the skipped batch's factor, then the next record
+    re-anchors b: every later update is at its own."""
+    sampler, loader, optimizer, scheduler = _told()
+    per_epoch = len(sampler)
+    factors = []  # s(B_b / mean B) of every batch b of 2 epochs
+    for epoch in range(2):
+        sizes = sampler.plan_for_epoch(epoch).batch_sizes
+        factors.extend(sizes / sizes.mean())
+    assert all(factors[b] != factors[b + 1] for b in (2, per_epoch - 1)), "the case could not fail"
+    applied = []
+    optimizer.register_step_pre_hook(lambda opt, args, kwargs: applied.append(opt.param_groups[0]["lr"]))
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        for _, batch in loader:
+            if batch.index == 2:  # skipped, and not said
+                continue
+            optimizer.step()
+            scheduler.step(batch if told else None)  # None: the count path's step()
+    trained = [b for b in range(2 * per_epoch) if b != 2]
+    if told:
+        expected = [factors[2 if b == 3 else b] for b in trained]
+    else:
+        expected = [factors[b if b < 2 else b - 1] for b in trained]
+    for b, factor, lr in zip(trained, expected, applied):
+        _check_lr(b, _BASE_LR * factor, lr)
+    assert len(applied) == len(trained)
 
 
 # -- horizons and clocks: schedules over epochs of different plans -------------------------------
@@ -3542,69 +3084,27 @@ def test_schedules_sized_with_the_horizon_end_exactly(schedule, clock, clock_ste
         assert base.get_last_lr()[0] == pytest.approx(0.01, abs=1e-9)
 
 
-def test_horizon_counts_the_plans_from_the_current_position():
-    """horizon(E, unit) sums the tokens or samples of the next E epochs' plans from the current position."""
+def test_horizon_counts_the_plans_from_where_the_next_pass_starts():
+    """horizon(E, unit) sums the tokens or samples of the next E epochs' plans from where the next pass starts: the
+    epoch's start, or a restored position; a pass, which moves nothing, leaves it."""
     sampler = _horizon_sampler(gradient_accumulation_steps=2)
     plans = [sampler.plan_for_epoch(e) for e in range(4)]
     values = {"tokens": [p.batch_tokens for p in plans], "samples": [p.batch_sizes for p in plans]}
     assert len({int(v.sum()) for v in values["tokens"]}) > 1, "the epochs' plans no longer differ in tokens"
+    for _ in zip(range(10), sampler):  # a pass left after 5 batches
+        pass
     for unit, per_plan in values.items():
         assert sampler.horizon(3, unit) == sum(int(v.sum()) for v in per_plan[:3])
-    iterator = iter(sampler)
-    for _ in range(10):  # 5 batches of epoch 0
-        next(iterator)
+    sampler.load_state_dict(json.loads(json.dumps(sampler.state_dict(steps_done=10))))  # 5 batches of epoch 0 done
     for unit, per_plan in values.items():
         assert sampler.horizon(2, unit) == int(per_plan[0][5:].sum()) + int(per_plan[1].sum())
-    resumed = _horizon_sampler(gradient_accumulation_steps=2)
-    resumed.load_state_dict(json.loads(json.dumps(sampler.state_dict())))
-    assert [resumed.horizon(3, unit) for unit in values] == [sampler.horizon(3, unit) for unit in values]
     fixed = VariableBatchSampler(_HORIZON_SEQLENS, 256, order="seqlen")
     assert fixed.horizon(4, "tokens") == 4 * int(fixed.plan.batch_tokens.sum())
-
-
-@pytest.mark.parametrize("clock, clock_step", [("tokens", 50), ("tokens", 1), ("samples", 3)])
-@pytest.mark.parametrize("schedule", ["LambdaLR warmup", "CosineAnnealingLR"])
-def test_clock_lr_is_the_closed_form(schedule, clock, clock_step):
-    """Token (sample) clock: lr_t = schedule(floor(seen before t / clock_step)) x s(B_t / B_ref) at every step."""
-    sampler = _sampler()
-    total = sampler.horizon(3, clock) // clock_step
-    lr_scheduler = torch.optim.lr_scheduler
-    make = {
-        "LambdaLR warmup": lambda opt: lr_scheduler.LambdaLR(opt, lambda n: min(1.0, 4 * (n + 1) / total)),
-        "CosineAnnealingLR": lambda opt: lr_scheduler.CosineAnnealingLR(opt, T_max=total, eta_min=0.001),
-    }[schedule]
-    twin_optimizer = _optimizer()  # schedule(n): the same torch schedule stepped n times, unscaled
-    twin = make(twin_optimizer)
-    schedule_lr = [twin_optimizer.param_groups[0]["lr"]]
-    for _ in range(total):
-        twin_optimizer.step()
-        twin.step()
-        schedule_lr.append(twin_optimizer.param_groups[0]["lr"])
-    optimizer = _optimizer()
-    reference = _mean_size(sampler)
-    scheduler = VariableBatchSizeLR(
-        make(optimizer), reference, sampler, lr_scaling_method="sqrt", clock=clock, clock_step=clock_step
-    )
-    seen_before = 0
-    for t, epoch, b, lr in _train(sampler, scheduler, optimizer, epochs=3):
-        plan = sampler.plan_for_epoch(epoch)
-        _check_lr(t, schedule_lr[seen_before // clock_step] * math.sqrt(plan.batch_sizes[b] / reference), lr)
-        seen_before += int((plan.batch_tokens if clock == "tokens" else plan.batch_sizes)[b])
-    assert seen_before // clock_step == total
 
 
 # =============================================================================
 # 6. Loss weights
 # =============================================================================
-
-
-def _token_dataset(seqlens, dim=3, seed=0):
-    """Sample i: (inputs L_i x dim, targets L_i), float64."""
-    gen = torch.Generator().manual_seed(seed)
-    return [
-        (torch.randn(n, dim, generator=gen, dtype=torch.float64), torch.randn(n, generator=gen, dtype=torch.float64))
-        for n in seqlens
-    ]
 
 
 @given(
@@ -3618,12 +3118,13 @@ def _token_dataset(seqlens, dim=3, seed=0):
     data=st.data(),
 )
 @settings(max_examples=40)
-def test_the_loader_yields_each_step_input_beside_its_batchs_count(
+def test_the_loader_yields_each_step_input_beside_its_batchs_record(
     seqlens, micro_batch_size, gas, num_replicas, order, budget, unit, data
 ):
-    """With batch_count, every rank's loader yields each step input beside the count of its whole batch (every rank,
-    every accumulation step; oracle: the sum over the plan's micro-batches of the batch), from any resume position,
-    balanced or not; the loop's own index, counted from steps_done, names the batch."""
+    """With batch_count, every rank's loader yields each step input beside its batch's record, from any resume
+    position, balanced or not (oracle: the dealing rule over the plan): rank r's t-th step input is step input g = t R
+    + r (micro-batches g m .. g m + m - 1), of batch t // G, its index epoch x batches per epoch + t // G, its last
+    where t % G = G - 1, its count the sum over the batch's k micro-batches."""
     options = dict(micro_batch_size=micro_batch_size, gradient_accumulation_steps=gas, num_replicas=num_replicas)
     options.update(order=order, budget=budget, seed=3)
     try:
@@ -3644,92 +3145,56 @@ def test_the_loader_yields_each_step_input_beside_its_batchs_count(
     start = data.draw(st.integers(0, len(sampler) - 1), label="resumed at")
     sampler = VariableBatchSampler(seqlens, 45, rank=rank, **options)
     sampler.load_state_dict({**sampler.state_dict(), "epoch": epoch, "steps_done": start})
-    plan, k = sampler.plan, sampler.effective_batch_size
+    plan, k, m = sampler.plan, sampler.effective_batch_size, micro_batch_size
     loader = make_dataloader(
         list(range(len(seqlens))), sampler, batch_count=per_sample if unit == "per sample" else unit
     )
-    seen = 0
-    for t, (ids, batch_count) in enumerate(loader, start=sampler.steps_done):
-        b = t // gas
-        batch = [i for j in range(b * k, (b + 1) * k) for i in plan.microbatch(j).tolist()]
-        assert set(ids) <= set(batch), f"step input {t} is not part of batch {b}"
-        assert batch_count == sum(per_sample[i] for i in batch), f"step input {t}: batch {b}'s count is wrong"
-        seen += 1
-    assert seen == len(sampler) - start
+    got = list(loader)
+    assert [batch.step_input for _, batch in got] == list(range(start, len(sampler)))
+    for ids, batch in got:
+        t, b = batch.step_input, batch.step_input // gas
+        g = t * num_replicas + rank
+        assert ids == [i for j in range(g * m, (g + 1) * m) for i in plan.microbatch(j).tolist()], f"step input {t}"
+        count = sum(per_sample[i] for j in range(b * k, (b + 1) * k) for i in plan.microbatch(j).tolist())
+        expected = varbatch.Batch(epoch * len(sampler) // gas + b, epoch, count, t % gas == gas - 1, t)
+        assert batch == expected, f"step input {t}: {batch} != {expected}"
+
+
+# Worked by hand: 15 samples in the dataloader order, micro-batches of at most 8 tokens (the greedy rule), 2 ranks x 2
+# accumulation steps: batch 0 is micro-batches [0, 1] [2, 3] [4, 5, 6] [7, 8] (9 sequences, 29 tokens, 20 label
+# tokens), batch 1 is [9] [10, 11] [12] [13, 14] (6 sequences, 27 tokens, 21 label tokens). Rank r's t-th step input
+# is micro-batch 2t + r: rank 0 trains [0, 1] [4, 5, 6] [9] [12], rank 1 [2, 3] [7, 8] [10, 11] [13, 14].
+_WORKED_SEQLENS = [4, 4, 3, 5, 2, 2, 2, 6, 1, 7, 3, 3, 8, 2, 4]
+_WORKED_STEPS = {  # rank: (its step input's samples, its batch in the epoch, whether the batch's last) for t = 0 .. 3
+    0: [([0, 1], 0, False), ([4, 5, 6], 0, True), ([9], 1, False), ([12], 1, True)],
+    1: [([2, 3], 0, False), ([7, 8], 0, True), ([10, 11], 1, False), ([13, 14], 1, True)],
+}
 
 
 @pytest.mark.parametrize(
-    "unit, workers, accumulation",
-    [("sequences", 0, "sums"), ("tokens", 0, "averages"), ("sequences", 2, "averages"), ("tokens", 2, "sums")],
+    "unit, counts",
+    [
+        ("sequences", [9, 6]),
+        ("tokens", [29, 27]),
+        ("label_tokens", [20, 21]),  # a causal LM's labels are its tokens shifted: one less per sequence
+        (list(range(15)), [0 + 1 + 2 + 3 + 4 + 5 + 6 + 7 + 8, 9 + 10 + 11 + 12 + 13 + 14]),  # sample i counts i
+    ],
+    ids=["sequences", "tokens", "label_tokens", "per sample"],
 )
-def test_loss_weights_from_the_loader_give_the_full_batch_gradient_after_a_resume(unit, workers, accumulation):
-    """Step-input losses weighted by the loader's batch_count, averaged over 2 ranks and summed over 3 accumulation
-    steps (a plain loop) or averaged over them (DeepSpeed divides each loss by them; the weight is told), give each
-    batch mean's gradient, also for the batch that a resume inside an accumulation step cuts in two (the accumulated
-    gradient kept, as a checkpoint inside a batch keeps it; the loop's own count restarts)."""
-    num_replicas, gas = 2, 3
-    engine_gas = gas if accumulation == "averages" else 1
-    seqlens = _lengths(80, 1, 12, seed=4)
-    data = _token_dataset(seqlens)
-    model = torch.nn.Linear(3, 1, dtype=torch.float64)
-
-    def sampler_of(rank):
-        return VariableBatchSampler(
-            seqlens, 24, gradient_accumulation_steps=gas, num_replicas=num_replicas, rank=rank, order="random", seed=1
-        )
-
-    def loader_of(sampler):
-        return make_dataloader(data, sampler, collate_fn=PaddedCollate(), num_workers=workers, batch_count=unit)
-
-    def step_loss(x, y, lengths):
-        """The step input's mean loss (over its sequences, or its real tokens) and its own count."""
-        mask = torch.arange(x.shape[1]) < lengths[:, None]  # B x S: the real tokens
-        errors = (model(x).squeeze(-1) - y) ** 2 * mask  # B x S
-        if unit == "sequences":
-            return (errors.sum(dim=1) / lengths).mean(), len(lengths)
-        return errors.sum() / mask.sum(), mask.sum()
-
-    def train(sampler, grads, stop=None):
-        """The loop: the optimizer's step after step input t with (t + 1) % gas == 0, t counted from steps_done."""
-        old_weights_differ = False  # the batch counts a loop indexing the plan by its own count would have used
-        plan_counts = sampler.plan.batch_sizes if unit == "sequences" else sampler.plan.batch_tokens
-        for i, (t, ((x, y, lengths), batch_count)) in enumerate(
-            enumerate(loader_of(sampler), start=sampler.steps_done)
-        ):
-            loss, count = step_loss(x, y, lengths)
-            weight = micro_batch_loss_weight(
-                count, batch_count, num_replicas=num_replicas, gradient_accumulation_steps=engine_gas
-            )
-            (loss * weight / engine_gas).backward()
-            old_weights_differ |= int(plan_counts[i // gas]) != batch_count
-            if (t + 1) % gas == 0:
-                grads[t // gas] = [p.grad.clone() for p in model.parameters()]
-                model.zero_grad()
-            if t + 1 == stop:
-                break
-        return old_weights_differ
-
-    probe = sampler_of(0)
-    stop = len(probe) // 2 // gas * gas + 1  # inside the accumulation of a batch
-    assert stop % gas and 0 < stop < len(probe)
-    grads = [{} for _ in range(num_replicas)]
-    for rank in range(num_replicas):
-        model.zero_grad()
-        sampler = sampler_of(rank)
-        train(sampler, grads[rank], stop=stop)
-        resumed = sampler_of(rank)
-        resumed.load_state_dict(sampler.state_dict(steps_done=stop))  # with workers, steps_done runs ahead
-        assert train(resumed, grads[rank]), "a loop's own count would weight right here: the test proves nothing"
-    plan = probe.plan
-    for b in range(plan.num_batches):
-        k = plan.effective_batch_size
-        ids = [i for j in range(b * k, (b + 1) * k) for i in plan.microbatch(j).tolist()]
-        batch = PaddedCollate()([data[i] for i in ids])
-        model.zero_grad()
-        step_loss(*batch)[0].backward()  # the whole batch's mean
-        averaged = [sum(rank[b][p] for rank in grads) / num_replicas for p in range(2)]  # DDP averages over ranks
-        for got, p in zip(averaged, model.parameters()):
-            assert torch.allclose(got, p.grad, rtol=1e-10, atol=1e-12), f"batch {b}: {got} != {p.grad}"
+def test_each_records_count_and_place_on_a_case_worked_by_hand(unit, counts):
+    """On the case worked by hand above, each rank's records in epochs 0 and 1: the batch's count in each unit, its
+    index epoch x 2 + its batch in the epoch, its epoch, whether the step input is the rank's last of it, and t."""
+    for rank, steps in _WORKED_STEPS.items():
+        sampler = VariableBatchSampler(_WORKED_SEQLENS, 8, gradient_accumulation_steps=2, num_replicas=2, rank=rank)
+        assert sampler.plan.microbatches() == [[0, 1], [2, 3], [4, 5, 6], [7, 8], [9], [10, 11], [12], [13, 14]]
+        loader = make_dataloader(list(range(15)), sampler, batch_count=unit)
+        for epoch in (0, 1):
+            sampler.set_epoch(epoch)
+            expected = [
+                (ids, varbatch.Batch(2 * epoch + b, epoch, counts[b], last, t))
+                for t, (ids, b, last) in enumerate(steps)
+            ]
+            assert list(loader) == expected, f"rank {rank}, epoch {epoch}"
 
 
 def _causal_lm_collate(samples):
@@ -3934,176 +3399,7 @@ def test_a_dataset_without_len_is_sized_by_its_seqlens():
 # =============================================================================
 # 8. Determinism and resume
 # =============================================================================
-
-_RESUME_SEQLENS = _lengths(40, 1, 20, seed=9)
-_RESUME_STEPS = 60  # step inputs of the reference run: more than 3 epochs
-_RESUME_DATASET = _id_dataset(_RESUME_SEQLENS)
-
-
-class _Run:
-    """One rank's training loop over make_dataloader's loader (or the sampler itself): sampler, wrapped LR schedule
-    (on a steps or token clock), what it trained on; every 7th update is skipped (as AMP skips one) and the scheduler
-    told, so a checkpoint may follow a skip."""
-
-    GAS = 2
-
-    def __init__(self, clock="steps", clock_step=1, loader=True):
-        self.options = (clock, clock_step, loader)
-        self.sampler = VariableBatchSampler(
-            _RESUME_SEQLENS,
-            30,
-            micro_batch_size=1,
-            gradient_accumulation_steps=self.GAS,
-            num_replicas=2,
-            rank=1,
-            order="random",
-            seed=5,
-        )
-        self.loader = make_dataloader(_RESUME_DATASET, self.sampler) if loader else self.sampler
-        self.param = torch.nn.Parameter(torch.zeros(1))
-        self.optimizer = torch.optim.SGD([self.param], lr=_BASE_LR)
-        base = torch.optim.lr_scheduler.SequentialLR(
-            self.optimizer,
-            [
-                torch.optim.lr_scheduler.LinearLR(self.optimizer, start_factor=0.5, total_iters=3),
-                torch.optim.lr_scheduler.ExponentialLR(self.optimizer, gamma=0.97),
-            ],
-            milestones=[3],
-        )
-        self.scheduler = VariableBatchSizeLR(
-            base, 4.0, self.sampler, lr_scaling_method="sqrt", clock=clock, clock_step=clock_step
-        )
-        self.done = 0  # step inputs trained on, saved with the checkpoint (as a training loop does)
-        self.iterator = iter(self.loader)
-
-    def next(self):
-        """Trains on the next step input; returns its sample ids with the LR it was trained with."""
-        try:
-            step = next(self.iterator)
-        except StopIteration:  # the epoch is over; the sampler advanced by itself
-            self.iterator = iter(self.loader)
-            step = next(self.iterator)
-        lr = self.optimizer.param_groups[0]["lr"]
-        assert self.scheduler.get_last_lr() == [lr]
-        self.done += 1
-        if self.done % self.GAS == 0 and self.done // self.GAS % 7 == 3:  # an update AMP skipped, told
-            self.scheduler.step(skipped=True)
-        elif self.done % self.GAS == 0:
-            self.optimizer.step()
-            self.scheduler.step()
-        ids = [int(sample[0]) - 1 for sample in step] if self.loader is not self.sampler else step
-        return tuple(int(i) for i in ids), lr
-
-    def state(self):
-        """The checkpoint, through JSON: state_dict()s are plain data."""
-        return json.loads(
-            json.dumps(
-                {"sampler": self.sampler.state_dict(), "scheduler": self.scheduler.state_dict(), "done": self.done}
-            )
-        )
-
-    def resumed(self, restore=("sampler", "scheduler")):
-        """A fresh run restored from this one's checkpoint: the objects of ``restore``, in that order."""
-        state = self.state()
-        run = _Run(*self.options)
-        for owner in restore:
-            getattr(run, owner).load_state_dict(state[owner])
-        run.done = state["done"]
-        run.iterator = iter(run.loader)
-        return run
-
-
-@functools.cache
-def _reference_run(clock="steps", clock_step=1):
-    run = _Run(clock, clock_step)
-    return tuple(run.next() for _ in range(_RESUME_STEPS))
-
-
-def _resume_machine(clock, clock_step, loader):
-    class ResumeMachine(RuleBasedStateMachine):
-        """Stopping anywhere and resuming from state_dict()s into fresh objects, the sampler or the scheduler restored
-        first, changes no step input nor LR (those of the uninterrupted run over the loader)."""
-
-        def __init__(self):
-            super().__init__()
-            self.run = _Run(clock, clock_step, loader)
-            self.trained = []
-
-        @rule(steps=st.integers(1, 9))
-        def train(self, steps):
-            for _ in range(min(steps, _RESUME_STEPS - len(self.trained))):
-                self.trained.append(self.run.next())
-
-        @rule(restore=st.sampled_from([("sampler", "scheduler"), ("scheduler", "sampler")]))
-        def stop_and_resume(self, restore):
-            self.run = self.run.resumed(restore)
-
-        @invariant()
-        def same_as_uninterrupted(self):
-            reference = _reference_run(clock, clock_step)
-            assert self.trained == list(reference[: len(self.trained)])
-
-    ResumeMachine.TestCase.settings = settings(max_examples=50, stateful_step_count=25, deadline=None)
-    return ResumeMachine
-
-
-TestResume = _resume_machine("steps", 1, loader=True).TestCase
-TestResumeWithATokenClockOverTheSampler = _resume_machine("tokens", 16, loader=False).TestCase
-
-
-def test_reference_runs_span_several_epochs_and_the_clock_matters():
-    """The resume tests' reference runs cross epochs and the token clock changes the LRs (else they prove little)."""
-    run = _Run()
-    assert 3 * len(run.sampler) < _RESUME_STEPS
-    assert run.sampler.plan_for_epoch(0).fingerprint() != run.sampler.plan_for_epoch(1).fingerprint()
-    assert [lr for _, lr in _reference_run()] != [lr for _, lr in _reference_run("tokens", 16)]
-
-
-@pytest.mark.parametrize("restored", ["sampler", "scheduler"])
-def test_a_sampler_or_scheduler_restored_without_the_other_is_refused_at_the_first_update(restored):
-    """Of a checkpoint inside epoch 2, the sampler or the scheduler restored alone into a fresh run: refused at the
-    first update, before the optimizer steps, naming the fix. (Both restored resume exactly: TestResume.)"""
-    run = _Run()
-    for _ in range(2 * len(run.sampler) + 10):
-        run.next()
-    resumed = run.resumed(restore=(restored,))
-    resumed.param.grad = torch.ones(1)  # an update would move the parameter
-    resumed.next()
-    with pytest.raises(RuntimeError, match="restore both from one checkpoint"):
-        resumed.next()
-    assert resumed.param.item() == 0, "the optimizer stepped before the refusal"
-
-
-# -- a restored scheduler over a fresh sampler whose data resumes by skipping batches ---------------
-
-
-def _a_batch_unlike_the_first(sampler, epoch, start=3):
-    """The first batch from ``start`` of ``epoch``'s plan whose size is not batch 0's: an LR restarted at batch 0's
-    would differ there (the plan is a function of the settings, so a fresh sampler's is the run's)."""
-    sizes = sampler.plan_for_epoch(epoch).batch_sizes
-    unlike = [b for b in range(start, len(sizes)) if sizes[b] != sizes[0]]
-    assert unlike, f"every batch from {start} has batch 0's size: the case could not fail"
-    return unlike[0]
-
-
-@pytest.mark.parametrize("epoch", [0, 1])
-def test_a_restored_scheduler_over_a_fresh_sampler_resumed_by_skipping_batches_keeps_its_lr(epoch):
-    """The scheduler restored alone, the fresh loader's epoch re-read from its start dropping the step inputs of the k
-    updates trained (as skip_first_batches does): the rest of the epoch trains the uninterrupted run's step inputs at
-    its LRs (they restarted at batch 0's). (Accelerate's own skip_first_batches over a prepared loader, as HF Trainer
-    resumes: test_hf_trainer_tells_skipped_updates_and_resumes_inside_a_later_epoch_exactly.)"""
-    run = _Run()
-    start, end = epoch * len(run.sampler), (epoch + 1) * len(run.sampler)
-    stop = start + _Run.GAS * _a_batch_unlike_the_first(run.sampler, epoch)
-    for _ in range(stop):
-        run.next()
-    resumed = run.resumed(restore=("scheduler",))
-    resumed.sampler.set_epoch(epoch)
-    resumed.iterator = iter(resumed.loader)
-    for _ in range(stop - start):  # the step inputs trained before the checkpoint, dropped
-        next(resumed.iterator)
-    rest = [resumed.next() for _ in range(end - stop)]
-    assert rest == list(_reference_run()[stop:end])
+# Resumes from checkpoints, after a crash inside a batch too: test_every_loop_trains_each_batch_once_at_its_lr.
 
 
 @pytest.mark.parametrize("owner", ["sampler", "scheduler"])
@@ -4117,18 +3413,25 @@ def test_a_restored_scheduler_over_a_fresh_sampler_resumed_by_skipping_batches_k
             id="0.3 (no version)",
         ),
         pytest.param(lambda state: dict(state, version="0.3.0"), ["varbatch 0.3.0", varbatch.__version__], id="0.3.0"),
-        pytest.param(lambda state: dict(state, version="0.5.0"), ["varbatch 0.5.0", varbatch.__version__], id="0.5.0"),
+        pytest.param(lambda state: dict(state, version="0.4.0"), ["varbatch 0.4.0", varbatch.__version__], id="0.4.0"),
     ],
 )
 def test_load_state_dict_refuses_an_unknown_key_or_another_version_and_keeps_its_argument(owner, edit, names):
     """A sampler's or scheduler's state of a run loads into fresh objects and is left as it was; with an unknown key, or
     saved by another varbatch (0.3's had no version), it is refused naming the key or both versions."""
-    run = _Run("tokens", 16)
-    for _ in range(5):
-        run.next()
-    state = run.state()[owner]
+
+    def objects():
+        sampler = _sampler()
+        optimizer = _optimizer()
+        schedule = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.9)
+        return sampler, optimizer, VariableBatchSizeLR(schedule, "mean", sampler, clock="tokens", clock_step=16)
+
+    sampler, optimizer, scheduler = objects()
+    _train(sampler, scheduler, optimizer, epochs=1)
+    state = {"sampler": sampler.state_dict(steps_done=4), "scheduler": scheduler.state_dict()}[owner]
     before = copy.deepcopy(state)
-    target = getattr(_Run("tokens", 16), owner)
+    fresh_sampler, _, fresh_scheduler = objects()
+    target = fresh_sampler if owner == "sampler" else fresh_scheduler
     target.load_state_dict(state)
     assert state == before, "load_state_dict changed its argument"
     with pytest.raises(ValueError) as refused:
@@ -4175,7 +3478,8 @@ def test_scheduler_refuses_another_seed_or_settings():
 
 
 def test_plans_samplers_and_loaders_pickle_and_deep_copy():
-    """A Plan, a sampler mid-epoch and its loader survive pickle (as broadcast_object_list sends them) and deepcopy."""
+    """A Plan, a sampler with a restored position pending and its loader survive pickle (as broadcast_object_list sends
+    them) and deepcopy: a clone's next pass continues from the position, the pass after it is the whole epoch."""
     seqlens = [*_lengths(80, 1, 30, seed=16), 99]
     sampler = VariableBatchSampler(seqlens, 60, gradient_accumulation_steps=2, order="random", seed=3)
     loader = make_dataloader(_id_dataset(seqlens), sampler, collate_fn=PaddedCollate())
@@ -4186,12 +3490,13 @@ def test_plans_samplers_and_loaders_pickle_and_deep_copy():
         assert clone.totals() == plan.totals()
         for reason in DROP_REASONS:
             np.testing.assert_array_equal(clone.dropped[reason], plan.dropped[reason])
-    iterator = iter(loader)
-    next(iterator), next(iterator)  # mid-epoch
+    sampler.set_epoch(1)
+    sampler.load_state_dict(sampler.state_dict(steps_done=2))
     clones = [pickle.loads(pickle.dumps(loader)), copy.deepcopy(loader)]
     samplers = [pickle.loads(pickle.dumps(sampler)), copy.deepcopy(sampler)]
     assert all(s.state_dict() == sampler.state_dict() for s in samplers + [c.variable_batch_sampler for c in clones])
     expected = [list(sampler) for _ in range(2)]
+    assert expected[0] == expected[1][2:]
     for clone in samplers:
         assert [list(clone) for _ in range(2)] == expected
     for clone in clones:
@@ -4300,7 +3605,7 @@ def _fake_trainer(gradient_accumulation_steps=1, ignore_data_skip=False):
 def test_hf_adapter_moves_b_to_global_step_and_refuses_a_scheduler_ahead_of_it():
     """The adapter's callback at on_step_end: step(skipped=True) while HF's global_step is ahead of b (t stays); a
     scheduler ahead of global_step (stepped besides the Trainer) is refused naming it; the callback of a scheduler that
-    another train() replaced does nothing; on_train_begin squares a resumed global_step the same way."""
+    another train() replaced does nothing; on_train_begin moves b to a resumed global_step the same way."""
     pytest.importorskip("transformers")
     trainer = _fake_trainer(gradient_accumulation_steps=2)  # the sampler's
     sampler = _sampler(order="random")
@@ -4516,7 +3821,15 @@ _BAD_SAMPLER = [
     _refusal(
         "horizon in tokens, no seqlens", ValueError, "make_dataloader", lambda: _given_sampler().horizon(2, "tokens")
     ),
-    _refusal("state_dict at step -1", ValueError, "steps_done", lambda: _four_samples().state_dict(steps_done=-1)),
+    _refusal("state_dict of no Batch", TypeError, "Batch str", lambda: _four_samples().state_dict("batch 0")),
+    _refusal(
+        "state_dict of a Batch and a count",
+        TypeError,
+        "batch steps_done",
+        lambda: _four_samples().state_dict(varbatch.Batch(0, 0, 4, True, 0), steps_done=1),
+    ),
+    _refusal("state_dict at step -1", ValueError, "steps_done=-1", lambda: _four_samples().state_dict(steps_done=-1)),
+    _refusal("state_dict past the end", ValueError, "steps_done=2", lambda: _four_samples().state_dict(steps_done=2)),
     _refusal("load_state_dict not a dict", TypeError, "dict", lambda: _four_samples().load_state_dict("state")),
     _refusal(
         "load_state_dict past the epoch's end",
@@ -4558,6 +3871,7 @@ _BAD_MAKE_DATALOADER = [
     _refusal("what the sampler decides", TypeError, "VariableBatchSampler", _three_samples_loader, batch_size=2),
     _refusal("out of the plan's order", TypeError, "VariableBatchSampler", _three_samples_loader, in_order=False),
     _refusal("collate_fn not callable", TypeError, "collate_fn", _three_samples_loader, collate_fn=3),
+    _refusal("an unknown keyword", TypeError, "'read_ahead'", _three_samples_loader, read_ahead=1),
     _refusal("batch_count of another size", ValueError, "batch_count", _three_samples_loader, batch_count=[1, 1]),
     _refusal(
         "seqlens of another size", ValueError, "seqlen", make_dataloader, [[2]] * 4, VariableBatchSampler([2, 2, 2], 4)
@@ -4651,7 +3965,15 @@ _BAD_SCHEDULER = [
     _refusal(
         "last_epoch, no initial_lr", ValueError, "last_epoch load_state_dict", _scheduler, 2, [2, 2], last_epoch=3
     ),
-    _refusal("step with an epoch", ValueError, "step()", lambda: _scheduler(2, [2, 2]).step(5)),
+    # step() takes a Batch record, nothing or 0 (DeepSpeed's epoch start)
+    _refusal("step with an epoch", ValueError, "Batch 7", lambda: _scheduler(2, [2, 2]).step(7)),
+    _refusal(
+        "step with a plain tuple",
+        ValueError,
+        "Batch (0, 0, 2, True, 0)",
+        lambda: _scheduler(2, [2, 2]).step((0, 0, 2, True, 0)),
+    ),
+    _refusal("step skipped=1", ValueError, "skipped=1", lambda: _scheduler(2, [2, 2]).step(skipped=1)),
     _refusal(
         "no scheduler nor optimizer",
         TypeError,
@@ -4706,14 +4028,7 @@ _BAD_DEEPSPEED_FUNCTIONS = [
     _refusal(
         "unequal batches", ValueError, "microbatch_ids batch_by_seqlens", _given_loader, [(0, [0]), (0, [1]), (1, [2])]
     ),
-    _refusal(
-        "given, rank 2",
-        ValueError,
-        "dataloader_rank",
-        _given_loader,
-        [(0, [0]), (1, [1])],
-        dataloader_rank=2,
-    ),
+    _refusal("given, rank 2", ValueError, "dataloader_rank", _given_loader, [(0, [0]), (1, [1])], dataloader_rank=2),
     _refusal("planned, rank 1", ValueError, "dataloader_rank", _planned_loader, 1, dataloader_rank=1),
     _refusal("batch geometry", ValueError, "train_batch_size", _planned_loader, 3, dataloader_num_replicas=2),
 ]
@@ -4771,11 +4086,7 @@ _BAD_GLUE = [
     _refusal("verbose not a bool", TypeError, "verbose", _glue_over, _glue_config(verbose="yes")),
     _refusal("num_workers negative", ValueError, "num_workers", _glue_over, _glue_config(num_workers=-1)),
     _refusal(
-        "overlong",
-        ValueError,
-        "max_tokens on_overlong",
-        _glue_over,
-        _glue_config(max_tokens=7, on_overlong="error"),
+        "overlong", ValueError, "max_tokens on_overlong", _glue_over, _glue_config(max_tokens=7, on_overlong="error")
     ),
     # the engine, its batch sizes and the seqlens
     _refusal(
@@ -4790,14 +4101,7 @@ _BAD_GLUE = [
         ),
     ),
     _refusal("no source of seqlens", ValueError, "dataset_seqlens batch_seqlens_fn", _glue, _glue_config()),
-    _refusal(
-        "miscounts",
-        ValueError,
-        "batch_seqlens_fn",
-        _glue,
-        _glue_config(),
-        batch_seqlens_fn=lambda b: [2],
-    ),
+    _refusal("miscounts", ValueError, "batch_seqlens_fn", _glue, _glue_config(), batch_seqlens_fn=lambda b: [2]),
 ]
 
 
@@ -4948,19 +4252,16 @@ def test_flat_collate_keeps_padded_collates_structure(form, lengths, width):
 )
 @settings(max_examples=12)
 def test_padding_free_rows_within_the_sum_budget_every_sample_once(lengths, extra, micro_batch_size, order):
-    """The same plan as the sum budget's; each step input one row of at most micro_batch_size x max_tokens
-    tokens and no padding (the plan's totals say so), every sample once; seqlens may count what a collate adds."""
+    """Each step input one row of at most micro_batch_size x max_tokens tokens and no padding (the plan's totals
+    say so), every sample once; seqlens may count what a collate adds."""
     dataset = [{"input_ids": torch.full((n,), i)} for i, n in enumerate(lengths)]
     planned = [n + extra for n in lengths]
     options = dict(max_tokens=16, micro_batch_size=micro_batch_size, order=order, num_replicas=1, rank=0)
     sampler = VariableBatchSampler(planned, padding_free=True, **options)
-    padded = VariableBatchSampler(planned, **options).plan
-    assert np.array_equal(sampler.plan.sample_ids, padded.sample_ids)
-    assert np.array_equal(sampler.plan.microbatch_offsets, padded.microbatch_offsets)
     totals = sampler.plan.totals()
     assert totals["padded_tokens"] == totals["real_tokens"] and totals["padding_free"]
     assert totals["largest_step_input"]["tokens"] <= micro_batch_size * 16
-    seen, plan = [], sampler.plan  # the epoch iterated (iterating to the end moves the sampler on)
+    seen, plan = [], sampler.plan
     for batch in make_dataloader(dataset, sampler):  # FlatCollate by default
         assert batch["input_ids"].shape[0] == 1 and batch["input_ids"].shape[1] <= micro_batch_size * 16
         seen += batch["input_ids"][0, batch["position_ids"][0] == 0].tolist()
@@ -5029,27 +4330,6 @@ def test_hf_llama_trains_a_flat_row_as_the_padded_batch(attn_implementation):
         assert float(difference.detach()) <= 1e-4, i
     assert abs(float(flat.loss.detach()) / float(padded.loss.detach()) - 1) <= 1e-5
     assert _gradient_difference(model, flat.loss, padded.loss) <= 1e-4
-
-
-def test_example_per_token_model_trains_a_flat_row_as_the_padded_batch():
-    """example.py's --padding-free model on its flat collate against the same model padded (--per-token): each
-    token's output (max |diff| <= 1e-5), the token-mean loss (relative 1e-5) and the gradients (relative 1e-4)."""
-    import example
-
-    samples = list(example.RunningSumSequences(6, seed=3))
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(example.CausalAttention(16), example.TokenFeedForward(16))
-    weight = torch.tensor(1.0)
-    (x, positions), (y, real) = example.flat_collate(samples)
-    flat = model((x, positions))  # 1 x T
-    (x, lengths), (y_padded, _) = example.collate(samples)
-    padded = model((x, lengths))  # B x S
-    mask = torch.arange(x.shape[1]) < lengths[:, None]
-    assert float((flat[0] - padded[mask]).abs().max().detach()) <= 1e-5
-    flat_loss = example.token_loss(flat, (y, real, weight))
-    padded_loss = example.token_loss(padded, (y_padded, lengths, weight))
-    assert abs(float(flat_loss.detach()) / float(padded_loss.detach()) - 1) <= 1e-5
-    assert _gradient_difference(model, flat_loss, padded_loss) <= 1e-4
 
 
 def block_causal_mask(position_ids):
@@ -5299,8 +4579,8 @@ def test_balanced_pipeline_batches_keep_their_step_inputs(case):
         assert after == before
 
 
-def _issue_lengths(num_samples, seed=0):
-    """Issue 30's long-tailed set: lognormal lengths, mean about 760, 6 to 8,000 tokens."""
+def _long_sample_lengths(num_samples, seed=0):
+    """A long-tailed set of long samples: lognormal lengths, mean about 760, 6 to 8,000 tokens."""
     rng = np.random.default_rng(seed)
     return np.clip(np.round(rng.lognormal(6.15, 1.0, num_samples)), 6, 8_000).astype(np.int64)
 
@@ -5336,7 +4616,7 @@ def test_one_rank_and_padded_pipeline_batches_are_left_as_they_are():
 def test_the_balanced_sampler_deals_the_plan_and_resumes_mid_epoch():
     """Every rank's sampler yields its share of `plan_batches`' balanced plan, each sample once an epoch; a
     sampler restored mid-epoch yields what the uninterrupted one does."""
-    seqlens = _issue_lengths(3_000, seed=2)
+    seqlens = _long_sample_lengths(3_000, seed=2)
     options = dict(num_replicas=4, order="bucket", seed=3, balance_ranks=True, quadratic_tokens=2_000)
     samplers = [
         VariableBatchSampler(seqlens, 8_192, rank=r, gradient_accumulation_steps=2, **options) for r in range(4)
@@ -5365,7 +4645,7 @@ def test_balance_ranks_from_the_config_section_reaches_the_sampler():
 
 def test_balanced_ranks_with_lr_in_sequences_warn_that_the_lr_swings():
     """Balancing with the LR scaled by sequences warns, with the swing in both units; by tokens it does not."""
-    seqlens = _issue_lengths(4_000, seed=4)
+    seqlens = _long_sample_lengths(4_000, seed=4)
     options = dict(num_replicas=8, rank=0, order="bucket", balance_ranks=True, quadratic_tokens=2_000)
     messages = {}
     for unit in ("sequences", "tokens"):
@@ -5513,57 +4793,44 @@ def _write_config(tmp_path, section=None, **batch_keys):
 
 
 @pytest.mark.parametrize("pipeline", [False, True])
-def test_table_and_totals_match_plan_batches(npy_file, pipeline):
-    """Every batch of the table and every total equals what plan_batches and a slow recount give."""
-    flags = ["--pipeline"] if pipeline else []
-    code, out, err = _cli("--seqlens", npy_file, "--max-tokens", "10", "--world-size", "2", "--batches", "0", *flags)
+def test_table_json_and_totals_match_plan_batches(npy_file, pipeline):
+    """Every row and total of the table and of the JSON (and its drops and settings) is what plan_batches and a slow
+    recount give for the flags."""
+    flags = "--max-tokens 10 --effective-batch-size 4 --world-size 2 --order random --seed 0 --epoch 2 --batches 0"
+    flags = [*flags.split(), "--lr-scaling-method", "sqrt", "--lr-scaling-reference", "mean"]
+    flags += ["--pipeline"] if pipeline else []
+    code, out, err = _cli("--seqlens", npy_file, *flags)
     assert code == 0, err
-    plan = plan_batches(LENGTHS, 10, effective_batch_size=2, num_replicas=2, same_size=pipeline, same_length=pipeline)
+    data = _cli_json("--seqlens", npy_file, *flags)
+    options = dict(order="random", seed=0, epoch=2, same_size=pipeline, same_length=pipeline)
+    plan = plan_batches(LENGTHS, 10, effective_batch_size=4, num_replicas=2, **options)
     sizes, tensor_s = plan.microbatch_sizes().tolist(), _tensor_seqlens(plan, LENGTHS)
     padded = [n * s for n, s in zip(sizes, tensor_s)]
+    factors = [scale_lr(plan.batch_sizes.mean(), int(size), 1.0, "sqrt") for size in plan.batch_sizes]
     rows = _table_rows(out)
-    assert len(rows) == plan.num_batches
-    for b, row in enumerate(rows):
+    assert len(rows) == len(data["batches"]) == plan.num_batches
+    for b, (row, shown) in enumerate(zip(rows, data["batches"])):
         batch, sequences, microbatches, mb_sizes, pad_s, real, padding, factor = row
-        assert (int(batch), int(sequences), int(microbatches)) == (b, plan.batch_sizes[b], 2)
-        assert _cell_values(mb_sizes, 2) == sizes[2 * b : 2 * b + 2]
-        assert _cell_values(pad_s, 2) == tensor_s[2 * b : 2 * b + 2]
-        assert int(real) == plan.batch_tokens[b]
-        slots = padded[2 * b] + padded[2 * b + 1]
+        assert (int(batch), int(sequences), int(microbatches)) == (b, plan.batch_sizes[b], 4)
+        assert _cell_values(mb_sizes, 4) == shown["microbatch_sizes"] == sizes[4 * b : 4 * b + 4]
+        assert _cell_values(pad_s, 4) == tensor_s[4 * b : 4 * b + 4]
+        assert int(real) == shown["real_tokens"] == plan.batch_tokens[b]
+        slots = sum(padded[4 * b : 4 * b + 4])
         assert float(padding) == pytest.approx(100 * (1 - plan.batch_tokens[b] / slots), abs=0.051)
-        # Default reference: train_batch_size = 2 micro-batches, linear rule.
-        assert float(factor) == pytest.approx(plan.batch_sizes[b] / 2, rel=1e-3)
-    assert f"epoch 0: {plan.num_batches} batches of 2 micro-batches" in out
-    assert f"tokens: {sum(LENGTHS[i] for i in plan.sample_ids)} real / {sum(padded)} padded" in out
-    assert f"samples: {plan.batch_sizes.sum()} trained, {plan.num_dropped} dropped" in out
-    assert all(line in out.splitlines() for line in plan_command._format_totals(plan.totals()).splitlines())
-
-
-def test_json_matches_plan_batches(npy_file):
-    """--json holds the settings, totals, rows and dropped ids of the same plan."""
-    flags = (
-        "--max-tokens 10 --effective-batch-size 3 --order random --seed 5 --epoch 2 --batches 0 "
-        "--lr-scaling-method sqrt --lr-scaling-reference mean"
-    )
-    data = _cli_json("--seqlens", npy_file, *flags.split())
-    plan = plan_batches(LENGTHS, 10, effective_batch_size=3, order="random", seed=5, epoch=2)
+        assert float(factor) == pytest.approx(factors[b], rel=5e-3), "the table shows three digits"
+        assert shown["lr_factor"] == pytest.approx(factors[b])
     totals = data["totals"]
-    assert totals["batches"] == plan.num_batches == len(data["batches"])
-    assert totals["samples"] + totals["num_dropped"] == len(LENGTHS)
+    assert (totals["real_tokens"], totals["padded_tokens"]) == (sum(LENGTHS[i] for i in plan.sample_ids), sum(padded))
+    assert f"tokens: {totals['real_tokens']} real / {totals['padded_tokens']} padded" in out
+    assert totals["efficiency"] == pytest.approx(totals["real_tokens"] / totals["padded_tokens"])
+    assert f"epoch 2: {plan.num_batches} batches of 4 micro-batches" in out
+    assert f"samples: {plan.batch_sizes.sum()} trained, {plan.num_dropped} dropped" in out
+    assert totals["samples"] + totals["num_dropped"] == len(LENGTHS) and plan.num_dropped > 0
     assert totals["dropped"] == {reason: len(ids) for reason, ids in plan.dropped.items()}
     assert data["dropped_ids"] == {reason: ids.tolist() for reason, ids in plan.dropped.items()}
-    assert totals["real_tokens"] == int(plan.batch_tokens.sum())
-    padded = sum(n * s for n, s in zip(plan.microbatch_sizes(), _tensor_seqlens(plan, LENGTHS)))
-    assert totals["padded_tokens"] == padded
-    assert totals["efficiency"] == pytest.approx(totals["real_tokens"] / totals["padded_tokens"])
-    sizes = plan.microbatch_sizes().tolist()
-    mean = plan.batch_sizes.mean()
-    for b, row in enumerate(data["batches"]):
-        assert row["microbatch_sizes"] == sizes[3 * b : 3 * b + 3]
-        assert row["real_tokens"] == plan.batch_tokens[b]
-        assert row["lr_factor"] == pytest.approx(scale_lr(mean, int(plan.batch_sizes[b]), 1.0, "sqrt"))
-    assert totals["lr_factor"]["mean"] == pytest.approx(np.mean([r["lr_factor"] for r in data["batches"]]))
-    assert data["settings"]["seed"] == 5 and data["settings"]["epoch"] == 2
+    assert totals["lr_factor"]["mean"] == pytest.approx(np.mean(factors))
+    assert data["settings"]["seed"] == 0 and data["settings"]["epoch"] == 2
+    assert all(line in out.splitlines() for line in plan_command._format_totals(plan.totals()).splitlines())
 
 
 def test_padding_free_plan_shows_its_rows(npy_file):
@@ -7165,26 +6432,29 @@ STATEFUL = COMMON + textwrap.dedent("""
         model, optimizer = model_and_optimizer()
         scheduler = varbatch.VariableBatchSizeLR(optimizer, "mean", sampler)
         if state is not None:
-            model.load_state_dict(state["model"]); optimizer.load_state_dict(state["optimizer"])
-            scheduler.load_state_dict(state["scheduler"]); loader.load_state_dict(state["loader"])
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+            scheduler.load_state_dict(state["scheduler"])
+            loader.load_state_dict(state["loader"])
             for parameter, grad in zip(model.parameters(), state["grads"]):  # a batch cut by the checkpoint
                 parameter.grad = grad
         return sampler, loader, model, optimizer, scheduler
 
-    def token_mean(model, batch):
-        \"\"\"The loss averaged over the batch's real tokens, and their number.\"\"\"
-        x, lengths = batch
+    def token_mean(model, step_input):
+        \"\"\"The loss averaged over the step input's real tokens, and their number.\"\"\"
+        x, lengths = step_input
         mask = torch.arange(x.shape[1]) < lengths[:, None]
         return (model(x.unsqueeze(-1)).squeeze(-1).pow(2) * mask).sum() / mask.sum() * 1e-6, mask.sum()
 
     GRAD_ERRORS = []
-    def check_gradient(model, sampler, epoch, b):
-        \"\"\"Averages the gradient over the ranks (as DDP does) and notes how far it is from the gradient of batch
-        b's token mean, from the plan.\"\"\"
+    def check_gradient(model, sampler, batch, b):
+        \"\"\"Averages the gradient over the ranks (as DDP does) and notes how far it is from the gradient of the
+        token mean of the epoch's batch b, from the plan.\"\"\"
         grads = [p.grad for p in model.parameters()]
         for grad in grads:
-            dist.all_reduce(grad); grad /= dist.get_world_size()
-        plan, k = sampler.plan_for_epoch(epoch), sampler.effective_batch_size
+            dist.all_reduce(grad)
+            grad /= dist.get_world_size()
+        plan, k = sampler.plan_for_epoch(batch.epoch), sampler.effective_batch_size
         ids = plan.sample_ids[plan.microbatch_offsets[b * k]:plan.microbatch_offsets[(b + 1) * k]].tolist()
         reference = copy.deepcopy(model)
         reference.zero_grad()
@@ -7192,31 +6462,38 @@ STATEFUL = COMMON + textwrap.dedent("""
         want = torch.cat([p.grad.flatten() for p in reference.parameters()])
         GRAD_ERRORS.append(float((torch.cat([g.flatten() for g in grads]) - want).norm() / want.norm()))
 
-    def run(sampler, loader, model, optimizer, scheduler, start_epoch=0, trained=0, stop_after=None):
+    def run(sampler, loader, model, optimizer, scheduler, start_epoch=0, stop_after=None):
+        \"\"\"The loop the records steer: each step input's loss weighted by its batch's token count, the update
+        after the batch's last step input, the scheduler told the batch; a checkpoint file after ``stop_after``
+        step inputs.\"\"\"
+        trained = 0
         for epoch in range(start_epoch, EPOCHS):
             sampler.set_epoch(epoch)
-            for batch, batch_tokens in loader:  # the loss weighted by the batch's tokens that come beside it
-                record(epoch, scheduler.steps_in_epoch, batch, optimizer.param_groups[0]["lr"])
-                loss, tokens = token_mean(model, batch)
-                (loss * varbatch.micro_batch_loss_weight(tokens, batch_tokens, num_replicas=2)).backward()
+            for step_input, batch in loader:
+                b = batch.index - batch.epoch * (len(sampler) // GAS)  # the batch's place in its epoch
+                record(batch.epoch, b, step_input, optimizer.param_groups[0]["lr"])
+                loss, tokens = token_mean(model, step_input)
+                (loss * varbatch.micro_batch_loss_weight(tokens, batch.count, num_replicas=2)).backward()
                 trained += 1
-                if trained % GAS == 0:
-                    check_gradient(model, sampler, epoch, scheduler.steps_in_epoch)
-                    optimizer.step(); scheduler.step(); optimizer.zero_grad()
+                if batch.last:
+                    check_gradient(model, sampler, batch, b)
+                    optimizer.step()
+                    scheduler.step(batch)
+                    optimizer.zero_grad()
                 if trained == stop_after:
                     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                                 "scheduler": scheduler.state_dict(), "loader": loader.state_dict(),
-                                "grads": [p.grad for p in model.parameters()], "epoch": epoch,
-                                "trained": trained}, state_path)
+                                "grads": [p.grad for p in model.parameters()], "epoch": epoch}, state_path)
                     return
 
     # Stopped after stop_after step inputs (checkpoint saved to a file), then every object dropped (the loader's
     # workers end) and the run resumed from the file alone by objects built afresh: the restore a new process does.
     run(*build(), stop_after=OPTS["stop_after"])
     state = torch.load(state_path, weights_only=False)
-    run(*build(state), start_epoch=state["epoch"], trained=state["trained"])
+    run(*build(state), start_epoch=state["epoch"])
     save(rank, grad_errors=GRAD_ERRORS)
-    dist.barrier(); dist.destroy_process_group()
+    dist.barrier()
+    dist.destroy_process_group()
 """)
 
 
@@ -7416,8 +6693,9 @@ def _stateful_job(folder):
 def test_stateful_dataloader_resumes_exactly(jobs):
     """StatefulDataLoader with workers on 2 ranks, stopped mid-epoch inside an accumulation step with a checkpoint
     file and resumed from that file by a loader, sampler and scheduler built afresh (in the same processes: varbatch
-    keeps no state outside its objects): the ranks train the plan exactly once, and every update's gradient,
-    averaged over the ranks, is its batch's token mean's, by the loader's batch_count (the cut batch's too)."""
+    keeps no state outside its objects), the loop steered by the Batch records: the ranks train the plan exactly once
+    at its LRs, and every update's gradient, averaged over the ranks, is its batch's token mean's (the cut batch's
+    too)."""
     rc, output, records, grad_errors = jobs("stateful")
     assert rc == 0, output[-3000:]
     _check_against_plan(records, mbs=1, gas=2, epochs=2)
@@ -7425,55 +6703,6 @@ def test_stateful_dataloader_resumes_exactly(jobs):
         assert len(errors) == len(_plan(0, 1, 2).batch_sizes) + len(_plan(1, 1, 2).batch_sizes), len(errors)
         # float32 sums over a batch: 1e-4 relative is rounding, a batch weighted with another's count is off by 0.1 to 1
         assert max(errors) < 1e-4, f"rank {rank}: gradients off their batch's token mean's by up to {max(errors):.2g}"
-
-
-@pytest.mark.parametrize(
-    "stop, workers",
-    [("mid-epoch 1", 0), ("mid-epoch 1", 2), ("end of epoch 0", 0), ("end of epoch 0", 2), (7, 2), (10, 2), (11, 3)],
-)
-def test_stateful_dataloader_restores_the_sampler_at_load_state_dict(stop, workers):
-    """Right after loader.load_state_dict(), sampler.epoch is the epoch the state was saved in (at an epoch's end:
-    its empty rest, torchdata's convention): a loop ranged from it trains exactly the batches of an uninterrupted
-    run, also from a position that is not a multiple of the workers (a number: that many step inputs of epoch 0)."""
-    stateful = pytest.importorskip("torchdata.stateful_dataloader")
-    lengths = _lengths(300, 5, 60, seed=0)
-    dataset = _id_dataset(lengths)
-
-    def build():
-        sampler = VariableBatchSampler(lengths, 256, budget="padded", order="bucket")
-        return sampler, make_dataloader(
-            dataset,
-            sampler,
-            collate_fn=PaddedCollate(),
-            num_workers=workers,
-            dataloader_class=stateful.StatefulDataLoader,
-        )
-
-    def train(sampler, loader, stop_after=None):
-        """The loop of a resumable script: its epochs ranged from the sampler's."""
-        trained = []
-        for epoch in range(sampler.epoch, 2):
-            sampler.set_epoch(epoch)
-            for x, _ in loader:
-                trained.append((epoch, _ids_of(x)))
-                if len(trained) == stop_after:
-                    return trained
-        return trained
-
-    full = train(*build())
-    in_epoch_0 = sum(1 for epoch, _ in full if epoch == 0)
-    at = {"mid-epoch 1": in_epoch_0 + in_epoch_0 // 2, "end of epoch 0": in_epoch_0}.get(stop, stop)
-    sampler, loader = build()
-    head = train(sampler, loader, stop_after=at)
-    state = loader.state_dict()
-    sampler, loader = build()
-    loader.load_state_dict(state)
-    assert sampler.epoch == full[at - 1][0], (
-        f"sampler.epoch is {sampler.epoch} after load_state_dict, the last batch trained is epoch {full[at - 1][0]}'s"
-    )
-    rest = train(sampler, loader)
-    assert len(head) + len(rest) == len(full), f"{len(head)} + {len(rest)} batches for {len(full)}"
-    assert head + rest == full
 
 
 @pytest.mark.slow

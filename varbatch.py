@@ -1754,7 +1754,8 @@ class VariableBatchSampler(Sampler[list[int]]):
         self.gradient_accumulation_steps = settings.gradient_accumulation_steps
         self.same_length = settings.same_length
         self.epoch = 0
-        self._restored: tuple[int, int] | None = None  # (epoch, steps_done) of load_state_dict, until a pass takes it
+        # (epoch, steps_done) of load_state_dict, until a pass takes it, and the epoch selected before (see `_Pass`)
+        self._restored: tuple[int, int, int] | None = None
         self._plans: dict[int, Plan] = {}
         self._logged: set[int] = set()  # the epochs whose plan was logged
         self._alone = alone  # dealt to 1 rank by default: torch.distributed was not up (see `_Pass`)
@@ -1836,7 +1837,10 @@ class VariableBatchSampler(Sampler[list[int]]):
         if batch is not None and steps_done is not None:
             raise TypeError("state_dict takes batch or steps_done, not both: the record holds its step input")
         if steps_done is not None:
-            return self._state(self.epoch, _check_int("steps_done", steps_done, 0, len(self), "step inputs trained"))
+            return self._state(
+                self.epoch,
+                _check_int("steps_done", steps_done, 0, len(self), "pass the step inputs of the epoch trained"),
+            )
         if batch is None:
             return self._state(self.epoch, self.steps_done)
         if not isinstance(batch, Batch):
@@ -1849,8 +1853,9 @@ class VariableBatchSampler(Sampler[list[int]]):
     def load_state_dict(self, state_dict: Mapping) -> None:
         """Restores a `state_dict`: `epoch` is its epoch, whose next pass continues where it stopped (a state saved
         after an epoch's last step input: its empty rest, as torchdata's samplers resume)."""
-        self.epoch, steps_done = self._position(state_dict)
-        self._restored = (self.epoch, steps_done)
+        epoch, steps_done = self._position(state_dict)
+        self._restored = (epoch, steps_done, self.epoch)
+        self.epoch = epoch
 
     def _state(self, epoch: int, steps_done: int) -> dict:
         settings = self._state_settings()
@@ -1868,16 +1873,13 @@ class VariableBatchSampler(Sampler[list[int]]):
         epoch = _check_int("epoch", state_dict["epoch"], minimum=0)
         return epoch, _check_int("steps_done", state_dict["steps_done"], minimum=0, maximum=len(self))
 
-    def _restored_at(self, epoch: int) -> int:
-        """Where the next pass of ``epoch`` starts: at a restored position of that epoch, else at 0."""
+    def _restored_at(self, epoch: int, take: bool = False) -> int:
+        """Where the next pass of ``epoch`` starts: at a restored position of that epoch, else at 0; with ``take``,
+        the pass that begins now takes the position (once)."""
         if self._restored is None or self._restored[0] != epoch:
             return 0
-        return self._restored[1]
-
-    def _take_restored(self, epoch: int) -> int:
-        """Where a pass of ``epoch`` that begins now starts: a restored position of that epoch is taken, once."""
-        start = self._restored_at(epoch)
-        if self._restored is not None and self._restored[0] == epoch:
+        start = self._restored[1]
+        if take:
             self._restored = None
         return start
 
@@ -1899,7 +1901,10 @@ class VariableBatchSampler(Sampler[list[int]]):
 # drops the first unread: torch/utils/data/dataloader.py, its `_reset`). Its position, this rank's step inputs it
 # handed out, is its own state, which torchdata's StatefulDataLoader saves as it sends each step input to a worker and
 # gives back beside the step input the loop gets (its sampler-iterator protocol: `state_dict` and `load_state_dict`),
-# so a loader's state is what the loop got, whatever the workers read ahead.
+# so a loader's state is what the loop got, whatever the workers read ahead. A pass restored from its state is the whole
+# position: torchdata restores a batch sampler's own state when the loader's next iterator starts, after the loop's
+# set_epoch, then the state of the pass it makes, so that pass replaces the sampler's restore and puts back the epoch
+# selected before it (a fresh pass after a state saved once the loop ended is of the epoch the loop set since).
 _PASS_NUMBERS = itertools.count(1)  # a number per pass, by which the loader's dealing check tells passes apart
 
 
@@ -1933,7 +1938,7 @@ class _Pass:
                 f"sample; make it after init_process_group, or pass num_replicas and rank"
             )
         if self.start is None:
-            self.start = sampler._take_restored(self.epoch)
+            self.start = sampler._restored_at(self.epoch, take=True)
         self.steps_done = self.start
         plan = sampler.plan_for_epoch(self.epoch)
         if self.epoch not in sampler._logged and _on_rank_zero(sampler.rank):  # once per epoch, for the whole job
@@ -1959,8 +1964,13 @@ class _Pass:
         return self.sampler._state(self.epoch, start)  # not begun: where it will start
 
     def load_state_dict(self, state_dict: Mapping) -> None:
-        """Continues the pass of a state (unread: a pass restored once it began is refused by torchdata itself)."""
+        """Continues the pass of a state, in place of a position and an epoch restored into the sampler (torchdata
+        restores a batch sampler's state, then its new iterator's: NOTE [a pass's position])."""
         self.epoch, self.start = self.sampler._position(state_dict)
+        restored = self.sampler._restored
+        if restored is not None:  # the sampler's own restore, which this one replaces: its epoch goes back
+            self.sampler.epoch = restored[2]
+            self.sampler._restored = None
         self.steps_done = self.start
         self._items = None
 
