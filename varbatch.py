@@ -1635,19 +1635,16 @@ class Batch(typing.NamedTuple):
 
     It travels with its step input, through loader workers, prefetchers and
     resumes, so the loop reads where it is from the data instead of counting:
-    it updates after the step input whose record says ``last``, then tells the
-    scheduler ``step(batch)``, and saves ``sampler.state_dict(batch)``.
+    it updates after the step input whose record says ``last``, then calls
+    ``scheduler.step(batch)``; it saves ``sampler.state_dict(batch)``.
 
     Attributes:
-        index: b, the batches of the run before this one, epoch after epoch (every
-            epoch has the same number of batches): ``epoch x batches per epoch`` + its
-            place in its epoch.
+        index: b, the batches of the run before it: ``epoch x batches per epoch``
+            + its place in its epoch (every epoch has as many batches).
         epoch: the epoch it was planned in.
-        count: the batch's count over all ranks and accumulation steps, in the unit
-            of make_dataloader's ``batch_count``: the denominator of the batch's mean
-            loss (`micro_batch_loss_weight`).
-        last: whether this is this rank's last step input of the batch, after which
-            the loop updates.
+        count: its count over all ranks and accumulation steps, in make_dataloader's
+            ``batch_count`` unit: its mean loss's denominator (`micro_batch_loss_weight`).
+        last: whether this is this rank's last step input of the batch.
         step_input: t, this rank's step input of the epoch (``0 .. len(sampler) - 1``).
     """
 
@@ -2098,8 +2095,8 @@ class VariableBatchSizeLR(LRScheduler):
     """Scales any LR schedule by the size of each batch: ``lr = schedule(t) x s(B_b / B_ref)``.
 
     ``b``: the batch the next update trains, counted over the run from 0
-    (skipped updates included; its epoch and place follow, every epoch having
-    one length); ``t``: the updates taken, the wrapped schedule's steps;
+    (skipped updates included; every epoch has one length, so b gives its
+    epoch and place); ``t``: the updates taken, the wrapped schedule's steps;
     ``schedule(t)``: the wrapped scheduler's LR there (or the optimizer's
     constant LR); ``s``: the linear, square-root, none or user rule
     (`scale_lr`); ``B_b``: the size of batch b, in sequences or real tokens;
@@ -2107,31 +2104,25 @@ class VariableBatchSizeLR(LRScheduler):
     restarted.
 
     NOTE [the contract]: the loop gives the position, as torch's schedulers are
-    given theirs; nothing here watches the data, the parameters or the
-    gradients. After each batch's update, taken or skipped (AMP found inf/nan):
-    - told: ``step(batch)``, ``batch`` the `Batch` record beside the batch's last
-      step input (``step(batch, skipped=True)`` for a skipped update): b becomes
-      ``batch.index + 1``. The record sets b at every call, so read-ahead,
-      prefetchers, resumes and other passes cannot shift it; an untold skip or
-      cut costs at most one update at a neighbouring batch's factor;
-    - counted, as torch and DeepSpeed count: ``step()`` (``step(skipped=True)``
-      for a skipped update): b moves on by one; ``step(0)``, DeepSpeed's idiom
-      at an epoch's start, says that the loop cut the epoch: b moves to the next
-      epoch's start. An untold skip or cut shifts b by one batch from there on.
-      Trainers that skip updates without stepping the scheduler tell it through
-      an adapter (the DeepSpeed glue follows the engine's ``skipped_steps``,
-      `hf_trainer_lr_scheduler` HF's ``global_step``).
-    Either way t moves with the updates taken only (a loop that steps plainly
-    after a skipped update, as torch's AMP recipe does, moves it too: torch's
-    meaning of its own schedule there). Before batch b's update the optimizer
-    holds ``schedule(t) x s(B_b / B_ref)``: written at each step and again by an
-    optimizer step-pre hook (`_param_groups`; also where ZeRO narrows
-    ``optimizer.param_groups`` around its inner step). Refused, at the call that
-    shows it: a record that is not its batch's last (the loop accumulates other
-    than the sampler), or whose index goes back (a batch stepped twice, an epoch
-    trained again, a scheduler restored from another point than the sampler);
-    under an adapter whose trainer steps the scheduler after updates only, a
-    ``step()`` with no update since the last (stepped twice per update).
+    given theirs; nothing watches the data, the parameters or the gradients.
+    After each batch's update, taken or skipped (``skipped=True``: AMP found
+    inf/nan; t stays, b moves on):
+    - told: ``step(batch)``, ``batch`` the `Batch` record of the batch's last
+      step input: b becomes ``batch.index + 1`` at every call, so read-ahead,
+      resumes and other passes cannot shift it; an untold skip or cut costs at
+      most one update at a neighbouring batch's factor;
+    - counted, as torch and DeepSpeed count: ``step()`` moves b on by one, and
+      ``step(0)`` (DeepSpeed's idiom at an epoch's start) says that the loop cut
+      the epoch: b moves to the next epoch's start. An untold skip or cut
+      shifts b by one batch from there on. Trainers that skip updates without
+      stepping tell it through an adapter (the DeepSpeed glue follows the
+      engine's ``skipped_steps``, `hf_trainer_lr_scheduler` HF's ``global_step``).
+    Before batch b's update the optimizer holds ``schedule(t) x s(B_b /
+    B_ref)``: written at each step and again by an optimizer step-pre hook
+    (`_param_groups`: ZeRO narrows ``optimizer.param_groups`` around its inner
+    step). Refused at the call that shows it: a record that is not its batch's
+    last, or whose index goes back; under an adapter whose trainer steps after
+    updates only, a ``step()`` with no update since the last.
 
     One scheduler per optimizer: a second `VariableBatchSizeLR` on it detaches
     the first, whose next ``step()`` raises (stack schedules with one wrapper
