@@ -45,7 +45,6 @@ import torch
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
-import plan as plan_command  # plan.py, the plan command beside varbatch.py (`plan` names plans in the tests)
 import varbatch
 from varbatch import (
     PaddedCollate,
@@ -4674,6 +4673,7 @@ def _readme_quadratic_tokens():
     return namespace, printed.getvalue()
 
 
+@pytest.mark.project
 def test_readme_recipe_finds_q_of_a_model_whose_attention_dominates():
     """The recipe prints one line with q; it finds the q of a model whose cost is known, on a clock that model moves;
     and timed on CPU, a q far below the long shape for one attention layer of hidden size 32, and for a model of
@@ -4720,7 +4720,16 @@ def test_readme_recipe_finds_q_of_a_model_whose_attention_dominates():
 # =============================================================================
 
 VARBATCH = str(Path(varbatch.__file__).resolve())
-PLAN_SCRIPT = str(Path(plan_command.__file__).resolve())
+PLAN_SCRIPT = str(Path(_ROOT, "plan.py"))
+
+
+def _plan_command():
+    """plan.py, the plan command beside varbatch.py, imported where a project test runs it (`plan` names plans)."""
+    import plan
+
+    return plan
+
+
 # A small dataset whose plans have several batches, padding and a tail.
 LENGTHS = [3, 5, 2, 6, 4, 1, 7, 7, 2, 3, 8, 1, 1, 4, 6, 2, 5, 3, 3, 9, 2, 4]
 
@@ -4730,7 +4739,7 @@ def _cli(*args):
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
-            code = plan_command.main(list(args))
+            code = _plan_command().main(list(args))
         except SystemExit as stop:
             code = stop.code
     return code, out.getvalue(), err.getvalue()
@@ -4792,6 +4801,7 @@ def _write_config(tmp_path, section=None, **batch_keys):
 # -- the table and the totals ----------------------------------------------------------------------
 
 
+@pytest.mark.project
 @pytest.mark.parametrize("pipeline", [False, True])
 def test_table_json_and_totals_match_plan_batches(npy_file, pipeline):
     """Every row and total of the table and of the JSON (and its drops and settings) is what plan_batches and a slow
@@ -4830,9 +4840,10 @@ def test_table_json_and_totals_match_plan_batches(npy_file, pipeline):
     assert data["dropped_ids"] == {reason: ids.tolist() for reason, ids in plan.dropped.items()}
     assert totals["lr_factor"]["mean"] == pytest.approx(np.mean(factors))
     assert data["settings"]["seed"] == 0 and data["settings"]["epoch"] == 2
-    assert all(line in out.splitlines() for line in plan_command._format_totals(plan.totals()).splitlines())
+    assert all(line in out.splitlines() for line in _plan_command()._format_totals(plan.totals()).splitlines())
 
 
+@pytest.mark.project
 def test_padding_free_plan_shows_its_rows(npy_file):
     """--padding-free: the plan says so, its step inputs are 1 x T rows with no padding."""
     code, out, _ = _cli("--seqlens", npy_file, "--padding-free", "--effective-batch-size", "2")
@@ -4841,6 +4852,7 @@ def test_padding_free_plan_shows_its_rows(npy_file):
     assert re.search(r"largest step input: a row of \d+ samples?, 1 x \d+ = \d+ tokens = [01]\.\d\d x", out), out
 
 
+@pytest.mark.project
 def test_synthetic_default_runs_alone():
     """`python plan.py` without files plans 2000 synthetic lengths, always the same ones."""
     data = _cli_json()
@@ -4851,6 +4863,7 @@ def test_synthetic_default_runs_alone():
     assert 150 * 2000 < totals["real_tokens"] < 500 * 2000  # median about 240 tokens
 
 
+@pytest.mark.project
 def test_lr_unit_trap_is_flagged(npy_file):
     """The totals warn when the default B_ref puts the mean LR factor far from 1, and not when B_ref is the mean."""
     _, trap, _ = _cli("--seqlens", npy_file, "--max-tokens", "20")
@@ -4862,6 +4875,7 @@ def test_lr_unit_trap_is_flagged(npy_file):
 # -- inputs: .npy, text, stdin, a DeepSpeed config -------------------------------------------------
 
 
+@pytest.mark.project
 def test_npy_text_and_stdin_give_the_same_plan(monkeypatch, npy_file, tmp_path):
     """The three ways to pass lengths give the same JSON (but for the source's name)."""
     text = "\n".join(map(str, LENGTHS)) + "\n\n"
@@ -4876,6 +4890,7 @@ def test_npy_text_and_stdin_give_the_same_plan(monkeypatch, npy_file, tmp_path):
     assert shown[0] == shown[1] == shown[2]
 
 
+@pytest.mark.project
 @pytest.mark.parametrize(
     "batch_keys, flags, expected",
     [
@@ -4910,6 +4925,7 @@ def test_config_batch_geometry(tmp_path, npy_file, batch_keys, flags, expected):
     assert [n for row in shown["batches"] for n in row["microbatch_sizes"]] == trained.microbatch_sizes().tolist()
 
 
+@pytest.mark.project
 def test_config_world_size_that_contradicts_it_is_an_error(tmp_path, npy_file):
     """A --world-size the config's batch sizes contradict exits 2, naming both."""
     config = _write_config(
@@ -4946,6 +4962,7 @@ def config_sections(draw):
     return section
 
 
+@pytest.mark.project
 @given(section=config_sections(), seed=st.one_of(st.none(), st.integers(0, 9)))
 # on_overlong "error" with a sample over budget: training refuses, so must the command
 @example(section={"enabled": True, "max_tokens": 40, "on_overlong": "error"}, seed=None)
@@ -4995,6 +5012,7 @@ def test_the_plan_command_plans_what_training_plans(tmp_path_factory, section, s
 # The config reader's refusals are the glue's (test_bad_input_deepspeed_glue): here, one of them, and the command's own.
 
 
+@pytest.mark.project
 @pytest.mark.parametrize(
     "content, names",
     [
@@ -5014,6 +5032,7 @@ def test_bad_config_exits_2_with_one_line(tmp_path, content, names):
     assert names in _refused_in_one_line("--config", str(path))
 
 
+@pytest.mark.project
 @pytest.mark.parametrize(
     "args, names",
     [
@@ -5033,6 +5052,7 @@ def test_bad_flag_values_exit_2_with_one_line(args, names):
     assert names in _refused_in_one_line(*args)
 
 
+@pytest.mark.project
 @pytest.mark.parametrize(
     "name, content, names",
     [
@@ -5054,6 +5074,7 @@ def test_bad_lengths_file_exits_2_naming_it(tmp_path, name, content, names):
     assert str(path) in err and names in err, err
 
 
+@pytest.mark.project
 def test_help_explains_every_flag(monkeypatch):
     """`plan.py --help` describes every flag it lists, the batch arithmetic and the synthetic default."""
     monkeypatch.setenv("COLUMNS", "80")  # a pipe's width, as in a fresh interpreter
@@ -5071,6 +5092,7 @@ def test_help_explains_every_flag(monkeypatch):
     assert "synthetic" in out
 
 
+@pytest.mark.project
 def test_the_vendored_file_draws_nothing_and_the_table_needs_no_matplotlib(monkeypatch, npy_file, tmp_path):
     """varbatch.py never imports matplotlib; plan.py imports it only to draw: where it is missing, the table and
     the JSON run and --plot exits 2 with one line that says how to install it, writing no picture."""
@@ -5094,6 +5116,7 @@ def _top_level_names(module):
     return names
 
 
+@pytest.mark.project
 def test_varbatch_py_holds_no_command_line():
     """The command left the vendored file: varbatch.py imports no argparse, has no __main__ block, and defines none
     of plan.py's names (moved, not copied)."""
@@ -5108,14 +5131,16 @@ def test_varbatch_py_holds_no_command_line():
     assert not both, f"varbatch.py and plan.py both define {sorted(both)}"
 
 
+@pytest.mark.project
 def test_plan_py_docstring_examples_run():
     """Every example in plan.py's docstrings prints what it shows (they were varbatch.py's, with the code)."""
     import doctest
 
-    result = doctest.testmod(plan_command, optionflags=doctest.ELLIPSIS)
+    result = doctest.testmod(_plan_command(), optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0, result
 
 
+@pytest.mark.project
 def test_plot_draws_a_fixed_number_of_artists_per_micro_batch(tmp_path):
     """plan.py's drawing grows with the micro-batches drawn, not with the tokens (item 14)."""
     pytest.importorskip("matplotlib")
@@ -5126,9 +5151,9 @@ def test_plot_draws_a_fixed_number_of_artists_per_micro_batch(tmp_path):
     def artists(scale):
         seqlens = rng.integers(8, 49, 20_000) * scale
         plan = varbatch.plan_batches(seqlens, 16_384 * scale, effective_batch_size=8, num_replicas=8)
-        shown = sum(len(m) for m in plan_command._shown(plan, 2))
+        shown = sum(len(m) for m in _plan_command()._shown(plan, 2))
         ax = Figure().add_subplot()
-        plan_command._draw_plan(ax, plan, seqlens, np.ones(plan.num_batches), 2, 4000.0, 1.0, 48 * scale)
+        _plan_command()._draw_plan(ax, plan, seqlens, np.ones(plan.num_batches), 2, 4000.0, 1.0, 48 * scale)
         return len(ax.get_children()), shown
 
     small, large = artists(1), artists(64)
@@ -5136,29 +5161,30 @@ def test_plot_draws_a_fixed_number_of_artists_per_micro_batch(tmp_path):
     assert small[0] == large[0] <= 3 * 12 + 20, (small, large)  # a box, a row outline and a label each
 
 
+@pytest.mark.project
 def test_plot_batches_0_draws_at_most_max_batches_per_plan(tmp_path, monkeypatch, capsys):
     """plan.py --plot with --batches 0 on 3,000 lengths draws the first MAX_BATCHES batches of each plan and says
     so on stderr (it drew all of them: minutes on 30,000 samples)."""
     pytest.importorskip("matplotlib")
     lengths = tmp_path / "lengths.npy"
     np.save(lengths, np.array(_lengths(3000, 8, 300, seed=41)))
-    drawn, draw_plan = [], plan_command._draw_plan  # (the plan's batches, the batches drawn) per panel
+    drawn, draw_plan = [], _plan_command()._draw_plan  # (the plan's batches, the batches drawn) per panel
 
     def counting(ax, plan, seqlens, factors, num_batches, *args):
-        drawn.append((plan.num_batches, len(plan_command._shown(plan, num_batches))))
+        drawn.append((plan.num_batches, len(_plan_command()._shown(plan, num_batches))))
         return draw_plan(ax, plan, seqlens, factors, num_batches, *args)
 
-    monkeypatch.setattr(plan_command, "_draw_plan", counting)
-    code = plan_command.main(
+    monkeypatch.setattr(_plan_command(), "_draw_plan", counting)
+    code = _plan_command().main(
         ["--seqlens", str(lengths), "--max-tokens", "600", "--batches", "0", "--plot", str(tmp_path / "plan.png")]
     )
     err = capsys.readouterr().err
     assert code == 0, err
-    assert len(drawn) == 2 and all(batches > plan_command.MAX_BATCHES for batches, _ in drawn), (
+    assert len(drawn) == 2 and all(batches > _plan_command().MAX_BATCHES for batches, _ in drawn), (
         f"plans too short to cut: {drawn}"
     )
-    assert [shown for _, shown in drawn] == [plan_command.MAX_BATCHES] * 2, f"(batches, drawn) per plan: {drawn}"
-    assert f"drawing the first {plan_command.MAX_BATCHES} batches of each plan" in err, err
+    assert [shown for _, shown in drawn] == [_plan_command().MAX_BATCHES] * 2, f"(batches, drawn) per plan: {drawn}"
+    assert f"drawing the first {_plan_command().MAX_BATCHES} batches of each plan" in err, err
 
 
 # =============================================================================
