@@ -437,21 +437,8 @@ def _assert_valid_plan(plan, case):
 
 # the audit's padded case: one long sample per step input of 33 samples
 _LONG_AMONG_SHORT = [1] * 64 + [64] + [1] * 64 + [64]
-
-
-@given(case=plan_cases(orders=ORDERS))
-# a step input of two micro-batches shares one S
-@example(case=_case(_LONG_AMONG_SHORT, 64, effective_batch_size=2, micro_batch_size=2, budget="padded"))
-@example(case=_case(_LONG_AMONG_SHORT, 64, effective_batch_size=4, micro_batch_size=2, budget="padded", order="random"))
-# same length: every micro-batch padded to its batch's longest
-@example(case=_case([1, 1, 1, 8, 1, 1], 8, effective_batch_size=2, budget="padded", same_size=True, same_length=True))
-def test_every_plan_holds_its_budget_and_bounds(case):
-    """No micro-batch costs more than max_tokens (its seqlens' sum, or n x the S of the tensor it is collated into) or
-    holds more or fewer samples than its bounds; the batches, statistics and totals describe it; every sample is
-    packed once or dropped with a reason."""
-    plan = _plan_or_none(case)
-    assume(plan is not None)
-    _assert_valid_plan(plan, case)
+# Every plan, of every epoch, in every order, holds `_assert_valid_plan`:
+# test_every_epoch_has_epoch_0s_batches_and_holds_every_budget and test_plan_matches_oracle (section 4).
 
 
 # -- a sample's len() means nothing: the seqlens are the truth -------------------
@@ -1354,22 +1341,6 @@ def test_padded_collate_collates_dict_fields_by_key(samples):
             assert out[key].tolist() == [s[key] for s in samples], key
 
 
-def test_callbacks_are_picklable():
-    """A same-length loader, its PaddedCollate and its partial of pad_sample survive pickling (spawned workers): the
-    loader unpickled collates and pads as the first."""
-    seqlens = [3, 1, 2, 3]
-    sampler = VariableBatchSampler(seqlens, 6, same_size=True, same_length=True, gradient_accumulation_steps=2)
-    loader = make_dataloader(
-        _id_dataset(seqlens),
-        sampler,
-        collate_fn=PaddedCollate(),
-        sample_padding_fn=functools.partial(pad_sample, pad_value=0),
-    )
-    restored = pickle.loads(pickle.dumps(loader))
-    for (x, lens), (y, lens_y) in zip(loader, restored, strict=True):
-        assert torch.equal(x, y) and torch.equal(lens, lens_y)
-
-
 # =============================================================================
 # 4. Nothing lost
 # =============================================================================
@@ -1414,6 +1385,11 @@ def _packs_an_empty_epoch(seed):
 # an epoch whose packing has no batch (drawn again, or epoch 0's batches reshuffled)
 @example(case=_case(**_UNLUCKY, effective_batch_size=2, seed=_first_seed(_packs_an_empty_epoch)), order=list(range(6)))
 @example(case=_case(_lengths(60, 1, 20, seed=2), 30, effective_batch_size=2, order="random"), order=list(range(6)))
+# the audit's padded case, two micro-batches of one S a step input, in a drawn order
+@example(
+    case=_case(_LONG_AMONG_SHORT, 64, effective_batch_size=4, micro_batch_size=2, budget="padded", order="random"),
+    order=list(range(6)),
+)
 @example(
     case=_case(
         _lengths(60, 1, 20, seed=2),
@@ -1616,12 +1592,13 @@ def _oracle_case(case):
 
 
 def _assert_matches_oracle(case):
-    """plan_batches(**case) equals the oracle's plan."""
+    """plan_batches(**case) is valid and equals the oracle's plan."""
     fixed, leftover, width, dropped = _oracle_plan(**_oracle_case(case))
     plan = _plan_or_none(case)
     if plan is None:
         assert not fixed and not leftover, "plan_batches refused a case the oracle can pack"
         return
+    _assert_valid_plan(plan, case)
     mbs = plan.microbatches()
     assert mbs[: len(fixed)] == fixed
     rest = mbs[len(fixed) :]
@@ -1673,6 +1650,8 @@ def _assert_matches_oracle(case):
 # step inputs of two micro-batches packed as one block under the padded budget
 @example(case=_case(_LONG_AMONG_SHORT, 64, effective_batch_size=2, micro_batch_size=2, budget="padded"))
 @example(case=_case([2, 2, 2, 2, 2, 2, 2, 2, 2, 9], 12, effective_batch_size=4, micro_batch_size=2, budget="padded"))
+# same length: every micro-batch padded to its batch's longest
+@example(case=_case([1, 1, 1, 8, 1, 1], 8, effective_batch_size=2, budget="padded", same_size=True, same_length=True))
 @settings(max_examples=300)
 def test_plan_matches_oracle(case):
     """plan_batches packs, drops and re-splits exactly as the slow oracle says."""
@@ -3309,11 +3288,14 @@ def test_scheduler_refuses_another_seed_or_settings():
 
 
 def test_plans_samplers_and_loaders_pickle_and_deep_copy():
-    """A Plan, a sampler with a restored position pending and its loader survive pickle (as broadcast_object_list sends
-    them) and deepcopy: a clone's next pass continues from the position, the pass after it is the whole epoch."""
+    """A Plan, a sampler with a restored position pending and its same-length loader (its PaddedCollate and partial of
+    pad_sample: spawned workers) survive pickle (as broadcast_object_list sends them) and deepcopy: a clone's next
+    pass continues from the position, padded with the real lengths, the pass after it is the whole epoch."""
     seqlens = [*_lengths(80, 1, 30, seed=16), 99]
-    sampler = VariableBatchSampler(seqlens, 60, gradient_accumulation_steps=2, order="random", seed=3)
-    loader = make_dataloader(_id_dataset(seqlens), sampler, collate_fn=PaddedCollate())
+    options = dict(gradient_accumulation_steps=2, order="random", seed=3, same_size=True, same_length=True)
+    sampler = VariableBatchSampler(seqlens, 60, **options)
+    padding = functools.partial(pad_sample, pad_value=0)
+    loader = make_dataloader(_id_dataset(seqlens), sampler, collate_fn=PaddedCollate(), sample_padding_fn=padding)
     plan = sampler.plan
     assert plan.dropped["over_budget"].tolist() == [80]
     for clone in (pickle.loads(pickle.dumps(plan)), copy.deepcopy(plan)):
@@ -3331,7 +3313,8 @@ def test_plans_samplers_and_loaders_pickle_and_deep_copy():
     for clone in samplers:
         assert [list(clone) for _ in range(2)] == expected
     for clone in clones:
-        assert [[_ids_of(x) for x, _ in clone] for _ in range(2)] == expected
+        shown = [[(_ids_of(x), lens.tolist()) for x, lens in clone] for _ in range(2)]
+        assert shown == [[(ids, [seqlens[i] for i in ids]) for ids in step_inputs] for step_inputs in expected]
 
 
 def test_state_dicts_are_plain_data_also_from_numpy_settings():
@@ -4263,8 +4246,9 @@ def test_check_padding_free_refuses_what_cannot_run_whole_on_one_rank():
 
 
 def test_padding_free_from_the_config_section_and_the_pipeline_glue():
-    """`"padding_free": true` reaches the plan; a PipelineEngine gets rows of one length per batch (same_length),
-    not same-size micro-batches, and needs no sample_padding_fn (with the padded budget: test_bad_input_deepspeed_glue)."""
+    """`"padding_free": true` reaches the plan (refused with the padded budget: test_bad_input_deepspeed_glue); a
+    PipelineEngine gets rows of one length per batch (same_length), not same-size micro-batches, and needs no
+    sample_padding_fn."""
     engine = _Engine(_glue_config(padding_free=True), optimizer=_optimizer())  # 2 micro-batches a batch
     engine.grid = types.SimpleNamespace(data_parallel_id=0, data_parallel_size=1)
     engine.train_batch = None  # a PipelineEngine's method: only its presence is read
