@@ -593,74 +593,6 @@ def test_a_collate_that_adds_tokens_the_seqlens_count_trains_every_step_input(ca
 # -- the plain and the fast forms (NOTE [one dispatch]) -------------------------------------------------------------
 
 
-def _oracle_fits(mbs, seqlens, max_tokens, budget, group):
-    """Whether the micro-batches ``mbs`` hold the budget; padded: each ``group`` adjacent ones padded to one S."""
-    if budget == "sum":
-        return all(sum(seqlens[i] for i in mb) <= max_tokens for mb in mbs)
-    for g in range(0, len(mbs), group):
-        longest = max(seqlens[i] for mb in mbs[g : g + group] for i in mb)
-        if any(len(mb) * longest > max_tokens for mb in mbs[g : g + group]):
-            return False
-    return True
-
-
-def _oracle_layout(chunk, n, width, consecutive):
-    """``width`` micro-batches of ``n`` samples from ``chunk``: consecutive, or interleaved (every width-th)."""
-    if consecutive:
-        return [chunk[b * n : (b + 1) * n] for b in range(width)]
-    return [chunk[b::width] for b in range(width)]
-
-
-def _oracle_blocks(todo, seqlens, max_tokens, width, group, budget, min_batch_size, cap):
-    """The greedy rule in blocks of ``width`` micro-batches, slowly, over ``todo``.
-
-    A block takes the next ``n x width`` samples: interleaved (micro-batch b is
-    every width-th sample from b) with n as large as fits; where that n is below
-    min_batch_size, consecutive (micro-batch b is samples b*n .. b*n + n - 1) with
-    the largest n >= min_batch_size that fits; where neither fits, the first
-    sample is dropped as min_batch_size. Returns ``(blocks, too_small, pos)``: the
-    blocks packed, the samples dropped as min_batch_size, and where the walk stopped.
-    """
-
-    def block(pos, n, consecutive):
-        return _oracle_layout(todo[pos : pos + n * width], n, width, consecutive)
-
-    def fits(mbs):
-        return _oracle_fits(mbs, seqlens, max_tokens, budget, group)
-
-    units, too_small, pos = [], [], 0
-    while pos + width <= len(todo):
-        rows_left = min(cap, (len(todo) - pos) // width)
-        n = max([n for n in range(1, rows_left + 1) if fits(block(pos, n, False))], default=0)
-        consecutive = False
-        if n < min_batch_size <= rows_left:
-            fallback = max([r for r in range(min_batch_size, rows_left + 1) if fits(block(pos, r, True))], default=0)
-            if fallback:
-                n, consecutive = fallback, True
-        if n >= min_batch_size:
-            units.append(block(pos, n, consecutive))
-            pos += n * width
-        elif n == rows_left:  # stopped by the end of the data
-            break
-        else:  # stopped by the budget short of min_batch_size rows
-            too_small.append(todo[pos])
-            pos += 1
-    return units, too_small, pos
-
-
-def _oracle_walk(case):
-    """The oracle's blocks over a plan case's samples in index order (DeepSpeed's greedy rule, from the design), a block
-    one micro-batch, or a batch of same-size ones with same_size: the micro-batches, the ids dropped as
-    min_batch_size, and the tail's ids."""
-    ids = list(range(len(case["seqlens"])))
-    width = case["effective_batch_size"] if case["same_size"] else 1
-    group = case["micro_batch_size"]  # adjacent micro-batches padded to one S
-    cap = case["max_batch_size"] or len(ids)
-    settings = (case["max_tokens"], width, group, case["budget"], case["min_batch_size"], cap)
-    units, too_small, pos = _oracle_blocks(ids, case["seqlens"], *settings)
-    return [mb for unit in units for mb in unit], too_small, ids[pos:]
-
-
 def _in_form(form, chunk, **case):
     """plan_batches(**case) with the greedy rule in ``form``, "plain" or "fast" (over chunks of ``chunk`` positions),
     whatever its size (NOTE [one dispatch]), or None without a batch; checks that the dispatch ran that form."""
@@ -691,8 +623,8 @@ def _plan_arrays(plan):
 
 @st.composite
 def greedy_cases(draw):
-    """Plan cases in index order: lengths within max_tokens (some at it, many tied), a budget, bounds, and batches
-    of one micro-batch or of 2 to 6 same-size ones, padded in groups of any divisor."""
+    """Plan cases in index order: up to 120 lengths within max_tokens (some at it, many tied), a budget, bounds, and
+    batches of one micro-batch or of 2 to 6 same-size ones, padded in groups of any divisor."""
     max_tokens = draw(st.integers(1, 64))
     short = draw(st.integers(1, max_tokens))
     seqlens = draw(
@@ -716,40 +648,24 @@ def greedy_cases(draw):
     )
 
 
-@given(case=greedy_cases(), chunk=st.sampled_from([1, 2, 3, 7, 16, 2**16]))
-# padded: a sample that fits alone stops a micro-batch where a later, shorter one would not
-@example(case=_case([5, 1, 1], 10, budget="padded"), chunk=1)
-@example(case=_case([2, 2, 9, 2, 2], 10, min_batch_size=2), chunk=2)
-@example(case=_case([1] * 9, 4, budget="padded", max_batch_size=3), chunk=2)
-@example(case=_case([5, 1, 1, 1, 6, 2, 1, 9], 10, budget="padded", effective_batch_size=2, same_size=True), chunk=1)
-def test_both_forms_of_the_greedy_rule_pack_as_the_sample_by_sample_walk(case, chunk):
-    """In index order, blocks of one micro-batch or of a batch of same-size ones: the plain rows and the vectorized
-    ones (NOTE [the greedy rule, vectorized], NOTE [interleaved blocks, vectorized]), over chunks of positions of any
-    size, pack the micro-batches, drops and tail of the oracle's walk, which checks every count of rows; the loop of
-    one micro-batch to a block, `_greedy_rows`, places what its generalization to blocks, `_pack_rows`, places."""
-    microbatches, too_small, tail = _oracle_walk(case)
-    for form in ("plain", "fast"):
-        plan = _in_form(form, chunk, **case)
-        assert (plan is None) == (not microbatches)
-        if plan is None:
-            continue
-        assert plan.microbatches() == microbatches, form
-        assert plan.dropped["min_batch_size"].tolist() == too_small, form
-        assert plan.dropped["tail"].tolist() == tail, form
-    if not case["same_size"]:
-        lens = np.array(case["seqlens"], np.int64)
-        settings, _ = _settings_of(case)
-        greedy, blocks = varbatch._greedy_rows(lens, settings), varbatch._pack_rows(lens, settings)
-        assert (greedy[0].tolist(), *greedy[1:]) == (blocks[0].tolist(), *blocks[1:])  # (table, too small, end)
-
-
-@given(case=plan_cases(orders=ORDERS), chunk=st.sampled_from([1, 2, 5, 2**16]), epoch=st.integers(0, 3))
-@settings(max_examples=150)
+@given(
+    case=plan_cases(orders=ORDERS) | greedy_cases(),
+    chunk=st.sampled_from([1, 2, 3, 7, 16, 2**16]),
+    epoch=st.integers(0, 3),
+)
+@settings(max_examples=200)
 def test_the_fast_form_plans_as_the_plain_form(case, chunk, epoch):
-    """The greedy rule's fast form, over chunks of any size, gives the plain form's plan: the same arrays, dtypes
-    and drops, in every order, budget and shape (NOTE [one dispatch])."""
+    """The greedy rule's fast form (NOTE [the greedy rule, vectorized], NOTE [interleaved blocks, vectorized]), over
+    chunks of any size, gives the plain form's plan: the same arrays, dtypes and drops, in every order, budget and
+    shape (NOTE [one dispatch]); the plain loop of one micro-batch to a block, `_greedy_rows`, places what its
+    generalization to blocks, `_pack_rows`, places. (The plain form against the slow oracle: test_plan_matches_oracle.)"""
     case = {**case, "epoch": epoch}
     assert _plan_arrays(_in_form("fast", chunk, **case)) == _plan_arrays(_in_form("plain", chunk, **case))
+    settings, _ = _settings_of(case)
+    if settings.unit_width == 1:
+        lens = np.array(case["seqlens"], np.int64)
+        greedy, blocks = varbatch._greedy_rows(lens, settings), varbatch._pack_rows(lens, settings)
+        assert (greedy[0].tolist(), *greedy[1:]) == (blocks[0].tolist(), *blocks[1:])  # (table, too small, end)
 
 
 def _bits(bound):
@@ -1532,6 +1448,61 @@ def test_no_sample_is_left_over_more_often_than_its_possible_tails_allow(case, t
 # -- the planner against a slow, obviously correct oracle ------------------------------------------
 
 
+def _oracle_fits(mbs, seqlens, max_tokens, budget, group):
+    """Whether the micro-batches ``mbs`` hold the budget; padded: each ``group`` adjacent ones padded to one S."""
+    if budget == "sum":
+        return all(sum(seqlens[i] for i in mb) <= max_tokens for mb in mbs)
+    for g in range(0, len(mbs), group):
+        longest = max(seqlens[i] for mb in mbs[g : g + group] for i in mb)
+        if any(len(mb) * longest > max_tokens for mb in mbs[g : g + group]):
+            return False
+    return True
+
+
+def _oracle_layout(chunk, n, width, consecutive):
+    """``width`` micro-batches of ``n`` samples from ``chunk``: consecutive, or interleaved (every width-th)."""
+    if consecutive:
+        return [chunk[b * n : (b + 1) * n] for b in range(width)]
+    return [chunk[b::width] for b in range(width)]
+
+
+def _oracle_blocks(todo, seqlens, max_tokens, width, group, budget, min_batch_size, cap):
+    """The greedy rule in blocks of ``width`` micro-batches, slowly, over ``todo``.
+
+    A block takes the next ``n x width`` samples: interleaved (micro-batch b is
+    every width-th sample from b) with n as large as fits; where that n is below
+    min_batch_size, consecutive (micro-batch b is samples b*n .. b*n + n - 1) with
+    the largest n >= min_batch_size that fits; where neither fits, the first
+    sample is dropped as min_batch_size. Returns ``(blocks, too_small, pos)``: the
+    blocks packed, the samples dropped as min_batch_size, and where the walk stopped.
+    """
+
+    def block(pos, n, consecutive):
+        return _oracle_layout(todo[pos : pos + n * width], n, width, consecutive)
+
+    def fits(mbs):
+        return _oracle_fits(mbs, seqlens, max_tokens, budget, group)
+
+    units, too_small, pos = [], [], 0
+    while pos + width <= len(todo):
+        rows_left = min(cap, (len(todo) - pos) // width)
+        n = max([n for n in range(1, rows_left + 1) if fits(block(pos, n, False))], default=0)
+        consecutive = False
+        if n < min_batch_size <= rows_left:
+            fallback = max([r for r in range(min_batch_size, rows_left + 1) if fits(block(pos, r, True))], default=0)
+            if fallback:
+                n, consecutive = fallback, True
+        if n >= min_batch_size:
+            units.append(block(pos, n, consecutive))
+            pos += n * width
+        elif n == rows_left:  # stopped by the end of the data
+            break
+        else:  # stopped by the budget short of min_batch_size rows
+            too_small.append(todo[pos])
+            pos += 1
+    return units, too_small, pos
+
+
 def _oracle_plan(
     seqlens,
     max_tokens,
@@ -1621,7 +1592,11 @@ def _assert_matches_oracle(case):
         assert plan.dropped[reason].tolist() == dropped[reason], reason
 
 
-@given(case=plan_cases())
+@given(case=plan_cases() | greedy_cases())
+# padded: a sample that fits alone stops a micro-batch where a later, shorter one would not
+@example(case=_case([5, 1, 1], 10, budget="padded"))
+@example(case=_case([1] * 9, 4, budget="padded", max_batch_size=3))
+@example(case=_case([5, 1, 1, 1, 6, 2, 1, 9], 10, budget="padded", effective_batch_size=2, same_size=True))
 # single sample
 @example(case=_case([5], 5))
 @example(case=_case([5], 4, budget="padded", order="seqlen", same_size=True, same_length=True))
@@ -1654,7 +1629,8 @@ def _assert_matches_oracle(case):
 @example(case=_case([1, 1, 1, 8, 1, 1], 8, effective_batch_size=2, budget="padded", same_size=True, same_length=True))
 @settings(max_examples=300)
 def test_plan_matches_oracle(case):
-    """plan_batches packs, drops and re-splits exactly as the slow oracle says."""
+    """plan_batches packs, drops and re-splits exactly as the slow oracle says, which checks every count of rows: in
+    index and seqlen order, batches of one micro-batch or of same-size ones, lengths at max_tokens and tied."""
     _assert_matches_oracle(case)
 
 
@@ -1787,29 +1763,9 @@ def test_the_last_resort_is_epoch_0s_batches_reshuffled(monkeypatch):
     assert orders[0] != orders[1]
 
 
-@st.composite
-def small_cases(draw):
-    """Keyword arguments of plan_batches for a few samples and large batches: often too few for one batch."""
-    n = draw(st.integers(1, 6))
-    sample_ids = draw(
-        st.one_of(st.none(), st.permutations(range(n)).flatmap(lambda p: st.integers(1, n).map(lambda m: p[:m])))
-    )
-    return dict(
-        seqlens=draw(st.lists(st.integers(1, 20), min_size=n, max_size=n)),
-        max_tokens=draw(st.integers(4, 30)),
-        effective_batch_size=draw(st.integers(2, 6)),
-        min_batch_size=draw(st.integers(1, 3)),
-        same_size=draw(st.booleans()),
-        order=draw(st.sampled_from(ORDERS)),
-        seed=0,
-        epoch=draw(st.integers(0, 3)),
-        sample_ids=sample_ids,
-    )
-
-
-@given(case=small_cases())
+@given(case=plan_cases(orders=ORDERS, max_n=6))
 # the audit's unlucky later epoch
-@example(case={**_UNLUCKY, "effective_batch_size": 2, "same_size": False, "seed": 0, "epoch": 1, "sample_ids": None})
+@example(case=_case(**_UNLUCKY, effective_batch_size=2, epoch=1))
 def test_an_empty_plan_is_refused_with_counts_that_add_up(case):
     """plan_batches refuses a plan without a batch; its message's counts add up to the samples considered."""
     try:
@@ -1842,15 +1798,8 @@ class _HFRecorder:
         self.sampler, self.pending, self.updates, self.trained = sampler, [], [], []
 
     def collate(self, samples):
-        ids = torch.nn.utils.rnn.pad_sequence([s["input_ids"] for s in samples], batch_first=True, padding_value=0)
-        mask = torch.nn.utils.rnn.pad_sequence([torch.ones(len(s["input_ids"]), dtype=torch.int64) for s in samples])
-        return {
-            "input_ids": ids,
-            "attention_mask": mask.T,
-            "labels": ids.masked_fill(mask.T == 0, -100),
-            "idx": torch.tensor([s["idx"] for s in samples]),
-            "epoch": torch.tensor(self.sampler.epoch),
-        }
+        inputs = _causal_lm_collate([s["input_ids"] for s in samples])
+        return {**inputs, "idx": torch.tensor([s["idx"] for s in samples]), "epoch": torch.tensor(self.sampler.epoch)}
 
     def hook(self, optimizer, args, kwargs):  # a torch optimizer pre-step hook: one per real update
         self.updates.append((optimizer.param_groups[0]["lr"], list(self.pending)))
@@ -4394,12 +4343,6 @@ def test_balanced_pipeline_batches_keep_their_step_inputs(case):
         assert after == before
 
 
-def _long_sample_lengths(num_samples, seed=0):
-    """A long-tailed set of long samples: lognormal lengths, mean about 760, 6 to 8,000 tokens."""
-    rng = np.random.default_rng(seed)
-    return np.clip(np.round(rng.lognormal(6.15, 1.0, num_samples)), 6, 8_000).astype(np.int64)
-
-
 @given(seqlens=st.lists(st.integers(1, 40), min_size=1, max_size=5), ranks=st.integers(2, 4))
 def test_balanced_ranks_refuse_too_few_samples_as_the_unbalanced_plan_does(seqlens, ranks):
     """Too few samples for one batch: balance_ranks=True refuses the sampler with the unbalanced plan's message (its
@@ -4431,7 +4374,7 @@ def test_one_rank_and_padded_pipeline_batches_are_left_as_they_are():
 def test_the_balanced_sampler_deals_the_plan():
     """Every rank's sampler yields its share of `plan_batches`' balanced plan, each sample once an epoch (from any
     restored position: test_the_loader_yields_each_step_input_beside_its_batchs_record)."""
-    seqlens = _long_sample_lengths(3_000, seed=2)
+    seqlens = _long_tailed(3_000, seed=2)
     options = dict(num_replicas=4, order="bucket", seed=3, balance_ranks=True, quadratic_tokens=2_000)
     plan = plan_batches(seqlens, 8_192, effective_batch_size=8, epoch=1, **options)
     for rank in range(4):
@@ -4450,7 +4393,7 @@ def test_balance_ranks_from_the_config_section_reaches_the_sampler():
 
 def test_balanced_ranks_with_lr_in_sequences_warn_that_the_lr_swings():
     """Balancing with the LR scaled by sequences warns, with the swing in both units; by tokens it does not."""
-    seqlens = _long_sample_lengths(4_000, seed=4)
+    seqlens = _long_tailed(4_000, seed=4)
     options = dict(num_replicas=8, rank=0, order="bucket", balance_ranks=True, quadratic_tokens=2_000)
     messages = {}
     for unit in ("sequences", "tokens"):
@@ -4988,7 +4931,6 @@ _STEP_LINE = re.compile(
     re.M,
 )
 _SUMMARY_LINE = re.compile(r"^summary \| epochs (\S+) \| .*\| samples trained (\d+) \| dropped (.*?) \|", re.M)
-_DROP_LINE = re.compile(r"epoch (\d+): dropped (\d+) samples? \(ids [^)]*\) as (\w+)")
 # Small runs: a few seconds of training each; the launcher's start-up dominates. The README test runs the
 # README's example commands at these sizes too, so that they and the example tests' launches are one set,
 # each launched once (see `launched`): 36 steps on DDP (9 an epoch: the README's `--max-steps 33` stops inside epoch 3).
@@ -5007,7 +4949,7 @@ _DEEPSPEED_LAUNCHER = [sys.executable, "-m", "deepspeed.launcher.runner"]  # `de
 _GLOO_EXIT_ABORT = "terminate called without an active exception"
 
 
-def _run(cmd, timeout=_LAUNCH_TIMEOUT_S, cwd=_ROOT, env=None, retry=True, restores="cwd"):
+def _run(cmd, timeout=_LAUNCH_TIMEOUT_S, cwd=_ROOT, env=None, restores="cwd"):
     """Runs ``cmd`` in its own process group; on timeout kills the whole group (launcher and ranks); once more where
     gloo aborted it at exit (above).
 
@@ -5016,9 +4958,9 @@ def _run(cmd, timeout=_LAUNCH_TIMEOUT_S, cwd=_ROOT, env=None, retry=True, restor
     """
     if restores == "cwd":
         restores = None if Path(cwd).resolve() == Path(_ROOT).resolve() else cwd
-    with _kept_as_found(restores if retry else None) as put_back:
+    with _kept_as_found(restores) as put_back:
         done = _run_once(cmd, timeout, cwd, env)
-        if retry and done.returncode != 0 and _GLOO_EXIT_ABORT in done.stdout + done.stderr:
+        if done.returncode != 0 and _GLOO_EXIT_ABORT in done.stdout + done.stderr:
             print(f"gloo aborted a process at exit; running once more from its folder as found: {' '.join(cmd)}")
             put_back()
             done = _run_once(cmd, timeout, cwd, env)
@@ -5424,7 +5366,8 @@ def launched(tmp_path_factory):
 @pytest.mark.parametrize("path", ["ddp", "pipeline"])
 def test_example_trains_the_plan_and_the_loss_goes_down(jobs, path):
     """2 ranks, the README's commands (DDP; pipeline): every step's B, S, real tokens and LR are the plan's; the loss
-    goes down; drops are reported once. (2 loader workers: the stop-and-resume test below.)"""
+    goes down; the summary counts the drops (logged once an epoch, by rank 0:
+    test_drops_and_verbose_totals_are_logged_once_per_epoch_on_rank_0). (2 loader workers: the stop-and-resume test.)"""
     (result,) = jobs(f"example: {path}")
     _check_ok(result)
     steps = _steps(result.stdout)
@@ -5453,14 +5396,6 @@ def test_example_trains_the_plan_and_the_loss_goes_down(jobs, path):
     assert int(summary[2]) == sum(int(p.batch_sizes.sum()) for p in plans)
     drops = {reason: sum(len(p.dropped[reason]) for p in plans) for reason in DROP_REASONS}
     assert summary[3] == " ".join(f"{reason}={count}" for reason, count in drops.items())
-    # Drops are logged once per trained epoch, by one rank.
-    logged = sorted((int(e), reason, int(n)) for e, n, reason in _DROP_LINE.findall(result.stdout + result.stderr))
-    assert logged == sorted(
-        (p.epoch, reason, len(p.dropped[reason]))
-        for p in plans
-        for reason in ("over_budget", "min_batch_size", "tail")
-        if len(p.dropped[reason])
-    )
     progress = re.findall(r"^progress \| step (\d+)/(\d+) \| tokens/s (\d+) \| ETA ([\d.]+) s$", result.stdout, re.M)
     assert 5 <= len(progress) <= 15, f"expected a progress line about every tenth of the run, got {progress}"
     assert len(expected) - int(progress[-1][0]) <= len(expected) // 10
@@ -6083,36 +6018,19 @@ def test_readme_hf_recipes_on_two_processes(jobs, script):
 # batch b, at LR base_lr x B_b / mean(B).
 
 BASE_LR, MAX_TOKENS, N = 0.1, 72, 160
-
-
-def _plan(epoch, mbs, gas, seed=None):
-    """Rank 0's plan of ``epoch`` as the workers' sampler makes it, seeded by ``seed`` (default: the workers' SEED)."""
-    lens = np.random.default_rng(0).integers(4, 41, N).tolist()
-    sampler = varbatch.VariableBatchSampler(
-        lens,
-        MAX_TOKENS,
-        budget="padded",
-        order="random",
-        seed=SEED if seed is None else seed,
-        micro_batch_size=mbs,
-        gradient_accumulation_steps=gas,
-        num_replicas=2,
-        rank=0,
-    )
-    return sampler.plan_for_epoch(epoch)
-
-
+LENS = np.random.default_rng(0).integers(4, 41, N).tolist()  # the workers' seqlens (COMMON's LENS)
 # A seed whose packings of the Lightning job's 4 epochs (1 micro-batch per step input, no accumulation) differ in
 # length: a loop that read len() in another epoch would cut one, were the epochs not made one length.
 SEED = _packings_differ(
-    np.random.default_rng(0).integers(4, 41, N).tolist(),
-    MAX_TOKENS,
-    range(4),
-    budget="padded",
-    order="random",
-    effective_batch_size=2,
-    num_replicas=2,
+    LENS, MAX_TOKENS, range(4), budget="padded", order="random", effective_batch_size=2, num_replicas=2
 )
+
+
+def _plan(epoch, mbs, gas):
+    """Rank 0's plan of ``epoch`` as the workers' sampler makes it."""
+    options = dict(budget="padded", order="random", seed=SEED, micro_batch_size=mbs, gradient_accumulation_steps=gas)
+    return VariableBatchSampler(LENS, MAX_TOKENS, num_replicas=2, rank=0, **options).plan_for_epoch(epoch)
+
 
 # The pieces every worker script shares: data, sampler (seeded by SEED, as `_plan`), recording.
 COMMON = f"SEED = {SEED}\n" + textwrap.dedent("""
@@ -6483,8 +6401,7 @@ def test_lightning_rebuilding_the_loader_is_refused():
     from lightning_fabric.utilities.distributed import DistributedSamplerWrapper
     from pytorch_lightning.utilities.data import _update_dataloader
 
-    lens = np.random.default_rng(0).integers(4, 41, N).tolist()
-    sampler = varbatch.VariableBatchSampler(lens, MAX_TOKENS, num_replicas=2, rank=1)
+    sampler = varbatch.VariableBatchSampler(LENS, MAX_TOKENS, num_replicas=2, rank=1)
     loader = varbatch.make_dataloader(list(range(N)), sampler)
     rebuilt = _update_dataloader(loader, DistributedSamplerWrapper(loader.sampler, num_replicas=2, rank=1))
     with pytest.raises(RuntimeError, match="use_distributed_sampler=False"):
