@@ -943,25 +943,6 @@ def test_a_wrapping_collate_gets_the_real_lengths(wrapper, workers):
     assert padded, "every sample is as long as its batch's longest: the test proves nothing"
 
 
-def test_padded_collate_refuses_to_guess_the_lengths_of_other_samples_than_the_step_inputs():
-    """Same-length mode: PaddedCollate given another number of samples than the step input's, without seqlens,
-    refuses: it cannot tell their real lengths (unpadded samples are measured: test_a_samples_len_means_nothing)."""
-    seqlens = [2, 6, 3, 6, 5, 4, 1, 6]
-    options = dict(budget="padded", same_size=True, same_length=True)
-
-    def halves(samples):
-        return PaddedCollate()(samples[: len(samples) // 2])
-
-    loader = make_dataloader(
-        _id_dataset(seqlens),
-        VariableBatchSampler(seqlens, 12, **options),
-        collate_fn=halves,
-        sample_padding_fn=pad_sample,
-    )
-    with pytest.raises(ValueError, match=r"PaddedCollate got 1 samples in same-length mode.*pass seqlens="):
-        list(loader)
-
-
 # -- step inputs and ranks -------------------------------------------------------------------------
 
 
@@ -3612,10 +3593,12 @@ def test_bad_input_VariableBatchSampler(call, error, names):
     _check_refused(call, error, names)
 
 
-def _same_length_loader(sample_padding_fn):
-    """The step inputs of a same-size, same-length loader over four samples, padded by ``sample_padding_fn``."""
+def _same_length_loader(sample_padding_fn, collate_fn=None):
+    """The step inputs of a same-size, same-length loader over four samples (one step input), padded by
+    ``sample_padding_fn``."""
     sampler = VariableBatchSampler([3, 5, 2, 4], 20, same_size=True, same_length=True)
-    return list(make_dataloader([torch.ones(n) for n in [3, 5, 2, 4]], sampler, sample_padding_fn=sample_padding_fn))
+    dataset = [torch.ones(n) for n in [3, 5, 2, 4]]
+    return list(make_dataloader(dataset, sampler, collate_fn=collate_fn, sample_padding_fn=sample_padding_fn))
 
 
 def _three_samples_loader(**options):
@@ -3679,6 +3662,15 @@ _BAD_PADDING = [
         "PaddedCollate seqlens of another count", ValueError, "seqlens", PaddedCollate(), [[1, 2], [1]], seqlens=[2]
     ),
     _refusal("seqlens_from_padded not a batch", ValueError, "PaddedCollate", seqlens_from_padded, torch.tensor([1, 2])),
+    # same length: the samples arrive padded, so PaddedCollate cannot tell the real lengths of part of a step input
+    _refusal(
+        "PaddedCollate of half a same-length step input",
+        ValueError,
+        "PaddedCollate 2 same-length seqlens=",
+        _same_length_loader,
+        pad_sample,
+        lambda samples: PaddedCollate()(samples[: len(samples) // 2]),
+    ),
 ]
 
 
@@ -4758,27 +4750,6 @@ def test_the_plan_command_plans_what_training_plans(tmp_path_factory, section, s
 
 
 # -- errors: one line, exit code 2 -----------------------------------------------------------------
-# The config reader's refusals are the glue's (test_bad_input_deepspeed_glue): here, one of them, and the command's own.
-
-
-@pytest.mark.project
-@pytest.mark.parametrize(
-    "content, names",
-    [
-        ('{"train_batch_size": ', "not valid JSON"),
-        ("[1]", "JSON object"),
-        (
-            '{"data_efficiency": {"data_sampling": {"dynamic_batching": {"enabled": true, "budget": "pad"}}}}',
-            "max_tokens",
-        ),
-    ],
-    ids=["not JSON", "a list", "a section the reader refuses"],
-)
-def test_bad_config_exits_2_with_one_line(tmp_path, content, names):
-    """A malformed or wrong config gives one line naming the problem and exit code 2, no traceback."""
-    path = tmp_path / "ds_config.json"
-    path.write_text(content)
-    assert names in _refused_in_one_line("--config", str(path))
 
 
 @pytest.mark.project
@@ -4801,26 +4772,33 @@ def test_bad_flag_values_exit_2_with_one_line(args, names):
     assert names in _refused_in_one_line(*args)
 
 
+# a section without max_tokens: one of the config reader's refusals, the glue's own (test_bad_input_deepspeed_glue)
+_SECTION_REFUSED = '{"data_efficiency": {"data_sampling": {"dynamic_batching": {"enabled": true, "budget": "pad"}}}}'
+
+
 @pytest.mark.project
 @pytest.mark.parametrize(
-    "name, content, names",
+    "flag, name, content, names",
     [
-        ("nope.npy", None, "No such file or directory"),
-        ("lengths.npy", "", "lengths.npy"),
-        ("lengths.txt", "3\n4\nfour\n", "line 3"),
-        ("lengths.txt", "3\n0\n", "seqlens[1]=0"),
-        ("lengths.txt", "\n\n", "no lengths"),
+        ("--config", "ds_config.json", '{"train_batch_size": ', "not valid JSON"),
+        ("--config", "ds_config.json", "[1]", "JSON object"),
+        ("--config", "ds_config.json", _SECTION_REFUSED, "max_tokens"),
+        ("--seqlens", "nope.npy", None, "No such file or directory"),
+        ("--seqlens", "lengths.npy", "", "lengths.npy"),
+        ("--seqlens", "lengths.txt", "3\n4\nfour\n", "line 3"),
+        ("--seqlens", "lengths.txt", "3\n0\n", "seqlens[1]=0"),
+        ("--seqlens", "lengths.txt", "\n\n", "no lengths"),
     ],
-    ids=["missing", "corrupt .npy", "a bad line", "a bad length", "no lengths"],
+    ids=["not JSON", "a list", "a section refused", "missing", "corrupt .npy", "a bad line", "a bad length", "none"],
 )
-def test_bad_lengths_file_exits_2_naming_it(tmp_path, name, content, names):
-    """A lengths file missing, corrupt, with a bad line, a bad length or none at all: one line with its name and
-    the problem, exit code 2."""
+def test_a_bad_config_or_lengths_file_exits_2_with_one_line(tmp_path, flag, name, content, names):
+    """A config malformed or refused, a lengths file missing, corrupt, with a bad line, a bad length or no lengths
+    at all: one line naming the problem (and the lengths file) and exit code 2, no traceback."""
     path = tmp_path / name
     if content is not None:
         path.write_text(content)
-    err = _refused_in_one_line("--seqlens", str(path))
-    assert str(path) in err and names in err, err
+    err = _refused_in_one_line(flag, str(path))
+    assert names in err and (flag == "--config" or str(path) in err), err
 
 
 @pytest.mark.project
