@@ -172,6 +172,31 @@ def _glue(config, dataset=None, **kwargs):
     return engine, varbatch.get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(dataset, engine, **kwargs)
 
 
+# transformers is imported inside the functions and tests that use it: its import takes seconds.
+def _hf_arguments(output_dir, **arguments):
+    """HF TrainingArguments for the tests' Trainers: on the CPU, offline, quiet, the dataset's extra columns kept;
+    nothing logged or saved unless ``arguments`` say so."""
+    import transformers
+
+    return transformers.TrainingArguments(
+        output_dir=str(output_dir),
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        remove_unused_columns=False,
+        dataloader_pin_memory=False,
+        **{"logging_strategy": "no", "save_strategy": "no", **arguments},
+    )
+
+
+def _tiny_llama_config(**options):
+    """The tests' tiny LlamaForCausalLM (one layer, width 16, vocabulary 64), built from a config: no download."""
+    import transformers
+
+    sizes = dict(num_hidden_layers=1, hidden_size=16, intermediate_size=32, num_attention_heads=2, vocab_size=64)
+    return transformers.LlamaConfig(**sizes, **options)
+
+
 # =============================================================================
 # The module
 # =============================================================================
@@ -1769,106 +1794,7 @@ def test_an_empty_plan_is_refused_with_counts_that_add_up(case):
     assert "epoch 0" in message  # every epoch has epoch 0's batches: it is the one that has none
 
 
-# -- HF Trainer (transformers imported inside the tests: its import takes seconds) ------------------
-
-
-class _HFRecorder:
-    """Per real optimizer update: the LR applied and the (epoch, sample ids) of the step inputs it trained."""
-
-    def __init__(self, sampler):
-        self.sampler, self.pending, self.updates, self.trained = sampler, [], [], []
-
-    def collate(self, samples):
-        inputs = _causal_lm_collate([s["input_ids"] for s in samples])
-        return {**inputs, "idx": torch.tensor([s["idx"] for s in samples]), "epoch": torch.tensor(self.sampler.epoch)}
-
-    def hook(self, optimizer, args, kwargs):  # a torch optimizer pre-step hook: one per real update
-        self.updates.append((optimizer.param_groups[0]["lr"], list(self.pending)))
-
-
-def _hf_arguments(output_dir, **arguments):
-    """HF TrainingArguments for the tests' Trainers: on the CPU, offline, quiet, the dataset's extra columns kept;
-    nothing logged or saved unless ``arguments`` say so."""
-    import transformers
-
-    return transformers.TrainingArguments(
-        output_dir=str(output_dir),
-        report_to=[],
-        use_cpu=True,
-        disable_tqdm=True,
-        remove_unused_columns=False,
-        dataloader_pin_memory=False,
-        **{"logging_strategy": "no", "save_strategy": "no", **arguments},
-    )
-
-
-def _tiny_llama_config(**options):
-    """The tests' tiny LlamaForCausalLM (one layer, width 16, vocabulary 64), built from a config: no download."""
-    import transformers
-
-    sizes = dict(num_hidden_layers=1, hidden_size=16, intermediate_size=32, num_attention_heads=2, vocab_size=64)
-    return transformers.LlamaConfig(**sizes, **options)
-
-
-def _hf_trainer(tmp_path, lengths, *, order, seed, epochs=2, prepared=True, sampler_options=(), skips=(), **arguments):
-    """An HF Trainer subclass over varbatch's loader (``prepared``: as the README's recipe returns it) and the
-    Trainer's own schedule (``lr_scheduler_type``, constant by default) scaled by B_b / mean(B) through
-    `hf_trainer_lr_scheduler`, ``epochs`` epochs; the loss is inf at the updates ``skips`` (give its accelerator a
-    GradScaler, and a non-fused optim, to skip them)."""
-    import transformers
-
-    sampler = VariableBatchSampler(lengths, 256, budget="padded", order=order, seed=seed, **dict(sampler_options))
-    record = _HFRecorder(sampler)
-    tokens = torch.randint(0, 63, (sum(lengths),), generator=torch.Generator().manual_seed(1)).split(lengths)
-    data = [{"idx": i, "input_ids": ids} for i, ids in enumerate(tokens)]
-    loader = make_dataloader(data, sampler, collate_fn=record.collate)
-    made = []
-
-    class VarbatchTrainer(transformers.Trainer):
-        def get_train_dataloader(self):
-            if not made:
-                made.append(self.accelerator.prepare(loader) if prepared else loader)
-            return made[0]
-
-        def create_scheduler(self, num_training_steps, optimizer=None):
-            if self.lr_scheduler is None:
-                schedule = super().create_scheduler(num_training_steps, optimizer)
-                self.lr_scheduler = varbatch.hf_trainer_lr_scheduler(self, schedule, "mean", sampler)
-                self.optimizer.optimizer.register_step_pre_hook(record.hook)  # Accelerate's wrapper holds it
-            return self.lr_scheduler
-
-        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            idx, epoch = inputs.pop("idx"), int(inputs.pop("epoch"))
-            record.pending.extend((epoch, int(i)) for i in idx)
-            record.trained.extend((epoch, int(i)) for i in idx)
-            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-            return loss * math.inf if self.state.global_step in skips else loss
-
-    class Clear(transformers.TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            record.pending.clear()
-
-    torch.manual_seed(0)
-    arguments = {"lr_scheduler_type": "constant", **arguments}
-    args = _hf_arguments(tmp_path, num_train_epochs=epochs, learning_rate=1e-3, **arguments)
-    trainer = VarbatchTrainer(model=transformers.LlamaForCausalLM(_tiny_llama_config()), args=args, callbacks=[Clear()])
-    return trainer, sampler, record
-
-
-def _hf_updates_off(sampler, record, lr=1e-3, schedule=None, skips=()):
-    """Real updates whose LR is not lr x schedule(t) x B_b / mean(B) of the one batch b whose samples they trained, t
-    the updates taken before it (b less the ``skips`` before b; ``schedule`` None: constant)."""
-    off = 0
-    for applied, pending in record.updates:
-        (epoch,) = {e for e, _ in pending}
-        plan = sampler.plan_for_epoch(epoch)
-        where = {int(i): j // plan.effective_batch_size for j, mb in enumerate(plan.microbatches()) for i in mb}
-        (batch,) = {where[i] for _, i in pending}
-        b = epoch * plan.num_batches + batch
-        factor = 1.0 if schedule is None else schedule(b - sum(1 for skip in skips if skip < b))
-        want = lr * factor * plan.batch_sizes[batch] / plan.batch_sizes.mean()
-        off += not math.isclose(applied, want, rel_tol=1e-6, abs_tol=1e-15)
-    return off
+# -- Lightning, a loop that reads len() once: every epoch has that many step inputs --------------------
 
 
 def _hf_never_and_twice(sampler, trained, epochs):
@@ -1878,9 +1804,6 @@ def _hf_never_and_twice(sampler, trained, epochs):
         len(set(sampler.plan_for_epoch(e).sample_ids.tolist()) - {i for ep, i in counts if ep == e}) for e in epochs
     )
     return never, sum(n > 1 for n in counts.values())
-
-
-# -- Lightning, a loop that reads len() once: every epoch has that many step inputs --------------------
 
 
 def _packings_differ(lengths, max_tokens, epochs, **options):
@@ -3265,6 +3188,81 @@ def test_state_dicts_are_plain_data_also_from_numpy_settings():
 
 
 # -- HF Trainer and TRL: hf_trainer_lr_scheduler (NOTE [HF Trainer's skipped updates]) ---------------------------
+
+
+class _HFRecorder:
+    """Per real optimizer update: the LR applied and the (epoch, sample ids) of the step inputs it trained."""
+
+    def __init__(self, sampler):
+        self.sampler, self.pending, self.updates, self.trained = sampler, [], [], []
+
+    def collate(self, samples):
+        inputs = _causal_lm_collate([s["input_ids"] for s in samples])
+        return {**inputs, "idx": torch.tensor([s["idx"] for s in samples]), "epoch": torch.tensor(self.sampler.epoch)}
+
+    def hook(self, optimizer, args, kwargs):  # a torch optimizer pre-step hook: one per real update
+        self.updates.append((optimizer.param_groups[0]["lr"], list(self.pending)))
+
+
+def _hf_trainer(tmp_path, lengths, *, order, seed, epochs=2, prepared=True, sampler_options=(), skips=(), **arguments):
+    """An HF Trainer subclass over varbatch's loader (``prepared``: as the README's recipe returns it) and the
+    Trainer's own schedule (``lr_scheduler_type``, constant by default) scaled by B_b / mean(B) through
+    `hf_trainer_lr_scheduler`, ``epochs`` epochs; the loss is inf at the updates ``skips`` (give its accelerator a
+    GradScaler, and a non-fused optim, to skip them)."""
+    import transformers
+
+    sampler = VariableBatchSampler(lengths, 256, budget="padded", order=order, seed=seed, **dict(sampler_options))
+    record = _HFRecorder(sampler)
+    tokens = torch.randint(0, 63, (sum(lengths),), generator=torch.Generator().manual_seed(1)).split(lengths)
+    data = [{"idx": i, "input_ids": ids} for i, ids in enumerate(tokens)]
+    loader = make_dataloader(data, sampler, collate_fn=record.collate)
+    made = []
+
+    class VarbatchTrainer(transformers.Trainer):
+        def get_train_dataloader(self):
+            if not made:
+                made.append(self.accelerator.prepare(loader) if prepared else loader)
+            return made[0]
+
+        def create_scheduler(self, num_training_steps, optimizer=None):
+            if self.lr_scheduler is None:
+                schedule = super().create_scheduler(num_training_steps, optimizer)
+                self.lr_scheduler = varbatch.hf_trainer_lr_scheduler(self, schedule, "mean", sampler)
+                self.optimizer.optimizer.register_step_pre_hook(record.hook)  # Accelerate's wrapper holds it
+            return self.lr_scheduler
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            idx, epoch = inputs.pop("idx"), int(inputs.pop("epoch"))
+            record.pending.extend((epoch, int(i)) for i in idx)
+            record.trained.extend((epoch, int(i)) for i in idx)
+            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            return loss * math.inf if self.state.global_step in skips else loss
+
+    class Clear(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            record.pending.clear()
+
+    torch.manual_seed(0)
+    arguments = {"lr_scheduler_type": "constant", **arguments}
+    args = _hf_arguments(tmp_path, num_train_epochs=epochs, learning_rate=1e-3, **arguments)
+    trainer = VarbatchTrainer(model=transformers.LlamaForCausalLM(_tiny_llama_config()), args=args, callbacks=[Clear()])
+    return trainer, sampler, record
+
+
+def _hf_updates_off(sampler, record, lr=1e-3, schedule=None, skips=()):
+    """Real updates whose LR is not lr x schedule(t) x B_b / mean(B) of the one batch b whose samples they trained, t
+    the updates taken before it (b less the ``skips`` before b; ``schedule`` None: constant)."""
+    off = 0
+    for applied, pending in record.updates:
+        (epoch,) = {e for e, _ in pending}
+        plan = sampler.plan_for_epoch(epoch)
+        where = {int(i): j // plan.effective_batch_size for j, mb in enumerate(plan.microbatches()) for i in mb}
+        (batch,) = {where[i] for _, i in pending}
+        b = epoch * plan.num_batches + batch
+        factor = 1.0 if schedule is None else schedule(b - sum(1 for skip in skips if skip < b))
+        want = lr * factor * plan.batch_sizes[batch] / plan.batch_sizes.mean()
+        off += not math.isclose(applied, want, rel_tol=1e-6, abs_tol=1e-15)
+    return off
 
 
 def _hf_linear(total, warmup):
