@@ -5988,10 +5988,9 @@ def test_readme_hf_recipes_on_two_processes(jobs, script):
 
 
 # -- launchers: HF Accelerate and Lightning ---------------------------------------------
-# Each runs 2 real CPU ranks (torchrun, or Lightning's devices=2) on 160 samples whose sample i is
-# a tensor filled with i + 1, records the sample ids and the LR of every step input, and compares the
-# union over the ranks with the plan: every planned sample once, optimizer step b trains the plan's
-# batch b, at LR base_lr x B_b / mean(B).
+# Each runs 2 real CPU ranks (torchrun, or Lightning's devices=2) on 160 samples whose sample i is a tensor filled with
+# i + 1, records the sample ids and the LR of every step input, and compares the union over the ranks with the plan:
+# every planned sample once, optimizer step b trains the plan's batch b, at LR base_lr x B_b / mean(B).
 
 BASE_LR, MAX_TOKENS, N = 0.1, 72, 160
 LENS = np.random.default_rng(0).integers(4, 41, N).tolist()  # the workers' seqlens (COMMON's LENS)
