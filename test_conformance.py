@@ -472,13 +472,15 @@ def _td_sampler():
 
 def _td_build(arm, workers=0, dataset=None, **options):
     """A fresh dataset (by default an `_AugmentedDataset`), sampler and stateful loader: varbatch's sampler through
-    make_dataloader ("make") or passed as batch_sampler ("direct")."""
+    make_dataloader ("make") or passed as batch_sampler ("direct"); or make_dataloader's torch loader ("torch")."""
     stateful = pytest.importorskip("torchdata.stateful_dataloader")
     dataset = _AugmentedDataset() if dataset is None else dataset
     sampler = _td_sampler()
     options = dict(collate_fn=varbatch.PaddedCollate(), num_workers=workers, **options)
     if arm == "make":
         return sampler, make_dataloader(dataset, sampler, dataloader_class=stateful.StatefulDataLoader, **options)
+    if arm == "torch":
+        return sampler, make_dataloader(dataset, sampler, **options)
     return sampler, stateful.StatefulDataLoader(dataset, batch_sampler=sampler, **options)
 
 
@@ -641,18 +643,7 @@ def test_make_dataloader_saves_the_datasets_own_state_as_it_is(dataset):
 
 def test_a_stateful_loader_reads_what_torchs_loader_reads():
     """TestConcurrentDataLoaders: make_dataloader with StatefulDataLoader yields the batches of torch's loader."""
-    stateful = pytest.importorskip("torchdata.stateful_dataloader")
-    runs = []
-    for loader_class in (None, stateful.StatefulDataLoader):
-        sampler = _td_sampler()
-        loader = make_dataloader(
-            _AugmentedDataset(), sampler, collate_fn=varbatch.PaddedCollate(), dataloader_class=loader_class
-        )
-        runs.append([])
-        for epoch in range(2):
-            sampler.set_epoch(epoch)
-            runs[-1] += [_rows(batch) for batch in loader]
-    assert runs[0] == runs[1]
+    assert _td_run(partial(_td_build, "make")) == _td_run(partial(_td_build, "torch"))
 
 
 def _passes(sampler, epochs):

@@ -659,7 +659,7 @@ def greedy_cases(draw):
             max_size=120,
         )
     )
-    width = draw(st.sampled_from([1, 1, 2, 3, 4, 6]))
+    width = draw(st.sampled_from([1, 1, 2, 3, 4, 6]))  # one micro-batch a batch as often as two to six
     min_bs = draw(st.integers(1, 4))
     return _case(
         seqlens,
@@ -683,14 +683,15 @@ def test_the_fast_form_plans_as_the_plain_form(case, chunk, epoch):
     """The greedy rule's fast form (NOTE [the greedy rule, vectorized], NOTE [interleaved blocks, vectorized]), over
     chunks of any size, gives the plain form's plan: the same arrays, dtypes and drops, in every order, budget and
     shape (NOTE [one dispatch]); the plain loop of one micro-batch to a block, `_greedy_rows`, places what its
-    generalization to blocks, `_pack_rows`, places. (The plain form against the slow oracle: test_plan_matches_oracle.)"""
+    generalization to blocks, `_pack_rows`, places (the plain form against the oracle: test_plan_matches_oracle)."""
     case = {**case, "epoch": epoch}
     assert _plan_arrays(_in_form("fast", chunk, **case)) == _plan_arrays(_in_form("plain", chunk, **case))
     settings, _ = _settings_of(case)
     if settings.unit_width == 1:
         lens = np.array(case["seqlens"], np.int64)
-        greedy, blocks = varbatch._greedy_rows(lens, settings), varbatch._pack_rows(lens, settings)
-        assert (greedy[0].tolist(), *greedy[1:]) == (blocks[0].tolist(), *blocks[1:])  # (table, too small, end)
+        greedy = varbatch._greedy_rows(lens, settings)  # (the blocks' table, positions too small, the tail's start)
+        blocks = varbatch._pack_rows(lens, settings)
+        assert (greedy[0].tolist(), *greedy[1:]) == (blocks[0].tolist(), *blocks[1:])
 
 
 def _bits(bound):
@@ -5189,21 +5190,15 @@ def _example_plans(config, pipeline):
 
     seqlens = example.RunningSumSequences(_NUM_SAMPLES, seed=0).seqlens.numpy()
     options, lr_options, _ = varbatch._read_config(config)
-    micro = config.get("train_micro_batch_size_per_gpu", 1)
     num_replicas = 1 if pipeline else 2  # 2 ranks: 2 stages x 1, or 2 data-parallel ranks
-    plans = [
-        plan_batches(
-            seqlens,
-            **options,
-            effective_batch_size=config["train_batch_size"],
-            epoch=epoch,
-            micro_batch_size=micro,
-            num_replicas=num_replicas,
-            same_size=pipeline,
-            same_length=pipeline,
-        )
-        for epoch in range(_EPOCHS)
-    ]
+    shape = dict(  # DeepSpeed's batch sizes, and a pipeline's shapes where it runs one
+        effective_batch_size=config["train_batch_size"],
+        micro_batch_size=config.get("train_micro_batch_size_per_gpu", 1),
+        num_replicas=num_replicas,
+        same_size=pipeline,
+        same_length=pipeline,
+    )
+    plans = [plan_batches(seqlens, **options, **shape, epoch=epoch) for epoch in range(_EPOCHS)]
     return plans, seqlens, lr_options, num_replicas
 
 
