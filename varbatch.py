@@ -51,6 +51,7 @@ each setting's own checks sit beside what it sets.
 
 from __future__ import annotations
 
+import bisect
 import contextvars
 import copy
 import dataclasses
@@ -102,6 +103,7 @@ _logger = logging.getLogger("varbatch")
 
 _Budget = Literal["sum", "padded"]
 _Order = Literal["dataloader", "seqlen", "random", "bucket"]
+_Packing = Literal["greedy", "best_fit"]
 _OnOverlong = Literal["skip", "error"]
 _LRMethod = Literal["linear", "sqrt", "none"]
 _LRUnit = Literal["sequences", "tokens"]
@@ -320,6 +322,9 @@ class _Settings:
     num_replicas: int = _option("count", 1, fix="the data-parallel size")
     budget: _Budget = _option("choice", "sum", choices=_Budget)
     order: _Order = _option("choice", "dataloader", choices=_Order, name="sequence_picking_order")
+    # None: best fit for flat rows in the drawn orders (`best_fit`), else the greedy rule, whose plans in the orders
+    # DeepSpeed has are DeepSpeed's (NOTE [best fit]).
+    packing: _Packing | None = _option("choice or None", None, choices=_Packing)
     min_batch_size: int | None = _option("bound", 1, unbounded=1, fix="or None for no bound")
     max_batch_size: int | None = _option("bound", None, unbounded=None, fix="or None for no bound")
     same_size: bool = _option("flag", False)
@@ -360,6 +365,14 @@ class _Settings:
         return 1
 
     @property
+    def best_fit(self) -> bool:
+        """Whether micro-batches are packed by best fit (NOTE [best fit]): as asked; by default, flat rows in the drawn
+        orders where best fit applies (one micro-batch to a block, min_batch_size 1)."""
+        if self.packing is not None:
+            return self.packing == "best_fit"
+        return self.padding_free and self.order in _DRAWN_ORDERS and not self.same_size and self.min_batch_size == 1
+
+    @property
     def step_input_bound(self) -> int:
         """The padded budget's bound on one step input's ``B x S`` tensor: ``micro_batch_size x max_tokens``."""
         return self.micro_batch_size * self.max_tokens
@@ -398,10 +411,12 @@ def _checked_option(field: dataclasses.Field, value: Any) -> Any:
         if value is None or (not isinstance(value, bool) and isinstance(value, numbers.Integral) and value == 0):
             return meta["unbounded"]
         return _check_int(name, value, 1, fix=fix)
-    if value is None:  # "count or None", "real or None"
+    if value is None:  # "count or None", "real or None", "choice or None"
         return None
     if check == "count or None":
         return _check_int(name, value, 1, fix=fix)
+    if check == "choice or None":
+        return _check_choice(name, value, meta["choices"])
     if check == "real or None":
         return _check_real(name, value)
     raise AssertionError(f"_Settings.{field.name} declares the check {check!r}, which _checked_option does not know")
@@ -431,6 +446,8 @@ def _check_relations(settings: _Settings) -> None:
             "padding_free=True with budget='padded': a flat row has no padded B x S tensor to bound; use "
             "budget='sum', which bounds a row's tokens by micro_batch_size x max_tokens"
         )
+    if settings.packing == "best_fit":
+        _check_best_fit(settings)
     if not settings.balance_ranks:
         return
     if settings.quadratic_tokens is None:
@@ -450,6 +467,20 @@ def _check_relations(settings: _Settings) -> None:
             " padded step input of a batch has one shape, so one cost, already; set balance_ranks=False",
             stacklevel=2,
         )
+
+
+def _check_best_fit(settings: _Settings) -> None:
+    """packing="best_fit" where best fit applies (NOTE [best fit]), else raises naming the setting in the way."""
+    for option, value, why in (
+        ("budget", "sum", "a micro-batch's room is its tokens left under the sum budget"),
+        ("same_size", False, "it closes each micro-batch when full, whatever its size"),
+        ("min_batch_size", 1, "it closes each micro-batch when full, however few its samples"),
+    ):
+        if getattr(settings, option) != value:
+            raise ValueError(
+                f"packing='best_fit' needs {option}={value!r} ({why}), but got {option}="
+                f"{getattr(settings, option)!r}; set {option}={value!r}, or packing='greedy'"
+            )
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -729,6 +760,10 @@ def _microbatches(lens: np.ndarray, settings: _Settings) -> tuple[np.ndarray, np
     """The micro-batches of whole batches over ``lens``, the seqlens in picking order: the positions of their
     samples, micro-batch after micro-batch, and their sizes; and the positions dropped as ``min_batch_size`` and as
     ``tail``."""
+    if settings.best_fit:
+        positions, sizes = _best_fit_rows(lens, settings)
+        positions, sizes, tail = _fill_last_batch(positions, sizes, settings)
+        return positions, sizes, np.zeros(0, np.int64), tail
     if len(lens) > _PLAIN_UP_TO:  # NOTE [one dispatch]
         table, too_small, end = _pack_rows_fast(lens, settings)
     elif settings.unit_width == 1:
@@ -785,6 +820,54 @@ def _greedy_rows(lens: np.ndarray, settings: _Settings) -> tuple[np.ndarray, lis
             too_small.append(start)
             start += 1
     return _block_table(starts, rows), too_small, start
+
+
+# NOTE [best fit]: the greedy rule closes a micro-batch at the first sample that does not fit, so each one is short by
+# about half a sample (86% of a 4,096-token row on SFT-like lengths). Best fit keeps micro-batches open and puts each
+# sample into the open one with the least room left that still holds it (a new one where none does); a micro-batch
+# closes once no sample of the epoch is short enough to join it, or it holds max_batch_size, and where more than
+# `_BEST_FIT_WINDOW` are open the fullest closes. They follow one another as they close, the last open ones as they
+# opened. Samples placed longest first leave gaps that the shorter ones after them fill: best-fit decreasing over the
+# whole set (TRL's packing) comes within a fraction of a point of what the lengths allow, but its rows are the same
+# every epoch. So under best fit the drawn orders come in windows of samples drawn at random, `_BEST_FIT_WINDOW` of
+# them (the `bucket` order: `bucket_size`), each longest first (NOTE [the orders, as sorts]): best-fit decreasing in
+# each window, with rows new every epoch (their fill and pairs again: BENCHMARKS.md). The room is the sum budget's, a
+# flat row's: a padded tensor costs n x S, which the snuggest fit, joining unlike lengths, pads; so by default best fit
+# packs the flat rows (padding_free) of the drawn orders, and the orders DeepSpeed has keep its greedy plans. Blocks of
+# equal micro-batches (same_size) and min_batch_size ask for counts that best fit, closing full micro-batches, ignores.
+_BEST_FIT_WINDOW = 4096  # samples
+
+
+def _best_fit_rows(lens: np.ndarray, settings: _Settings) -> tuple[np.ndarray, np.ndarray]:
+    """Best fit over ``lens``, the seqlens in picking order (NOTE [best fit]): the positions of the micro-batches'
+    samples, micro-batch after micro-batch in the order they close, and each one's size."""
+    values = lens.tolist()  # Python ints: the loop reads them one at a time
+    shortest = min(values)
+    cap = settings.max_batch_size or len(values)
+    rooms = []  # (room left, micro-batch) of each open micro-batch, least room first
+    microbatch_of = []  # per position
+    sizes = []  # per micro-batch, in the order they open
+    closed = []  # the micro-batches, in the order they close
+    for length in values:
+        at = bisect.bisect_left(rooms, (length,))  # the least room that still holds it
+        if at < len(rooms):
+            room, j = rooms.pop(at)
+        else:
+            room, j = settings.max_tokens, len(sizes)
+            sizes.append(0)
+        microbatch_of.append(j)
+        sizes[j] += 1
+        room -= length
+        if room < shortest or sizes[j] == cap:
+            closed.append(j)
+            continue
+        bisect.insort(rooms, (room, j))
+        if len(rooms) > _BEST_FIT_WINDOW:
+            closed.append(rooms.pop(0)[1])  # the fullest
+    closed += sorted(j for _, j in rooms)
+    rank = np.empty(len(sizes), np.int64)  # each micro-batch's place in the plan
+    rank[closed] = np.arange(len(closed))
+    return np.argsort(rank[microbatch_of], kind="stable"), np.asarray(sizes, np.int64)[closed]
 
 
 # The greedy rule, generalized to blocks. A block is `_Settings.unit_width` micro-batches of one size n packed
@@ -1103,6 +1186,8 @@ def _overlong(lengths: np.ndarray, ids: np.ndarray, settings: _Settings) -> np.n
 #   after another, each ~window size samples (binomial) drawn at random and sorted by length, odd ones
 #   descending, ties in a random order (a set of one window still draws new micro-batches from its ties
 #   every epoch): a micro-batch that spans two windows joins samples of like length.
+# - Under best fit, `random` and `bucket` both take the `bucket` key with every window descending: longest first
+#   (NOTE [best fit]); `random`'s windows hold `_BEST_FIT_WINDOW` samples on average.
 # The draws are bounded so that a key fits one 64-bit integer (NOTE [the orders, as packed keys]). The generator
 # of an epoch is seeded with (seed, epoch, `_PLAN_STREAM`): numpy seeds (seed, 0) as it seeds seed alone, so
 # without the third word epoch 0 would draw the very numbers of a `default_rng(seed)` that made the data's lengths
@@ -1119,18 +1204,18 @@ def _picking_order(ids: np.ndarray, lengths: np.ndarray, settings: _Settings, rn
         return ids
     if settings.order == "seqlen":  # ties by id, whatever the order of `ids` (as DeepSpeed's sort of (len, id))
         return _sorted_by(ids, [(lengths, _field_bits(lengths))])
-    if settings.order == "random":
+    if settings.order == "random" and not settings.best_fit:
         draw_bits = _KEY_BITS - _field_bits(ids)
         return _sorted_by(ids, [(rng.integers(0, 2**draw_bits, len(ids), dtype=np.uint64), draw_bits)])
-    return _sorted_by(ids, _bucket_fields(ids, lengths, _bucket_window(lengths, settings), rng))
+    return _sorted_by(ids, _bucket_fields(ids, lengths, _bucket_window(lengths, settings), rng, settings.best_fit))
 
 
 def _bucket_fields(
-    ids: np.ndarray, lengths: np.ndarray, window: int, rng: np.random.Generator
+    ids: np.ndarray, lengths: np.ndarray, window: int, rng: np.random.Generator, descending: bool = False
 ) -> list[tuple[np.ndarray, int]]:
     """The fields of the `bucket` keys of ``ids`` (of seqlens ``lengths``) before the id, as ``(values, bits)``:
     each one's window of ``window`` samples on average; its seqlen, complemented (``2**bits - 1`` less it: it sorts
-    descending) in odd windows; and the bits that break ties."""
+    descending) in odd windows, or in every one where ``descending``; and the bits that break ties."""
     windows = max(1, math.ceil(len(ids) / window))
     window_bits = _bits(windows)
     length_bits = _field_bits(lengths)
@@ -1138,6 +1223,7 @@ def _bucket_fields(
     drawn = rng.integers(0, windows << tie_bits, len(ids), dtype=np.uint64)  # the window, then the tie bits
     length_field = drawn >> np.uint64(tie_bits)  # the window ...
     length_field &= np.uint64(1)  # ... odd or even ...
+    length_field |= np.uint64(descending)  # (every one descends where asked)
     length_field *= np.uint64(2**length_bits - 1)  # ... as all ones in odd windows, where ...
     length_field ^= lengths.astype(np.uint64)  # ... flipping every bit complements the seqlen
     window_of = drawn >> np.uint64(tie_bits)
@@ -1194,9 +1280,12 @@ def _field_bits(values: np.ndarray) -> int:
 
 
 def _bucket_window(lengths: np.ndarray, settings: _Settings) -> int:
-    """Samples per sorted window of the `bucket` order over the packable samples, of seqlens ``lengths``."""
-    if settings.bucket_size is not None:
+    """Samples per sorted window of the `bucket` order (under best fit, of both drawn orders) over the packable
+    samples, of seqlens ``lengths``."""
+    if settings.bucket_size is not None and settings.order == "bucket":
         return settings.bucket_size
+    if settings.best_fit:
+        return _BEST_FIT_WINDOW
     samples_per_block = settings.unit_width * settings.max_tokens * len(lengths) / max(int(lengths.sum()), 1)
     return max(1, math.ceil(_BUCKET_WINDOW_BLOCKS * samples_per_block))
 
@@ -1235,6 +1324,7 @@ _DRAWN_ORDERS = ("random", "bucket")
 _MARGIN_SPREADS = 2
 _MARGIN_SHARE = 400  # C - B0 <= B0 / 400: at most 0.25% more micro-batches than epoch 0 packs
 _REDRAWS = 8  # the packings drawn for an epoch before the last resort
+_BEST_FIT_PROBES = 2
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -1264,7 +1354,10 @@ def _reference_plan(seqlens: np.ndarray, settings: _Settings, sample_ids: np.nda
         return plan
     low, median, high = np.percentile(plan.batch_tokens, [25, 50, 75])
     spread = math.sqrt(plan.num_batches) * (high - low) / 1.349 / median  # robust to the leftovers' last batch
-    margin = min(math.floor(_MARGIN_SPREADS * spread), max(1, plan.num_batches // _MARGIN_SHARE))
+    margin = math.floor(_MARGIN_SPREADS * spread)
+    for attempt in range(1, _BEST_FIT_PROBES + 1 if settings.best_fit else 1):
+        margin = max(margin, _pack(seqlens, settings, sample_ids, 0, attempt).num_batches - plan.num_batches)
+    margin = min(margin, max(1, plan.num_batches // _MARGIN_SHARE))
     return _lengthened(plan, seqlens, plan.num_batches + min(margin, int(_cuttable(plan).sum())))
 
 
