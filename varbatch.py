@@ -728,12 +728,11 @@ def _pack(
     """
     rng = np.random.default_rng((settings.seed, epoch, _PLAN_STREAM, attempt))  # attempt 0: as (seed, epoch, stream)
     picked, overlong = _picked(seqlens, sample_ids, settings, rng)
-    positions, sizes, too_small, tail = _microbatches(seqlens[picked], settings)
+    lengths = _gathered(seqlens, picked, settings)  # read once: in picking order here, in plan order below
+    positions, sizes, too_small, tail = _microbatches(lengths, settings)
     if settings.order == "bucket":  # the windows are sorted: shuffle whole batches
         order = rng.permutation(len(sizes) // settings.effective_batch_size)
         positions, sizes = _reordered_batches(positions, sizes, order, settings)
-    packed = picked[positions]
-    longest, tokens = _microbatch_stats(seqlens, packed, sizes, settings)
     dropped = {
         "over_budget": np.sort(overlong),
         "min_batch_size": np.sort(picked[too_small]),
@@ -741,10 +740,23 @@ def _pack(
         "filtered": np.zeros(0, np.int64) if sample_ids is None else np.setdiff1d(np.arange(len(seqlens)), sample_ids),
     }
     dropped = {reason: ids.astype(np.int64) for reason, ids in dropped.items()}
-    arrays = _plan_arrays(packed, sizes, longest, tokens, settings, seqlens)
+    ids, lengths = picked[positions], lengths[positions]  # in plan order
+    del picked, positions  # let go at once: on 100M samples each is 400 MB
+    arrays = _plan_arrays(ids, sizes, lengths, settings)
     for array in (*arrays.values(), *dropped.values()):
         array.setflags(write=False)
     return Plan(**arrays, dropped=dropped, settings=settings, epoch=epoch)
+
+
+def _gathered(seqlens: np.ndarray, ids: np.ndarray, settings: _Settings) -> np.ndarray:
+    """``seqlens[ids]``, packable: int32 where max_tokens keeps them below 2**31, gathered `_CHUNK` at a time (no
+    int64 copy of them all on the way)."""
+    if settings.max_tokens >= 2**31:
+        return seqlens[ids]
+    lengths = np.empty(len(ids), np.int32)
+    for start in range(0, len(ids), _CHUNK):
+        lengths[start : start + _CHUNK] = seqlens[ids[start : start + _CHUNK]]
+    return lengths
 
 
 # NOTE [one dispatch]: the greedy rule is written below as loops over samples: the form to read, and the one that
@@ -752,8 +764,9 @@ def _pack(
 # of millions, so on more `_microbatches` runs Part II's vectorized form (`_pack_rows_fast`), which places the same
 # blocks with a Python step per micro-batch. This is the one place that chooses; every other step of a plan has one
 # form, in numpy, here. Tests reach either form through `plan_batches` and the sampler by setting `_PLAIN_UP_TO`
-# (and Part II's `_CHUNK`).
+# (and `_CHUNK`).
 _PLAIN_UP_TO = 4096  # samples
+_CHUNK = 2**16  # positions per numpy pass: temporaries stay small and in cache
 
 
 def _microbatches(lens: np.ndarray, settings: _Settings) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -770,7 +783,7 @@ def _microbatches(lens: np.ndarray, settings: _Settings) -> tuple[np.ndarray, np
         table, too_small, end = _greedy_rows(lens, settings)
     else:
         table, too_small, end = _pack_rows(lens, settings)
-    positions, sizes = _positions(table, settings.unit_width)
+    positions, sizes = _positions(table, settings.unit_width, _index_dtype(len(lens)))
     positions, sizes, tail = _fill_last_batch(positions, sizes, settings)
     return positions, sizes, np.asarray(too_small, np.int64), np.concatenate([tail, np.arange(end, len(lens))])
 
@@ -983,7 +996,7 @@ def _microbatches_fit(block: np.ndarray, settings: _Settings) -> bool:
         cost = block.sum(axis=1)
     else:  # n x the longest of each padding group of rows
         width, n = block.shape
-        cost = n * block.reshape(width // settings.padding_group, -1).max(axis=1)
+        cost = np.int64(n) * block.reshape(width // settings.padding_group, -1).max(axis=1)
     return bool((cost <= settings.max_tokens).all())
 
 
@@ -1006,7 +1019,7 @@ def _block_table(starts: list[int], rows: list[int], consecutive: list[bool] | N
     return table
 
 
-def _positions(table: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+def _positions(table: np.ndarray, width: int, dtype: type) -> tuple[np.ndarray, np.ndarray]:
     """The positions (in picking order) of the blocks' samples, micro-batch after micro-batch, and each one's size.
 
     Row r of micro-batch b of block ``(start, n, consecutive)`` is position
@@ -1018,17 +1031,16 @@ def _positions(table: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
     place = np.tile(np.arange(width), len(table))  # b: each micro-batch's place in its block
     firsts = np.repeat(table[:, 0], width) + np.where(consecutive, place * sizes, place)
     steps = np.where(consecutive, 1, width)
-    return _progressions(firsts, sizes, steps), sizes
+    return _progressions(firsts, sizes, steps, dtype), sizes
 
 
-def _progressions(firsts: np.ndarray, counts: np.ndarray, steps: np.ndarray) -> np.ndarray:
-    """``first, first + step, ..., first + (count - 1) * step`` for each triple, concatenated (int64)."""
-    offsets = _offsets(counts)
-    terms = np.arange(offsets[-1])  # each term's index in the result ...
-    terms -= np.repeat(offsets[:-1], counts)  # ... then in its progression
-    terms *= np.repeat(steps, counts)
-    terms += np.repeat(firsts, counts)
-    return terms
+def _progressions(firsts: np.ndarray, counts: np.ndarray, steps: np.ndarray, dtype: type) -> np.ndarray:
+    """``first, first + step, ..., first + (count - 1) * step`` for each triple (``count`` >= 1), concatenated
+    (``dtype``): the running sum of each term less the one before, made in place (one array)."""
+    terms = np.repeat(steps.astype(dtype), counts)  # each term less the one before ...
+    lasts = firsts + (counts - 1) * steps
+    terms[_offsets(counts)[:-1]] = firsts - np.concatenate([[0], lasts[:-1]])  # ... the first: less the last one's
+    return np.cumsum(terms, dtype=dtype, out=terms)
 
 
 def _fill_last_batch(
@@ -1076,18 +1088,6 @@ def _resplit(blocks: list[list[np.ndarray]], count: int, min_bs: int) -> list[li
     return blocks
 
 
-def _microbatch_stats(
-    seqlens: np.ndarray, ids: np.ndarray, sizes: np.ndarray, settings: _Settings
-) -> tuple[np.ndarray, np.ndarray]:
-    """Each micro-batch's longest seqlen and each batch's tokens (int64), of the micro-batches of ``sizes`` samples of
-    ``ids`` (of the ``seqlens``), k micro-batches to a batch."""
-    starts = _offsets(sizes)[:-1]
-    lengths = seqlens[ids]
-    longest = np.maximum.reduceat(lengths, starts).astype(np.int64)
-    tokens = np.add.reduceat(lengths, starts[:: settings.effective_batch_size], dtype=np.int64)
-    return longest, tokens
-
-
 def _offsets(sizes: np.ndarray) -> np.ndarray:
     """Where each micro-batch of ``sizes`` samples starts in the plan's ids, and the end (int64, one pass)."""
     offsets = np.zeros(len(sizes) + 1, np.int64)
@@ -1103,34 +1103,30 @@ def _reordered_batches(
     k = settings.effective_batch_size
     batch_samples = sizes.reshape(-1, k).sum(axis=1)
     batch_starts = _offsets(batch_samples)[:-1]
-    moved = _progressions(batch_starts[order], batch_samples[order], np.ones(len(order), np.int64))  # old places
+    steps = np.ones(len(order), np.int64)
+    moved = _progressions(batch_starts[order], batch_samples[order], steps, _index_dtype(len(samples)))
     return samples[moved], sizes.reshape(-1, k)[order].ravel()
 
 
-def _plan_arrays(
-    packed: np.ndarray,
-    sizes: np.ndarray,
-    longest: np.ndarray,
-    tokens: np.ndarray,
-    settings: _Settings,
-    seqlens: np.ndarray | None = None,
-) -> dict:
-    """The `Plan`'s arrays for the ids ``packed``, in micro-batches of ``sizes`` samples, k to a batch, with their
-    longest seqlens and the batches' tokens (`_microbatch_stats`). Padding-free, given the ``seqlens`` of the ids,
-    a micro-batch's padded seqlen is its step input's flat row: its tokens (its batch's longest row, same_length)."""
+def _plan_arrays(ids: np.ndarray, sizes: np.ndarray, lengths: np.ndarray, settings: _Settings) -> dict:
+    """The `Plan`'s arrays for ``ids`` (of seqlens ``lengths``), in micro-batches of ``sizes`` samples, k to a batch.
+    Padding-free, a micro-batch's padded seqlen is its step input's flat row: its tokens (its batch's longest row,
+    same_length)."""
     k = settings.effective_batch_size
     group = settings.padding_group
     offsets = _offsets(sizes)
+    longest = np.maximum.reduceat(lengths, offsets[:-1]).astype(np.int64)
+    tokens = np.add.reduceat(lengths, offsets[:-1], dtype=lengths.dtype).astype(np.int64)  # each <= max_tokens
     widths = longest
-    if settings.padding_free and seqlens is not None:
+    if settings.padding_free:
         m = settings.micro_batch_size
-        widths = np.repeat(np.add.reduceat(seqlens[packed], offsets[:-1:m], dtype=np.int64), m)
+        widths = np.repeat(tokens.reshape(-1, m).sum(axis=1), m)
     return dict(
-        sample_ids=packed,
+        sample_ids=ids,
         microbatch_offsets=offsets,
         padded_seqlens=np.repeat(widths.reshape(-1, group).max(axis=1), group).astype(np.int64),
         batch_sizes=np.diff(offsets[::k]),
-        batch_tokens=tokens,
+        batch_tokens=tokens.reshape(-1, k).sum(axis=1),
         batch_max_seqlens=longest.reshape(-1, k).max(axis=1),
     )
 
@@ -1140,7 +1136,7 @@ def _picked(
 ) -> tuple[np.ndarray, np.ndarray]:
     """The packable ids in picking order and the over-long ids (see `_overlong`). The ids are int32 where every id of
     the dataset fits, as the `Plan`'s ``sample_ids`` are."""
-    id_dtype = np.int32 if len(seqlens) <= 2**31 else np.int64
+    id_dtype = _index_dtype(len(seqlens))
     if sample_ids is None:
         ids = np.arange(len(seqlens), dtype=id_dtype)
         lengths = seqlens
@@ -1153,6 +1149,11 @@ def _picked(
         ids = ids[fits]
         lengths = lengths[fits]
     return _picking_order(ids, lengths, settings, rng), overlong
+
+
+def _index_dtype(count: int) -> type:
+    """The dtype of indices below ``count`` (ids, positions): int32 where they fit."""
+    return np.int32 if count <= 2**31 else np.int64
 
 
 def _overlong(lengths: np.ndarray, ids: np.ndarray, settings: _Settings) -> np.ndarray:
@@ -1215,20 +1216,29 @@ def _bucket_fields(
 ) -> list[tuple[np.ndarray, int]]:
     """The fields of the `bucket` keys of ``ids`` (of seqlens ``lengths``) before the id, as ``(values, bits)``:
     each one's window of ``window`` samples on average; its seqlen, complemented (``2**bits - 1`` less it: it sorts
-    descending) in odd windows, or in every one where ``descending``; and the bits that break ties."""
+    descending) in odd windows, or in every one where ``descending``; and the bits that break ties. Where they fit
+    one key beside the id, they are laid side by side as one field, written over the draws `_CHUNK` at a time."""
     windows = max(1, math.ceil(len(ids) / window))
     window_bits = _bits(windows)
     length_bits = _field_bits(lengths)
     tie_bits = max(0, _KEY_BITS - window_bits - length_bits - _field_bits(ids))
     drawn = rng.integers(0, windows << tie_bits, len(ids), dtype=np.uint64)  # the window, then the tie bits
-    length_field = drawn >> np.uint64(tie_bits)  # the window ...
-    length_field &= np.uint64(1)  # ... odd or even ...
-    length_field |= np.uint64(descending)  # (every one descends where asked)
-    length_field *= np.uint64(2**length_bits - 1)  # ... as all ones in odd windows, where ...
-    length_field ^= lengths.astype(np.uint64)  # ... flipping every bit complements the seqlen
-    window_of = drawn >> np.uint64(tie_bits)
-    drawn &= np.uint64(2**tie_bits - 1)  # the tie bits
-    return [(window_of, window_bits), (length_field, length_bits), (drawn, tie_bits)]
+    one = window_bits + length_bits + _field_bits(ids) <= _KEY_BITS  # one key holds them (tie bits fill it)
+    length_fields = drawn if one else np.empty_like(drawn)  # (with no tie bits, the draw is the window)
+    for start in range(0, len(ids), _CHUNK):
+        part = drawn[start : start + _CHUNK]
+        window_of = part >> np.uint64(tie_bits)
+        flip = (window_of & np.uint64(1)) | np.uint64(descending)  # odd windows (every one where asked) ...
+        field = flip * np.uint64(2**length_bits - 1)  # ... as all ones, where ...
+        field ^= lengths[start : start + _CHUNK].astype(np.uint64)  # ... flipping every bit complements the seqlen
+        if not one:
+            length_fields[start : start + _CHUNK] = field
+            continue
+        part &= np.uint64(2**tie_bits - 1)  # the tie bits, below ...
+        part |= ((window_of << np.uint64(length_bits)) | field) << np.uint64(tie_bits)  # ... the window and seqlen
+    if one:
+        return [(drawn, window_bits + length_bits + tie_bits)]
+    return [(drawn, window_bits), (length_fields, length_bits)]
 
 
 # NOTE [the orders, as packed keys]: fields of fixed widths, each below 2**width, laid side by side in one integer
@@ -1251,7 +1261,7 @@ def _sorted_by(ids: np.ndarray, fields: list[tuple[np.ndarray, int]]) -> np.ndar
     while fields:
         values, bits = fields.pop(0)
         keys <<= np.uint64(bits)
-        keys |= values.astype(np.uint64, copy=False)
+        keys |= values.view(f"u{values.itemsize}")  # the same bits, unsigned: no copy
     keys.sort()
     keys &= np.uint64(2**id_bits - 1)  # the ids
     return keys.astype(ids.dtype)
@@ -1382,7 +1392,7 @@ def _drawn_plan(
         plan = _lengthened(_pack(seqlens, settings, sample_ids, epoch, attempt), seqlens, reference.num_batches)
         if plan is not None:
             return plan
-    return _reshuffled(reference, epoch)
+    return _reshuffled(reference, seqlens, epoch)
 
 
 def _lengthened(plan: Plan, seqlens: np.ndarray, batches: int) -> Plan | None:
@@ -1428,27 +1438,20 @@ def _spliced(mine: np.ndarray, theirs: np.ndarray, cut: list[int], bounds: tuple
     return np.concatenate([*pieces, mine[starts[0][done] :]])
 
 
-def _reshuffled(plan: Plan, epoch: int) -> Plan:
+def _reshuffled(plan: Plan, seqlens: np.ndarray, epoch: int) -> Plan:
     """``plan``'s batches in an order drawn from (seed, ``epoch``, `_REDRAWS`), as the plan of ``epoch``: the last
     resort of NOTE [every epoch the same length]; its drops stay."""
     settings = plan.settings
     order = np.random.default_rng((settings.seed, epoch, _PLAN_STREAM, _REDRAWS)).permutation(plan.num_batches)
     ids, sizes = _reordered_batches(plan.sample_ids, plan.microbatch_sizes(), order, settings)
-    # The padded seqlens stand in for the micro-batches' longest: `_plan_arrays` takes their groups' maxima,
-    # which they already are.
-    padded = plan.padded_seqlens.reshape(-1, settings.effective_batch_size)[order].ravel()
-    fresh = _plan_arrays(ids, sizes, padded, plan.batch_tokens[order], settings)
-    fresh["batch_max_seqlens"] = plan.batch_max_seqlens[order]  # a flat row's length is no sample's
-    for array in fresh.values():
-        array.setflags(write=False)
-    return dataclasses.replace(plan, **fresh, epoch=epoch)
+    return _rebuilt(plan, ids, sizes, seqlens, epoch=epoch)
 
 
 def _rebuilt(plan: Plan, ids: np.ndarray, sizes: np.ndarray, seqlens: np.ndarray, **changes: Any) -> Plan:
     """``plan`` (of the ``seqlens``) made anew of the micro-batches of ``sizes`` samples of ``ids``, k to a batch,
     read-only as every plan, with ``changes`` to its other fields: each array follows from the micro-batches."""
     settings = plan.settings
-    fresh = _plan_arrays(ids, sizes, *_microbatch_stats(seqlens, ids, sizes, settings), settings, seqlens)
+    fresh = _plan_arrays(ids, sizes, _gathered(seqlens, ids, settings), settings)
     for array in fresh.values():
         array.setflags(write=False)
     return dataclasses.replace(plan, **fresh, **changes)
@@ -2781,7 +2784,6 @@ def _weakly(method: Callable) -> Callable:
 # micro-batch: test_both_forms_of_the_greedy_rule_pack_as_the_sample_by_sample_walk,
 # test_both_forms_pack_interleaved_blocks_as_the_row_by_row_check and test_the_fast_form_plans_as_the_plain_form
 # compare the two, over chunks of any size.
-_CHUNK = 2**16  # positions per numpy pass: temporaries stay small and in cache
 
 
 # NOTE [the greedy rule, vectorized]: `_interleaved_rows` adds a block's rows one at a time, a Python
