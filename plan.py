@@ -114,6 +114,11 @@ def _parser() -> argparse.ArgumentParser:
         ("--max-tokens", _whole, "token budget of one micro-batch (default: the config's, else 4096)"),
         ("--budget", str, "sum or padded (default: the config's, else sum)"),
         ("--order", str, "dataloader, seqlen, random or bucket (default: the config's, else dataloader)"),
+        (
+            "--packing",
+            str,
+            "greedy or best_fit (default: the config's, else best fit for flat rows in random or bucket order)",
+        ),
         ("--seed", _whole_or_zero, "seed of the random and bucket orders (default: the config's)"),
         ("--lr-scaling-method", str, "linear, sqrt or none (default: the config's, else linear)"),
         ("--lr-scaling-unit", str, "sequences or tokens (default: the config's, else sequences)"),
@@ -209,7 +214,7 @@ def _options(args: argparse.Namespace, config: dict) -> tuple[dict, dict]:
         options, lr, _ = varbatch._read_config(config)
     else:
         options, lr = {"max_tokens": 4096}, dict(varbatch._LR_DEFAULTS)
-    for key in ("max_tokens", "budget", "order", "seed"):
+    for key in ("max_tokens", "budget", "order", "packing", "seed"):
         if getattr(args, key) is not None:
             options[key] = getattr(args, key)
     if args.padding_free:
@@ -466,7 +471,8 @@ def _print_table(plan: varbatch.Plan, lr: dict, rows: list[dict], seqlens: np.nd
         mode = "regular (DDP)"
     print(
         f"plan: {len(seqlens)} samples ({source}), max_tokens={settings.max_tokens} ({settings.budget} budget), "
-        f"order {settings.order}, {k} {microbatches} per batch, epoch {plan.epoch}, {mode}\n"
+        f"order {settings.order}{', best fit' if settings.best_fit else ''}, {k} {microbatches} per batch, epoch "
+        f"{plan.epoch}, {mode}\n"
     )
     print("\n".join(_table(rows, k)))
     if len(rows) < plan.num_batches:
@@ -653,7 +659,9 @@ def _plot(args: argparse.Namespace) -> None:
         (False, "regular (DDP): each micro-batch padded to its step input's longest"),
         (True, "pipeline: same-size micro-batches, padded to their batch's longest"),
     ):
-        plan = _plan(seqlens, dataclasses.replace(settings, same_size=pipeline, same_length=pipeline), args.epoch)
+        packing = None if pipeline else settings.packing  # a pipeline packs blocks of one size: greedily
+        shape = dataclasses.replace(settings, same_size=pipeline, same_length=pipeline, packing=packing)
+        plan = _plan(seqlens, shape, args.epoch)
         panels.append((heading, plan, _with_factors(plan, lr)))
     epoch = panels[0][1].epoch
     title = (

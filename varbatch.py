@@ -667,7 +667,13 @@ def plan_batches(
             order), ``"seqlen"`` (ascending, ties by id), ``"random"`` (drawn
             from ``(seed, epoch)``) or ``"bucket"`` (random, sorted inside
             windows of samples drawn at random, batches then shuffled: random
-            with little padding). ``min_batch_size``, ``max_batch_size``: bounds on a
+            with little padding). ``packing``: ``"greedy"`` (DeepSpeed's rule: a
+            micro-batch takes the next samples while they fit) or ``"best_fit"``
+            (each sample into the open micro-batch it fills most snugly, the
+            drawn orders in windows placed longest first: full rows, new every
+            epoch; sum budget, no same_size, min_batch_size 1; NOTE [best fit]);
+            None: best fit for flat rows in the drawn orders, else greedy.
+            ``min_batch_size``, ``max_batch_size``: bounds on a
             micro-batch's samples (None or 0: none). ``same_size``: every
             micro-batch of a batch as many samples (pipelines); ``same_length``:
             every sample padded to its batch's longest (needs ``same_size`` under
@@ -677,8 +683,9 @@ def plan_batches(
             ``seed``: of ``random``/``bucket`` (None: a fixed one, never
             unseeded). ``bucket_size``: samples per window, on average; by default 512
             blocks' worth at the mean length (a block: a batch with ``same_size``, a
-            padded step input, else a micro-batch), all the samples where they are
-            fewer (a set of a few thousand: the same micro-batches every epoch);
+            padded step input, else a micro-batch; best fit: 4,096 samples), all the
+            samples where they are fewer (a set of a few thousand: the same
+            micro-batches every epoch);
             smaller, fresher micro-batches and more padding (the trade measured:
             BENCHMARKS.md). ``on_overlong``: samples
             longer than ``max_tokens`` are dropped as ``over_budget`` (``"skip"``)
@@ -1325,6 +1332,9 @@ def _bucket_window(lengths: np.ndarray, settings: _Settings) -> int:
 #   one size each; no other batch moves; nothing is dropped or added: the drops are the packing's.
 # - An epoch that packs more than C batches, or fewer with too few batches that can be cut, is drawn
 #   again, from (seed, epoch, attempt) for attempt 1, 2, ... below `_REDRAWS` (`_pack`).
+# - Under best fit (NOTE [best fit]) the micro-batches are full, so the count varies with the room the last ones
+#   leave, which the batches' tokens do not show: C is also at least the most batches of `_BEST_FIT_PROBES` other
+#   draws of epoch 0 (attempts 1, 2, ...), within the same bounds.
 # - The last resort cannot fail: epoch 0's plan (C batches; its budgets held) with its batches in an
 #   order drawn from (seed, epoch, `_REDRAWS`), and its drops (`_reshuffled`).
 # Each epoch's plan thus depends only on (seqlens, settings, seed, epoch), through epoch 0's: the same
@@ -1392,7 +1402,7 @@ def _drawn_plan(
         plan = _lengthened(_pack(seqlens, settings, sample_ids, epoch, attempt), seqlens, reference.num_batches)
         if plan is not None:
             return plan
-    return _reshuffled(reference, seqlens, epoch)
+    return _reshuffled(reference, epoch)
 
 
 def _lengthened(plan: Plan, seqlens: np.ndarray, batches: int) -> Plan | None:
@@ -1438,13 +1448,21 @@ def _spliced(mine: np.ndarray, theirs: np.ndarray, cut: list[int], bounds: tuple
     return np.concatenate([*pieces, mine[starts[0][done] :]])
 
 
-def _reshuffled(plan: Plan, seqlens: np.ndarray, epoch: int) -> Plan:
+def _reshuffled(plan: Plan, epoch: int) -> Plan:
     """``plan``'s batches in an order drawn from (seed, ``epoch``, `_REDRAWS`), as the plan of ``epoch``: the last
-    resort of NOTE [every epoch the same length]; its drops stay."""
+    resort of NOTE [every epoch the same length]; its drops stay, and each batch's arrays move with it."""
     settings = plan.settings
     order = np.random.default_rng((settings.seed, epoch, _PLAN_STREAM, _REDRAWS)).permutation(plan.num_batches)
     ids, sizes = _reordered_batches(plan.sample_ids, plan.microbatch_sizes(), order, settings)
-    return _rebuilt(plan, ids, sizes, seqlens, epoch=epoch)
+    fresh = dict(
+        sample_ids=ids,
+        microbatch_offsets=_offsets(sizes),
+        padded_seqlens=plan.padded_seqlens.reshape(-1, settings.effective_batch_size)[order].ravel(),
+        **{name: getattr(plan, name)[order] for name in ("batch_sizes", "batch_tokens", "batch_max_seqlens")},
+    )
+    for array in fresh.values():
+        array.setflags(write=False)
+    return dataclasses.replace(plan, **fresh, epoch=epoch)
 
 
 def _rebuilt(plan: Plan, ids: np.ndarray, sizes: np.ndarray, seqlens: np.ndarray, **changes: Any) -> Plan:
@@ -4518,6 +4536,7 @@ _PLAN_KEYS = {
     "max_batch_size": "max_batch_size",
     "sequence_picking_order": "order",
     "sentence_picking_order": "order",
+    "packing": "packing",
     "seed": "seed",
     "budget": "budget",
     "bucket_size": "bucket_size",
