@@ -346,6 +346,9 @@ def plan_cases(draw, orders=("dataloader", "seqlen"), max_n=40, max_len=20):
     step_inputs = draw(st.integers(1, 3))  # per batch: accumulation steps x ranks
     num_replicas = draw(st.sampled_from([r for r in (1, 2, 3) if step_inputs % r == 0]))
     min_bs = draw(st.integers(1, 3))
+    packing = draw(st.sampled_from([None, "greedy", "best_fit"]))
+    if packing == "best_fit":  # where best fit applies (NOTE [best fit])
+        budget, same_size, min_bs = "sum", False, 1
     max_bs = draw(st.one_of(st.none(), st.integers(min_bs, 8)))
     sample_ids = None
     if draw(st.booleans()):
@@ -358,6 +361,7 @@ def plan_cases(draw, orders=("dataloader", "seqlen"), max_n=40, max_len=20):
         num_replicas=num_replicas,
         budget=budget,
         order=draw(st.sampled_from(orders)),
+        packing=packing,
         min_batch_size=min_bs,
         max_batch_size=max_bs,
         sample_ids=sample_ids,
@@ -379,6 +383,7 @@ def _case(seqlens, max_tokens, **options):
         num_replicas=1,
         budget="sum",
         order="dataloader",
+        packing=None,
         min_batch_size=1,
         max_batch_size=None,
         sample_ids=None,
@@ -633,7 +638,8 @@ def _in_form(form, chunk, **case):
         patch.setattr(varbatch, "_CHUNK", chunk)
         patch.setattr(varbatch, "_pack_rows_fast", counted)
         plan = _plan_or_none(case)
-    assert plan is None or bool(ran) == (form == "fast"), f"the {form} form asked for; the fast one ran: {ran}"
+    greedy = plan is not None and not plan.settings.best_fit  # best fit has one form (section 4b)
+    assert not greedy or bool(ran) == (form == "fast"), f"the {form} form asked for; the fast one ran: {ran}"
     return plan
 
 
@@ -1524,6 +1530,7 @@ def _oracle_plan(
     sample_ids=None,
     same_size=False,
     same_length=False,
+    packing=None,
 ):
     """The plan, computed slowly and obviously from DESIGN.md's semantics (dataloader and seqlen orders).
 
@@ -1545,7 +1552,10 @@ def _oracle_plan(
     if order == "seqlen":
         todo = sorted(todo, key=lambda i: (seqlens[i], i))  # ties by id, as DeepSpeed's sort of (len, id)
     cap = max_batch_size or len(todo)
-    units, too_small, pos = _oracle_blocks(todo, seqlens, max_tokens, width, group, budget, min_batch_size, cap)
+    if packing == "best_fit":  # one micro-batch to a block (section 4b)
+        units, too_small, pos = [[mb] for mb in _oracle_best_fit(todo, seqlens, max_tokens, cap)], [], len(todo)
+    else:
+        units, too_small, pos = _oracle_blocks(todo, seqlens, max_tokens, width, group, budget, min_batch_size, cap)
     tail = todo[pos:]
     per_batch = k // width
     full = len(units) - len(units) % per_batch
@@ -1950,6 +1960,187 @@ def test_drop_log_lines_are_bounded(caplog):
         list(VariableBatchSampler([1] * 10 + [50] * 1000, 10))
     (line,) = _messages(caplog, "dropped")
     assert "1000 samples" in line and len(line) < 200, line
+
+
+# =============================================================================
+# 4b. Full rows: best fit, fresh every epoch (DESIGN.md, item 13)
+# =============================================================================
+# Best fit (NOTE [best fit]) is drawn by the shared strategy `plan_cases`, so the properties of sections 1-4 (budgets
+# and bounds, nothing lost, equal epochs, the tail that moves, the oracle) check it too; `balance_cases` draws it
+# through flat rows. Here: its placement against a slow oracle, its fill against best-fit decreasing, its freshness,
+# where it is the default, and what it refuses.
+
+
+def _oracle_best_fit(todo, seqlens, max_tokens, cap, most_open=None):
+    """The micro-batches best fit makes of the ids ``todo`` in that order, slowly, as NOTE [best fit] says: each
+    sample joins the open micro-batch of least room (max_tokens less its seqlens) that holds it, the first opened
+    among equals, else a new one; a micro-batch closes when no sample of ``todo`` fits its room or it holds ``cap``
+    samples, and where more than ``most_open`` are open, the one of least room closes. Returns the closed ones in
+    the order they closed, then the open ones in the order they opened."""
+    most_open = most_open or varbatch._BEST_FIT_WINDOW
+    shortest = min((seqlens[i] for i in todo), default=0)
+    opened, closed = [], []  # opened: the open micro-batches, in the order they opened
+
+    def room(microbatch):
+        return max_tokens - sum(seqlens[i] for i in microbatch)
+
+    for i in todo:
+        holding = [microbatch for microbatch in opened if room(microbatch) >= seqlens[i]]
+        if holding:
+            target = min(holding, key=room)  # min keeps the first of equals: the first opened
+        else:
+            target = []
+            opened.append(target)
+        target.append(i)
+        if room(target) < shortest or len(target) == cap:
+            opened.remove(target)
+            closed.append(target)
+        elif len(opened) > most_open:
+            fullest = min(opened, key=room)
+            opened.remove(fullest)
+            closed.append(fullest)
+    return closed + opened
+
+
+@given(
+    seqlens=st.lists(st.integers(1, 20), min_size=1, max_size=60),
+    max_tokens=st.integers(20, 60),
+    max_batch_size=st.none() | st.integers(1, 8),
+    most_open=st.integers(1, 4),
+    order=st.sampled_from(["dataloader", "seqlen"]),
+)
+@example(seqlens=[6, 6, 3, 3], max_tokens=9, max_batch_size=None, most_open=1, order="dataloader")  # the fullest closes
+def test_best_fit_places_every_sample_where_the_slow_oracle_does(seqlens, max_tokens, max_batch_size, most_open, order):
+    """With any bound on the micro-batches open and on their samples, one micro-batch to a batch: the plan is the
+    oracle's micro-batches, in the order they close."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(varbatch, "_BEST_FIT_WINDOW", most_open)
+        plan = plan_batches(seqlens, max_tokens, order=order, packing="best_fit", max_batch_size=max_batch_size)
+    todo = sorted(range(len(seqlens)), key=lambda i: (seqlens[i], i) if order == "seqlen" else i)
+    cap = max_batch_size or len(todo)
+    assert plan.microbatches() == _oracle_best_fit(todo, seqlens, max_tokens, cap, most_open)
+    assert plan.num_dropped == 0
+
+
+def _best_fit_decreasing_rows(seqlens, max_tokens):
+    """The rows best-fit decreasing makes of the whole set, once (TRL's packing), slowly: the longest sample first,
+    each into the row of least room that holds it, else a new row."""
+    rooms = []
+    for length in sorted(seqlens, reverse=True):
+        holding = [row for row, room in enumerate(rooms) if room >= length]
+        if holding:
+            rooms[min(holding, key=rooms.__getitem__)] -= length
+        else:
+            rooms.append(max_tokens - length)
+    return len(rooms)
+
+
+def _length_set(name, n=2_000):
+    """``n`` seqlens of a named distribution: SFT-like (lognormal, median ~400, clipped to 8..4096), uniform 10..499,
+    or sets whose rows best fit fills by pairing long samples (mostly short with long ones; uniform up to a row)."""
+    rng = np.random.default_rng(1)
+    if name == "lognormal":
+        return np.clip(np.round(rng.lognormal(np.log(400), 0.9, n)), 8, 4096).astype(np.int64).tolist()
+    if name == "uniform":
+        return rng.integers(10, 500, n).tolist()
+    if name == "bimodal":
+        return np.where(rng.random(n) < 0.7, rng.integers(20, 200, n), rng.integers(1500, 3000, n)).tolist()
+    return rng.integers(1, 4097, n).tolist()  # "up to a row"
+
+
+@pytest.mark.parametrize("order", ["random", "bucket"])
+@pytest.mark.parametrize("max_tokens", [4096, 16384])
+@pytest.mark.parametrize("lengths", ["lognormal", "uniform", "bimodal", "up to a row"])
+def test_best_fit_rows_come_within_a_point_of_best_fit_decreasing(lengths, max_tokens, order):
+    """Flat rows of 2,000 samples (best fit by default): every epoch's real tokens / (rows x max_tokens) is within one
+    point of what best-fit decreasing reaches over the whole set, and more than the greedy rule's."""
+    seqlens = _length_set(lengths)
+    limit = sum(seqlens) / (_best_fit_decreasing_rows(seqlens, max_tokens) * max_tokens)
+    greedy = plan_batches(seqlens, max_tokens, order=order, padding_free=True, packing="greedy")
+    sampler = VariableBatchSampler(seqlens, max_tokens, order=order, padding_free=True, num_replicas=1, rank=0)
+    for epoch in range(3):
+        sampler.set_epoch(epoch)
+        plan = sampler.plan
+        fill = plan.batch_tokens.sum() / (plan.num_microbatches * max_tokens)
+        assert fill >= limit - 0.01, f"epoch {epoch}: {fill:.2%} against best-fit decreasing's {limit:.2%}"
+        assert fill >= greedy.batch_tokens.sum() / (greedy.num_microbatches * max_tokens)
+
+
+def _pairs_again(first, second, num_samples):
+    """Of the pairs of samples that share a micro-batch in plan ``first``, the share that share one in ``second``."""
+    where = np.full(num_samples, -1)
+    where[second.sample_ids] = np.repeat(np.arange(second.num_microbatches), second.microbatch_sizes())
+    again = total = 0
+    for microbatch in first.microbatches():
+        mates = collections.Counter(where[microbatch].tolist())
+        again += sum(n * (n - 1) // 2 for mate, n in mates.items() if mate >= 0)
+        total += len(microbatch) * (len(microbatch) - 1) // 2
+    return again / total
+
+
+@pytest.mark.parametrize("order", ["random", "bucket"])
+@pytest.mark.parametrize(("lengths", "max_tokens"), [("lognormal", 4096), ("uniform", 16384)])
+def test_best_fit_rows_are_new_every_epoch(lengths, max_tokens, order):
+    """100,000 samples in flat rows: at most 5% of the pairs that share a row in one epoch share one in the next."""
+    seqlens = _length_set(lengths, 100_000)
+    options = dict(order=order, padding_free=True, packing="best_fit", num_replicas=1, rank=0)
+    sampler = VariableBatchSampler(seqlens, max_tokens, **options)
+    first = sampler.plan
+    sampler.set_epoch(1)
+    assert _pairs_again(first, sampler.plan, len(seqlens)) <= 0.05
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_best_fit_is_the_default_for_flat_rows_in_the_drawn_orders_only(order):
+    """packing=None packs by best fit the flat rows of the random and bucket orders; it keeps the greedy rule in the
+    orders DeepSpeed has (their plans are DeepSpeed's), for padded tensors, and where best fit cannot apply (blocks of
+    one size, a lower bound on a micro-batch's samples)."""
+    seqlens = _lengths(300, 1, 40, seed=7)
+    for options in (
+        dict(padding_free=True),
+        dict(),
+        dict(budget="padded"),
+        dict(padding_free=True, same_size=True, effective_batch_size=2),
+        dict(padding_free=True, min_batch_size=2),
+    ):
+        plan = plan_batches(seqlens, 64, order=order, epoch=1, **options)
+        best_fit = order in ("random", "bucket") and options == dict(padding_free=True)
+        greedy = plan_batches(seqlens, 64, order=order, epoch=1, packing="greedy", **options)
+        assert (_plan_arrays(plan) == _plan_arrays(greedy)) != best_fit, options
+        if best_fit:
+            assert _plan_arrays(plan) == _plan_arrays(
+                plan_batches(seqlens, 64, order=order, epoch=1, packing="best_fit", **options)
+            )
+
+
+@pytest.mark.parametrize(
+    ("options", "names"),
+    [
+        (dict(packing="best"), "packing='best' (did you mean 'best_fit'?)"),
+        (dict(packing=1), "packing=1"),
+        (dict(packing="best_fit", budget="padded"), "budget='padded'"),
+        (dict(packing="best_fit", same_size=True, effective_batch_size=2), "same_size=True"),
+        (dict(packing="best_fit", min_batch_size=2), "min_batch_size=2"),
+    ],
+    ids=["unknown", "not a string", "padded budget", "same size", "min_batch_size"],
+)
+def test_a_packing_that_cannot_be_followed_is_refused_naming_it(options, names):
+    """A packing varbatch does not know, or best fit where it cannot apply, is a ValueError naming the value and the
+    setting that fixes it."""
+    with pytest.raises(ValueError, match=re.escape(names)):
+        plan_batches([3, 5, 2, 6], 8, **options)
+
+
+def test_the_config_and_the_plan_command_choose_the_packing():
+    """The section's packing key and plan.py's --packing reach the plan; the section refuses a bad one by its path."""
+    section = dict(packing="greedy", padding_free=True, sequence_picking_order="random")
+    plan_options, _, _ = varbatch._read_config(_glue_config(**section))
+    assert plan_options["packing"] == "greedy" and not varbatch._Settings.of(**plan_options).best_fit
+    with pytest.raises(ValueError, match=re.escape("dynamic_batching: packing='best_fit' needs budget='sum'")):
+        varbatch._read_config(_glue_config(packing="best_fit", budget="padded"))
+    for packing, header in (("best_fit", "order random, best fit,"), ("greedy", "order random, 1 micro-batch")):
+        code, out, err = _cli("--padding-free", "--order", "random", "--packing", packing)
+        assert code == 0 and header in out.splitlines()[0], (err, out)
 
 
 # =============================================================================
