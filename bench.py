@@ -40,6 +40,12 @@ a shared machine):
    `BatchRebalanceSampler`; the LR factor's range; a real run of 2 CPU ranks
    (gloo) timing each rank's wait in the all-reduce with and without; the
    plan time with and without balancing at 1M lengths.
+8. Full rows: flat rows' fill (real tokens / (rows x max_tokens)) of varbatch's
+   greedy rule and best fit, beside TRL's best-fit decreasing over the whole set
+   and a fixed B, on SFT-like and uniform lengths at max_tokens 4,096 and
+   16,384, N = 2,000, 100k and 1M, and on other length distributions: fill,
+   rows, plan time per epoch, pairs that share a row again next epoch, and the
+   memory each adds at 1M.
 
 Usage:
     python bench.py                 # full run, markdown tables on stdout (minutes)
@@ -54,7 +60,8 @@ out; matplotlib is imported only by --plot (``pip install matplotlib``). The
 peers of section 6 are optional dependencies of the benchmark alone (varbatch
 and its tests never import them): lhotse (``pip install lhotse``) and
 transformers (in requirements-dev.txt, for the README's recipes) each add a row,
-and where one is missing the section says so and leaves its row out.
+and where one is missing the section says so and leaves its row out. TRL
+(``pip install trl``) is section 8's, alike.
 """
 
 from __future__ import annotations
@@ -107,7 +114,7 @@ PAD_QUICK_N = 20_000  # --quick: the long-tailed set's size
 ORDERS = typing.get_args(varbatch._Order)
 BUDGETS = typing.get_args(varbatch._Budget)
 
-SECTIONS = ("speed", "modes", "padding", "epochs", "training", "memory", "datapath", "peers", "balance")
+SECTIONS = ("speed", "modes", "padding", "epochs", "training", "memory", "datapath", "peers", "balance", "rows")
 
 
 # =============================================================================
@@ -1719,9 +1726,9 @@ def bench_training(quick: bool, results: dict) -> str:
 # is the fallback elsewhere; on Linux a child's ru_maxrss also counts the
 # parent's peak at the time of exec, i.e. the bench's.)
 
-MEMORY_TARGET_BYTES = 40  # per sample, added by planning one epoch: the one numpy form of each step (issue 36)
+MEMORY_TARGET_BYTES = 24  # per sample, added by planning one epoch: the lengths read once, as int32
 MEMORY_FAR_N = 100_000_000  # the 100M extrapolation, and the full run's one plan of that many lengths
-MEMORY_FAR_SECONDS = 10.0
+MEMORY_FAR_SECONDS = 15.0
 MEMORY_QUICK_N = 100_000  # --quick: both modes at this N, in one process
 MEMORY_LENGTHS_CHUNK = 10_000_000  # lengths are drawn in chunks of this many (a float64 temporary each)
 
@@ -1766,9 +1773,12 @@ def _reset_peak() -> bool:
 
 
 def _job_seqlens(kind: str, num_samples: int) -> np.ndarray:
-    """The lengths of a memory job: 'uniform' (item 1's) or 'long-tailed' (item 2's), drawn in chunks."""
+    """The lengths of a memory job: 'uniform' (item 1's), 'sft' (8's) or 'long-tailed' (item 2's, drawn in
+    chunks)."""
     if kind == "uniform":
         return uniform_seqlens(num_samples)
+    if kind == "sft":  # 8's
+        return sft_seqlens(num_samples)
     if num_samples <= MEMORY_LENGTHS_CHUNK:
         return long_tailed_seqlens(num_samples)
     seqlens = np.empty(num_samples, dtype=np.int64)
@@ -1824,7 +1834,7 @@ def _peak_job(job: dict) -> dict:
     if job["what"] == "plan":
         inputs = None
     else:
-        peer = PEERS[job["what"]]
+        peer = {**PEERS, **ROWS_PEERS}[job["what"]]
         inputs = peer.prepare(seqlens, job["max_tokens"])
     first_touch = _first_touch(job["first_touch_bytes"]) if job.get("first_touch_bytes") else None
     rss_before = _proc_status("VmRSS")
@@ -2765,6 +2775,427 @@ def _balance_targets(results: dict) -> list[list]:
 
 
 # =============================================================================
+# 8. Full rows: best fit beside best-fit decreasing (TRL) and the greedy rule
+# =============================================================================
+# A flat row (padding_free) has room for max_tokens tokens: fill = real tokens / (rows x max_tokens). Side by side on
+# the same lengths: varbatch's greedy rule and its best fit (NOTE [best fit] in varbatch.py), in the random and bucket
+# orders; TRL's best-fit decreasing over the whole set (`trl.pack_dataset(strategy="bfd")`, a bench extra imported in
+# its functions: its rows are packed once, the same every epoch); and a fixed B (`BatchSampler(RandomSampler)`, B =
+# max_tokens // mean length, each batch one row as it comes, some over the budget). The sum budget's micro-batches are
+# the flat rows' (packing="best_fit" packs both alike: checked here), so one fill stands for both.
+
+ROWS_SIZES = (2000, 100_000, 1_000_000)
+ROWS_QUICK_SIZES = (2000,)
+ROWS_MAX_TOKENS = (4096, 16384)
+ROWS_ORDERS = ("random", "bucket")
+ROWS_OTHER_SIZES = (2000, 100_000)  # the other length distributions
+ROWS_MEMORY_N = 1_000_000
+ROWS_FILL_POINTS = {2000: 1.0}  # best fit's fill within this many points of TRL's (0.5 from 100,000)
+ROWS_AGAIN_SHARE = 0.05  # pairs sharing a row again next epoch, from 100,000 samples
+ROWS_EPOCH_SECONDS = 1.5  # best fit's plan of one epoch of 1M samples
+
+
+def sft_seqlens(num_samples: int, seed: int = 0) -> np.ndarray:
+    """SFT-like lengths: lognormal with median 400 (sigma 0.9), rounded and clipped to 8..4096 (mean ~590)."""
+    rng = np.random.default_rng(seed)
+    return np.clip(np.round(rng.lognormal(math.log(400), 0.9, num_samples)), 8, 4096).astype(np.int64)
+
+
+def _rows_seqlens(name: str, num_samples: int) -> np.ndarray:
+    """The lengths of 8: the SFT-like set, item 1's uniform set, and others whose rows best-fit decreasing fills by
+    pairing long samples, or cannot fill (near the budget)."""
+    rng = np.random.default_rng(1)
+    if name == "SFT-like (lognormal, median 400)":
+        return sft_seqlens(num_samples)
+    if name == "uniform 10..499":
+        return uniform_seqlens(num_samples)
+    if name == "lognormal, median 300, sigma 1.4":
+        return np.clip(np.round(rng.lognormal(math.log(300), 1.4, num_samples)), 1, 4096).astype(np.int64)
+    if name == "70% 20..199, 30% 1500..2999":
+        return np.where(
+            rng.random(num_samples) < 0.7, rng.integers(20, 200, num_samples), rng.integers(1500, 3000, num_samples)
+        )
+    if name == "Pareto (alpha 1.2, from 30)":
+        return np.clip((rng.pareto(1.2, num_samples) + 1) * 30, 1, 4096).astype(np.int64)
+    if name == "uniform 1..4096":
+        return rng.integers(1, 4097, num_samples)
+    return rng.integers(1500, 4000, num_samples)  # "uniform 1500..3999": near the budget
+
+
+ROWS_SETS = ("SFT-like (lognormal, median 400)", "uniform 10..499")
+ROWS_OTHER = (
+    "lognormal, median 300, sigma 1.4",
+    "70% 20..199, 30% 1500..2999",
+    "Pareto (alpha 1.2, from 30)",
+    "uniform 1..4096",
+    "uniform 1500..3999",
+)
+
+
+def _trl_dataset(seqlens: np.ndarray):
+    """A `datasets.Dataset` of one list column with the samples' lengths and no token bytes (arrow's null values):
+    what TRL's packing reads, with nothing to copy but the rows."""
+    import datasets
+    import pyarrow as pa
+
+    offsets = np.zeros(len(seqlens) + 1, np.int64)
+    np.cumsum(seqlens, out=offsets[1:])
+    column = pa.LargeListArray.from_arrays(pa.array(offsets), pa.nulls(int(offsets[-1])))
+    return datasets.Dataset(pa.table({"input_ids": column}))
+
+
+def _trl_bfd(dataset, max_tokens: int):
+    """TRL's best-fit decreasing over the whole dataset at once (one map batch): the packed dataset, a row each."""
+    import datasets
+    from trl import pack_dataset
+
+    datasets.disable_progress_bars()
+    return pack_dataset(dataset, max_tokens, strategy="bfd", map_kwargs={"batch_size": None})
+
+
+def _trl_rows(seqlens: np.ndarray, max_tokens: int) -> dict | str:
+    """TRL's rows of ``seqlens`` (the dataset built beforehand, not timed): fill, rows and the packing's seconds,
+    or why not measured."""
+    missing = _missing("trl")
+    if missing:
+        return missing
+    dataset = _trl_dataset(seqlens)
+    start = time.perf_counter()
+    packed = _trl_bfd(dataset, max_tokens)
+    seconds = time.perf_counter() - start
+    tokens = int(np.asarray(packed.data.column("seq_lengths").combine_chunks().flatten()).sum())
+    assert tokens == int(seqlens.sum()), "TRL's rows lost tokens"  # none of these samples is longer than a row
+    return dict(fill=tokens / (len(packed) * max_tokens), rows=len(packed), seconds=seconds)
+
+
+def _varbatch_rows(seqlens: np.ndarray, max_tokens: int, order: str, packing: str) -> dict:
+    """A flat-row sampler's fill and rows (epoch 1), the seconds of its first plan (epoch 0's, which fixes every
+    epoch's length) and of the slower of epochs 1 and 2, and the share of pairs sharing a row in epochs 0 and 1."""
+    options = dict(order=order, packing=packing, padding_free=True, num_replicas=1, rank=0)
+    start = time.perf_counter()
+    sampler = varbatch.VariableBatchSampler(seqlens, max_tokens, **options)
+    plans = [sampler.plan]
+    first = time.perf_counter() - start
+    seconds = []
+    for epoch in (1, 2):
+        start = time.perf_counter()
+        sampler.set_epoch(epoch)
+        plans.append(sampler.plan)
+        seconds.append(time.perf_counter() - start)
+    again = _repeat_share(*(_plan_microbatch_of(plan, len(seqlens)) for plan in plans[:2]))["share"]
+    fill = int(plans[1].batch_tokens.sum()) / (plans[1].num_microbatches * max_tokens)
+    return dict(fill=fill, rows=plans[1].num_microbatches, first=first, epoch=max(seconds), again=again)
+
+
+def _fixed_rows(seqlens: np.ndarray, max_tokens: int) -> dict:
+    """A fixed B's rows (B = max_tokens // mean length): fill, rows, the share over the budget, one epoch's
+    seconds (drained), and pairs sharing a row in two epochs."""
+    batch_size = _plain_batch_size(seqlens, max_tokens)
+    start = time.perf_counter()
+    _plain_epoch(len(seqlens), batch_size)
+    seconds = time.perf_counter() - start
+    sizes = np.diff(np.append(np.arange(0, len(seqlens), batch_size), len(seqlens)))
+    epochs = [np.random.default_rng(epoch).permutation(len(seqlens)) for epoch in (0, 1)]
+    tokens = np.add.reduceat(seqlens[epochs[0]], np.arange(0, len(seqlens), batch_size))
+    again = _repeat_share(*(_microbatch_of(len(seqlens), ids, sizes) for ids in epochs))["share"]
+    fill = int(seqlens.sum()) / (len(sizes) * max_tokens)
+    return dict(fill=fill, rows=len(sizes), over=float(np.mean(tokens > max_tokens)), epoch=seconds, again=again)
+
+
+def _rows_cell(seqlens: np.ndarray, max_tokens: int, fixed: bool = True) -> dict:
+    """Every arm on one set of lengths at one max_tokens: the varbatch samplers by (packing, order), TRL's rows (or
+    why not), and the fixed B."""
+    cell = {}
+    for packing in ("greedy", "best_fit"):
+        for order in ROWS_ORDERS:
+            _progress(f"rows: varbatch {packing}, {order}, N={_fmt_n(len(seqlens))}, max_tokens={max_tokens}")
+            cell[packing, order] = _varbatch_rows(seqlens, max_tokens, order, packing)
+    _progress(f"rows: TRL's best-fit decreasing, N={_fmt_n(len(seqlens))}, max_tokens={max_tokens}")
+    cell["trl"] = _trl_rows(seqlens, max_tokens)
+    if fixed:
+        cell["fixed"] = _fixed_rows(seqlens, max_tokens)
+    return cell
+
+
+def _sum_budget_packs_as_flat_rows(seqlens: np.ndarray, max_tokens: int) -> bool:
+    """Whether packing="best_fit" packs the sum budget's micro-batches as its flat rows, in both drawn orders."""
+    for order in ROWS_ORDERS:
+        plans = [
+            varbatch.plan_batches(seqlens, max_tokens, order=order, packing="best_fit", padding_free=flat)
+            for flat in (False, True)
+        ]
+        same = [
+            np.array_equal(getattr(plans[0], name), getattr(plans[1], name))
+            for name in ("sample_ids", "microbatch_offsets")
+        ]
+        if not all(same):
+            return False
+    return True
+
+
+def _pct(share: float) -> str:
+    return f"{100 * share:.2f}%"
+
+
+def _trl_cell(trl: dict | str, key: str, format: typing.Callable = _pct) -> str:
+    return "-" if isinstance(trl, str) else format(trl[key])
+
+
+def _rows_fill_row(name: str, max_tokens: int, n: int, cell: dict) -> list:
+    fixed = cell["fixed"]
+    rows = [cell[packing, "random"]["rows"] for packing in ("greedy", "best_fit")]
+    return [
+        name,
+        f"{max_tokens:,}",
+        _fmt_n(n),
+        *(_pct(cell[packing, order]["fill"]) for packing in ("greedy", "best_fit") for order in ROWS_ORDERS),
+        _trl_cell(cell["trl"], "fill"),
+        f"{_pct(fixed['fill'])} ({_pct(fixed['over'])} over)",
+        " / ".join(
+            f"{r:,}" for r in [*rows, *([] if isinstance(cell["trl"], str) else [cell["trl"]["rows"]]), fixed["rows"]]
+        ),
+    ]
+
+
+def _rows_time_row(name: str, max_tokens: int, n: int, cell: dict) -> list:
+    arms = [("greedy", "random"), ("best_fit", "random"), ("best_fit", "bucket")]
+    return [
+        name,
+        f"{max_tokens:,}",
+        _fmt_n(n),
+        *(_fmt_time(cell[arm]["epoch"]) for arm in arms),
+        _fmt_time(cell["best_fit", "random"]["first"]),
+        _trl_cell(cell["trl"], "seconds", _fmt_time),
+        _fmt_time(cell["fixed"]["epoch"]),
+        *(_fmt_share(cell[arm]["again"]) for arm in arms),
+        "-" if isinstance(cell["trl"], str) else "100% (the same rows)",
+        _fmt_share(cell["fixed"]["again"]),
+    ]
+
+
+ROWS_PEERS = {  # the packers whose memory 8 measures beside varbatch's plans (as 4 and 6 do, in a fresh process)
+    "trl": _Peer(
+        "TRL pack_dataset(strategy='bfd')",
+        "trl",
+        lambda seqlens, max_tokens: (_trl_dataset(seqlens), max_tokens),
+        lambda inputs: _trl_bfd(*inputs),
+        lambda packed, epoch: range(len(packed)),  # its rows, packed once
+        list,
+    ),
+}
+
+
+def _rows_memory(results: dict) -> list[list]:
+    """What planning (or packing) adds to the peak RSS per sample, each arm in a fresh process, at 1M SFT-like
+    lengths and max_tokens 4,096."""
+    arms = [
+        (
+            "varbatch greedy, random",
+            dict(what="plan", kwargs=dict(order="random", packing="greedy", padding_free=True)),
+        ),
+        ("varbatch best fit, random", dict(what="plan", kwargs=dict(order="random", padding_free=True))),
+        ("TRL best-fit decreasing", dict(what="trl")),
+        ("fixed B (BatchSampler), one epoch", dict(what="plain")),
+    ]
+    rows = []
+    for name, job in arms:
+        if job["what"] == "trl" and _missing("trl"):
+            continue
+        _progress(f"rows: peak memory of {name}, N={_fmt_n(ROWS_MEMORY_N)}, in a subprocess")
+        r = _run_peak_job(dict(job, lengths="sft", n=ROWS_MEMORY_N, max_tokens=ROWS_MAX_TOKENS[0]))
+        if isinstance(r, str):
+            rows.append([name, r, "-", "-", "-"])
+            continue
+        per_sample = None if r["adds"] is None else r["adds"] / ROWS_MEMORY_N
+        results.setdefault("rows_memory", {})[name] = per_sample
+        rows.append(
+            [
+                name,
+                _fmt_time(r["seconds"]),
+                _mib(r["inputs"]),
+                _mib(r["adds"]),
+                "-" if per_sample is None else f"{per_sample:.1f}",
+            ]
+        )
+    return rows
+
+
+def _rows_other_row(name: str, max_tokens: int, n: int, cell: dict) -> list:
+    return [
+        name,
+        f"{max_tokens:,}",
+        _fmt_n(n),
+        _pct(cell["greedy", "random"]["fill"]),
+        *(_pct(cell["best_fit", order]["fill"]) for order in ROWS_ORDERS),
+        _trl_cell(cell["trl"], "fill"),
+        _fmt_share(cell["best_fit", "random"]["again"]),
+    ]
+
+
+def bench_rows(quick: bool, results: dict) -> str:
+    """Flat rows' fill, time, freshness and memory: varbatch's greedy rule and best fit, TRL's best-fit decreasing
+    and a fixed B, side by side."""
+    sizes = ROWS_QUICK_SIZES if quick else ROWS_SIZES
+    fill_rows, time_rows, other_rows = [], [], []
+    for name in ROWS_SETS:
+        for max_tokens in ROWS_MAX_TOKENS:
+            for n in sizes:
+                cell = _rows_cell(_rows_seqlens(name, n), max_tokens)
+                results.setdefault("rows", {})[name, max_tokens, n] = cell
+                fill_rows.append(_rows_fill_row(name, max_tokens, n, cell))
+                time_rows.append(_rows_time_row(name, max_tokens, n, cell))
+    for name in ROWS_OTHER:
+        for max_tokens in ROWS_MAX_TOKENS:
+            for n in sizes[:1] if quick else ROWS_OTHER_SIZES:
+                cell = _rows_cell(_rows_seqlens(name, n), max_tokens, fixed=False)
+                results.setdefault("rows", {})[name, max_tokens, n] = cell
+                other_rows.append(_rows_other_row(name, max_tokens, n, cell))
+    alike = all(
+        _sum_budget_packs_as_flat_rows(_rows_seqlens(name, sizes[-1] if quick else ROWS_OTHER_SIZES[-1]), max_tokens)
+        for name in ROWS_SETS
+        for max_tokens in ROWS_MAX_TOKENS
+    )
+    results["rows_sum_budget_alike"] = alike
+    trl = _missing("trl")
+    out = ["## 8. Full rows: best fit beside best-fit decreasing (TRL) and the greedy rule", ""]
+    out.append(
+        "Flat rows (`padding_free=True`, one micro-batch per step input): fill = real tokens / (rows x max_tokens). "
+        "varbatch's samplers (`VariableBatchSampler(..., packing=, order=, padding_free=True)`, one rank) plan "
+        "epochs 0, 1 and 2; fill and rows are epoch 1's. TRL: `trl.pack_dataset(dataset, max_tokens, "
+        "strategy='bfd', map_kwargs={'batch_size': None})`, best-fit decreasing over the whole set at once, on a "
+        "dataset of one list column per sample with no token bytes (arrow nulls; built beforehand, not timed): the "
+        "same rows every epoch. Fixed B: B = max_tokens // mean length, each batch one row (the share of rows over "
+        "max_tokens in brackets). The sum budget's micro-batches (packing='best_fit', padded tensors) are the flat "
+        f"rows' in every drawn order and set: {'checked, the same' if alike else '**they differ**'}."
+        + (f" {trl}." if trl else f" trl {_package_version('trl')}.")
+    )
+    headers = ["lengths", "max_tokens", "N", "greedy, random", "greedy, bucket", "best fit, random", "best fit, bucket"]
+    out += ["", "### 8a. Fill", ""]
+    out.append(
+        _table([*headers, "TRL best-fit decreasing", "fixed B", "rows: greedy / best fit / TRL / fixed B"], fill_rows)
+    )
+    out += ["", "### 8b. Plan time per epoch and pairs that share a row again next epoch", ""]
+    out.append(
+        "Per epoch: the slower of epochs 1 and 2 (`set_epoch(e)` then `sampler.plan`); first plan: building the "
+        "sampler and epoch 0's plan, which fixes every epoch's length (best fit packs epoch 0 twice more for it); "
+        "TRL: its one packing; fixed B: one epoch drained. Pairs: of the pairs of samples sharing a row in epoch 0, "
+        "the share sharing one in epoch 1 (as in 2d)."
+    )
+    out.append("")
+    out.append(
+        _table(
+            [
+                "lengths",
+                "max_tokens",
+                "N",
+                "per epoch: greedy, random",
+                "best fit, random",
+                "best fit, bucket",
+                "first plan: best fit, random",
+                "TRL, once",
+                "fixed B epoch",
+                "pairs again: greedy, random",
+                "best fit, random",
+                "best fit, bucket",
+                "TRL",
+                "fixed B",
+            ],
+            time_rows,
+        )
+    )
+    out += ["", "### 8c. Other length distributions", ""]
+    out.append(
+        "The same arms but the fixed B on sets a distribution's own limit bounds (what best-fit decreasing reaches: "
+        "near-budget samples cannot fill 99%), or where best-fit decreasing fills by pairing long samples."
+    )
+    out.append("")
+    out.append(
+        _table(
+            [
+                "lengths",
+                "max_tokens",
+                "N",
+                "greedy, random",
+                "best fit, random",
+                "best fit, bucket",
+                "TRL best-fit decreasing",
+                "pairs again: best fit, random",
+            ],
+            other_rows,
+        )
+    )
+    if not quick:
+        out += ["", f"### 8d. Memory, {_fmt_n(ROWS_MEMORY_N)} SFT-like lengths, max_tokens {ROWS_MAX_TOKENS[0]:,}", ""]
+        out.append(
+            "Each arm in a fresh process, as in 4: the inputs' RSS (varbatch: the lengths; TRL: its dataset; fixed B: "
+            "none), then what the first plan (varbatch: epoch 0's, its count probes included), the packing (TRL) or "
+            "one epoch drained (fixed B) adds to the peak RSS."
+        )
+        out.append("")
+        out.append(_table(["arm", "time", "inputs' RSS", "adds", "bytes per sample"], _rows_memory(results)))
+    return "\n".join(out)
+
+
+def _rows_targets(results: dict) -> list[list]:
+    """8's rows: best fit's fill beside TRL's, its pairs again, its plan time per epoch."""
+    cells = {key: cell for key, cell in results.get("rows", {}).items() if not isinstance(cell["trl"], str)}
+    rows = []
+    for small in (True, False):
+        points = ROWS_FILL_POINTS[2000] if small else 0.5
+        gaps = [
+            (
+                100 * (cell["trl"]["fill"] - cell["best_fit", order]["fill"]),
+                f"{name}, {max_tokens:,}, {order}, N={_fmt_n(n)}",
+            )
+            for (name, max_tokens, n), cell in cells.items()
+            if (n < 100_000) == small
+            for order in ROWS_ORDERS
+        ]
+        if gaps:
+            worst = max(gaps)
+            label = "N = 2,000" if small else "N >= 100,000"
+            rows.append(
+                [
+                    f"best fit's fill within {points:g} point of TRL's best-fit decreasing, {label} (every set, max_tokens, drawn order)",
+                    f"{worst[0]:.2f} points below at worst ({worst[1]})",
+                    _check(worst[0] <= points),
+                ]
+            )
+    again = [
+        (cell["best_fit", order]["again"], f"{name}, {max_tokens:,}, {order}, N={_fmt_n(n)}")
+        for (name, max_tokens, n), cell in results.get("rows", {}).items()
+        if n >= 100_000
+        for order in ROWS_ORDERS
+    ]
+    if again:
+        worst = max(again)
+        rows.append(
+            [
+                f"best fit: pairs sharing a row again next epoch <= {ROWS_AGAIN_SHARE:.0%}, N >= 100,000",
+                f"{_fmt_share(worst[0])} at worst ({worst[1]})",
+                _check(worst[0] <= ROWS_AGAIN_SHARE),
+            ]
+        )
+    epochs = [
+        (cell[packing, order]["epoch"], f"{name}, {max_tokens:,}, {order}")
+        for (name, max_tokens, n), cell in results.get("rows", {}).items()
+        if n == 1_000_000
+        for packing in ("best_fit",)
+        for order in ROWS_ORDERS
+    ]
+    if epochs:
+        worst = max(epochs)
+        rows.append(
+            [
+                f"best fit plans an epoch of 1M samples in <= {ROWS_EPOCH_SECONDS:g} s",
+                f"{_fmt_time(worst[0])} at worst ({worst[1]})",
+                _check(worst[0] <= ROWS_EPOCH_SECONDS),
+            ]
+        )
+    return rows
+
+
+# =============================================================================
 # Targets and main
 # =============================================================================
 
@@ -3024,11 +3455,12 @@ def targets_table(results: dict, quick: bool) -> str:
     rows += _memory_targets(results, quick)
     rows += _peer_targets(results)
     rows += _balance_targets(results)
+    rows += _rows_targets(results)
     note = (
         f" (--quick: smaller sizes, so the 1M/10M rows are absent, DeepSpeed's rows use {DS_QUICK_SIZES[-1]:,} "
         f"sequences, the padding rows {_fmt_n(PAD_QUICK_N)}, the epoch rows {_fmt_n(EPOCH_QUICK_SIZE)}, memory "
-        f"{_fmt_n(MEMORY_QUICK_N)}, randomness and the bucket windows {RANDOMNESS_SIZES[0]:,} only and the peers "
-        f"{PEERS_QUICK_SIZE:,})"
+        f"{_fmt_n(MEMORY_QUICK_N)}, randomness and the bucket windows {RANDOMNESS_SIZES[0]:,} only, the peers "
+        f"{PEERS_QUICK_SIZE:,} and the full rows {ROWS_QUICK_SIZES[0]:,})"
         if quick
         else ""
     )
@@ -3078,6 +3510,7 @@ def _run_sections(sections: list[str], quick: bool, ds_cap: float, results: dict
         "datapath": bench_datapath,
         "peers": bench_peers,
         "balance": bench_balance,
+        "rows": bench_rows,
     }
     for name, bench in with_deepspeed.items():
         if name in sections:

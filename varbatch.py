@@ -850,12 +850,15 @@ def _greedy_rows(lens: np.ndarray, settings: _Settings) -> tuple[np.ndarray, lis
 # opened. Samples placed longest first leave gaps that the shorter ones after them fill: best-fit decreasing over the
 # whole set (TRL's packing) comes within a fraction of a point of what the lengths allow, but its rows are the same
 # every epoch. So under best fit the drawn orders come in windows of samples drawn at random, `_BEST_FIT_WINDOW` of
-# them (the `bucket` order: `bucket_size`), each longest first (NOTE [the orders, as sorts]): best-fit decreasing in
-# each window, with rows new every epoch (their fill and pairs again: BENCHMARKS.md). The room is the sum budget's, a
-# flat row's: a padded tensor costs n x S, which the snuggest fit, joining unlike lengths, pads; so by default best fit
-# packs the flat rows (padding_free) of the drawn orders, and the orders DeepSpeed has keep its greedy plans. Blocks of
-# equal micro-batches (same_size) and min_batch_size ask for counts that best fit, closing full micro-batches, ignores.
+# them (`bucket`: `bucket_size`), each longest first in steps of max_tokens / `_BEST_FIT_STEPS` (NOTE [the orders, as
+# sorts]): what the fill needs is each sample's share of a row; samples of like share keep their drawn order, so rows
+# are new every epoch, even where one window holds every sample (fill and pairs again: BENCHMARKS.md). The room is the
+# sum budget's, a flat row's: a padded tensor costs n x S, which the snuggest fit, joining unlike lengths, pads; so by
+# default best fit packs the flat rows (padding_free) of the drawn orders, and the orders DeepSpeed has keep its
+# greedy plans. Blocks of equal micro-batches (same_size) and min_batch_size ask for counts that best fit, closing
+# full micro-batches, ignores.
 _BEST_FIT_WINDOW = 4096  # samples
+_BEST_FIT_STEPS = 16
 
 
 def _best_fit_rows(lens: np.ndarray, settings: _Settings) -> tuple[np.ndarray, np.ndarray]:
@@ -1194,8 +1197,8 @@ def _overlong(lengths: np.ndarray, ids: np.ndarray, settings: _Settings) -> np.n
 #   after another, each ~window size samples (binomial) drawn at random and sorted by length, odd ones
 #   descending, ties in a random order (a set of one window still draws new micro-batches from its ties
 #   every epoch): a micro-batch that spans two windows joins samples of like length.
-# - Under best fit, `random` and `bucket` both take the `bucket` key with every window descending: longest first
-#   (NOTE [best fit]); `random`'s windows hold `_BEST_FIT_WINDOW` samples on average.
+# - Under best fit, `random` and `bucket` both take the `bucket` key with every window descending by the seqlen in
+#   steps of max_tokens / `_BEST_FIT_STEPS` (NOTE [best fit]); `random`'s windows hold `_BEST_FIT_WINDOW` samples.
 # The draws are bounded so that a key fits one 64-bit integer (NOTE [the orders, as packed keys]). The generator
 # of an epoch is seeded with (seed, epoch, `_PLAN_STREAM`): numpy seeds (seed, 0) as it seeds seed alone, so
 # without the third word epoch 0 would draw the very numbers of a `default_rng(seed)` that made the data's lengths
@@ -1215,16 +1218,18 @@ def _picking_order(ids: np.ndarray, lengths: np.ndarray, settings: _Settings, rn
     if settings.order == "random" and not settings.best_fit:
         draw_bits = _KEY_BITS - _field_bits(ids)
         return _sorted_by(ids, [(rng.integers(0, 2**draw_bits, len(ids), dtype=np.uint64), draw_bits)])
-    return _sorted_by(ids, _bucket_fields(ids, lengths, _bucket_window(lengths, settings), rng, settings.best_fit))
+    step = max(1, settings.max_tokens // _BEST_FIT_STEPS) if settings.best_fit else None
+    return _sorted_by(ids, _bucket_fields(ids, lengths, _bucket_window(lengths, settings), rng, step))
 
 
 def _bucket_fields(
-    ids: np.ndarray, lengths: np.ndarray, window: int, rng: np.random.Generator, descending: bool = False
+    ids: np.ndarray, lengths: np.ndarray, window: int, rng: np.random.Generator, best_fit_step: int | None = None
 ) -> list[tuple[np.ndarray, int]]:
     """The fields of the `bucket` keys of ``ids`` (of seqlens ``lengths``) before the id, as ``(values, bits)``:
     each one's window of ``window`` samples on average; its seqlen, complemented (``2**bits - 1`` less it: it sorts
-    descending) in odd windows, or in every one where ``descending``; and the bits that break ties. Where they fit
-    one key beside the id, they are laid side by side as one field, written over the draws `_CHUNK` at a time."""
+    descending) in odd windows; and the bits that break ties. Best fit's: every window descending, by the seqlen in
+    steps of ``best_fit_step`` tokens. Where they fit one key beside the id, they are laid side by side as one
+    field, written over the draws `_CHUNK` at a time."""
     windows = max(1, math.ceil(len(ids) / window))
     window_bits = _bits(windows)
     length_bits = _field_bits(lengths)
@@ -1235,9 +1240,10 @@ def _bucket_fields(
     for start in range(0, len(ids), _CHUNK):
         part = drawn[start : start + _CHUNK]
         window_of = part >> np.uint64(tie_bits)
-        flip = (window_of & np.uint64(1)) | np.uint64(descending)  # odd windows (every one where asked) ...
+        seqlens = lengths[start : start + _CHUNK] // (best_fit_step or 1)
+        flip = (window_of & np.uint64(1)) | np.uint64(best_fit_step is not None)  # odd windows (best fit: all) ...
         field = flip * np.uint64(2**length_bits - 1)  # ... as all ones, where ...
-        field ^= lengths[start : start + _CHUNK].astype(np.uint64)  # ... flipping every bit complements the seqlen
+        field ^= seqlens.astype(np.uint64)  # ... flipping every bit complements the seqlen
         if not one:
             length_fields[start : start + _CHUNK] = field
             continue
