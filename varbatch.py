@@ -322,8 +322,7 @@ class _Settings:
     num_replicas: int = _option("count", 1, fix="the data-parallel size")
     budget: _Budget = _option("choice", "sum", choices=_Budget)
     order: _Order = _option("choice", "dataloader", choices=_Order, name="sequence_picking_order")
-    # None: best fit for flat rows in the drawn orders (`best_fit`), else the greedy rule, whose plans in the orders
-    # DeepSpeed has are DeepSpeed's (NOTE [best fit]).
+    # None: best fit for the drawn orders' flat rows, the greedy rule elsewhere: DeepSpeed's orders keep its plans
     packing: _Packing | None = _option("choice or None", None, choices=_Packing)
     min_batch_size: int | None = _option("bound", 1, unbounded=1, fix="or None for no bound")
     max_batch_size: int | None = _option("bound", None, unbounded=None, fix="or None for no bound")
@@ -667,11 +666,10 @@ def plan_batches(
             order), ``"seqlen"`` (ascending, ties by id), ``"random"`` (drawn
             from ``(seed, epoch)``) or ``"bucket"`` (random, sorted inside
             windows of samples drawn at random, batches then shuffled: random
-            with little padding). ``packing``: ``"greedy"`` (DeepSpeed's rule: a
-            micro-batch takes the next samples while they fit) or ``"best_fit"``
-            (each sample into the open micro-batch it fills most snugly, the
-            drawn orders in windows placed longest first: full rows, new every
-            epoch; sum budget, no same_size, min_batch_size 1; NOTE [best fit]);
+            with little padding). ``packing``: ``"greedy"`` (DeepSpeed's rule:
+            the next samples while they fit) or ``"best_fit"`` (each into the
+            open micro-batch it fills most snugly: full rows, new every epoch;
+            the sum budget, no same_size, min_batch_size 1; NOTE [best fit]);
             None: best fit for flat rows in the drawn orders, else greedy.
             ``min_batch_size``, ``max_batch_size``: bounds on a
             micro-batch's samples (None or 0: none). ``same_size``: every
@@ -846,24 +844,23 @@ def _greedy_rows(lens: np.ndarray, settings: _Settings) -> tuple[np.ndarray, lis
 # about half a sample (86% of a 4,096-token row on SFT-like lengths). Best fit keeps micro-batches open and puts each
 # sample into the open one with the least room left that still holds it (a new one where none does); a micro-batch
 # closes once no sample of the epoch is short enough to join it, or it holds max_batch_size, and where more than
-# `_BEST_FIT_WINDOW` are open the fullest closes. They follow one another as they close, the last open ones as they
-# opened. Samples placed longest first leave gaps that the shorter ones after them fill: best-fit decreasing over the
-# whole set (TRL's packing) comes within a fraction of a point of what the lengths allow, but its rows are the same
-# every epoch. So under best fit the drawn orders come in windows of samples drawn at random, `_BEST_FIT_WINDOW` of
-# them (`bucket`: `bucket_size`), each longest first in steps of max_tokens / `_BEST_FIT_STEPS` (NOTE [the orders, as
-# sorts]): what the fill needs is each sample's share of a row; samples of like share keep their drawn order, so rows
-# are new every epoch, even where one window holds every sample (fill and pairs again: BENCHMARKS.md). The room is the
-# sum budget's, a flat row's: a padded tensor costs n x S, which the snuggest fit, joining unlike lengths, pads; so by
-# default best fit packs the flat rows (padding_free) of the drawn orders, and the orders DeepSpeed has keep its
-# greedy plans. Blocks of equal micro-batches (same_size) and min_batch_size ask for counts that best fit, closing
-# full micro-batches, ignores.
+# `_BEST_FIT_WINDOW` are open the fullest closes (the plan takes them as they close). Samples placed longest first
+# leave gaps that the shorter ones after them fill: best-fit decreasing over the whole set (TRL's packing) comes
+# within a fraction of a point of what the lengths allow, but its rows are the same every epoch. So under best fit the
+# drawn orders come in windows of samples drawn at random, `_BEST_FIT_WINDOW` of them (`bucket`: `bucket_size`), each
+# longest first in steps of max_tokens / `_BEST_FIT_STEPS` (NOTE [the orders, as sorts]): the fill asks for each
+# sample's share of a row; samples of like share keep their drawn order, so rows are new every epoch, even where one
+# window holds every sample (fill and pairs again: BENCHMARKS.md). The room is the sum budget's, a flat row's: a
+# padded tensor costs n x S, which the snuggest fit, joining unlike lengths, pads; so by default best fit packs the
+# flat rows of the drawn orders, and the orders DeepSpeed has keep its greedy plans. Blocks of equal micro-batches
+# (same_size) and min_batch_size ask for counts that best fit, closing full micro-batches, ignores.
 _BEST_FIT_WINDOW = 4096  # samples
 _BEST_FIT_STEPS = 16
 
 
 def _best_fit_rows(lens: np.ndarray, settings: _Settings) -> tuple[np.ndarray, np.ndarray]:
     """Best fit over ``lens``, the seqlens in picking order (NOTE [best fit]): the positions of the micro-batches'
-    samples, micro-batch after micro-batch in the order they close, and each one's size."""
+    samples, micro-batch after micro-batch as they close (the last open ones as they opened), and their sizes."""
     values = lens.tolist()  # Python ints: the loop reads them one at a time
     shortest = min(values)
     cap = settings.max_batch_size or len(values)
