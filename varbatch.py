@@ -470,15 +470,11 @@ def _check_relations(settings: _Settings) -> None:
 
 def _check_best_fit(settings: _Settings) -> None:
     """packing="best_fit" where best fit applies (NOTE [best fit]), else raises naming the setting in the way."""
-    for option, value, why in (
-        ("budget", "sum", "a micro-batch's room is its tokens left under the sum budget"),
-        ("same_size", False, "it closes each micro-batch when full, whatever its size"),
-        ("min_batch_size", 1, "it closes each micro-batch when full, however few its samples"),
-    ):
+    for option, value in (("budget", "sum"), ("same_size", False), ("min_batch_size", 1)):
         if getattr(settings, option) != value:
             raise ValueError(
-                f"packing='best_fit' needs {option}={value!r} ({why}), but got {option}="
-                f"{getattr(settings, option)!r}; set {option}={value!r}, or packing='greedy'"
+                f"packing='best_fit' needs {option}={value!r} (it fills each micro-batch by its tokens, whatever its"
+                f" size), but got {option}={getattr(settings, option)!r}; set {option}={value!r}, or packing='greedy'"
             )
 
 
@@ -840,20 +836,18 @@ def _greedy_rows(lens: np.ndarray, settings: _Settings) -> tuple[np.ndarray, lis
     return _block_table(starts, rows), too_small, start
 
 
-# NOTE [best fit]: the greedy rule closes a micro-batch at the first sample that does not fit, so each one is short by
-# about half a sample (86% of a 4,096-token row on SFT-like lengths). Best fit keeps micro-batches open and puts each
-# sample into the open one with the least room left that still holds it (a new one where none does); a micro-batch
-# closes once no sample of the epoch is short enough to join it, or it holds max_batch_size, and where more than
-# `_BEST_FIT_WINDOW` are open the fullest closes (the plan takes them as they close). Samples placed longest first
-# leave gaps that the shorter ones after them fill: best-fit decreasing over the whole set (TRL's packing) comes
-# within a fraction of a point of what the lengths allow, but its rows are the same every epoch. So under best fit the
-# drawn orders come in windows of samples drawn at random, `_BEST_FIT_WINDOW` of them (`bucket`: `bucket_size`), each
-# longest first in steps of max_tokens / `_BEST_FIT_STEPS` (NOTE [the orders, as sorts]): the fill asks for each
-# sample's share of a row; samples of like share keep their drawn order, so rows are new every epoch, even where one
-# window holds every sample (fill and pairs again: BENCHMARKS.md). The room is the sum budget's, a flat row's: a
-# padded tensor costs n x S, which the snuggest fit, joining unlike lengths, pads; so by default best fit packs the
-# flat rows of the drawn orders, and the orders DeepSpeed has keep its greedy plans. Blocks of equal micro-batches
-# (same_size) and min_batch_size ask for counts that best fit, closing full micro-batches, ignores.
+# NOTE [best fit]: the greedy rule closes a micro-batch at the first sample that does not fit, so each is short by
+# about half a sample (86% of a 4,096-token row on SFT-like lengths). Best fit puts each sample into the open
+# micro-batch with the least room left that still holds it (a new one where none does); a micro-batch closes once no
+# sample of the epoch fits its room or it holds max_batch_size, and where more than `_BEST_FIT_WINDOW` are open the
+# fullest closes; the plan takes them as they close. Samples placed longest first leave gaps that the shorter ones
+# fill: best-fit decreasing over the whole set (TRL's packing) comes within a fraction of a point of what the lengths
+# allow, with the same rows every epoch. So under best fit the drawn orders come in windows of samples drawn at random
+# (`_BEST_FIT_WINDOW`; `bucket`: `bucket_size`), each longest first in steps of max_tokens / `_BEST_FIT_STEPS` (NOTE
+# [the orders, as sorts]): samples of like share of a row keep their drawn order, so rows are new every epoch, even in
+# one window (fill, pairs again: BENCHMARKS.md). The room is a flat row's, the sum budget's: a padded tensor costs
+# n x S, which joining unlike lengths pads, so by default best fit packs the drawn orders' flat rows only; same_size
+# blocks and min_batch_size ask for counts that best fit, closing full micro-batches, ignores.
 _BEST_FIT_WINDOW = 4096  # samples
 _BEST_FIT_STEPS = 16
 
@@ -1425,11 +1419,19 @@ def _lengthened(plan: Plan, seqlens: np.ndarray, batches: int) -> Plan | None:
         microbatches = [plan.microbatch(j) for j in range(b * k, b * k + k)]
         blocks = [microbatches[u : u + width] for u in range(0, k, width)]
         halves += [mb for block in _resplit(blocks, 2 * len(blocks), settings.min_batch_size) for mb in block]
-    halves_sizes = np.array([len(mb) for mb in halves], np.int64)
-    starts = (plan.microbatch_offsets[::k], _offsets(halves_sizes)[::k])  # where each batch's samples start
-    ids = _spliced(plan.sample_ids, np.concatenate(halves), fullest, starts)
-    sizes = _spliced(plan.microbatch_sizes().reshape(-1, k), halves_sizes.reshape(-1, k), fullest)
-    return _rebuilt(plan, ids, sizes.ravel(), seqlens)
+    cut = np.concatenate(halves)
+    theirs = _plan_arrays(cut, np.array([len(mb) for mb in halves], np.int64), seqlens[cut], settings)
+    starts = (plan.microbatch_offsets[::k], theirs["microbatch_offsets"][::k])  # where each batch's samples start
+    fresh = {"sample_ids": _spliced(plan.sample_ids, cut, fullest, starts)}
+    for name in ("microbatch_offsets", "padded_seqlens", "batch_sizes", "batch_tokens", "batch_max_seqlens"):
+        mine, new = getattr(plan, name), theirs[name]  # a row per batch (of micro-batches: their sizes)
+        if name == "microbatch_offsets":
+            mine, new = np.diff(mine), np.diff(new)
+        fresh[name] = _spliced(mine.reshape(plan.num_batches, -1), new.reshape(2 * cuts, -1), fullest).ravel()
+    fresh["microbatch_offsets"] = _offsets(fresh["microbatch_offsets"])
+    for array in fresh.values():
+        array.setflags(write=False)
+    return dataclasses.replace(plan, **fresh)
 
 
 def _cuttable(plan: Plan) -> np.ndarray:
