@@ -117,7 +117,7 @@ def _parser() -> argparse.ArgumentParser:
         (
             "--packing",
             str,
-            "greedy or best_fit (default: the config's, else best fit for flat rows in random or bucket order)",
+            "greedy or best_fit (default: the config's, else best fit for flat rows in the random order)",
         ),
         ("--seed", _whole_or_zero, "seed of the random and bucket orders (default: the config's)"),
         ("--lr-scaling-method", str, "linear, sqrt or none (default: the config's, else linear)"),

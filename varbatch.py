@@ -322,7 +322,7 @@ class _Settings:
     num_replicas: int = _option("count", 1, fix="the data-parallel size")
     budget: _Budget = _option("choice", "sum", choices=_Budget)
     order: _Order = _option("choice", "dataloader", choices=_Order, name="sequence_picking_order")
-    # None: best fit for the drawn orders' flat rows, the greedy rule elsewhere: DeepSpeed's orders keep its plans
+    # None: best fit for flat rows (DeepSpeed has none) in the random order (no promise of like lengths), else greedy
     packing: _Packing | None = _option("choice or None", None, choices=_Packing)
     min_batch_size: int | None = _option("bound", 1, unbounded=1, fix="or None for no bound")
     max_batch_size: int | None = _option("bound", None, unbounded=None, fix="or None for no bound")
@@ -365,11 +365,11 @@ class _Settings:
 
     @property
     def best_fit(self) -> bool:
-        """Whether micro-batches are packed by best fit (NOTE [best fit]): as asked; by default, flat rows in the drawn
-        orders where best fit applies (one micro-batch to a block, min_batch_size 1)."""
+        """Whether micro-batches are packed by best fit (NOTE [best fit]): as asked; by default, flat rows in the random
+        order where best fit applies (one micro-batch to a block, min_batch_size 1)."""
         if self.packing is not None:
             return self.packing == "best_fit"
-        return self.padding_free and self.order in _DRAWN_ORDERS and not self.same_size and self.min_batch_size == 1
+        return self.padding_free and self.order == "random" and not self.same_size and self.min_batch_size == 1
 
     @property
     def step_input_bound(self) -> int:
@@ -666,7 +666,7 @@ def plan_batches(
             the next samples while they fit) or ``"best_fit"`` (each into the
             open micro-batch it fills most snugly: full rows, new every epoch;
             the sum budget, no same_size, min_batch_size 1; NOTE [best fit]);
-            None: best fit for flat rows in the drawn orders, else greedy.
+            None: best fit for flat rows in the random order, else greedy.
             ``min_batch_size``, ``max_batch_size``: bounds on a
             micro-batch's samples (None or 0: none). ``same_size``: every
             micro-batch of a batch as many samples (pipelines); ``same_length``:
@@ -845,9 +845,10 @@ def _greedy_rows(lens: np.ndarray, settings: _Settings) -> tuple[np.ndarray, lis
 # allow, with the same rows every epoch. So under best fit the drawn orders come in windows of samples drawn at random
 # (`_BEST_FIT_WINDOW`; `bucket`: `bucket_size`), each longest first in steps of max_tokens / `_BEST_FIT_STEPS` (NOTE
 # [the orders, as sorts]): samples of like share of a row keep their drawn order, so rows are new every epoch, even in
-# one window (fill, pairs again: BENCHMARKS.md). The room is a flat row's, the sum budget's: a padded tensor costs
-# n x S, which joining unlike lengths pads, so by default best fit packs the drawn orders' flat rows only; same_size
-# blocks and min_batch_size ask for counts that best fit, closing full micro-batches, ignores.
+# one window (fill, pairs again: BENCHMARKS.md). The room is the sum budget's, a flat row's. By default best fit packs
+# flat rows, which DeepSpeed does not plan, in the random order, which promises nothing of lengths: the bucket order
+# promises like lengths (a padded tensor costs n x S), and every plan DeepSpeed makes stays greedy. same_size blocks
+# and min_batch_size ask for counts that best fit, closing full micro-batches, ignores.
 _BEST_FIT_WINDOW = 4096  # samples
 _BEST_FIT_STEPS = 16
 
