@@ -2790,7 +2790,7 @@ ROWS_MAX_TOKENS = (4096, 16384)
 ROWS_ORDERS = ("random", "bucket")
 ROWS_OTHER_SIZES = (2000, 100_000)  # the other length distributions
 ROWS_MEMORY_N = 1_000_000
-ROWS_FILL_POINTS = {2000: 1.0}  # best fit's fill within this many points of TRL's (0.5 from 100,000)
+ROWS_FILL_POINTS = (1.0, 0.5)  # best fit's fill within this many points of TRL's: at N = 2,000, and from 100,000
 ROWS_AGAIN_SHARE = 0.05  # pairs sharing a row again next epoch, from 100,000 samples
 ROWS_EPOCH_SECONDS = 1.5  # best fit's plan of one epoch of 1M samples
 
@@ -2834,7 +2834,7 @@ ROWS_OTHER = (
 
 def _trl_dataset(seqlens: np.ndarray):
     """A `datasets.Dataset` of one list column with the samples' lengths and no token bytes (arrow's null values):
-    what TRL's packing reads, with nothing to copy but the rows."""
+    what TRL's packing reads."""
     import datasets
     import pyarrow as pa
 
@@ -2943,7 +2943,8 @@ def _trl_cell(trl: dict | str, key: str, format: typing.Callable = _pct) -> str:
 
 def _rows_fill_row(name: str, max_tokens: int, n: int, cell: dict) -> list:
     fixed = cell["fixed"]
-    rows = [cell[packing, "random"]["rows"] for packing in ("greedy", "best_fit")]
+    rows = [f"{cell[packing, 'random']['rows']:,}" for packing in ("greedy", "best_fit")]
+    rows += [_trl_cell(cell["trl"], "rows", "{:,}".format), f"{fixed['rows']:,}"]
     return [
         name,
         f"{max_tokens:,}",
@@ -2951,9 +2952,7 @@ def _rows_fill_row(name: str, max_tokens: int, n: int, cell: dict) -> list:
         *(_pct(cell[packing, order]["fill"]) for packing in ("greedy", "best_fit") for order in ROWS_ORDERS),
         _trl_cell(cell["trl"], "fill"),
         f"{_pct(fixed['fill'])} ({_pct(fixed['over'])} over)",
-        " / ".join(
-            f"{r:,}" for r in [*rows, *([] if isinstance(cell["trl"], str) else [cell["trl"]["rows"]]), fixed["rows"]]
-        ),
+        " / ".join(rows),
     ]
 
 
@@ -3141,7 +3140,7 @@ def _rows_targets(results: dict) -> list[list]:
     cells = {key: cell for key, cell in results.get("rows", {}).items() if not isinstance(cell["trl"], str)}
     rows = []
     for small in (True, False):
-        points = ROWS_FILL_POINTS[2000] if small else 0.5
+        points = ROWS_FILL_POINTS[0] if small else ROWS_FILL_POINTS[1]
         gaps = [
             (
                 100 * (cell["trl"]["fill"] - cell["best_fit", order]["fill"]),
