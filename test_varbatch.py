@@ -4219,8 +4219,9 @@ def test_padding_free_rows_within_the_sum_budget_every_sample_once(lengths, extr
 
 @pytest.mark.parametrize("redraws", [8, 0], ids=["packed", "last resort"])
 def test_padding_free_plans_are_the_sum_budgets_with_their_rows(monkeypatch, redraws):
-    """Every epoch's plan (packed, lengthened, or the last resort) is the sum budget's of its packing, with each micro-batch's
-    padded seqlen its step input's row (same_length: its batch's longest row); batch_max_seqlens stay samples'."""
+    """Every epoch's plan (packed, lengthened, or the last resort) is the sum budget's of its packing, with each
+    micro-batch's padded seqlen its step input's row (same_length: its batch's longest row); batch_max_seqlens stay
+    samples'."""
     monkeypatch.setattr(varbatch, "_REDRAWS", redraws)
     lengths = np.array(_lengths(400, 1, 60, seed=3))
     for same_length, packing in itertools.product((False, True), ("greedy", "best_fit")):
