@@ -2000,6 +2000,13 @@ class VariableBatchSampler(Sampler[list[int]]):
             self._restored = None
         return start
 
+    def _undo_restore(self) -> None:
+        """Drops a position `load_state_dict` restored and puts back the epoch selected before it: a pass restored
+        from its own state replaces it (see `_Pass.load_state_dict`)."""
+        if self._restored is not None:
+            self.epoch = self._restored[2]
+            self._restored = None
+
     def _state_settings(self) -> dict:
         """What the plans depend on besides the epoch, as plain data (the data as hashes)."""
         if "_data" not in self.__dict__:  # hashed once: StatefulDataLoader asks for the state at every batch
@@ -2084,10 +2091,7 @@ class _Pass:
         """Continues the pass of a state, in place of a position and an epoch restored into the sampler (torchdata
         restores a batch sampler's state, then its new iterator's: NOTE [a pass's position])."""
         self.epoch, self.start = self.sampler._position(state_dict)
-        restored = self.sampler._restored
-        if restored is not None:  # the sampler's own restore, which this one replaces: its epoch goes back
-            self.sampler.epoch = restored[2]
-            self.sampler._restored = None
+        self.sampler._undo_restore()
         self.steps_done = self.start
         self._items = None
 
